@@ -1,0 +1,182 @@
+"""The decode loop: plain and lookahead decoding over any model that implements `StepModel`.
+
+It knows nothing of tokenizers or of the model's internals, so tests drive it with a mock model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Protocol
+
+import torch
+
+from lookahead.kernels import StepPattern
+
+from .config import LookaheadConfig
+from .pool import NGramPool
+from .sampling import Sampler, SamplingParams, target_probs
+from .verify import Verdict, greedy_verify, sample_verify
+from .window import LookaheadWindow
+
+PLAIN_STEP = StepPattern(1, 2, 0)  # one token that sees the whole cache
+
+
+class StepModel(Protocol):
+    """What the decode loop needs of a model with a KV cache.
+
+    prefill: run the prompt into the cache; return the logits [V] of its last token.
+    step: run `tokens` laid out as `pattern` describes, at positions L + relative position, writing
+        their KV entries after the cache prefix; return the logits [len(rows), V] of step indices `rows`.
+    commit: keep the KV entries of these step indices (at positions L, L+1, ...) and grow L by their number.
+    """
+
+    def prefill(self, tokens: Sequence[int]) -> torch.Tensor: ...
+
+    def step(self, tokens: Sequence[int], pattern: StepPattern, rows: Sequence[int]) -> torch.Tensor: ...
+
+    def commit(self, step_indices: Sequence[int]) -> None: ...
+
+
+@dataclass
+class GenerationResult:
+    """New tokens, the model forward passes made (prefill included), and the tokens of each pass."""
+
+    tokens: list[int] = field(default_factory=list)
+    steps: int = 0
+    step_tokens: list[list[int]] = field(default_factory=list)
+
+    @property
+    def compression(self) -> float:
+        """S = tokens / forward passes (1.0 for plain decoding)."""
+        return len(self.tokens) / self.steps if self.steps else 0.0
+
+
+class _Output:
+    """Collects accepted tokens, stopping exactly at the first EOS or at the token limit."""
+
+    def __init__(self, limit: int, eos: Iterable[int], stream: Callable[[list[int]], None] | None) -> None:
+        self.result = GenerationResult()
+        self.limit, self.eos, self.stream = limit, frozenset(eos), stream
+        self.done = False
+
+    def accept(self, tokens: Sequence[int]) -> None:
+        self.result.steps += 1
+        taken: list[int] = []
+        for token in tokens:
+            if len(self.result.tokens) + len(taken) == self.limit:
+                break
+            taken.append(token)
+            if token in self.eos:
+                self.done = True
+                break
+        self.result.tokens.extend(taken)
+        self.result.step_tokens.append(taken)
+        self.done = self.done or len(self.result.tokens) >= self.limit
+        if self.stream is not None and taken:
+            self.stream(taken)
+
+
+def decode(
+    model: StepModel,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    sampling: SamplingParams = SamplingParams(),
+    lookahead: LookaheadConfig | None = None,
+    eos_token_ids: Iterable[int] = (),
+    stream: Callable[[list[int]], None] | None = None,
+    seed: int | None = None,
+    device: torch.device | str = "cpu",
+) -> GenerationResult:
+    """Generate up to `max_new_tokens` after `prompt`; lookahead None means plain decoding."""
+    sampler = None if sampling.greedy else Sampler(seed, torch.device(device))
+    out = _Output(max_new_tokens, eos_token_ids, stream)
+    last = _choose(model.prefill(prompt)[None], sampling, sampler)
+    out.accept([last])
+    if lookahead is None:
+        while not out.done:
+            logits = model.step([last], PLAIN_STEP, [0])
+            model.commit([0])
+            last = _choose(logits, sampling, sampler)
+            out.accept([last])
+    else:
+        loop = _LookaheadLoop(lookahead, prompt, last, sampling, sampler)
+        while not out.done:
+            verdict = loop.step(model, last)
+            last = verdict.tokens[-1]
+            out.accept(verdict.tokens)
+    return out.result
+
+
+def _choose(logits: torch.Tensor, sampling: SamplingParams, sampler: Sampler | None) -> int:
+    if sampler is None:
+        return int(logits[0].argmax())
+    return sampler.draw(target_probs(logits[:1], sampling)[0])
+
+
+class _LookaheadLoop:
+    """State of lookahead decoding between steps: the 2D window, the n-gram pool, the sequence."""
+
+    def __init__(self, cfg: LookaheadConfig, prompt: Sequence[int], first: int, sampling: SamplingParams,
+                 sampler: Sampler | None) -> None:
+        self.cfg, self.sampling, self.sampler = cfg, sampling, sampler
+        self.pool = NGramPool(cfg.ngram, cfg.guesses)
+        self.sequence = list(prompt) + [first]
+        if cfg.pool_from_prompt:
+            self.pool.add_sequence(self.sequence)
+        self.pooled_upto = len(self.sequence)  # n-grams starting before this index are in the pool
+        self.window = LookaheadWindow(cfg.window, cfg.ngram, first, prompt)
+
+    def step(self, model: StepModel, input_token: int) -> Verdict:
+        """One forward pass: lookahead branch + verification branch; commits the accepted KV entries."""
+        levels = len(self.window.levels)
+        candidates = self._candidates(input_token, levels)
+        pattern = StepPattern(self.cfg.window, levels + 1, len(candidates))
+        rows = _output_rows(pattern)
+        tokens = self.window.tokens + [t for candidate in candidates for t in candidate]
+        logits = model.step(tokens, pattern, rows)
+        row_of = {index: r for r, index in enumerate(rows)}
+        argmax = logits.argmax(-1).tolist()
+        predicted = {index: argmax[r] for index, r in row_of.items()}
+        verdict = self._verify(candidates, logits, row_of, predicted, pattern)
+        model.commit(verdict.step_indices(pattern))
+        self._advance(verdict.tokens, [predicted[i] for i in pattern.last_level_indices()])
+        return verdict
+
+    def _candidates(self, input_token: int, levels: int) -> list[tuple[int, ...]]:
+        found = self.pool.candidates(input_token, self.cfg.guesses)
+        if levels == self.cfg.ngram - 1:
+            return found
+        # warm-up: the window has fewer levels, so verify the candidates' first `levels` tokens
+        return list(dict.fromkeys(candidate[:levels] for candidate in found))
+
+    def _verify(self, candidates, logits, row_of, predicted, pattern) -> Verdict:
+        if self.sampler is None:
+            return greedy_verify(candidates, predicted, pattern)
+        probs = target_probs(logits, self.sampling)
+        # the few probabilities the walk reads, fetched at once (one device sync)
+        sources = [0] + [pattern.candidate_index(c, k) for c in range(len(candidates)) for k in range(1, len(candidates[c]))]
+        vocab = sorted({t for candidate in candidates for t in candidate})
+        table = probs[[row_of[s] for s in sources]][:, vocab].tolist() if vocab else []
+        lookup = {(s, t): p for s, row in zip(sources, table) for t, p in zip(vocab, row)}
+        return sample_verify(candidates, lambda s: probs[row_of[s]], lambda s, t: lookup[(s, t)], pattern,
+                             self.sampler.uniform, self.sampler.draw)
+
+    def _advance(self, accepted: list[int], outputs: list[int]) -> None:
+        if self.window.full:
+            for gram in self.window.columns(outputs):
+                self.pool.add(gram)
+        self.sequence.extend(accepted)
+        if self.cfg.pool_from_output:
+            self.pool.add_sequence(self.sequence, start=self.pooled_upto - self.cfg.ngram + 1)
+        self.pooled_upto = len(self.sequence)
+        self.window.advance(outputs, len(accepted), accepted[-1])
+
+
+@lru_cache(maxsize=256)
+def _output_rows(pattern: StepPattern) -> list[int]:
+    """Step indices whose logits a step needs: the input, the last level, every candidate token."""
+    rows = {0, *pattern.last_level_indices()}
+    rows.update(range(pattern.lookahead_len, pattern.num_tokens))
+    return sorted(rows)

@@ -1,0 +1,54 @@
+"""The n-gram pool: n-grams keyed by their first token, at most G per key, the most recent kept."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class NGramPool:
+    """n-grams of size `ngram`, stored as key token -> continuations (ngram - 1 tokens each).
+
+    Per key, continuations are kept in recency order without duplicates; adding one that is already
+    there makes it the most recent; past `capacity` the oldest is dropped. Every operation costs
+    O(ngram), independent of how much has been generated.
+    """
+
+    def __init__(self, ngram: int, capacity: int) -> None:
+        if ngram < 2 or capacity < 0:
+            raise ValueError(f"NGramPool needs ngram >= 2 and capacity >= 0, got {ngram}, {capacity}")
+        self.ngram = ngram
+        self.capacity = capacity
+        self._grams: dict[int, dict[tuple[int, ...], None]] = {}  # dicts keep insertion order: oldest first
+
+    def add(self, gram: Sequence[int]) -> None:
+        """Add one n-gram (exactly `ngram` tokens)."""
+        if len(gram) != self.ngram:
+            raise ValueError(f"expected a {self.ngram}-gram, got {len(gram)} tokens")
+        if self.capacity == 0:
+            return
+        continuations = self._grams.setdefault(gram[0], {})
+        continuation = tuple(gram[1:])
+        continuations.pop(continuation, None)
+        continuations[continuation] = None
+        if len(continuations) > self.capacity:
+            del continuations[next(iter(continuations))]
+
+    def add_sequence(self, tokens: Sequence[int], start: int = 0) -> None:
+        """Add every n-gram of `tokens` that begins at index `start` or later."""
+        for i in range(start, len(tokens) - self.ngram + 1):
+            self.add(tokens[i : i + self.ngram])
+
+    def candidates(self, token: int, limit: int) -> list[tuple[int, ...]]:
+        """Up to `limit` continuations of `token`, most recent first."""
+        continuations = self._grams.get(token)
+        if not continuations or limit <= 0:
+            return []
+        out = []
+        for continuation in reversed(continuations):
+            out.append(continuation)
+            if len(out) == limit:
+                break
+        return out
+
+    def __len__(self) -> int:
+        return sum(len(c) for c in self._grams.values())

@@ -1,0 +1,93 @@
+"""Verification of the step's candidate n-grams: greedy (paper Algorithm 3) and sampling (Algorithm 4).
+
+Both walk the candidates position by position, keeping the candidates that share the accepted prefix,
+and return the accepted tokens: a run of one candidate's tokens followed by one token of the model's
+own (so a step yields 1..N tokens), plus which candidate the run came from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lookahead.kernels import StepPattern
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Accepted tokens (candidate run + the model's next token) and the candidate the run came from."""
+
+    tokens: list[int]
+    candidate: int  # -1 when no candidate token was accepted
+
+    def step_indices(self, pattern: StepPattern) -> list[int]:
+        """Step indices whose KV entries to commit: the input token, then the accepted candidate tokens."""
+        run = len(self.tokens) - 1
+        return [0] + [pattern.candidate_index(self.candidate, k) for k in range(1, run + 1)]
+
+
+def greedy_verify(candidates: Sequence[Sequence[int]], predicted: dict[int, int], pattern: StepPattern) -> Verdict:
+    """Longest candidate prefix equal to the model's argmax, then the argmax after it.
+
+    predicted: step index -> argmax token of its output (needs index 0 and every candidate token).
+    """
+    best, best_run = -1, 0
+    for c, candidate in enumerate(candidates):
+        run = 0
+        while run < len(candidate) and candidate[run] == predicted[_source(pattern, c, run)]:
+            run += 1
+        if run > best_run:
+            best, best_run = c, run
+    tokens = list(candidates[best][:best_run]) if best >= 0 else []
+    return Verdict(tokens + [predicted[_source(pattern, best, best_run)]], best)
+
+
+def sample_verify(
+    candidates: Sequence[Sequence[int]],
+    probs: Callable[[int], torch.Tensor],
+    prob_of: Callable[[int, int], float],
+    pattern: StepPattern,
+    uniform: Callable[[], float],
+    draw: Callable[[torch.Tensor], int],
+) -> Verdict:
+    """Algorithm 4: accept a candidate token with its (residual) target probability, else try the next.
+
+    probs(step_index) -> [V] target distribution of that output; prob_of(step_index, token) -> one entry.
+    A rejected token is removed from the distribution and the rest renormalised before the next
+    candidate is tried; when all are rejected the token is drawn from that residual. Candidates were
+    made greedily by the lookahead branch, so (Appendix B) the output keeps the target distribution.
+    """
+    alive = list(range(len(candidates)))
+    tokens: list[int] = []
+    source = 0  # step index whose output predicts the next token
+    for position in range(pattern.ngram - 1):
+        rejected: list[int] = []
+        rejected_mass = 0.0
+        chosen = None
+        for c in alive:
+            token = candidates[c][position]
+            if token in rejected:
+                continue  # already removed from the residual: probability 0
+            p = prob_of(source, token)
+            if uniform() * (1.0 - rejected_mass) < p:
+                chosen = token
+                break
+            rejected.append(token)
+            rejected_mass += p
+        if chosen is None:
+            residual = probs(source).clone()
+            residual[rejected] = 0.0
+            if not residual.sum() > 0:  # only float round-off can empty it; fall back to the target
+                residual = probs(source)
+            return Verdict(tokens + [draw(residual)], alive[0] if tokens else -1)
+        tokens.append(chosen)
+        alive = [c for c in alive if candidates[c][position] == chosen]
+        source = pattern.candidate_index(alive[0], position + 1)
+    return Verdict(tokens + [draw(probs(source))], alive[0])
+
+
+def _source(pattern: StepPattern, candidate: int, run: int) -> int:
+    """Step index whose output predicts token run + 1 of `candidate` (the input's when run is 0)."""
+    return 0 if run == 0 else pattern.candidate_index(candidate, run)

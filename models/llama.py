@@ -1,0 +1,193 @@
+"""A minimal LLaMA: one small module per block, Hugging Face parameter names, safetensors loading."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lookahead.kernels import interpreting
+
+from .attention import BACKENDS, AttentionContext
+from .config import LlamaConfig
+from .loading import load_weights
+from .rope import apply_rotary, inverse_frequencies, rotary_cos_sin
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
+                ctx: AttentionContext) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = ctx.attend(layer, q, k, v)  # [B, Hq, T, D]
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, layer: int, ctx: AttentionContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """`model.*` of a Hugging Face LLaMA checkpoint: embeddings, decoder layers, final norm."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Llama(nn.Module):
+    """A LLaMA-family causal LM. Build with `Llama.from_pretrained(folder)`; decode with `generate`."""
+
+    def __init__(self, config: LlamaConfig, attn_backend: str = "torch") -> None:
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("rope_inv_freq", inverse_frequencies(config.head_dim, config.rope), persistent=False)
+        self.attn_backend = attn_backend
+        self.checkpoint_dir: Path | None = None
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype | str = torch.float32,
+                        device: torch.device | str = "cpu", attn_backend: str = "auto") -> Llama:
+        """Load a Hugging Face LLaMA checkpoint folder (config.json + model.safetensors, sharded or not).
+
+        dtype: float32, float16 or bfloat16. attn_backend: "auto" (Triton on CUDA, torch on CPU),
+        "torch", or "triton" (on CPU only under TRITON_INTERPRET=1).
+        """
+        path = Path(path)
+        if not path.is_dir():
+            raise FileNotFoundError(f"checkpoint folder {path} does not exist")
+        dtype = resolve_dtype(dtype)
+        device = torch.device(device)
+        backend = resolve_backend(attn_backend, device)
+        config = LlamaConfig.from_file(path)
+        with torch.device("meta"):
+            model = cls(config, attn_backend=backend)
+        model.to_empty(device=device)
+        model.to(dtype)
+        model.rope_inv_freq = inverse_frequencies(config.head_dim, config.rope).to(device)  # fp32 always
+        optional = frozenset({"lm_head.weight"}) if config.tie_word_embeddings else frozenset()
+        load_weights(model, path, optional=optional)
+        model.checkpoint_dir = path
+        return model.eval()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                attention: AttentionContext | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, vocab] (or [B, len(rows), vocab] for the step rows `rows`).
+
+        With no `attention` this is a plain causal forward without cache, positions 0..T-1.
+        """
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+        if positions is None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        ctx = attention if attention is not None else AttentionContext(self.attn_backend)
+        cos, sin = rotary_cos_sin(self.rope_inv_freq, positions)
+        x = self.model.embed_tokens(input_ids)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, i, ctx)
+        if rows is not None:
+            x = x[:, rows]
+        return self.lm_head(self.model.norm(x))
+
+    def generate(self, prompt_ids, max_new_tokens: int = 256, lookahead=None, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None, eos_token_id=None, stream=None):
+        """Generate up to `max_new_tokens` tokens after `prompt_ids` (a list of ints or a 1-D tensor).
+
+        lookahead: None for plain decoding, or a `lookahead.LookaheadConfig` for lookahead decoding
+        (exact: greedy output is token for token plain greedy; sampling keeps the distribution).
+        temperature 0 is greedy; otherwise sampling with top_k (0 = off) and top_p, reproducible with seed.
+        eos_token_id: an int or a list (default: the checkpoint's; [] never stops early).
+        stream: called with each step's accepted tokens (a list of ints) as they are decided.
+
+        Returns a `lookahead.GenerationResult` with `tokens`, `steps` (forward passes, prefill included)
+        and `compression` (tokens / steps).
+        """
+        from .generation import generate  # the decode loop sits above the model; imported on use
+
+        return generate(self, prompt_ids, max_new_tokens=max_new_tokens, lookahead=lookahead,
+                        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                        eos_token_id=eos_token_id, stream=stream)
+
+
+def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """torch.float32/float16/bfloat16 or their names; anything else is refused."""
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    raise ValueError(f"unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+
+
+def resolve_backend(attn_backend: str, device: torch.device) -> str:
+    """"auto" -> "triton" on CUDA, "torch" elsewhere; "triton" on CPU needs the Triton interpreter."""
+    if attn_backend not in BACKENDS:
+        raise ValueError(f"attn_backend must be one of {', '.join(BACKENDS)}; got {attn_backend!r}")
+    if attn_backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if attn_backend == "triton" and device.type == "cpu" and not interpreting():
+        raise ValueError("attn_backend='triton' on CPU needs Triton's interpreter (set TRITON_INTERPRET=1 before "
+                         "importing lookahead); use attn_backend='torch' (or 'auto') on CPU")
+    return attn_backend

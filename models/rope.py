@@ -1,0 +1,47 @@
+"""Rotary position embeddings in fp32 (never stored in the model dtype), HF's rotate-half layout."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .config import RopeConfig
+
+
+def inverse_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    """[head_dim // 2] fp32 inverse frequencies, with `linear` or `llama3` scaling applied."""
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.type == "linear":
+        return inv_freq / rope.factor
+    if rope.type == "llama3":
+        return _llama3_scaling(inv_freq, rope)
+    return inv_freq
+
+
+def _llama3_scaling(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    # Llama 3.1: long wavelengths scaled down by `factor`, short ones kept, a smooth blend between
+    old_context = rope.original_max_position_embeddings
+    low_freq_wavelen = old_context / rope.low_freq_factor
+    high_freq_wavelen = old_context / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_context / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rotary_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, head_dim] in fp32 for integer positions [T]."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, H, T, D] by cos, sin [T, D] (cast to x's dtype, as HF does)."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

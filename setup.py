@@ -1,0 +1,28 @@
+"""Installs the three top-level folders as `lookahead`, `lookahead.kernels` and `lookahead.models`."""
+
+from setuptools import setup
+
+setup(
+    name="lookahead",
+    version="0.1.0",
+    description="Exact lookahead decoding for LLaMA-family models, with Triton attention kernels",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=["lookahead", "lookahead.kernels", "lookahead.models"],
+    package_dir={"lookahead": "lookahead", "lookahead.kernels": "kernels", "lookahead.models": "models"},
+    install_requires=[
+        "torch>=2.4",
+        "triton>=3.0; platform_system == 'Linux' and platform_machine == 'x86_64'",
+        "safetensors>=0.4",
+        "transformers>=4.45",  # tokenizers and chat templates only; models run without it
+        "gguf>=0.10",  # reads the embedded default model's GGUF file once, to convert it
+        "numpy",
+        "tqdm",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "accelerate", "pytest-benchmark"],
+        "bench": ["pytest-benchmark>=4", "matplotlib"],
+    },
+    entry_points={"console_scripts": ["lookahead=lookahead.cli:main"]},
+)
