@@ -9,7 +9,7 @@ from .pattern import StepPattern, lookahead_mask
 from .reference import masked_attention, reference_attention
 
 try:
-    from .lookahead_attention import interpreting, lookahead_attention
+    from .triton_attention import interpreting, lookahead_attention
 except ImportError as _triton_missing:  # platforms without Triton keep the torch reference
     _reason = str(_triton_missing)
 

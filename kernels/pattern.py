@@ -7,7 +7,7 @@ A step feeds T = (W + g) * (N - 1) tokens (see DESIGN.md, "One decoding step"):
     W*(N-1) + c*(N-1)+k-1 candidate c, token k       k           (c = 0..g-1, k = 1..N-1)
 
 Level 0 column 0 is the input token. `visible(q, k)` below is the rule; the Triton kernel
-(`lookahead_attention.py`, `_visible`) writes the same comparisons line for line, and a test pins
+(`triton_attention.py`, `_visible`) writes the same comparisons line for line, and a test pins
 the two together. `materialize()` builds a dense mask for the reference and tests only.
 """
 

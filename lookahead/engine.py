@@ -171,7 +171,7 @@ class _LookaheadLoop:
         if self.cfg.pool_from_output:
             self.pool.add_sequence(self.sequence, start=self.pooled_upto - self.cfg.ngram + 1)
         self.pooled_upto = len(self.sequence)
-        self.window.advance(outputs, len(accepted), accepted[-1])
+        self.window.advance(outputs, accepted[-1])
 
 
 @lru_cache(maxsize=256)

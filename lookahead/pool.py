@@ -35,7 +35,7 @@ class NGramPool:
 
     def add_sequence(self, tokens: Sequence[int], start: int = 0) -> None:
         """Add every n-gram of `tokens` that begins at index `start` or later."""
-        for i in range(start, len(tokens) - self.ngram + 1):
+        for i in range(max(start, 0), len(tokens) - self.ngram + 1):
             self.add(tokens[i : i + self.ngram])
 
     def candidates(self, token: int, limit: int) -> list[tuple[int, ...]]:

@@ -34,21 +34,21 @@ class LookaheadWindow:
         """The n-grams closed by the last level's outputs: column i of every level plus outputs[i]."""
         return [[level[i] for level in self.levels] + [outputs[i]] for i in range(self.window)]
 
-    def advance(self, outputs: Sequence[int], accepted: int, input_token: int) -> None:
-        """Move to the next step after `accepted` tokens (>= 1) were added to the output.
+    def advance(self, outputs: Sequence[int], input_token: int) -> None:
+        """Move the trajectory one Jacobi iteration on: `outputs` (the last level's W predictions) become
+        the newest level and, once the window is full, the oldest level leaves.
 
-        `outputs` are the model's W predictions at the last level; they become the newest level. Each
-        level keeps guessing the same absolute positions, so its columns shift left by the positions
-        the input advanced; the columns this uncovers at the right are filled from the prompt.
+        The window moves one level per step however many tokens the step accepted (the authors'
+        ALWAYS_FWD_ONE): every column keeps an unbroken trajectory, whose n-grams stay consistent even
+        when their positions drift. Shifting columns by the accepted count instead discards trajectories
+        at the right edge and measured lower S on the dev prompts (1.63 vs 1.73 at W=5, N=4, G=5).
         """
         rows = self.levels + [list(outputs)]
         if self.full:
-            rows = rows[1:]  # the oldest level leaves; the rest age by one level (one position)
-            shift = accepted - 1
+            self.levels = rows[1:]
         else:
-            shift = accepted
-        self.levels = [row[shift:] + self._random(min(shift, self.window)) for row in rows]
-        self.levels = [level[: self.window] for level in self.levels]
+            # warm-up: levels keep their ages and guess the same positions, one column further left
+            self.levels = [row[1:] + self._random(1) for row in rows]
         self.levels[0][0] = input_token
 
     def _random(self, n: int) -> list[int]:

@@ -93,8 +93,7 @@ class Llama(nn.Module):
         self.config = config
         self.model = Backbone(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self._tie_weights()
         self.register_buffer("rope_inv_freq", inverse_frequencies(config.head_dim, config.rope), persistent=False)
         self.attn_backend = attn_backend
         self.checkpoint_dir: Path | None = None
@@ -118,11 +117,16 @@ class Llama(nn.Module):
             model = cls(config, attn_backend=backend)
         model.to_empty(device=device)
         model.to(dtype)
+        model._tie_weights()  # to_empty gives each module its own new tensor
         model.rope_inv_freq = inverse_frequencies(config.head_dim, config.rope).to(device)  # fp32 always
         optional = frozenset({"lm_head.weight"}) if config.tie_word_embeddings else frozenset()
         load_weights(model, path, optional=optional)
         model.checkpoint_dir = path
-        return model.eval()
+        return model.eval().requires_grad_(False)
+
+    def _tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     @property
     def dtype(self) -> torch.dtype:

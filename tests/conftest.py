@@ -1,0 +1,38 @@
+"""Shared fixtures. On machines without CUDA, Triton kernels run in its interpreter."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
+
+import pytest  # noqa: E402
+
+from helpers import save_tiny_checkpoint  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: real-model tests on the default model (a few, still run in CI)")
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """Factory: a tiny random LLaMA saved with transformers' save_pretrained, cached per variant."""
+    made = {}
+
+    def make(name="gqa", **overrides):
+        key = (name, repr(sorted(overrides.items())))
+        if key not in made:
+            made[key] = save_tiny_checkpoint(tmp_path_factory.mktemp(name), **overrides)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def default_model_dir(tmp_path_factory):
+    """The converted default checkpoint (converted once per session into a temporary cache)."""
+    from lookahead.models.default_model import default_model_dir as convert
+
+    return convert(tmp_path_factory.mktemp("cache"), progress=False)

@@ -1,0 +1,79 @@
+"""Test helpers: tiny random checkpoints and a mock StepModel that checks the step layout."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+
+import torch
+
+from lookahead.kernels import StepPattern
+
+
+def save_tiny_checkpoint(folder, seed: int = 0, max_shard_size=None, **overrides):
+    """Write a random transformers LlamaForCausalLM (2 layers, GQA 4/2 by default) to `folder`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    kwargs = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**kwargs)).eval()
+    with torch.no_grad():  # larger weights than the default init so outputs depend strongly on context
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.mul_(4.0)
+    save = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(folder, **save)
+    return folder
+
+
+def context_logits(context: Sequence[int], vocab: int, target: Sequence[int] = ()) -> torch.Tensor:
+    """Logits that depend on the whole context: pseudo-random per context, or peaked on `target`'s next token
+    while the context is a prefix of `target` (a model that knows a text)."""
+    n = len(context)
+    seed = int.from_bytes(hashlib.blake2b(bytes(str(list(context)), "ascii"), digest_size=8).digest(), "little")
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 1.5
+    if 0 < len(target) and n < len(target) and list(target[:n]) == list(context):
+        logits[target[n]] += 30.0
+    return logits
+
+
+class MockStepModel:
+    """A `StepModel` whose logits are a function of exactly what each step token may see.
+
+    It rebuilds every step token's context from `StepPattern.visible` and the relative positions, and
+    asserts that the visible tokens fill positions 0..p exactly once, so a wrong layout fails loudly.
+    """
+
+    def __init__(self, vocab: int, logits_fn: Callable[[Sequence[int]], torch.Tensor] | None = None) -> None:
+        self.vocab = vocab
+        self.logits_fn = logits_fn or (lambda ctx: context_logits(ctx, vocab))
+        self.committed: list[int] = []
+        self.step_tokens: list[int] = []
+        self.calls = 0
+        self.patterns: list[StepPattern] = []
+
+    def prefill(self, tokens):
+        self.calls += 1
+        self.committed = list(tokens)
+        return self.logits_fn(self.committed).float()
+
+    def step(self, tokens, pattern: StepPattern, rows):
+        self.calls += 1
+        self.patterns.append(pattern)
+        assert len(tokens) == pattern.num_tokens
+        self.step_tokens = list(tokens)
+        positions = pattern.relative_positions.tolist()
+        mask = pattern.materialize(0)
+        out = []
+        for r in rows:
+            seen = mask[r].nonzero().flatten().tolist()
+            by_position = sorted(seen, key=lambda j: positions[j])
+            assert [positions[j] for j in by_position] == list(range(positions[r] + 1)), "layout broken"
+            out.append(self.logits_fn(self.committed + [tokens[j] for j in by_position]))
+        return torch.stack(out).float()
+
+    def commit(self, step_indices):
+        assert step_indices[0] == 0
+        self.committed += [self.step_tokens[i] for i in step_indices]

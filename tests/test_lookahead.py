@@ -1,0 +1,165 @@
+"""Lookahead decoding with temperature 0 gives plain greedy's tokens exactly; pool, window, verifier units."""
+
+import pytest
+import torch
+
+from helpers import MockStepModel, context_logits
+from lookahead import LookaheadConfig, decode
+from lookahead.kernels import StepPattern
+from lookahead.models import Llama
+from lookahead.pool import NGramPool
+from lookahead.verify import greedy_verify
+from lookahead.window import LookaheadWindow
+
+CONFIGS = [(1, 2, 0), (1, 2, 3), (3, 2, 3), (4, 3, 0), (3, 3, 3), (5, 4, 5), (2, 5, 12), (7, 5, 7), (15, 5, 15)]
+IDS = [f"W{w}-N{n}-G{g}" for w, n, g in CONFIGS]
+TARGET = [7, 3, 9, 12, 4, 8, 1, 11, 5, 14, 6, 10, 13] * 6  # each token determines the next
+
+
+@pytest.mark.parametrize("W, N, G", CONFIGS, ids=IDS)
+def test_mock_model_lookahead_equals_greedy(W, N, G):
+    """The mock rebuilds each token's context from the pattern, so a wrong layout or commit changes tokens."""
+    for seed in range(4):
+        prompt = torch.randint(0, 16, (5 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+        plain = decode(MockStepModel(16), prompt, 40)
+        model = MockStepModel(16)
+        result = decode(model, prompt, 40, lookahead=LookaheadConfig(W, N, G))
+        assert result.tokens == plain.tokens
+        assert result.steps == model.calls
+
+
+@pytest.mark.parametrize("W, N, G", [(5, 4, 5), (3, 3, 3), (1, 2, 1)], ids=["W5-N4-G5", "W3-N3-G3", "W1-N2-G1"])
+def test_model_that_knows_a_text_accepts_many_tokens(W, N, G):
+    vocab = 16
+    fn = lambda ctx: context_logits(ctx, vocab, target=[1, 2] + TARGET)  # noqa: E731
+    plain = decode(MockStepModel(vocab, fn), [1, 2], 60)
+    assert plain.tokens[:40] == TARGET[:40]
+    result = decode(MockStepModel(vocab, fn), [1, 2], 60, lookahead=LookaheadConfig(W, N, G))
+    assert result.tokens == plain.tokens
+    assert result.compression > 1 + 0.4 * (N - 1), result.compression
+    assert max(len(s) for s in result.step_tokens) == N  # a whole candidate plus the model's own next token
+
+
+@pytest.mark.parametrize("W, N, G", CONFIGS, ids=IDS)
+def test_tiny_llama_lookahead_equals_greedy(tiny_checkpoint, W, N, G):
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    total_tokens = total_steps = 0
+    for seed in range(3):
+        prompt = torch.randint(0, 101, (3 + 4 * seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+        plain = model.generate(prompt, max_new_tokens=48, eos_token_id=[])
+        result = model.generate(prompt, max_new_tokens=48, eos_token_id=[], lookahead=LookaheadConfig(W, N, G))
+        assert result.tokens == plain.tokens, f"seed {seed}"
+        total_tokens, total_steps = total_tokens + len(result.tokens), total_steps + result.steps
+    if G > 0 and N > 2:
+        assert total_tokens / total_steps > 1.3  # random tiny models repeat themselves: multi-token steps happen
+
+
+@pytest.mark.parametrize("W, N, G", [(1, 2, 0), (5, 4, 5), (3, 3, 3)], ids=["W1-N2-G0", "W5-N4-G5", "W3-N3-G3"])
+def test_triton_backend_in_the_decode_loop(tiny_checkpoint, W, N, G):
+    """The kernel inside the decode loop: exact against plain greedy of the torch backend."""
+    folder = tiny_checkpoint("gqa")
+    reference = Llama.from_pretrained(folder, attn_backend="torch")
+    kernel = Llama.from_pretrained(folder, attn_backend="triton")
+    prompt = [3, 17, 22, 3, 17, 5, 9]
+    plain = reference.generate(prompt, max_new_tokens=24, eos_token_id=[])
+    result = kernel.generate(prompt, max_new_tokens=24, eos_token_id=[], lookahead=LookaheadConfig(W, N, G))
+    assert result.tokens == plain.tokens
+
+
+def test_eos_inside_an_accepted_ngram_stops_there():
+    vocab = 16
+    fn = lambda ctx: context_logits(ctx, vocab, target=[1, 2] + TARGET)  # noqa: E731
+    eos = 12
+    plain = decode(MockStepModel(vocab, fn), [1, 2], 60, eos_token_ids=[eos])
+    assert plain.tokens == TARGET[: TARGET.index(eos) + 1]
+    streamed = []
+    result = decode(MockStepModel(vocab, fn), [1, 2] + TARGET[:6], 60, eos_token_ids=[eos],
+                    lookahead=LookaheadConfig(4, 4, 4), stream=streamed.append)
+    expected = TARGET[6:][: TARGET[6:].index(eos) + 1]
+    assert result.tokens == expected
+    assert [t for group in streamed for t in group] == expected
+    assert len(result.step_tokens[-1]) > 1  # the EOS arrived inside a multi-token step
+
+
+@pytest.mark.parametrize("limit", [1, 2, 5, 9, 13])
+def test_max_new_tokens_is_exact_inside_an_ngram(limit):
+    vocab = 16
+    fn = lambda ctx: context_logits(ctx, vocab, target=[1, 2] + TARGET)  # noqa: E731
+    result = decode(MockStepModel(vocab, fn), [1, 2] + TARGET[:8], limit, lookahead=LookaheadConfig(4, 5, 4))
+    assert result.tokens == TARGET[8 : 8 + limit]
+
+
+def test_prompt_shorter_than_window():
+    plain = decode(MockStepModel(16), [3], 30)
+    result = decode(MockStepModel(16), [3], 30, lookahead=LookaheadConfig(15, 5, 15))
+    assert result.tokens == plain.tokens
+
+
+def test_steps_count_every_forward_pass_including_prefill():
+    model = MockStepModel(16)
+    result = decode(model, [1, 2, 3], 25, lookahead=LookaheadConfig(3, 3, 3))
+    assert result.steps == model.calls == len(result.step_tokens)
+    assert sum(len(s) for s in result.step_tokens) == len(result.tokens) == 25
+
+
+def test_warm_up_grows_the_window_one_level_per_step():
+    model = MockStepModel(16)
+    decode(model, [1, 2, 3, 4], 12, lookahead=LookaheadConfig(4, 5, 0))
+    assert [p.ngram for p in model.patterns[:4]] == [2, 3, 4, 5]
+
+
+def test_pool_keeps_most_recent_without_duplicates():
+    pool = NGramPool(3, capacity=2)
+    pool.add([1, 2, 3])
+    pool.add([1, 4, 5])
+    pool.add([1, 2, 3])  # re-adding makes it the most recent
+    assert pool.candidates(1, 5) == [(2, 3), (4, 5)]
+    pool.add([1, 6, 7])  # over capacity: the oldest, (4, 5), leaves
+    assert pool.candidates(1, 5) == [(6, 7), (2, 3)]
+    assert pool.candidates(1, 1) == [(6, 7)]
+    assert pool.candidates(9, 5) == []
+    pool.add_sequence([8, 9, 8, 9, 8])
+    assert pool.candidates(8, 5) == [(9, 8)] and pool.candidates(9, 5) == [(8, 9)]
+    with pytest.raises(ValueError, match="expected a 3-gram"):
+        pool.add([1, 2])
+    empty = NGramPool(3, capacity=0)
+    empty.add([1, 2, 3])
+    assert len(empty) == 0
+
+
+def test_window_trajectory_update():
+    window = LookaheadWindow(3, 4, input_token=10, fill_tokens=[50])
+    assert window.levels == [[10, 50, 50]]
+    window.advance([21, 22, 23], input_token=11)  # warm-up: levels shift one column, outputs become level 1
+    assert window.levels == [[11, 50, 50], [22, 23, 50]]
+    window.advance([31, 32, 33], input_token=12)
+    assert window.levels == [[12, 50, 50], [23, 50, 50], [32, 33, 50]] and window.full
+    assert window.columns([41, 42, 43]) == [[12, 23, 32, 41], [50, 50, 33, 42], [50, 50, 50, 43]]
+    window.advance([41, 42, 43], input_token=13)  # full: the oldest level leaves, no shift
+    assert window.levels == [[13, 50, 50], [32, 33, 50], [41, 42, 43]]
+
+
+def test_greedy_verify_takes_the_longest_prefix_and_the_next_token():
+    p = StepPattern(1, 4, 3)
+    candidates = [(5, 6, 7), (5, 8, 9), (4, 4, 4)]
+    predicted = {0: 5, p.candidate_index(0, 1): 6, p.candidate_index(0, 2): 0, p.candidate_index(0, 3): 1,
+                 p.candidate_index(1, 1): 6, p.candidate_index(1, 2): 2, p.candidate_index(1, 3): 3,
+                 p.candidate_index(2, 1): 1, p.candidate_index(2, 2): 1, p.candidate_index(2, 3): 1}
+    verdict = greedy_verify(candidates, predicted, p)
+    assert verdict.tokens == [5, 6, 0] and verdict.candidate == 0
+    assert verdict.step_indices(p) == [0, p.candidate_index(0, 1), p.candidate_index(0, 2)]
+    predicted[p.candidate_index(0, 2)] = 7
+    assert greedy_verify(candidates, predicted, p).tokens == [5, 6, 7, 1]  # all N-1 accepted, plus one: N
+    assert greedy_verify([], {0: 9}, StepPattern(1, 4, 0)).tokens == [9]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(window=0), "window must be >= 1"),
+    (dict(ngram=1), "ngram must be >= 2"),
+    (dict(guesses=-2), "guesses must be >= 0"),
+    (dict(window=2.5), "window must be an int"),
+    (dict(pool_from_prompt=1), "pool_from_prompt must be a bool"),
+])
+def test_config_validation(kwargs, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        LookaheadConfig(**kwargs)

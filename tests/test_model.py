@@ -1,0 +1,206 @@
+"""The minimal LLaMA against transformers' LlamaForCausalLM, its KV cache, loading errors, bad input."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from lookahead.models import CheckpointError, ConfigError, Llama, LlamaConfig
+from lookahead.models.attention import AttentionContext
+from lookahead.models.runner import CachedRunner
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+VARIANTS = {
+    "mha": dict(num_key_value_heads=4),
+    "gqa": dict(),
+    "mqa": dict(num_key_value_heads=1),
+    "tied": dict(tie_word_embeddings=True),
+    "bias": dict(attention_bias=True, mlp_bias=True),
+    "headdim": dict(head_dim=32),
+    "linear-rope": dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0}),
+    "llama3-rope": dict(rope_parameters={**LLAMA3_ROPE, "rope_theta": 500000.0}),
+}
+
+
+def hf_logits(folder, ids):
+    model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(ids).logits, model
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_logits_match_transformers(tiny_checkpoint, variant):
+    folder = tiny_checkpoint(variant, **VARIANTS[variant])
+    ids = torch.randint(0, 101, (2, 90), generator=torch.Generator().manual_seed(1))
+    expected, _ = hf_logits(folder, ids)
+    assert (Llama.from_pretrained(folder)(ids) - expected).abs().max().item() < 1e-4
+
+
+def rewrite_config(folder, tmp_path, edit):
+    target = tmp_path / "ckpt"
+    shutil.copytree(folder, target)
+    raw = json.loads((target / "config.json").read_text())
+    edit(raw)
+    (target / "config.json").write_text(json.dumps(raw))
+    return target
+
+
+def test_old_rope_spelling_reads_like_new(tiny_checkpoint, tmp_path):
+    """rope_theta + rope_scaling (older configs) gives the same model as rope_parameters."""
+    folder = tiny_checkpoint("llama3-rope", **VARIANTS["llama3-rope"])
+
+    def to_old(raw):
+        params = raw.pop("rope_parameters")
+        raw["rope_theta"] = params.pop("rope_theta")
+        raw["rope_scaling"] = params
+
+    old = rewrite_config(folder, tmp_path, to_old)
+    assert "rope_scaling" in json.loads((old / "config.json").read_text())
+    ids = torch.randint(0, 101, (1, 120), generator=torch.Generator().manual_seed(2))
+    expected, _ = hf_logits(folder, ids)
+    assert LlamaConfig.from_file(old).rope == LlamaConfig.from_file(folder).rope
+    assert (Llama.from_pretrained(old)(ids) - expected).abs().max().item() < 1e-4
+
+
+def test_sharded_checkpoint(tiny_checkpoint):
+    folder = tiny_checkpoint("sharded", max_shard_size="60KB")
+    assert (folder / "model.safetensors.index.json").is_file()
+    ids = torch.randint(0, 101, (1, 30), generator=torch.Generator().manual_seed(3))
+    expected, _ = hf_logits(folder, ids)
+    assert (Llama.from_pretrained(folder)(ids) - expected).abs().max().item() < 1e-4
+
+
+def test_cached_decoding_equals_full_forward(tiny_checkpoint):
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    ids = torch.randint(0, 101, (1, 40), generator=torch.Generator().manual_seed(4))
+    full = model(ids)[0]
+    runner = CachedRunner(model, capacity=48)
+    prefill = runner.prefill(ids[0, :25].tolist())
+    assert (prefill - full[24]).abs().max().item() < 1e-4
+    from lookahead.engine import PLAIN_STEP
+
+    for t in range(25, 40):
+        logits = runner.step([int(ids[0, t])], PLAIN_STEP, [0])
+        runner.commit([0])
+        assert (logits[0] - full[t]).abs().max().item() < 1e-4
+
+
+def test_greedy_generate_equals_transformers(tiny_checkpoint):
+    folder = tiny_checkpoint("gqa")
+    model = Llama.from_pretrained(folder)
+    hf = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    for seed in range(3):
+        prompt = torch.randint(0, 101, (1, 12), generator=torch.Generator().manual_seed(seed))
+        expected = hf.generate(prompt, max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=0)
+        result = model.generate(prompt[0], max_new_tokens=30, eos_token_id=[])
+        assert result.tokens == expected[0, 12:].tolist()
+        assert result.steps == len(result.tokens) == 30 and result.compression == 1.0
+
+
+def test_eos_stops_generation(tiny_checkpoint):
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    full = model.generate([5, 6, 7], max_new_tokens=20, eos_token_id=[])
+    eos = full.tokens[6]
+    stopped = model.generate([5, 6, 7], max_new_tokens=20, eos_token_id=eos)
+    assert stopped.tokens == full.tokens[: full.tokens.index(eos) + 1]
+
+
+def test_default_eos_comes_from_checkpoint(tiny_checkpoint):
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    assert model.config.eos_token_id == (2,)  # transformers' LlamaConfig default, via generation_config.json
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(prompt_ids=[]), ValueError, "prompt_ids is empty"),
+    (dict(prompt_ids=[1, 500]), ValueError, "outside the vocabulary"),
+    (dict(prompt_ids=[1, -1]), ValueError, "outside the vocabulary"),
+    (dict(prompt_ids=torch.zeros(2, 3, dtype=torch.long)), ValueError, "1-D"),
+    (dict(prompt_ids="hello"), TypeError, "list of ints"),
+    (dict(max_new_tokens=0), ValueError, "max_new_tokens must be a positive int"),
+    (dict(max_new_tokens=-3), ValueError, "max_new_tokens must be a positive int"),
+    (dict(max_new_tokens=600), ValueError, "exceeds the model's max_position_embeddings"),
+    (dict(temperature=-0.5), ValueError, "temperature must be"),
+    (dict(top_p=0.0), ValueError, "top_p must be in"),
+    (dict(top_p=1.5), ValueError, "top_p must be in"),
+    (dict(top_k=-1), ValueError, "top_k must be"),
+    (dict(lookahead=(5, 4, 5)), TypeError, "LookaheadConfig"),
+    (dict(eos_token_id="x"), TypeError, "eos_token_id"),
+])
+def test_generate_rejects_bad_input(tiny_checkpoint, kwargs, error, message):
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    args = dict(prompt_ids=[1, 2, 3], max_new_tokens=4)
+    args.update(kwargs)
+    with pytest.raises(error, match=message):
+        model.generate(**args)
+
+
+def test_unsupported_dtype_and_backend(tiny_checkpoint):
+    folder = tiny_checkpoint("gqa")
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        Llama.from_pretrained(folder, dtype=torch.int8)
+    with pytest.raises(ValueError, match="attn_backend must be one of"):
+        Llama.from_pretrained(folder, attn_backend="flash")
+
+
+def test_half_precision_loads_and_runs(tiny_checkpoint):
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"), dtype="bfloat16")
+    assert model.dtype == torch.bfloat16 and model.rope_inv_freq.dtype == torch.float32
+    assert model.generate([1, 2, 3], max_new_tokens=3).steps == 3
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda raw: raw.update(model_type="mistral"), "model_type 'mistral'"),
+    (lambda raw: raw.update(rope_parameters={"rope_type": "yarn", "factor": 2.0}), "rope type 'yarn'"),
+    (lambda raw: raw.update(hidden_act="gelu"), "hidden_act 'gelu'"),
+    (lambda raw: raw.update(num_key_value_heads=3), "multiple of num_key_value_heads"),
+])
+def test_config_errors_name_the_field(tiny_checkpoint, tmp_path, edit, message):
+    folder = rewrite_config(tiny_checkpoint("gqa"), tmp_path, edit)
+    with pytest.raises(ConfigError, match=message):
+        Llama.from_pretrained(folder)
+
+
+def test_checkpoint_errors_name_the_tensor_or_file(tiny_checkpoint, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = tiny_checkpoint("gqa")
+    weights = load_file(folder / "model.safetensors")
+
+    def variant(name, tensors):
+        target = tmp_path / name
+        shutil.copytree(folder, target)
+        save_file(tensors, target / "model.safetensors")
+        return target
+
+    missing = {k: v for k, v in weights.items() if k != "model.layers.1.mlp.up_proj.weight"}
+    with pytest.raises(CheckpointError, match="missing tensor.*model.layers.1.mlp.up_proj.weight"):
+        Llama.from_pretrained(variant("missing", missing))
+    extra = {**weights, "model.layers.9.self_attn.q_proj.weight": torch.zeros(2, 2)}
+    with pytest.raises(CheckpointError, match="unexpected tensor 'model.layers.9"):
+        Llama.from_pretrained(variant("extra", extra))
+    bad_shape = {**weights, "model.norm.weight": torch.zeros(63)}
+    with pytest.raises(CheckpointError, match=r"'model.norm.weight' has shape \(63,\)"):
+        Llama.from_pretrained(variant("shape", bad_shape))
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(folder, corrupt)
+    data = (corrupt / "model.safetensors").read_bytes()
+    (corrupt / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="cannot read .*model.safetensors"):
+        Llama.from_pretrained(corrupt)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        Llama.from_pretrained(empty)
+    (empty / "config.json").write_text((folder / "config.json").read_text())
+    with pytest.raises(FileNotFoundError, match="no model.safetensors"):
+        Llama.from_pretrained(empty)
+
+
+def test_plain_forward_is_causal_without_cache(tiny_checkpoint):
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    ids = torch.randint(0, 101, (1, 20), generator=torch.Generator().manual_seed(5))
+    assert torch.allclose(model(ids)[0, :10], model(ids[:, :10])[0], atol=1e-5)
+    assert AttentionContext("torch").cache is None
