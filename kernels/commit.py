@@ -20,7 +20,7 @@ def commit_accepted(
     step_indices: strictly increasing ints >= 0 (a list or a 1-D tensor).
     """
     indices = [int(i) for i in step_indices]
-    if any(b <= a for a, b in zip(indices, indices[1:])) or (indices and indices[0] < 0):
+    if any(b <= a for a, b in zip(indices, indices[1:], strict=False)) or (indices and indices[0] < 0):
         raise ValueError(f"step_indices must be strictly increasing and >= 0, got {indices}")
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache and v_cache shapes differ: {tuple(k_cache.shape)} vs {tuple(v_cache.shape)}")

@@ -100,8 +100,9 @@ def _lookahead_attn_fwd(
     # cache prefix, the tail block when prefix_len is not a multiple of BLOCK_N
     if prefix_full < prefix_len:
         n_ok = prefix_full + offs_n < prefix_len
-        k = tl.load(k_base + (prefix_full + offs_n)[None, :] * stride_kt, mask=d_ok[:, None] & n_ok[None, :], other=0.0)
-        v = tl.load(v_base + (prefix_full + offs_n)[:, None] * stride_vt, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        tail = prefix_full + offs_n
+        k = tl.load(k_base + tail[None, :] * stride_kt, mask=d_ok[:, None] & n_ok[None, :], other=0.0)
+        v = tl.load(v_base + tail[:, None] * stride_vt, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
         qk = tl.where(n_ok[None, :], qk, float("-inf"))
         acc, m_i, l_i = _softmax_update(acc, m_i, l_i, qk, v, DOT_PRECISION)

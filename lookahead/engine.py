@@ -21,6 +21,7 @@ from .verify import Verdict, greedy_verify, sample_verify
 from .window import LookaheadWindow
 
 PLAIN_STEP = StepPattern(1, 2, 0)  # one token that sees the whole cache
+GREEDY = SamplingParams()
 
 
 class StepModel(Protocol):
@@ -82,7 +83,7 @@ def decode(
     model: StepModel,
     prompt: Sequence[int],
     max_new_tokens: int,
-    sampling: SamplingParams = SamplingParams(),
+    sampling: SamplingParams = GREEDY,
     lookahead: LookaheadConfig | None = None,
     eos_token_ids: Iterable[int] = (),
     stream: Callable[[list[int]], None] | None = None,
@@ -156,10 +157,10 @@ class _LookaheadLoop:
             return greedy_verify(candidates, predicted, pattern)
         probs = target_probs(logits, self.sampling)
         # the few probabilities the walk reads, fetched at once (one device sync)
-        sources = [0] + [pattern.candidate_index(c, k) for c in range(len(candidates)) for k in range(1, len(candidates[c]))]
+        sources = [0] + [pattern.candidate_index(c, k) for c, cand in enumerate(candidates) for k in range(1, len(cand))]
         vocab = sorted({t for candidate in candidates for t in candidate})
         table = probs[[row_of[s] for s in sources]][:, vocab].tolist() if vocab else []
-        lookup = {(s, t): p for s, row in zip(sources, table) for t, p in zip(vocab, row)}
+        lookup = {(s, t): p for s, row in zip(sources, table, strict=False) for t, p in zip(vocab, row, strict=True)}
         return sample_verify(candidates, lambda s: probs[row_of[s]], lambda s, t: lookup[(s, t)], pattern,
                              self.sampler.uniform, self.sampler.draw)
 

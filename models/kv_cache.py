@@ -5,9 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch import nn
-
 from lookahead.kernels import commit_accepted
+from torch import nn
 
 
 class KVCache(nn.Module):

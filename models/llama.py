@@ -6,9 +6,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from lookahead.kernels import interpreting
+from torch import nn
 
 from .attention import BACKENDS, AttentionContext
 from .config import LlamaConfig

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-
 from lookahead.kernels import StepPattern
 
 from .attention import AttentionContext

@@ -2,18 +2,16 @@
 
 import os
 
-import torch
+# Idle OpenMP threads sleep instead of spinning: on a busy 2-core machine spinning slows small ops 100x.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read when torch loads OpenMP, so before `import torch`
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
 
 import pytest  # noqa: E402
-
 from helpers import save_tiny_checkpoint  # noqa: E402
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: real-model tests on the default model (a few, still run in CI)")
 
 
 @pytest.fixture(scope="session")

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable, Sequence
 
 import torch
-
 from lookahead.kernels import StepPattern
 
 
@@ -31,9 +31,14 @@ def save_tiny_checkpoint(folder, seed: int = 0, max_shard_size=None, **overrides
 def context_logits(context: Sequence[int], vocab: int, target: Sequence[int] = ()) -> torch.Tensor:
     """Logits that depend on the whole context: pseudo-random per context, or peaked on `target`'s next token
     while the context is a prefix of `target` (a model that knows a text)."""
+    return _context_logits(tuple(context), vocab, tuple(target)).clone()
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _context_logits(context: tuple[int, ...], vocab: int, target: tuple[int, ...]) -> torch.Tensor:
     n = len(context)
     seed = int.from_bytes(hashlib.blake2b(bytes(str(list(context)), "ascii"), digest_size=8).digest(), "little")
-    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 1.5
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     if 0 < len(target) and n < len(target) and list(target[:n]) == list(context):
         logits[target[n]] += 30.0
     return logits

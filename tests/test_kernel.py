@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from lookahead.kernels import StepPattern, commit_accepted, interpreting, lookahead_attention, reference_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

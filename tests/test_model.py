@@ -5,11 +5,10 @@ import shutil
 
 import pytest
 import torch
-from transformers import LlamaForCausalLM
-
 from lookahead.models import CheckpointError, ConfigError, Llama, LlamaConfig
 from lookahead.models.attention import AttentionContext
 from lookahead.models.runner import CachedRunner
+from transformers import LlamaForCausalLM
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}

@@ -1,0 +1,155 @@
+"""Sampling with lookahead keeps the target distribution: exact enumeration vs many seeded samples."""
+
+import itertools
+
+import pytest
+import torch
+from helpers import MockStepModel, context_logits
+from lookahead.models import Llama
+
+import lookahead.engine as engine
+from lookahead import LookaheadConfig, SamplingParams, decode
+from lookahead.sampling import target_probs
+from lookahead.verify import Verdict
+
+VOCAB = 6
+PROMPT = [0, 1, 2, 3, 4, 5, 0, 2, 4, 1, 3, 5, 0, 3, 1, 4, 2, 5, 1, 0, 5, 2, 3, 4, 0]  # every token starts n-grams
+DEPTH = 3
+P_FLOOR = 1e-3  # seeded, so deterministic; a correct rule fails this with probability 1e-3 per check
+
+
+def exact_joint(logits_fn, prompt, params, depth=DEPTH):
+    """{continuation: probability} over all V**depth continuations, from the model's own logits."""
+    joint = {}
+    for seq in itertools.product(range(VOCAB), repeat=depth):
+        p = 1.0
+        for i, token in enumerate(seq):
+            p *= target_probs(logits_fn(prompt + list(seq[:i]))[None].float(), params)[0, token].item()
+            if p == 0:
+                break
+        joint[seq] = p
+    return joint
+
+
+def chi_square_p(counts: dict, expected: dict, n: int) -> float:
+    """Pearson chi-square p-value; cells expected below 5 are pooled into one."""
+    stat, df, pooled_obs, pooled_exp = 0.0, -1, 0, 0.0
+    for cell, p in expected.items():
+        e = p * n
+        if e < 5:
+            pooled_obs, pooled_exp = pooled_obs + counts.get(cell, 0), pooled_exp + e
+            continue
+        stat, df = stat + (counts.get(cell, 0) - e) ** 2 / e, df + 1
+    if pooled_exp > 0:
+        stat, df = stat + (pooled_obs - pooled_exp) ** 2 / pooled_exp, df + 1
+    return torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2)).item()
+
+
+def marginal(joint: dict, position: int) -> dict:
+    out: dict = {}
+    for seq, p in joint.items():
+        out[(seq[position],)] = out.get((seq[position],), 0.0) + p
+    return out
+
+
+def sample_many(make_model, params, n, cfg=None):
+    cfg = cfg or LookaheadConfig(3, 3, 3)
+    counts: dict = {}
+    multi_token_runs = 0
+    for seed in range(n):
+        result = decode(make_model(), PROMPT, DEPTH, params, lookahead=cfg, eos_token_ids=(), seed=seed)
+        seq = tuple(result.tokens)
+        counts[seq] = counts.get(seq, 0) + 1
+        multi_token_runs += any(len(s) > 1 for s in result.step_tokens)
+    return counts, multi_token_runs / n
+
+
+def distribution_p_values(counts, joint, n):
+    checks = {"joint": chi_square_p(counts, joint, n)}
+    for position in range(DEPTH):
+        observed = {}
+        for seq, c in counts.items():
+            observed[(seq[position],)] = observed.get((seq[position],), 0) + c
+        checks[f"token{position + 1}"] = chi_square_p(observed, marginal(joint, position), n)
+    return checks
+
+
+PARAMS = [SamplingParams(1.0), SamplingParams(0.7), SamplingParams(1.0, top_k=3), SamplingParams(0.7, top_p=0.9)]
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=["T1", "T0.7", "T1-topk3", "T0.7-topp0.9"])
+def test_lookahead_sampling_matches_exact_distribution(params):
+    fn = lambda ctx: context_logits(ctx, VOCAB)  # noqa: E731
+    joint = exact_joint(fn, PROMPT, params)
+    n = 2000
+    counts, accepted = sample_many(lambda: MockStepModel(VOCAB, fn), params, n)
+    assert accepted > 0.2, f"only {accepted:.0%} of runs accepted a candidate token: verification barely exercised"
+    checks = distribution_p_values(counts, joint, n)
+    assert min(checks.values()) > P_FLOOR, checks
+
+
+def test_a_wrong_acceptance_rule_fails_the_same_test(monkeypatch):
+    """Negative control: always accepting the first candidate's tokens must be caught."""
+
+    def accept_first_candidate(candidates, probs, prob_of, pattern, uniform, draw):
+        if not candidates:
+            return Verdict([draw(probs(0))], -1)
+        return Verdict(list(candidates[0]) + [draw(probs(pattern.candidate_index(0, len(candidates[0]))))], 0)
+
+    monkeypatch.setattr(engine, "sample_verify", accept_first_candidate)
+    params = SamplingParams(1.0)
+    fn = lambda ctx: context_logits(ctx, VOCAB)  # noqa: E731
+    n = 2000
+    counts, _ = sample_many(lambda: MockStepModel(VOCAB, fn), params, n)
+    checks = distribution_p_values(counts, exact_joint(fn, PROMPT, params), n)
+    assert checks["joint"] < P_FLOOR, checks
+
+
+def test_tiny_llama_sampling_matches_exact_distribution(tiny_checkpoint):
+    """The same check through the real model, KV cache and commit path."""
+    model = Llama.from_pretrained(tiny_checkpoint("vocab6", vocab_size=VOCAB, hidden_size=32, num_attention_heads=2,
+                                                  num_key_value_heads=1, intermediate_size=48))
+    fn = lambda ctx: model(torch.tensor([ctx]))[0, -1].double()  # noqa: E731
+    params = SamplingParams(1.0)
+    joint = exact_joint(fn, PROMPT, params)
+    n = 1200
+    counts: dict = {}
+    accepted = 0
+    for seed in range(n):
+        result = model.generate(PROMPT, max_new_tokens=DEPTH, temperature=1.0, seed=seed, eos_token_id=[],
+                                lookahead=LookaheadConfig(3, 3, 3))
+        counts[tuple(result.tokens)] = counts.get(tuple(result.tokens), 0) + 1
+        accepted += any(len(s) > 1 for s in result.step_tokens)
+    assert accepted / n > 0.2
+    checks = distribution_p_values(counts, joint, n)
+    assert min(checks.values()) > P_FLOOR, checks
+
+
+def test_sampling_is_reproducible_with_a_seed(tiny_checkpoint):
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    args = dict(max_new_tokens=20, temperature=0.8, top_k=20, seed=7, lookahead=LookaheadConfig(3, 3, 3))
+    assert model.generate([1, 2, 3], **args).tokens == model.generate([1, 2, 3], **args).tokens
+    plain = dict(max_new_tokens=20, temperature=0.8, seed=7)
+    assert model.generate([1, 2, 3], **plain).tokens == model.generate([1, 2, 3], **plain).tokens
+
+
+def test_target_probs_filters_like_top_k_and_top_p():
+    logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]]))
+    assert torch.allclose(target_probs(logits, SamplingParams(1.0)), logits.exp())
+    top2 = target_probs(logits, SamplingParams(1.0, top_k=2))
+    assert torch.allclose(top2, torch.tensor([[5 / 7, 2 / 7, 0, 0, 0]]))
+    top_p = target_probs(logits, SamplingParams(1.0, top_p=0.8))  # 0.5 + 0.2 < 0.8 <= 0.85: three tokens
+    assert torch.allclose(top_p, torch.tensor([[0.5, 0.2, 0.15, 0, 0]]) / 0.85)
+    cooled = target_probs(logits, SamplingParams(0.5))
+    assert torch.allclose(cooled, torch.softmax(logits / 0.5, -1))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=-1.0), "temperature must be"),
+    (dict(temperature=float("nan")), "temperature must be"),
+    (dict(top_k=2.5), "top_k must be"),
+    (dict(top_p=0), "top_p must be in"),
+])
+def test_invalid_sampling_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**{"temperature": 1.0, **kwargs})
