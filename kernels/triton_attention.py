@@ -123,7 +123,8 @@ def _lookahead_attn_fwd(
 
     l_i = tl.where(row_ok, l_i, 1.0)
     out = acc / l_i[:, None]
-    o_ptrs = Out + b * stride_ob + q_head[:, None] * stride_oh + q_idx[:, None] * stride_ot + offs_d[None, :] * stride_od
+    o_ptrs = Out + b * stride_ob + q_head[:, None] * stride_oh + q_idx[:, None] * stride_ot
+    o_ptrs += offs_d[None, :] * stride_od
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 

@@ -157,7 +157,7 @@ class _LookaheadLoop:
             return greedy_verify(candidates, predicted, pattern)
         probs = target_probs(logits, self.sampling)
         # the few probabilities the walk reads, fetched at once (one device sync)
-        sources = [0] + [pattern.candidate_index(c, k) for c, cand in enumerate(candidates) for k in range(1, len(cand))]
+        sources = [0] + [pattern.candidate_index(c, k) for c, g in enumerate(candidates) for k in range(1, len(g))]
         vocab = sorted({t for candidate in candidates for t in candidate})
         table = probs[[row_of[s] for s in sources]][:, vocab].tolist() if vocab else []
         lookup = {(s, t): p for s, row in zip(sources, table, strict=False) for t, p in zip(vocab, row, strict=True)}
