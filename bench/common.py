@@ -1,0 +1,87 @@
+"""Shared pieces of the benchmarks: machine facts, prompts from ../shared/data, results on disk."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+DATA = ROOT.parent / "shared" / "data" / "dev.jsonl"
+
+
+def machine() -> dict:
+    """What the figures came from: device name, CPU model, versions, git commit."""
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                text=True, check=False).stdout.strip()
+    except OSError:
+        commit = ""
+    import transformers
+    import triton
+
+    return {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU: {cpu}",
+        "cpu_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "transformers": transformers.__version__,
+        "commit": commit,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }
+
+
+def device_slug() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_prompts(per_kind: int | None = None, kinds: tuple[str, ...] = ("chat", "code", "math", "summarize")):
+    """Rows of dev.jsonl ({id, kind, prompt}), at most `per_kind` of each kind, in file order."""
+    rows = [json.loads(line) for line in DATA.read_text(encoding="utf-8").splitlines() if line.strip()]
+    picked, seen = [], {}
+    for row in rows:
+        if row["kind"] in kinds and (per_kind is None or seen.get(row["kind"], 0) < per_kind):
+            seen[row["kind"]] = seen.get(row["kind"], 0) + 1
+            picked.append(row)
+    return picked
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    encoded = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+
+def save_json(name: str, payload: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}-{device_slug()}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(payload, indent=1), encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def print_table(headers: list[str], rows: list[list]) -> None:
+    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(headers)]
+    print(" | ".join(str(h).ljust(w) for h, w in zip(headers, widths, strict=True)))
+    print("-|-".join("-" * w for w in widths))
+    for row in rows:
+        print(" | ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)))

@@ -1,0 +1,162 @@
+"""End-to-end: plain greedy, transformers (greedy, prompt lookup) and lookahead at several (W, N, G).
+
+All methods run in one process on the same prompts from ../shared/data/dev.jsonl, interleaved per prompt
+(the order rotates from prompt to prompt) so machine noise hits them alike. Prints per-kind tables of
+S (tokens / forward passes), tokens/s and the speed ratio against transformers' greedy, with the count
+of outputs identical to plain greedy; saves JSON and a PNG.
+
+    python bench/e2e.py --quick          # a minute: 4 prompts, 48 tokens
+    python bench/e2e.py --per-kind 2     # 8 prompts, 256 tokens
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from common import chat_ids, load_prompts, machine, print_table, save_json, sync
+
+from lookahead import LookaheadConfig
+from lookahead.models import Llama
+from lookahead.models.default_model import default_model_dir
+
+REQUIRED = [(15, 5, 15), (7, 5, 7), (5, 3, 5)]
+CPU_CANDIDATES = [(2, 3, 2), (3, 3, 3), (4, 3, 4), (3, 4, 3), (5, 4, 5)]
+
+
+def make_methods(model: Llama, hf, configs, max_new_tokens: int):
+    """name -> fn(prompt_ids) -> (tokens, forward passes)."""
+    calls = {"n": 0}
+    hf.register_forward_pre_hook(lambda *_: calls.__setitem__("n", calls["n"] + 1))
+    eos = list(model.config.eos_token_id)
+
+    def ours(lookahead):
+        def run(ids):
+            result = model.generate(ids, max_new_tokens=max_new_tokens, lookahead=lookahead)
+            return result.tokens, result.steps
+        return run
+
+    def transformers(**kwargs):
+        def run(ids):
+            calls["n"] = 0
+            inputs = torch.tensor([ids], device=model.device)
+            out = hf.generate(inputs, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
+                              pad_token_id=eos[0], **kwargs)
+            return out[0, len(ids):].tolist(), calls["n"]
+        return run
+
+    methods = {"greedy (ours)": ours(None), "hf greedy": transformers(),
+               "hf prompt lookup": transformers(prompt_lookup_num_tokens=10)}
+    for w, n, g in configs:
+        methods[f"lookahead {w}-{n}-{g}"] = ours(LookaheadConfig(w, n, g))
+    return methods
+
+
+def run(args) -> dict:
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    folder = args.model or default_model_dir()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = Llama.from_pretrained(folder, device=device)
+    hf = LlamaForCausalLM.from_pretrained(str(folder), dtype=torch.float32).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    configs = [tuple(map(int, c.split("-"))) for c in args.configs] if args.configs else REQUIRED + CPU_CANDIDATES
+    methods = make_methods(model, hf, configs, args.max_new_tokens)
+    prompts = load_prompts(args.per_kind)
+    records = []
+    with torch.inference_mode():
+        methods["greedy (ours)"](chat_ids(tokenizer, "Hello"))  # warm-up
+        for p, row in enumerate(prompts):
+            ids = chat_ids(tokenizer, row["prompt"])
+            names = list(methods)
+            names = names[p % len(names):] + names[: p % len(names)]
+            outputs = {}
+            for name in names:
+                sync()
+                start = time.perf_counter()
+                tokens, steps = methods[name](ids)
+                sync()
+                outputs[name] = (tokens, steps, time.perf_counter() - start)
+            reference = outputs["greedy (ours)"][0]
+            for name, (tokens, steps, seconds) in outputs.items():
+                records.append({"id": row["id"], "kind": row["kind"], "method": name, "tokens": len(tokens),
+                                "steps": steps, "seconds": seconds, "exact": tokens == reference})
+            print(f"[{p + 1}/{len(prompts)}] {row['id']}: " + ", ".join(
+                f"{n} S={outputs[n][0].__len__() / outputs[n][1]:.2f}" for n in methods if n.startswith("look")),
+                flush=True)
+    return {"machine": machine(), "max_new_tokens": args.max_new_tokens, "methods": list(methods),
+            "records": records}
+
+
+def summarize(result: dict) -> dict:
+    """{kind or 'all': {method: {S, tok_s, ratio, exact, n}}}; S and tokens/s are ratios of sums."""
+    kinds = sorted({r["kind"] for r in result["records"]}) + ["all"]
+    table = {}
+    for kind in kinds:
+        rows = [r for r in result["records"] if kind == "all" or r["kind"] == kind]
+        per = {}
+        for name in result["methods"]:
+            mine = [r for r in rows if r["method"] == name]
+            tokens = sum(r["tokens"] for r in mine)
+            per[name] = {"S": tokens / sum(r["steps"] for r in mine), "tok_s": tokens / sum(r["seconds"] for r in mine),
+                         "exact": sum(r["exact"] for r in mine), "n": len(mine)}
+        base = per["hf greedy"]["tok_s"]
+        for stats in per.values():
+            stats["ratio"] = stats["tok_s"] / base
+        table[kind] = per
+    return table
+
+
+def plot(table: dict, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = list(table)
+    methods = list(table["all"])
+    fig, axes = plt.subplots(1, 2, figsize=(14, 4.8))
+    width = 0.8 / len(methods)
+    for m, name in enumerate(methods):
+        xs = [k + m * width for k in range(len(kinds))]
+        axes[0].bar(xs, [table[k][name]["S"] for k in kinds], width, label=name)
+        axes[1].bar(xs, [table[k][name]["ratio"] for k in kinds], width, label=name)
+    for ax, title in zip(axes, ("compression S (tokens / forward passes)", "tokens/s relative to HF greedy"),
+                         strict=True):
+        ax.set_xticks([k + 0.4 - width / 2 for k in range(len(kinds))], kinds)
+        ax.set_title(title)
+        ax.axhline(1.0, color="gray", lw=0.8)
+    axes[1].legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="checkpoint folder (default: the converted default model)")
+    parser.add_argument("--per-kind", type=int, default=2, help="prompts of each kind (0: all 35)")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--configs", nargs="*", help="lookahead configs as W-N-G (default: required + CPU set)")
+    parser.add_argument("--quick", action="store_true", help="1 prompt per kind, 48 tokens, 3 configs")
+    parser.add_argument("--name", default="e2e", help="results file stem")
+    args = parser.parse_args()
+    if args.quick:
+        args.per_kind, args.max_new_tokens = 1, 48
+        args.configs = args.configs or ["7-5-7", "3-3-3", "5-4-5"]
+    args.per_kind = args.per_kind or None
+    result = run(args)
+    table = summarize(result)
+    result["summary"] = table
+    for kind, per in table.items():
+        print(f"\n{kind} ({per['greedy (ours)']['n']} prompts, {result['machine']['device']})")
+        print_table(["method", "S", "tokens/s", "vs HF greedy", "exact"],
+                    [[n, f"{s['S']:.2f}", f"{s['tok_s']:.1f}", f"{s['ratio']:.2f}x", f"{s['exact']}/{s['n']}"]
+                     for n, s in per.items()])
+    path = save_json(args.name, result)
+    plot(table, path.with_suffix(".png"))
+    print(f"\nsaved {path} and {path.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
