@@ -19,8 +19,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 import triton  # noqa: E402
-from common import machine, print_table, save_json  # noqa: E402
 
+from common import machine, print_table, save_json  # noqa: E402
 from lookahead.kernels import StepPattern, lookahead_attention, masked_attention  # noqa: E402
 from lookahead.kernels.triton_attention import block_sizes  # noqa: E402
 
@@ -103,7 +103,7 @@ def block_pair_fraction(W, N, G, L) -> float:
     """Query/key block pairs the kernel computes, over those a dense masked kernel would (mirrors its loops)."""
     pattern = StepPattern(W, N, G)
     group = SHAPE["heads_q"] // SHAPE["heads_kv"]
-    block_m, block_n = block_sizes(W, N, G, group, SHAPE["head_dim"])
+    block_m, block_n = block_sizes(W, N, G, group, SHAPE["head_dim"], SHAPE["dtype"])
     t = pattern.num_tokens
     rows = t * group
     visible = pattern.materialize(0)

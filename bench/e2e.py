@@ -12,11 +12,12 @@ of outputs identical to plain greedy; saves JSON and a PNG.
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import torch
-from common import chat_ids, load_prompts, machine, print_table, save_json, sync
 
+from common import RESULTS, chat_ids, device_slug, load_prompts, machine, print_table, save_json, sync
 from lookahead import LookaheadConfig
 from lookahead.models import Llama
 from lookahead.models.default_model import default_model_dir
@@ -116,19 +117,20 @@ def plot(table: dict, path) -> None:
 
     kinds = list(table)
     methods = list(table["all"])
-    fig, axes = plt.subplots(1, 2, figsize=(14, 4.8))
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5.4))
     width = 0.8 / len(methods)
+    colors = plt.get_cmap("tab20").colors
     for m, name in enumerate(methods):
         xs = [k + m * width for k in range(len(kinds))]
-        axes[0].bar(xs, [table[k][name]["S"] for k in kinds], width, label=name)
-        axes[1].bar(xs, [table[k][name]["ratio"] for k in kinds], width, label=name)
+        axes[0].bar(xs, [table[k][name]["S"] for k in kinds], width, label=name, color=colors[m % 20])
+        axes[1].bar(xs, [table[k][name]["ratio"] for k in kinds], width, label=name, color=colors[m % 20])
     for ax, title in zip(axes, ("compression S (tokens / forward passes)", "tokens/s relative to HF greedy"),
                          strict=True):
         ax.set_xticks([k + 0.4 - width / 2 for k in range(len(kinds))], kinds)
         ax.set_title(title)
         ax.axhline(1.0, color="gray", lw=0.8)
-    axes[1].legend(fontsize=7, ncol=2)
-    fig.tight_layout()
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=6, fontsize=8)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     fig.savefig(path, dpi=110)
 
 
@@ -140,11 +142,16 @@ def main() -> None:
     parser.add_argument("--configs", nargs="*", help="lookahead configs as W-N-G (default: required + CPU set)")
     parser.add_argument("--quick", action="store_true", help="1 prompt per kind, 48 tokens, 3 configs")
     parser.add_argument("--name", default="e2e", help="results file stem")
+    parser.add_argument("--replot", action="store_true", help="only redraw the PNG from the saved JSON")
     args = parser.parse_args()
     if args.quick:
         args.per_kind, args.max_new_tokens = 1, 48
         args.configs = args.configs or ["7-5-7", "3-3-3", "5-4-5"]
     args.per_kind = args.per_kind or None
+    if args.replot:
+        path = RESULTS / f"{args.name}-{device_slug()}.json"
+        plot(json.loads(path.read_text())["summary"], path.with_suffix(".png"))
+        return
     result = run(args)
     table = summarize(result)
     result["summary"] = table

@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import chat_ids, load_prompts, machine, print_table, save_json
 
+from common import chat_ids, load_prompts, machine, print_table, save_json
 from lookahead import LookaheadConfig
 from lookahead.models import Llama
 from lookahead.models.default_model import default_model_dir

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
 from lookahead.kernels import StepPattern, lookahead_attention, masked_attention
 
 from .kv_cache import KVCache

@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from lookahead.kernels import commit_accepted
 from torch import nn
+
+from lookahead.kernels import commit_accepted
 
 
 class KVCache(nn.Module):

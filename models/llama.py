@@ -6,8 +6,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from lookahead.kernels import interpreting
 from torch import nn
+
+from lookahead.kernels import interpreting
 
 from .attention import BACKENDS, AttentionContext
 from .config import LlamaConfig

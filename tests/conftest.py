@@ -11,6 +11,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
 
 import pytest  # noqa: E402
+
 from helpers import save_tiny_checkpoint  # noqa: E402
 
 

@@ -7,6 +7,7 @@ import hashlib
 from collections.abc import Callable, Sequence
 
 import torch
+
 from lookahead.kernels import StepPattern
 
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from lookahead.models import Llama
-from lookahead.models import default_model as dm
 
 from lookahead import LookaheadConfig
+from lookahead.models import Llama
+from lookahead.models import default_model as dm
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "dev.jsonl"
 CHAT = ["What is the capital of France?", "Write a python function that reverses a string."]

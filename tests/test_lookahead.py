@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+
 from helpers import MockStepModel, context_logits
+from lookahead import LookaheadConfig, decode
 from lookahead.kernels import StepPattern
 from lookahead.models import Llama
-
-from lookahead import LookaheadConfig, decode
 from lookahead.pool import NGramPool
 from lookahead.verify import greedy_verify
 from lookahead.window import LookaheadWindow

@@ -5,10 +5,11 @@ import shutil
 
 import pytest
 import torch
+from transformers import LlamaForCausalLM
+
 from lookahead.models import CheckpointError, ConfigError, Llama, LlamaConfig
 from lookahead.models.attention import AttentionContext
 from lookahead.models.runner import CachedRunner
-from transformers import LlamaForCausalLM
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
@@ -85,6 +86,14 @@ def test_cached_decoding_equals_full_forward(tiny_checkpoint):
         logits = runner.step([int(ids[0, t])], PLAIN_STEP, [0])
         runner.commit([0])
         assert (logits[0] - full[t]).abs().max().item() < 1e-4
+
+
+def test_chunked_prefill_equals_full_forward(tiny_checkpoint):
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    ids = torch.randint(0, 101, (1, 30), generator=torch.Generator().manual_seed(6))
+    runner = CachedRunner(model, capacity=32)
+    runner.prefill(ids[0, :17].tolist())
+    assert (runner.prefill(ids[0, 17:].tolist()) - model(ids)[0, -1]).abs().max().item() < 1e-4
 
 
 def test_greedy_generate_equals_transformers(tiny_checkpoint):

@@ -4,6 +4,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+
 from lookahead.kernels import StepPattern, lookahead_mask
 from lookahead.kernels.triton_attention import _visible
 

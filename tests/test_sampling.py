@@ -4,11 +4,11 @@ import itertools
 
 import pytest
 import torch
-from helpers import MockStepModel, context_logits
-from lookahead.models import Llama
 
 import lookahead.engine as engine
+from helpers import MockStepModel, context_logits
 from lookahead import LookaheadConfig, SamplingParams, decode
+from lookahead.models import Llama
 from lookahead.sampling import target_probs
 from lookahead.verify import Verdict
 
