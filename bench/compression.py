@@ -1,9 +1,9 @@
 """Compression S per kind for chosen (W, N, G) on the dev prompts, counting forward passes only.
 
-Every output is checked token for token against plain greedy. `--no-output-pool` runs the authors'
-setting (prompt n-grams only in the pool) beside ours.
+Every output is checked token for token against plain greedy. `--pools prompt` runs the authors' setting
+(prompt n-grams only in the pool); `--pools both` runs it beside ours.
 
-    python bench/compression.py --kinds chat code math --per-kind 3 --configs 15-5-15 7-5-7 5-4-5 3-3-3
+    python bench/compression.py --kinds chat code math --per-kind 3 --configs 15-5-15 7-5-7 5-4-5 3-3-3 --pools both
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ def main() -> None:
     parser.add_argument("--per-kind", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--configs", nargs="*", default=["15-5-15", "7-5-7", "5-4-5", "3-3-3"])
-    parser.add_argument("--also-without-output-pool", action="store_true",
-                        help="also run each config with pool_from_output=False (the authors' pool)")
+    parser.add_argument("--pools", choices=("ours", "prompt", "both"), default="ours",
+                        help="ours: prompt + output n-grams; prompt: prompt n-grams only (the authors'); both")
     parser.add_argument("--name", default="compression")
     args = parser.parse_args()
     from transformers import AutoTokenizer
@@ -35,9 +35,8 @@ def main() -> None:
     model = Llama.from_pretrained(folder, device="cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     rows = load_prompts(args.per_kind, tuple(args.kinds))
-    variants = [(spec, True) for spec in args.configs]
-    if args.also_without_output_pool:
-        variants += [(spec, False) for spec in args.configs]
+    pools = {"ours": [True], "prompt": [False], "both": [True, False]}[args.pools]
+    variants = [(spec, output_pool) for output_pool in pools for spec in args.configs]
     records = []
     with torch.inference_mode():
         for row in rows:
