@@ -15,14 +15,15 @@ class LookaheadConfig:
     pool_from_prompt: seed the pool with the prompt's n-grams (the paper's "prompt as reference").
     pool_from_output: also add the n-grams of the accepted output as it grows.
 
-    The defaults (W=5, N=4, G=5) were measured best for tokens/s on the default model on a 2-core CPU
-    (see README). On a GPU the forward pass is nearly free up to a few hundred tokens, so use the
-    paper's settings: 7B on A100 W=15, N=5, G=15; 13B W=10, N=5, G=10; 33B W=7, N=5, G=7.
+    The defaults (W=3, N=4, G=3: 18 tokens a step) measured the best tokens/s for the default model on a
+    2-core CPU, where a forward pass of 18 tokens costs about twice one of a single token (README,
+    "Results"). On a GPU a forward pass of a few hundred tokens costs about as much as one, so use the
+    paper's A100 settings (G = W): 7B W=15, N=5; 13B W=10, N=5; 33B W=7, N=5.
     """
 
-    window: int = 5
+    window: int = 3
     ngram: int = 4
-    guesses: int = 5
+    guesses: int = 3
     pool_from_prompt: bool = True
     pool_from_output: bool = True
 

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 
 class LookaheadWindow:
+    """The window's levels (`levels[l][i]`), their step tokens, the n-grams they close, and their update."""
+
     def __init__(self, window: int, ngram: int, input_token: int, fill_tokens: Sequence[int], seed: int = 0) -> None:
         self.window, self.ngram = window, ngram
         self._fill = list(fill_tokens) or [input_token]
