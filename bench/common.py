@@ -85,3 +85,15 @@ def print_table(headers: list[str], rows: list[list]) -> None:
     print("-|-".join("-" * w for w in widths))
     for row in rows:
         print(" | ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)))
+
+
+def load_model(folder: str | None = None):
+    """(checkpoint folder, Llama on CUDA if there is one else CPU, its tokenizer); default: the default model."""
+    from transformers import AutoTokenizer
+
+    from lookahead.models import Llama
+    from lookahead.models.default_model import default_model_dir
+
+    folder = Path(folder) if folder else default_model_dir()
+    model = Llama.from_pretrained(folder, device="cuda" if torch.cuda.is_available() else "cpu")
+    return folder, model, AutoTokenizer.from_pretrained(str(folder))

@@ -12,10 +12,8 @@ import argparse
 
 import torch
 
-from common import chat_ids, load_prompts, machine, print_table, save_json
+from common import chat_ids, load_model, load_prompts, machine, print_table, save_json
 from lookahead import LookaheadConfig
-from lookahead.models import Llama
-from lookahead.models.default_model import default_model_dir
 
 
 def main() -> None:
@@ -29,11 +27,7 @@ def main() -> None:
                         help="ours: prompt + output n-grams; prompt: prompt n-grams only (the authors'); both")
     parser.add_argument("--name", default="compression")
     args = parser.parse_args()
-    from transformers import AutoTokenizer
-
-    folder = args.model or default_model_dir()
-    model = Llama.from_pretrained(folder, device="cuda" if torch.cuda.is_available() else "cpu")
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    folder, model, tokenizer = load_model(args.model)
     rows = load_prompts(args.per_kind, tuple(args.kinds))
     pools = {"ours": [True], "prompt": [False], "both": [True, False]}[args.pools]
     variants = [(spec, output_pool) for output_pool in pools for spec in args.configs]

@@ -17,16 +17,14 @@ import time
 
 import torch
 
-from common import RESULTS, chat_ids, device_slug, load_prompts, machine, print_table, save_json, sync
+from common import RESULTS, chat_ids, device_slug, load_model, load_prompts, machine, print_table, save_json, sync
 from lookahead import LookaheadConfig
-from lookahead.models import Llama
-from lookahead.models.default_model import default_model_dir
 
 REQUIRED = [(15, 5, 15), (7, 5, 7), (5, 3, 5)]
 CPU_CANDIDATES = [(2, 3, 2), (3, 3, 3), (4, 3, 4), (3, 4, 3), (5, 4, 5)]
 
 
-def make_methods(model: Llama, hf, configs, max_new_tokens: int):
+def make_methods(model, hf, configs, max_new_tokens: int):
     """name -> fn(prompt_ids) -> (tokens, forward passes)."""
     calls = {"n": 0}
     hf.register_forward_pre_hook(lambda *_: calls.__setitem__("n", calls["n"] + 1))
@@ -55,13 +53,10 @@ def make_methods(model: Llama, hf, configs, max_new_tokens: int):
 
 
 def run(args) -> dict:
-    from transformers import AutoTokenizer, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    folder = args.model or default_model_dir()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = Llama.from_pretrained(folder, device=device)
-    hf = LlamaForCausalLM.from_pretrained(str(folder), dtype=torch.float32).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    folder, model, tokenizer = load_model(args.model)
+    hf = LlamaForCausalLM.from_pretrained(str(folder), dtype=torch.float32).to(model.device).eval()
     configs = [tuple(map(int, c.split("-"))) for c in args.configs] if args.configs else REQUIRED + CPU_CANDIDATES
     methods = make_methods(model, hf, configs, args.max_new_tokens)
     prompts = load_prompts(args.per_kind)

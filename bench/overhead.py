@@ -13,10 +13,8 @@ import time
 
 import torch
 
-from common import chat_ids, load_prompts, machine, print_table, save_json, sync
+from common import chat_ids, load_model, load_prompts, machine, print_table, save_json, sync
 from lookahead import LookaheadConfig, decode
-from lookahead.models import Llama
-from lookahead.models.default_model import default_model_dir
 from lookahead.models.runner import CachedRunner
 
 
@@ -61,11 +59,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--configs", nargs="*", default=["5-4-5", "7-5-7", "15-5-15"])
     args = parser.parse_args()
-    from transformers import AutoTokenizer
-
-    folder = args.model or default_model_dir()
-    model = Llama.from_pretrained(folder, device="cuda" if torch.cuda.is_available() else "cpu")
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    folder, model, tokenizer = load_model(args.model)
     ids = chat_ids(tokenizer, load_prompts(1, ("code",))[0]["prompt"])
     rows = []
     with torch.inference_mode():

@@ -12,10 +12,8 @@ import argparse
 
 import torch
 
-from common import chat_ids, load_prompts, machine, print_table, save_json
+from common import chat_ids, load_model, load_prompts, machine, print_table, save_json
 from lookahead import LookaheadConfig
-from lookahead.models import Llama
-from lookahead.models.default_model import default_model_dir
 
 SETTINGS = [("greedy", 0.0, 0, 1.0), ("T=1.0", 1.0, 0, 1.0), ("T=0.7", 0.7, 0, 1.0), ("T=0.7 top-p 0.9", 0.7, 0, 0.9)]
 
@@ -27,11 +25,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--configs", nargs="*", default=["5-4-5", "7-5-7"])
     args = parser.parse_args()
-    from transformers import AutoTokenizer
-
-    folder = args.model or default_model_dir()
-    model = Llama.from_pretrained(folder, device="cuda" if torch.cuda.is_available() else "cpu")
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    folder, model, tokenizer = load_model(args.model)
     rows = load_prompts(args.per_kind)
     results = []
     with torch.inference_mode():

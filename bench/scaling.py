@@ -14,10 +14,8 @@ import argparse
 
 import torch
 
-from common import chat_ids, load_prompts, machine, print_table, save_json
+from common import chat_ids, load_model, load_prompts, machine, print_table, save_json
 from lookahead import LookaheadConfig
-from lookahead.models import Llama
-from lookahead.models.default_model import default_model_dir
 
 WINDOWS = (1, 2, 4, 8, 16, 32)
 NGRAMS = (3, 5, 7, 11)
@@ -54,11 +52,7 @@ def main() -> None:
     parser.add_argument("--ngrams", type=int, nargs="*", default=list(NGRAMS))
     args = parser.parse_args()
 
-    from transformers import AutoTokenizer
-
-    folder = args.model or default_model_dir()
-    model = Llama.from_pretrained(folder, device="cuda" if torch.cuda.is_available() else "cpu")
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    folder, model, tokenizer = load_model(args.model)
     rows = load_prompts(args.per_kind, tuple(args.kinds))
     prompts = [chat_ids(tokenizer, r["prompt"]) for r in rows]
     with torch.inference_mode():
