@@ -155,13 +155,17 @@ class _LookaheadLoop:
     def _verify(self, candidates, logits, row_of, predicted, pattern) -> Verdict:
         if self.sampler is None:
             return greedy_verify(candidates, predicted, pattern)
-        probs = target_probs(logits, self.sampling)
+        # only the input's and the candidates' outputs are distributions the walk draws from; the
+        # lookahead rows were argmaxed already, so they are left out of the softmax
+        verified = [0, *range(pattern.lookahead_len, pattern.num_tokens)]
+        probs = target_probs(logits[[row_of[i] for i in verified]], self.sampling)
+        prob_row = {index: r for r, index in enumerate(verified)}
         # the few probabilities the walk reads, fetched at once (one device sync)
         sources = [0] + [pattern.candidate_index(c, k) for c, g in enumerate(candidates) for k in range(1, len(g))]
         vocab = sorted({t for candidate in candidates for t in candidate})
-        table = probs[[row_of[s] for s in sources]][:, vocab].tolist() if vocab else []
+        table = probs[[prob_row[s] for s in sources]][:, vocab].tolist() if vocab else []
         lookup = {(s, t): p for s, row in zip(sources, table, strict=False) for t, p in zip(vocab, row, strict=True)}
-        return sample_verify(candidates, lambda s: probs[row_of[s]], lambda s, t: lookup[(s, t)], pattern,
+        return sample_verify(candidates, lambda s: probs[prob_row[s]], lambda s, t: lookup[(s, t)], pattern,
                              self.sampler.uniform, self.sampler.draw)
 
     def _advance(self, accepted: list[int], outputs: list[int]) -> None:
