@@ -15,7 +15,7 @@ import torch
 
 from common import chat_ids, load_model, load_prompts, machine, print_table, save_json, sync
 from lookahead import LookaheadConfig, decode
-from lookahead.models.runner import CachedRunner
+from lookahead.models.generation import runner_for
 
 
 class TimedModel:
@@ -65,10 +65,10 @@ def main() -> None:
     with torch.inference_mode():
         for spec in args.configs:
             cfg = LookaheadConfig(*map(int, spec.split("-")))
-            capacity = len(ids) + args.max_new_tokens + cfg.max_step_tokens
-            timed = TimedModel(CachedRunner(model, capacity, cfg.max_step_tokens))
+            timed = TimedModel(runner_for(model, len(ids) + args.max_new_tokens, cfg, cuda_graph=True))
             start = time.perf_counter()
-            result = decode(timed, ids, args.max_new_tokens, lookahead=cfg, eos_token_ids=(), device=model.device)
+            result = decode(timed, ids, args.max_new_tokens, lookahead=cfg, eos_token_ids=(), device=model.device,
+                            static_step=model.device.type == "cuda")
             total = time.perf_counter() - start
             loop_us = (total - timed.seconds) / result.steps * 1e6
             model_ms = sum(timed.step_seconds) / len(timed.step_seconds) * 1e3

@@ -25,10 +25,10 @@ class StepPattern:
 
     window: int
     ngram: int
-    guesses: int
+    candidates: int
 
     def __post_init__(self) -> None:
-        for name, value, low in (("window", self.window, 1), ("ngram", self.ngram, 2), ("guesses", self.guesses, 0)):
+        for name, value, low in (("window", self.window, 1), ("ngram", self.ngram, 2), ("candidates", self.candidates, 0)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
             if value < low:
@@ -42,7 +42,12 @@ class StepPattern:
     @property
     def num_tokens(self) -> int:
         """T = (W + g) * (N - 1)."""
-        return (self.window + self.guesses) * (self.ngram - 1)
+        return (self.window + self.candidates) * (self.ngram - 1)
+
+    @property
+    def max_commit(self) -> int:
+        """The most KV entries a verdict of this step commits: the input token plus a whole candidate."""
+        return self.ngram if self.candidates > 0 else 1
 
     def level_index(self, level: int, column: int) -> int:
         """Step index of level `level`, column `column` of the lookahead branch."""

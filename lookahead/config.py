@@ -38,7 +38,3 @@ class LookaheadConfig:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"LookaheadConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
-    @property
-    def max_step_tokens(self) -> int:
-        """Tokens fed to the model in a full step: (W + G) * (N - 1)."""
-        return (self.window + self.guesses) * (self.ngram - 1)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Protocol
 
 import torch
@@ -15,6 +14,7 @@ import torch
 from lookahead.kernels import StepPattern
 
 from .config import LookaheadConfig
+from .layout import StepLayout, full_pattern, pack_step
 from .pool import NGramPool
 from .sampling import Sampler, SamplingParams, target_probs
 from .verify import Verdict, greedy_verify, sample_verify
@@ -24,18 +24,27 @@ PLAIN_STEP = StepPattern(1, 2, 0)  # one token that sees the whole cache
 GREEDY = SamplingParams()
 
 
+@dataclass
+class StepOutput:
+    """What a step returns: the logits of the requested rows (on the model's device) and their argmax."""
+
+    logits: torch.Tensor  # [R, V]
+    argmax: list[int]  # [R], fetched in the step's one device-to-host copy
+
+
 class StepModel(Protocol):
     """What the decode loop needs of a model with a KV cache.
 
     prefill: run the prompt into the cache; return the logits [V] of its last token.
     step: run `tokens` laid out as `pattern` describes, at positions L + relative position, writing
-        their KV entries after the cache prefix; return the logits [len(rows), V] of step indices `rows`.
-    commit: keep the KV entries of these step indices (at positions L, L+1, ...) and grow L by their number.
+        their KV entries after the cache prefix; return the outputs of step indices `rows`.
+    commit: keep the KV entries of these step indices (at positions L, L+1, ...) and grow L by their
+        number. A model may defer the copy to its next step, so a commit costs no launch of its own.
     """
 
     def prefill(self, tokens: Sequence[int]) -> torch.Tensor: ...
 
-    def step(self, tokens: Sequence[int], pattern: StepPattern, rows: Sequence[int]) -> torch.Tensor: ...
+    def step(self, tokens: Sequence[int], pattern: StepPattern, rows: Sequence[int]) -> StepOutput: ...
 
     def commit(self, step_indices: Sequence[int]) -> None: ...
 
@@ -89,20 +98,26 @@ def decode(
     stream: Callable[[list[int]], None] | None = None,
     seed: int | None = None,
     device: torch.device | str = "cpu",
+    static_step: bool = False,
 ) -> GenerationResult:
-    """Generate up to `max_new_tokens` after `prompt`; lookahead None means plain decoding."""
+    """Generate up to `max_new_tokens` after `prompt`; lookahead None means plain decoding.
+
+    static_step: feed every lookahead step at the configuration's full size (W + G)(N - 1), missing
+    levels and candidates padded (one shape for the whole generation); otherwise each step has the
+    exact size of what it holds. The tokens are the same either way.
+    """
     sampler = None if sampling.greedy else Sampler(seed, torch.device(device))
     out = _Output(max_new_tokens, eos_token_ids, stream)
     last = _choose(model.prefill(prompt)[None], sampling, sampler)
     out.accept([last])
     if lookahead is None:
         while not out.done:
-            logits = model.step([last], PLAIN_STEP, [0])
+            step = model.step([last], PLAIN_STEP, [0])
             model.commit([0])
-            last = _choose(logits, sampling, sampler)
+            last = step.argmax[0] if sampler is None else _choose(step.logits, sampling, sampler)
             out.accept([last])
     else:
-        loop = _LookaheadLoop(lookahead, prompt, last, sampling, sampler)
+        loop = _LookaheadLoop(lookahead, prompt, last, sampling, sampler, static_step)
         while not out.done:
             verdict = loop.step(model, last)
             last = verdict.tokens[-1]
@@ -120,8 +135,9 @@ class _LookaheadLoop:
     """State of lookahead decoding between steps: the 2D window, the n-gram pool, the sequence."""
 
     def __init__(self, cfg: LookaheadConfig, prompt: Sequence[int], first: int, sampling: SamplingParams,
-                 sampler: Sampler | None) -> None:
-        self.cfg, self.sampling, self.sampler = cfg, sampling, sampler
+                 sampler: Sampler | None, static: bool) -> None:
+        self.cfg, self.sampling, self.sampler, self.static = cfg, sampling, sampler, static
+        self.full = full_pattern(cfg)
         self.pool = NGramPool(cfg.ngram, cfg.guesses)
         self.sequence = list(prompt) + [first]
         if cfg.pool_from_prompt:
@@ -132,17 +148,12 @@ class _LookaheadLoop:
     def step(self, model: StepModel, input_token: int) -> Verdict:
         """One forward pass: lookahead branch + verification branch; commits the accepted KV entries."""
         levels = len(self.window.levels)
-        candidates = self._candidates(input_token, levels)
-        pattern = StepPattern(self.cfg.window, levels + 1, len(candidates))
-        rows = _output_rows(pattern)
-        tokens = self.window.tokens + [t for candidate in candidates for t in candidate]
-        logits = model.step(tokens, pattern, rows)
-        row_of = {index: r for r, index in enumerate(rows)}
-        argmax = logits.argmax(-1).tolist()
-        predicted = {index: argmax[r] for index, r in row_of.items()}
-        verdict = self._verify(candidates, logits, row_of, predicted, pattern)
-        model.commit(verdict.step_indices(pattern))
-        self._advance(verdict.tokens, [predicted[i] for i in pattern.last_level_indices()])
+        layout = pack_step(self.window.levels, self._candidates(input_token, levels), self.full, self.static)
+        output = model.step(layout.tokens, layout.pattern, layout.rows)
+        predicted = {index: output.argmax[r] for index, r in layout.row_of.items()}
+        verdict = self._verify(layout, output.logits, predicted)
+        model.commit(layout.commit_indices(verdict.candidate, verdict.run))
+        self._advance(verdict.tokens, [predicted[i] for i in layout.last_level])
         return verdict
 
     def _candidates(self, input_token: int, levels: int) -> list[tuple[int, ...]]:
@@ -152,13 +163,14 @@ class _LookaheadLoop:
         # warm-up: the window has fewer levels, so verify the candidates' first `levels` tokens
         return list(dict.fromkeys(candidate[:levels] for candidate in found))
 
-    def _verify(self, candidates, logits, row_of, predicted, pattern) -> Verdict:
+    def _verify(self, layout: StepLayout, logits: torch.Tensor, predicted: dict[int, int]) -> Verdict:
+        candidates, pattern = layout.candidates, layout.pattern
         if self.sampler is None:
             return greedy_verify(candidates, predicted, pattern)
         # only the input's and the candidates' outputs are distributions the walk draws from; the
         # lookahead rows were argmaxed already, so they are left out of the softmax
-        verified = [0, *range(pattern.lookahead_len, pattern.num_tokens)]
-        probs = target_probs(logits[[row_of[i] for i in verified]], self.sampling)
+        verified = [0, *layout.candidate_rows]
+        probs = target_probs(logits[[layout.row_of[i] for i in verified]], self.sampling)
         prob_row = {index: r for r, index in enumerate(verified)}
         # the few probabilities the walk reads, fetched at once (one device sync)
         sources = [0] + [pattern.candidate_index(c, k) for c, g in enumerate(candidates) for k in range(1, len(g))]
@@ -177,11 +189,3 @@ class _LookaheadLoop:
             self.pool.add_sequence(self.sequence, start=self.pooled_upto - self.cfg.ngram + 1)
         self.pooled_upto = len(self.sequence)
         self.window.advance(outputs, accepted[-1])
-
-
-@lru_cache(maxsize=256)
-def _output_rows(pattern: StepPattern) -> list[int]:
-    """Step indices whose logits a step needs: the input, the last level, every candidate token."""
-    rows = {0, *pattern.last_level_indices()}
-    rows.update(range(pattern.lookahead_len, pattern.num_tokens))
-    return sorted(rows)

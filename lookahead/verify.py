@@ -22,10 +22,10 @@ class Verdict:
     tokens: list[int]
     candidate: int  # -1 when no candidate token was accepted
 
-    def step_indices(self, pattern: StepPattern) -> list[int]:
-        """Step indices whose KV entries to commit: the input token, then the accepted candidate tokens."""
-        run = len(self.tokens) - 1
-        return [0] + [pattern.candidate_index(self.candidate, k) for k in range(1, run + 1)]
+    @property
+    def run(self) -> int:
+        """Candidate tokens accepted (the last token is always the model's own)."""
+        return len(self.tokens) - 1
 
 
 def greedy_verify(candidates: Sequence[Sequence[int]], predicted: dict[int, int], pattern: StepPattern) -> Verdict:

@@ -27,11 +27,6 @@ class LookaheadWindow:
         """Whether all N - 1 levels are filled (warm-up is over)."""
         return len(self.levels) == self.ngram - 1
 
-    @property
-    def tokens(self) -> list[int]:
-        """The step's lookahead tokens in layout order: level 0 columns 0..W-1, then level 1, ..."""
-        return [t for level in self.levels for t in level]
-
     def columns(self, outputs: Sequence[int]) -> list[list[int]]:
         """The n-grams closed by the last level's outputs: column i of every level plus outputs[i]."""
         return [[level[i] for level in self.levels] + [outputs[i]] for i in range(self.window)]

@@ -1,20 +1,31 @@
-"""`Llama.generate`: checks the request, sizes the cache, and runs the decode loop."""
+"""`Llama.generate`: checks the request, finds a runner (cache, graphs) for it, and runs the decode loop.
+
+The model's runner is kept between generations (on the model) and grown in powers of two, so its KV
+cache, compiled kernels and captured CUDA graphs are reused.
+"""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
 from lookahead.config import LookaheadConfig
-from lookahead.engine import GenerationResult, decode
+from lookahead.engine import PLAIN_STEP, GenerationResult, decode
+from lookahead.layout import full_pattern
 from lookahead.sampling import SamplingParams
 
-from .llama import Llama
 from .runner import CachedRunner
+
+if TYPE_CHECKING:
+    from .llama import Llama
+
+MIN_CAPACITY = 256
 
 
 def generate(model: Llama, prompt_ids, *, max_new_tokens: int, lookahead: LookaheadConfig | None,
              temperature: float, top_k: int, top_p: float, seed: int | None, eos_token_id,
-             stream) -> GenerationResult:
+             stream, static_step: bool | None, cuda_graph: bool) -> GenerationResult:
     """See `Llama.generate`."""
     prompt = _prompt_list(prompt_ids, model.config.vocab_size)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
@@ -25,6 +36,9 @@ def generate(model: Llama, prompt_ids, *, max_new_tokens: int, lookahead: Lookah
         raise TypeError(f"seed must be an int or None, got {seed!r}")
     if stream is not None and not callable(stream):
         raise TypeError(f"stream must be callable or None, got {type(stream).__name__}")
+    for name, flag in (("static_step", static_step), ("cuda_graph", cuda_graph)):
+        if flag is not None and not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool{' or None' if name == 'static_step' else ''}, got {flag!r}")
     sampling = SamplingParams(temperature, top_k, top_p)
     limit = model.config.max_position_embeddings
     if len(prompt) + max_new_tokens > limit:
@@ -32,10 +46,42 @@ def generate(model: Llama, prompt_ids, *, max_new_tokens: int, lookahead: Lookah
                          f"{len(prompt) + max_new_tokens} exceeds the model's max_position_embeddings ({limit}); "
                          "shorten the prompt or lower max_new_tokens")
     eos = _eos_ids(model, eos_token_id)
-    step_tokens = lookahead.max_step_tokens if lookahead is not None else 1
-    runner = CachedRunner(model, capacity=len(prompt) + max_new_tokens + step_tokens, max_step_tokens=step_tokens)
+    static = model.device.type == "cuda" if static_step is None else static_step
+    runner = runner_for(model, len(prompt) + max_new_tokens, lookahead, cuda_graph)
     with torch.inference_mode():
-        return decode(runner, prompt, max_new_tokens, sampling, lookahead, eos, stream, seed, model.device)
+        return decode(runner, prompt, max_new_tokens, sampling, lookahead, eos, stream, seed, model.device,
+                      static_step=static)
+
+
+def warmup(model: Llama, lookahead: LookaheadConfig | None, max_tokens: int, cuda_graph: bool) -> None:
+    """See `Llama.warmup`: one short generation with static steps builds everything a longer one reuses."""
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 2:
+        raise ValueError(f"max_tokens must be an int >= 2, got {max_tokens!r}")
+    runner_for(model, max_tokens, lookahead, cuda_graph)
+    steps = 1 if lookahead is None else lookahead.ngram  # past the window's warm-up: the full step shape
+    generate(model, [0], max_new_tokens=steps + 1, lookahead=lookahead, temperature=0.0, top_k=0, top_p=1.0,
+             seed=None, eos_token_id=[], stream=None, static_step=True, cuda_graph=cuda_graph)
+
+
+def runner_for(model: Llama, tokens: int, lookahead: LookaheadConfig | None, cuda_graph: bool) -> CachedRunner:
+    """The model's runner, rebuilt (capacity rounded up to a power of two) only when it cannot serve this."""
+    full = full_pattern(lookahead) if lookahead is not None else PLAIN_STEP
+    step_tokens = full.num_tokens
+    capacity = tokens + step_tokens
+    runner: CachedRunner | None = model.__dict__.get("_runner")
+    if runner is None or not runner.fits(capacity, step_tokens, full.max_commit, cuda_graph):
+        old = runner
+        capacity = max(MIN_CAPACITY, 1 << (capacity - 1).bit_length())
+        if old is not None:  # keep what the old one could serve, so alternating configs do not rebuild
+            step_tokens = max(step_tokens, old.max_step_tokens)
+            capacity = max(capacity, old.cache.capacity)
+        max_commit = max(full.max_commit, old.max_commit if old is not None else 1)
+        model.__dict__["_runner"] = None  # free the old cache before allocating the new one
+        del old, runner
+        runner = CachedRunner(model, capacity, step_tokens, max_commit, cuda_graph)
+        model.__dict__["_runner"] = runner
+    runner.reset()
+    return runner
 
 
 def _prompt_list(prompt_ids, vocab_size: int) -> list[int]:

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch import nn
-
-from lookahead.kernels import commit_accepted
 
 
 class KVCache(nn.Module):
     """Keys and values of every layer: k, v [layers, B, Hkv, capacity, D].
 
-    Stacking the layers lets one copy commit a step's accepted entries in all of them.
+    Writes and moves take device index tensors (no host value decides a shape), so a captured CUDA
+    graph can replay them; stacking the layers lets one gather move a step's accepted entries in all
+    of them.
     """
 
     def __init__(self, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
@@ -28,15 +26,14 @@ class KVCache(nn.Module):
         """Positions each layer holds."""
         return self.k.shape[3]
 
-    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v [B, Hkv, T, D] at positions start..start+T-1 of `layer`; return that layer's buffers."""
-        end = start + k.shape[2]
-        if end > self.capacity:
-            raise ValueError(f"KV cache holds {self.capacity} positions; writing {start}..{end - 1} overflows it")
-        self.k[layer, :, :, start:end] = k
-        self.v[layer, :, :, start:end] = v
-        return self.k[layer], self.v[layer]
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [B, Hkv, T, D] at positions `slots` [T] of `layer`; return that layer's buffers."""
+        k_layer, v_layer = self.k[layer], self.v[layer]
+        k_layer.index_copy_(2, slots, k)
+        v_layer.index_copy_(2, slots, v)
+        return k_layer, v_layer
 
-    def commit(self, prefix_len: int, step_indices: Sequence[int]) -> None:
-        """Move a step's accepted entries (step indices) to positions prefix_len.. in every layer."""
-        commit_accepted(self.k, self.v, prefix_len, step_indices)
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy positions `src` [K] to positions `dst` [K] in every layer (all reads happen before the writes)."""
+        for cache in (self.k, self.v):
+            cache.index_copy_(3, dst, cache.index_select(3, src))

@@ -8,10 +8,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lookahead.config import LookaheadConfig
+from lookahead.engine import GenerationResult
 from lookahead.kernels import interpreting
 
-from .attention import BACKENDS, AttentionContext
+from .attention import BACKENDS, Attend, causal
 from .config import LlamaConfig
+from .generation import generate, warmup
 from .loading import load_weights
 from .rope import apply_rotary, inverse_frequencies, rotary_cos_sin
 
@@ -41,13 +44,13 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
-                ctx: AttentionContext) -> torch.Tensor:
+                attend: Attend) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = ctx.attend(layer, q, k, v)  # [B, Hq, T, D]
+        out = attend(layer, q, k, v)  # [B, Hq, T, D]; the kernel's is a view of [B, T, Hq, D], so no copy below
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
 
@@ -70,8 +73,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, layer: int, ctx: AttentionContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, ctx)
+    def forward(self, x, cos, sin, layer: int, attend: Attend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, attend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -99,18 +102,21 @@ class Llama(nn.Module):
         self.checkpoint_dir: Path | None = None
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: torch.dtype | str = torch.float32,
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype | str | None = None,
                         device: torch.device | str = "cpu", attn_backend: str = "auto") -> Llama:
         """Load a Hugging Face LLaMA checkpoint folder (config.json + model.safetensors, sharded or not).
 
-        dtype: float32, float16 or bfloat16. attn_backend: "auto" (Triton on CUDA, torch on CPU),
-        "torch", or "triton" (on CPU only under TRITON_INTERPRET=1).
+        dtype: float32, float16 or bfloat16; None means bfloat16 on CUDA and float32 elsewhere. Greedy
+        lookahead output equals plain greedy token for token in float32; in 16-bit types a multi-token
+        pass rounds differently from a one-token pass, so near-ties can flip.
+        attn_backend: "auto" (Triton on CUDA, torch on CPU), "torch", or "triton" (on CPU only under
+        TRITON_INTERPRET=1).
         """
         path = Path(path)
         if not path.is_dir():
             raise FileNotFoundError(f"checkpoint folder {path} does not exist")
-        dtype = resolve_dtype(dtype)
         device = torch.device(device)
+        dtype = resolve_dtype(dtype if dtype is not None else default_dtype(device))
         backend = resolve_backend(attn_backend, device)
         config = LlamaConfig.from_file(path)
         with torch.device("meta"):
@@ -138,42 +144,63 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                attention: AttentionContext | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, T, vocab] (or [B, len(rows), vocab] for the step rows `rows`).
+                attention: Attend | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, vocab] (or [B, len(rows), vocab] for the rows `rows`, an index tensor).
 
-        With no `attention` this is a plain causal forward without cache, positions 0..T-1.
+        positions: [T] absolute positions (default 0..T-1). attention: how each layer attends,
+        `attention(layer, q, k, v)` (default: plain causal over these tokens, no cache).
         """
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        ctx = attention if attention is not None else AttentionContext(self.attn_backend)
+        attend = attention if attention is not None else causal
         cos, sin = rotary_cos_sin(self.rope_inv_freq, positions)
         x = self.model.embed_tokens(input_ids)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, i, ctx)
+            x = layer(x, cos, sin, i, attend)
         if rows is not None:
             x = x[:, rows]
         return self.lm_head(self.model.norm(x))
 
-    def generate(self, prompt_ids, max_new_tokens: int = 256, lookahead=None, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None, eos_token_id=None, stream=None):
+    def generate(self, prompt_ids, max_new_tokens: int = 256, lookahead: LookaheadConfig | None = None,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                 eos_token_id=None, stream=None, static_step: bool | None = None,
+                 cuda_graph: bool = True) -> GenerationResult:
         """Generate up to `max_new_tokens` tokens after `prompt_ids` (a list of ints or a 1-D tensor).
 
-        lookahead: None for plain decoding, or a `lookahead.LookaheadConfig` for lookahead decoding
-        (exact: greedy output is token for token plain greedy; sampling keeps the distribution).
+        lookahead: None for plain decoding, or a `lookahead.LookaheadConfig` for lookahead decoding.
+        Exact: with temperature 0 the output is plain greedy decoding's, token for token, in float32 (in
+        16-bit types a multi-token pass rounds differently from a one-token pass, so near-ties can
+        flip); with sampling the output distribution is unchanged.
         temperature 0 is greedy; otherwise sampling with top_k (0 = off) and top_p, reproducible with seed.
         eos_token_id: an int or a list (default: the checkpoint's; [] never stops early).
         stream: called with each step's accepted tokens (a list of ints) as they are decided.
+        static_step: pad every lookahead step to the configuration's full size (W + G)(N - 1), so the
+            whole generation has one step shape (one kernel compile, one CUDA graph); None = on CUDA
+            only (on a CPU padding costs real compute). The tokens are the same either way.
+        cuda_graph: on CUDA with static steps and the Triton backend, capture each step shape once as
+            a CUDA graph and replay it; False runs every step eagerly (for debugging).
 
         Returns a `lookahead.GenerationResult` with `tokens`, `steps` (forward passes, prefill included)
         and `compression` (tokens / steps).
         """
-        from .generation import generate  # the decode loop sits above the model; imported on use
-
         return generate(self, prompt_ids, max_new_tokens=max_new_tokens, lookahead=lookahead,
                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                        eos_token_id=eos_token_id, stream=stream)
+                        eos_token_id=eos_token_id, stream=stream, static_step=static_step,
+                        cuda_graph=cuda_graph)
+
+    def warmup(self, lookahead: LookaheadConfig | None = None, max_tokens: int = 2048,
+               cuda_graph: bool = True) -> None:
+        """Compile the kernels and capture the CUDA graphs that generations of up to `max_tokens` tokens
+        (prompt + output) with `lookahead` will use, so that the first generation does not pay for them.
+        Without it the first generation of each configuration warms up on its own."""
+        warmup(self, lookahead, max_tokens, cuda_graph)
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """bfloat16 on CUDA (the serving type), float32 elsewhere (the exactness reference)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:

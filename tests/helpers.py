@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from lookahead import StepOutput
 from lookahead.kernels import StepPattern
 
 
@@ -78,7 +79,8 @@ class MockStepModel:
             by_position = sorted(seen, key=lambda j: positions[j])
             assert [positions[j] for j in by_position] == list(range(positions[r] + 1)), "layout broken"
             out.append(self.logits_fn(self.committed + [tokens[j] for j in by_position]))
-        return torch.stack(out).float()
+        logits = torch.stack(out).float()
+        return StepOutput(logits, logits.argmax(-1).tolist())
 
     def commit(self, step_indices):
         assert step_indices[0] == 0

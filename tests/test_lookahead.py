@@ -147,7 +147,7 @@ def test_greedy_verify_takes_the_longest_prefix_and_the_next_token():
                  p.candidate_index(2, 1): 1, p.candidate_index(2, 2): 1, p.candidate_index(2, 3): 1}
     verdict = greedy_verify(candidates, predicted, p)
     assert verdict.tokens == [5, 6, 0] and verdict.candidate == 0
-    assert verdict.step_indices(p) == [0, p.candidate_index(0, 1), p.candidate_index(0, 2)]
+    assert verdict.run == 2 and verdict.candidate == 0
     predicted[p.candidate_index(0, 2)] = 7
     assert greedy_verify(candidates, predicted, p).tokens == [5, 6, 7, 1]  # all N-1 accepted, plus one: N
     assert greedy_verify([], {0: 9}, StepPattern(1, 4, 0)).tokens == [9]

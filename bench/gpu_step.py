@@ -1,0 +1,253 @@
+"""The fast step, measured in one command: under 10 minutes on one H100, or `--quick` on a CPU in a minute.
+
+1. SmolLM2-135M-Instruct (bf16 on GPU, fp32 on CPU): plain vs lookahead tokens/s, eager vs CUDA graphs,
+   interleaved per prompt; S and whether every output equals plain greedy.
+2. An 8B-shaped LLaMA with random bf16 weights: the time of one step of T = 1, 18, 56, 120 tokens
+   ((W, N, G) = plain, (3,4,3), (7,5,7), (15,5,15)) at L = 1k, 4k, 16k cached positions, and the
+   projected speedup S x t(1) / t(T) with the S measured in part 1.
+3. Host time and op count per step (torch profiler), eager vs graphs.
+
+    python bench/gpu_step.py              # GPU: writes bench/results/gpu-step-cuda.{json,png}
+    python bench/gpu_step.py --quick      # CPU: a small random model stands in for the 8B one
+
+Each part records its error and the script goes on, so one failure does not lose a rare GPU run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import traceback
+
+import torch
+
+from common import RESULTS, chat_ids, device_slug, load_model, load_prompts, machine, print_table, save_json, sync
+from lookahead import LookaheadConfig
+from lookahead.engine import PLAIN_STEP
+from lookahead.kernels import StepPattern
+from lookahead.layout import full_pattern, pack_step
+from lookahead.models import Llama, LlamaConfig
+from lookahead.models.generation import runner_for
+
+GPU = torch.cuda.is_available()
+STEP_CONFIGS = {1: None, 18: LookaheadConfig(3, 4, 3), 56: LookaheadConfig(7, 5, 7), 120: LookaheadConfig(15, 5, 15)}
+LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+                rms_norm_eps=1e-5)
+SMALL = dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
+             num_key_value_heads=2, head_dim=32, max_position_embeddings=4096, rms_norm_eps=1e-5)
+
+
+def label(cfg: LookaheadConfig | None) -> str:
+    return "plain" if cfg is None else f"{cfg.window}-{cfg.ngram}-{cfg.guesses}"
+
+
+def timed(fn):
+    sync()
+    start = time.perf_counter()
+    out = fn()
+    sync()
+    return out, time.perf_counter() - start
+
+
+def part_tokens_per_second(args) -> dict:
+    """SmolLM2: every method on every prompt, interleaved, eager and graphed."""
+    _, model, tokenizer = load_model()
+    kinds = ("chat", "code") if args.quick else ("chat", "code", "math", "summarize")
+    prompts = [chat_ids(tokenizer, row["prompt"]) for row in load_prompts(args.per_kind, kinds)]
+    configs = [None] + [c for c in STEP_CONFIGS.values() if c is not None]
+    modes = ["eager", "graphs"] if GPU else ["eager"]
+    for cfg in configs:
+        for mode in modes:
+            model.warmup(cfg, max_tokens=2048, cuda_graph=mode == "graphs")
+    totals = {(label(c), m): [0, 0, 0.0, 0] for c in configs for m in modes}  # tokens, steps, seconds, exact
+    for ids in prompts:
+        reference = None
+        for cfg in configs:
+            for mode in modes:
+                result, seconds = timed(lambda: model.generate(ids, max_new_tokens=args.max_new_tokens,  # noqa: B023
+                                                               lookahead=cfg, static_step=GPU,  # noqa: B023
+                                                               cuda_graph=mode == "graphs"))  # noqa: B023
+                reference = reference or result.tokens
+                total = totals[(label(cfg), mode)]
+                total[0] += len(result.tokens)
+                total[1] += result.steps
+                total[2] += seconds
+                total[3] += result.tokens == reference
+    rows = []
+    base = totals[("plain", modes[-1])]
+    for (name, mode), (tokens, steps, seconds, exact) in totals.items():
+        rows.append({"method": name, "mode": mode, "S": tokens / steps, "tokens_per_s": tokens / seconds,
+                     "vs_plain": (tokens / seconds) / (base[0] / base[2]), "exact": f"{exact}/{len(prompts)}"})
+    print(f"\nSmolLM2-135M-Instruct, {model.dtype}, {len(prompts)} prompts, {args.max_new_tokens} new tokens")
+    print_table(["method", "mode", "S", "tokens/s", f"vs plain {modes[-1]}", "= plain greedy"],
+                [[r["method"], r["mode"], f"{r['S']:.2f}", f"{r['tokens_per_s']:.1f}", f"{r['vs_plain']:.2f}x",
+                  r["exact"]] for r in rows])
+    return {"dtype": str(model.dtype), "prompts": len(prompts), "rows": rows}
+
+
+def random_llama(shape: dict, dtype: torch.dtype, device: str) -> Llama:
+    """A LLaMA of the given shape with random weights, made on the device (no checkpoint)."""
+    config = LlamaConfig(**shape)
+    with torch.device("meta"):
+        model = Llama(config, attn_backend="triton" if device == "cuda" else "torch")
+    model.to_empty(device=device).to(dtype)
+    model._tie_weights()
+    gen = torch.Generator(device=device).manual_seed(0)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.data.fill_(1.0)
+        else:
+            p.data.normal_(0.0, 0.02, generator=gen)
+    from lookahead.models.rope import inverse_frequencies
+
+    model.rope_inv_freq = inverse_frequencies(config.head_dim, config.rope).to(device)
+    return model.eval().requires_grad_(False)
+
+
+def full_step(cfg: LookaheadConfig | None) -> tuple[StepPattern, list[int], list[int]]:
+    """(pattern, tokens, rows) of a full step of `cfg`, as the decode loop packs it."""
+    if cfg is None:
+        return PLAIN_STEP, [1], [0]
+    full = full_pattern(cfg)
+    layout = pack_step([[1] * cfg.window] * (cfg.ngram - 1), [(1,) * (cfg.ngram - 1)] * cfg.guesses, full, True)
+    return layout.pattern, layout.tokens, layout.rows
+
+
+def step_seconds(model: Llama, cfg: LookaheadConfig | None, prefix_len: int, repeats: int) -> float:
+    """Median seconds of one step of `cfg`'s full shape at L = prefix_len (graphed on GPU)."""
+    pattern, tokens, rows = full_step(cfg)
+    runner = runner_for(model, prefix_len + 64, cfg, cuda_graph=True)
+    runner.length = prefix_len  # the cache content does not change the step's cost
+    times = []
+    with torch.inference_mode():
+        for i in range(repeats + 3):
+            _, seconds = timed(lambda: runner.step(tokens, pattern, rows))  # noqa: B023
+            if i >= 3:
+                times.append(seconds)
+    return statistics.median(times)
+
+
+def part_step_time(args, s_by_config: dict[str, float]) -> dict:
+    shape, dtype, device = (SMALL, torch.float32, "cpu") if args.quick else (LLAMA_8B, torch.bfloat16, "cuda")
+    lengths = (128, 512) if args.quick else (1024, 4096, 16384)
+    sizes = (1, 18) if args.quick else tuple(STEP_CONFIGS)
+    model = random_llama(shape, dtype, device)
+    runner_for(model, max(lengths) + 128, STEP_CONFIGS[max(sizes)], cuda_graph=True)  # one cache for all
+    rows = []
+    for prefix_len in lengths:
+        base = None
+        for t in sizes:
+            cfg = STEP_CONFIGS[t]
+            seconds = step_seconds(model, cfg, prefix_len, args.repeats)
+            base = base or seconds
+            s = s_by_config.get(label(cfg), 1.0 if cfg is None else float("nan"))
+            rows.append({"L": prefix_len, "T": t, "config": label(cfg), "ms": seconds * 1e3, "vs_T1": seconds / base,
+                         "S": s, "projected_speedup": s * base / seconds})
+    name = "8B-shaped, random bf16" if not args.quick else "small random (CPU stand-in)"
+    print(f"\nstep time, {name}, {'CUDA graphs' if GPU else 'eager'}")
+    print_table(["L", "T", "W-N-G", "ms/step", "t(T)/t(1)", "S (part 1)", "projected S x t(1)/t(T)"],
+                [[r["L"], r["T"], r["config"], f"{r['ms']:.2f}", f"{r['vs_T1']:.2f}", f"{r['S']:.2f}",
+                  f"{r['projected_speedup']:.2f}x"] for r in rows])
+    del model
+    return {"model": name, "shape": shape, "rows": rows}
+
+
+def part_host(args) -> dict:
+    """Host time and profiler op count of one lookahead step, eager vs graphs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _, model, _ = load_model()
+    cfg = LookaheadConfig(7, 5, 7)
+    pattern, tokens, rows_idx = full_step(cfg)
+    rows = []
+    for mode in (["eager", "graphs"] if GPU else ["eager"]):
+        runner = runner_for(model, 1024, cfg, cuda_graph=mode == "graphs")
+        runner.length = 512
+        with torch.inference_mode():
+            for _ in range(3):
+                runner.step(tokens, pattern, rows_idx)
+            walls = [timed(lambda: runner.step(tokens, pattern, rows_idx))[1] for _ in range(args.repeats)]  # noqa: B023
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if GPU else [])
+            with profile(activities=activities) as prof:
+                for _ in range(args.repeats):
+                    runner.step(tokens, pattern, rows_idx)
+                sync()
+        events = prof.key_averages()
+        ops = sum(e.count for e in events if e.key.startswith("aten::")) / args.repeats
+        device_us = sum(getattr(e, "self_device_time_total", 0) for e in events) / args.repeats if GPU else 0.0
+        wall_ms = statistics.median(walls) * 1e3
+        host_ms = wall_ms - device_us / 1e3 if GPU else float("nan")
+        rows.append({"mode": mode, "config": label(cfg), "wall_ms": wall_ms, "device_ms": device_us / 1e3,
+                     "host_exposed_ms": host_ms, "aten_ops": ops})
+    print(f"\nhost cost of one {label(cfg)} step (T = {pattern.num_tokens}), SmolLM2, L = 512")
+    print_table(["mode", "wall ms", "GPU busy ms", "wall - GPU ms", "aten ops/step"],
+                [[r["mode"], f"{r['wall_ms']:.2f}", f"{r['device_ms']:.2f}", f"{r['host_exposed_ms']:.2f}",
+                  f"{r['aten_ops']:.0f}"] for r in rows])
+    return {"rows": rows}
+
+
+def plot(payload: dict) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    tps = payload.get("tokens_per_second", {}).get("rows", [])
+    if tps:
+        names = [f"{r['method']}\n{r['mode']}" for r in tps]
+        axes[0].bar(names, [r["tokens_per_s"] for r in tps], color=["#888" if r["method"] == "plain" else "#1f77b4"
+                                                                   for r in tps])
+        axes[0].set_ylabel("tokens/s")
+        axes[0].set_title("SmolLM2-135M: plain vs lookahead")
+        axes[0].tick_params(axis="x", labelsize=7)
+    steps = payload.get("step_time", {}).get("rows", [])
+    for prefix_len in sorted({r["L"] for r in steps}):
+        pts = [r for r in steps if r["L"] == prefix_len]
+        axes[1].plot([r["T"] for r in pts], [r["ms"] for r in pts], marker="o", label=f"L={prefix_len}")
+    if steps:
+        axes[1].set_xlabel("tokens per step T")
+        axes[1].set_ylabel("ms per step")
+        axes[1].set_title(payload["step_time"]["model"])
+        axes[1].legend()
+    fig.suptitle(payload["machine"]["device"])
+    fig.tight_layout()
+    fig.savefig(RESULTS / f"gpu-step-{device_slug()}.png", dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small shapes, few prompts (runs on a CPU)")
+    parser.add_argument("--per-kind", type=int, default=None, help="prompts of each kind (default 2; quick 1)")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="default 256; quick 16")
+    parser.add_argument("--repeats", type=int, default=None, help="timed repeats per step (default 20; quick 3)")
+    args = parser.parse_args()
+    args.per_kind = args.per_kind or (1 if args.quick else 2)
+    args.max_new_tokens = args.max_new_tokens or (16 if args.quick else 256)
+    args.repeats = args.repeats or (3 if args.quick else 20)
+    if not GPU and not args.quick:
+        parser.error("no CUDA GPU here: run with --quick for the CPU version")
+    payload: dict = {"machine": machine(), "quick": args.quick}
+    parts = [("tokens_per_second", lambda: part_tokens_per_second(args)),
+             ("step_time", lambda: part_step_time(args, {r["method"]: r["S"] for r in
+                                                         payload.get("tokens_per_second", {}).get("rows", [])})),
+             ("host", lambda: part_host(args))]
+    for name, run in parts:
+        start = time.perf_counter()
+        try:
+            payload[name] = run()
+        except Exception as e:  # noqa: BLE001 - keep the other parts of a rare GPU run
+            traceback.print_exc()
+            payload[name] = {"error": f"{type(e).__name__}: {e}"}
+        payload[name]["seconds"] = time.perf_counter() - start
+        print(f"[{name}: {payload[name]['seconds']:.0f} s]")
+    print(save_json("gpu-step", payload))
+    plot(payload)
+
+
+if __name__ == "__main__":
+    main()

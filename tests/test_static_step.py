@@ -1,0 +1,186 @@
+"""Static steps (padded to the configuration's full size) give the tokens of exact-size steps; the layout
+owner packs them; imports point one way; CUDA graphs (GPU only) replay the eager step exactly."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import MockStepModel, context_logits
+from lookahead import LookaheadConfig, decode
+from lookahead.kernels import StepPattern
+from lookahead.layout import full_pattern, pack_step
+from lookahead.models import Llama
+
+CONFIGS = [(1, 2, 0), (1, 2, 3), (3, 2, 3), (4, 3, 0), (1, 4, 2), (3, 4, 3), (5, 4, 5), (15, 5, 15)]
+IDS = [f"W{w}-N{n}-G{g}" for w, n, g in CONFIGS]
+TARGET = [7, 3, 9, 12, 4, 8, 1, 11, 5, 14, 6, 10, 13] * 6
+
+
+def test_static_layout_pads_where_no_real_token_looks():
+    full = StepPattern(3, 4, 2)
+    levels = [[10, 11, 12], [20, 21, 22]]  # warm-up: 2 of 3 levels
+    layout = pack_step(levels, [(5, 6)], full, static=True)
+    assert layout.pattern == full and len(layout.tokens) == full.num_tokens == 15
+    assert layout.tokens[:6] == [10, 11, 12, 20, 21, 22]
+    assert layout.tokens[9:12] == [5, 6, 10]  # the warm-up candidate, padded to N - 1 tokens
+    assert list(layout.last_level) == [3, 4, 5]
+    assert len(layout.rows) == 1 + 3 + 2 * 3  # the same row count at every step of a static generation
+    padding = [*range(6, 9), 11, *range(12, 15)]
+    real = [i for i in range(full.num_tokens) if i not in padding]
+    mask = full.materialize(0)
+    assert not mask[real][:, padding].any()  # no real token sees a padding token
+    exact = pack_step(levels, [(5, 6)], full, static=False)
+    assert exact.pattern == StepPattern(3, 3, 1) and exact.tokens == [10, 11, 12, 20, 21, 22, 5, 6]
+    assert layout.commit_indices(0, 2) == [0, 9, 10] and exact.commit_indices(0, 2) == [0, 6, 7]
+
+
+@pytest.mark.parametrize("W, N, G", CONFIGS, ids=IDS)
+def test_mock_static_equals_exact_size(W, N, G):
+    for seed in range(3):
+        prompt = torch.randint(0, 16, (4 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+        exact = decode(MockStepModel(16), prompt, 40, lookahead=LookaheadConfig(W, N, G))
+        model = MockStepModel(16)
+        static = decode(model, prompt, 40, lookahead=LookaheadConfig(W, N, G), static_step=True)
+        assert static.tokens == exact.tokens and static.step_tokens == exact.step_tokens
+        assert {p for p in model.patterns} == {StepPattern(W, N, G)}  # one shape, warm-up included
+
+
+@pytest.mark.parametrize("limit", [1, 5, 9])
+def test_static_steps_stop_at_eos_and_limit_inside_a_step(limit):
+    vocab = 16
+    fn = lambda ctx: context_logits(ctx, vocab, target=[1, 2] + TARGET)  # noqa: E731
+    cfg = LookaheadConfig(4, 5, 4)
+    prompt = [1, 2] + TARGET[:8]
+    exact = decode(MockStepModel(vocab, fn), prompt, limit, lookahead=cfg)
+    static = decode(MockStepModel(vocab, fn), prompt, limit, lookahead=cfg, static_step=True)
+    assert static.tokens == exact.tokens == TARGET[8 : 8 + limit]
+    eos = 12
+    exact = decode(MockStepModel(vocab, fn), prompt, 60, eos_token_ids=[eos], lookahead=cfg)
+    static = decode(MockStepModel(vocab, fn), prompt, 60, eos_token_ids=[eos], lookahead=cfg, static_step=True)
+    assert static.tokens == exact.tokens and static.tokens[-1] == eos and len(static.step_tokens[-1]) > 1
+
+
+@pytest.mark.parametrize("W, N, G", CONFIGS, ids=IDS)
+def test_tiny_llama_static_equals_exact_and_plain(tiny_checkpoint, W, N, G):
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    for seed in range(2):
+        prompt = torch.randint(0, 101, (3 + 5 * seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+        plain = model.generate(prompt, max_new_tokens=40, eos_token_id=[])
+        cfg = LookaheadConfig(W, N, G)
+        exact = model.generate(prompt, max_new_tokens=40, eos_token_id=[], lookahead=cfg, static_step=False)
+        static = model.generate(prompt, max_new_tokens=40, eos_token_id=[], lookahead=cfg, static_step=True)
+        assert static.tokens == exact.tokens == plain.tokens
+        assert static.steps == exact.steps
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.9)], ids=["T1", "T0.7-p0.9"])
+def test_tiny_llama_static_sampling_equals_exact(tiny_checkpoint, temperature, top_p):
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    prompt = [3, 17, 22, 3, 17, 5, 9]
+    cfg = LookaheadConfig(3, 4, 3)
+    for seed in range(3):
+        kwargs = dict(max_new_tokens=32, eos_token_id=[], lookahead=cfg, temperature=temperature, top_p=top_p,
+                      seed=seed)
+        exact = model.generate(prompt, static_step=False, **kwargs)
+        static = model.generate(prompt, static_step=True, **kwargs)
+        assert static.tokens == exact.tokens and static.steps == exact.steps
+
+
+@pytest.mark.parametrize("W, N, G", [(1, 2, 0), (3, 4, 3)], ids=["W1-N2-G0", "W3-N4-G3"])
+def test_triton_backend_static_steps(tiny_checkpoint, W, N, G):
+    folder = tiny_checkpoint("gqa")
+    reference = Llama.from_pretrained(folder, attn_backend="torch")
+    kernel = Llama.from_pretrained(folder, attn_backend="triton")
+    prompt = [3, 17, 22, 3, 17, 5, 9]
+    plain = reference.generate(prompt, max_new_tokens=20, eos_token_id=[])
+    cfg = LookaheadConfig(W, N, G)
+    result = kernel.generate(prompt, max_new_tokens=20, eos_token_id=[], lookahead=cfg, static_step=True)
+    assert result.tokens == plain.tokens
+
+
+def test_runner_is_reused_across_generations(tiny_checkpoint):
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    cfg = LookaheadConfig(3, 4, 3)
+    first = model.generate([1, 2, 3], max_new_tokens=10, lookahead=cfg, eos_token_id=[])
+    runner = model.__dict__["_runner"]
+    again = model.generate([1, 2, 3], max_new_tokens=10, lookahead=cfg, eos_token_id=[])
+    plain = model.generate([4, 5], max_new_tokens=10, eos_token_id=[])
+    assert model.__dict__["_runner"] is runner and again.tokens == first.tokens
+    assert plain.tokens == model.generate([4, 5], max_new_tokens=10, eos_token_id=[], static_step=True).tokens
+    model.generate([1, 2, 3], max_new_tokens=400, lookahead=cfg, eos_token_id=[])  # needs a larger cache
+    assert model.__dict__["_runner"] is not runner and model.__dict__["_runner"].cache.capacity == 512
+
+
+def test_full_pattern_is_the_configured_budget():
+    assert full_pattern(LookaheadConfig(15, 5, 15)).num_tokens == 120
+    assert full_pattern(LookaheadConfig(3, 4, 3)).max_commit == 4
+    assert full_pattern(LookaheadConfig(3, 4, 0)).max_commit == 1
+
+
+LAYERING = """
+import sys, importlib
+importlib.import_module({module!r})
+print(' '.join(sorted(m for m in sys.modules if m.startswith('lookahead'))))
+"""
+
+
+@pytest.mark.parametrize("module, forbidden", [
+    ("lookahead.kernels", ("lookahead.engine", "lookahead.models", "lookahead.layout", "lookahead.sampling")),
+    ("lookahead.engine", ("lookahead.models", "lookahead.cli")),
+    ("lookahead", ("lookahead.engine", "lookahead.models", "torch")),
+])
+def test_imports_point_one_way(module, forbidden):
+    """A fresh interpreter: importing a layer loads nothing above it."""
+    out = subprocess.run([sys.executable, "-c", LAYERING.format(module=module)], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert not [m for m in out if m.startswith(forbidden)], out
+    if "torch" in forbidden:
+        probe = subprocess.run([sys.executable, "-c", "import sys, lookahead; print('torch' in sys.modules)"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+        assert probe == "False"
+
+
+def test_no_module_imports_upwards():
+    """Read every module's imports: kernels import neither the loop nor models; the loop does not import models."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    rules = {"kernels": ("lookahead.engine", "lookahead.models", "lookahead.config", "lookahead.layout"),
+             "lookahead": ("lookahead.models",)}
+    for folder, forbidden in rules.items():
+        for path in (root / folder).glob("*.py"):
+            if path.name == "cli.py":  # the CLI sits on top of everything
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = []
+                if isinstance(node, ast.ImportFrom) and node.module:
+                    names = [node.module] if node.level == 0 else []
+                    if node.level == 1 and folder == "lookahead" and node.module.startswith("models"):
+                        names = ["lookahead.models"]
+                elif isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                bad = [n for n in names if n.startswith(forbidden)]
+                assert not bad, f"{path.name} imports {bad}"
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+
+
+@cuda
+@pytest.mark.parametrize("lookahead", [None, LookaheadConfig(3, 4, 3), LookaheadConfig(7, 5, 7)],
+                         ids=["plain", "W3-N4-G3", "W7-N5-G7"])
+def test_cuda_graphs_replay_the_eager_step(tiny_checkpoint, lookahead):
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"), device="cuda", dtype=torch.float32)
+    prompt = [3, 17, 22, 3, 17, 5, 9]
+    kwargs = dict(max_new_tokens=48, eos_token_id=[], lookahead=lookahead, static_step=True)
+    eager = model.generate(prompt, cuda_graph=False, **kwargs)
+    graphed = model.generate(prompt, cuda_graph=True, **kwargs)
+    again = model.generate(prompt, cuda_graph=True, **kwargs)  # replays the graphs captured above
+    assert graphed.tokens == eager.tokens == again.tokens
+    runner = model.__dict__["_runner"]
+    assert runner.cuda_graphs and all(p.graph is not None for p in runner._programs.values())
+    cpu = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    assert graphed.tokens == cpu.generate(prompt, max_new_tokens=48, eos_token_id=[]).tokens
