@@ -28,9 +28,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        # normalised in fp32, as transformers does; one fused op instead of five
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -46,11 +45,12 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
                 attend: Attend) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = attend(layer, q, k, v)  # [B, Hq, T, D]; the kernel's is a view of [B, T, Hq, D], so no copy below
+        # rotate q and k together: one set of rotary ops per layer instead of two
+        q, k = apply_rotary(torch.cat((q, k), dim=2), cos, sin).split((self.heads, self.kv_heads), dim=2)
+        out = attend(layer, q.transpose(1, 2), k.transpose(1, 2), v)  # [B, Hq, T, D]; the kernel's is a view of [B, T, Hq, D], so no copy below
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
 
@@ -155,8 +155,9 @@ class Llama(nn.Module):
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         attend = attention if attention is not None else causal
-        cos, sin = rotary_cos_sin(self.rope_inv_freq, positions)
         x = self.model.embed_tokens(input_ids)
+        # fp32 angles, cast once to the model dtype as transformers does; [T, 1, D] broadcasts over heads
+        cos, sin = (c.to(x.dtype)[:, None] for c in rotary_cos_sin(self.rope_inv_freq, positions))
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, i, attend)
         if rows is not None:

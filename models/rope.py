@@ -40,8 +40,7 @@ def rotary_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[tor
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, H, T, D] by cos, sin [T, D] (cast to x's dtype, as HF does)."""
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    """Rotate x [..., D] by cos, sin broadcastable to it (already in x's dtype, as HF casts them)."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
