@@ -139,24 +139,34 @@ def _lookahead_attn_split(
         qk = tl.where(n_ok[None, :], qk, float("-inf"))
         acc, m_i, l_i = _softmax_update(acc, m_i, l_i, qk, v, DOT_PRECISION)
 
-    # the step's own keys (step split only): keys never come after the tile's last row
-    last_row = tl.minimum((pid_m + 1) * BLOCK_M, rows) - 1
-    step_hi = tl.where(is_step, last_row // GROUP + 1, 0)
+    # the step's own keys (step split only). A key block is skipped when no row of the tile can see any of it, by
+    # the intervals rows read: lookahead rows keys <= min(last token, LA - 1); verification rows key 0 and keys
+    # from the first of their candidates (a tree: of the branch, LA) up to themselves. Scalars only: a tile-wide
+    # reduction of the visibility tile here costs registers that spill at 128 x 64 tiles.
+    first_tok = (pid_m * BLOCK_M) // GROUP
+    last_tok = (tl.minimum((pid_m + 1) * BLOCK_M, rows) - 1) // GROUP
+    la_hi = tl.where(first_tok < LA, tl.minimum(last_tok, LA - 1) + 1, 0)  # lookahead rows read keys < la_hi
+    if TREE:
+        verify_lo = LA
+    else:
+        verify_lo = LA + ((tl.maximum(first_tok, LA) - LA) // (N - 1)) * (N - 1)
+    verify_lo = tl.where(last_tok >= LA, verify_lo, T + BLOCK_N)  # no verification rows: no verification keys
+    step_hi = tl.where(is_step, last_tok + 1, 0)
     k_step = k_base + prefix_len.to(tl.int64) * stride_kt
     v_step = v_base + prefix_len.to(tl.int64) * stride_vt
     for start_n in range(0, step_hi, BLOCK_N):
-        k_idx = start_n + offs_n  # [BLOCK_N] step index of each key
-        n_ok = k_idx < T
-        if TREE:
-            tree_end = tl.load(TreeEnd + b * stride_tree_b + (k_idx - LA), mask=n_ok & (k_idx >= LA), other=0)
-            k_end = LA + tree_end
-        else:
-            k_end = _chain_end(k_idx, W, N)
-        vis = _visible(q_idx[:, None], k_idx[None, :], k_end[None, :], W, N) & row_ok[:, None] & n_ok[None, :]
-        if tl.max(vis.to(tl.int32)) > 0:  # skip block pairs with nothing visible
+        if (start_n < la_hi) | ((start_n == 0) & (last_tok >= LA)) | (start_n + BLOCK_N > verify_lo):
+            k_idx = start_n + offs_n  # [BLOCK_N] step index of each key
+            n_ok = k_idx < T
             k = tl.load(k_step + start_n * stride_kt + k_offs, mask=d_ok[:, None] & n_ok[None, :], other=0.0)
             v = tl.load(v_step + start_n * stride_vt + v_offs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            if TREE:
+                tree_end = tl.load(TreeEnd + b * stride_tree_b + (k_idx - LA), mask=n_ok & (k_idx >= LA), other=0)
+                k_end = LA + tree_end
+            else:
+                k_end = _chain_end(k_idx, W, N)
             qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+            vis = _visible(q_idx[:, None], k_idx[None, :], k_end[None, :], W, N) & row_ok[:, None] & n_ok[None, :]
             qk = tl.where(vis, qk, float("-inf"))
             acc, m_i, l_i = _softmax_update(acc, m_i, l_i, qk, v, DOT_PRECISION)
 

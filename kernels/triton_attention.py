@@ -31,27 +31,30 @@ _LOG2E = 1.4426950408889634
 
 def launch_config(pattern: StepPattern, group: int, head_dim: int, dtype: torch.dtype,
                   capability: tuple[int, int] | None = None) -> dict:
-    """Tiles, padded head dim, dot precision, warps and stages of the split kernel (not measured on a GPU yet).
+    """Tiles, padded head dim, dot precision, warps and stages of the split kernel.
 
-    BLOCK_M tiles the (step token, query head) rows of one KV head. It depends on (W, N, group) only, never on
-    the candidates present, so steps with any g share one compiled kernel: it is sized for a verification
-    branch about as long as the lookahead branch (G ~ W, as the paper configures). fp32 runs its dots as
-    tf32x3 (three TF32 products, ~fp32 accuracy) on half-height tiles instead of IEEE FMA code that spills.
+    Chosen from sm_90/sm_80 compilations without a GPU (tests/compile_for_gpu.py: registers, spills, shared
+    memory), not from timings. BLOCK_M tiles the (step token, query head) rows of one KV head; it depends on
+    (W, N, group) only, never on the candidates present, so steps with any g share one compiled kernel: it is sized
+    for a verification branch about as long as the lookahead branch (G ~ W, as the paper configures). fp32 runs its
+    dots as tf32x3 (three TF32 products, ~fp32 accuracy) instead of IEEE FMA code; its operand splitting needs
+    registers, so it takes the smallest tiles (the fewest spills measured).
     """
-    hint_rows = 2 * pattern.lookahead_len * group
-    wide = dtype != torch.float32
-    cap = (128 if wide else 64) if head_dim <= 128 else (64 if wide else 32)
-    block_m = min(cap, max(16, triton.next_power_of_2(hint_rows)))
-    block_n = 64 if wide and head_dim <= 128 else 32
+    if dtype == torch.float32:
+        block_m, block_n = 16, 16
+    else:
+        hint_rows = 2 * pattern.lookahead_len * group
+        block_m = min(128 if head_dim <= 128 else 64, max(16, triton.next_power_of_2(hint_rows)))
+        block_n = 64 if head_dim <= 128 else 32
     hopper = capability is None or capability[0] >= 9
     return {
         "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
         "BLOCK_M": block_m,
         "BLOCK_N": block_n,
         "DOT_PRECISION": "tf32x3" if dtype == torch.float32 else "tf32",  # tf32 is ignored by 16-bit dots
-        "num_warps": 8 if block_m * max(head_dim, 64) >= 128 * 128 else 4,
+        "num_warps": 8 if block_m >= 128 else 4,
         # 16-bit D <= 128: three 32 KB K/V stages fit Hopper's 227 KB; two elsewhere
-        "num_stages": 3 if wide and head_dim <= 128 and hopper else 2,
+        "num_stages": 3 if dtype != torch.float32 and head_dim <= 128 and hopper else 2,
     }
 
 
