@@ -1,128 +1,171 @@
-"""Micro-benchmarks of the lookahead attention: the Triton kernel vs SDPA with a dense bool mask vs
-flex_attention with the same pattern as a mask_mod, side by side (pytest-benchmark groups per case).
+"""Micro-benchmark of one layer's lookahead attention: the Triton kernel (through `StepAttentionPlan`, the model's
+path) side by side with flex_attention (the same pattern as a mask_mod), SDPA with the dense bool mask, and, when
+installed, FlashAttention's `flash_attn_with_kvcache` (causal, same token count) as a speed reference.
 
-    python -m pytest bench/bench_kernels.py --benchmark-json bench/results/kernels-cuda.json -s
+    python bench/bench_kernels.py [--impls triton,flex,sdpa,fa] [--lengths 256,1024] [--tokens 1,18]
+    python -m pytest bench/bench_kernels.py -s        # the same table
 
-On GPU: 8B-class heads (Hq 32, Hkv 8, D 128), fp16, (W, N, G) in {(15,5,15), (7,5,7), (5,4,5)} x L in
-{256, 1024, 4096}. On CPU the same file runs small shapes so it stays runnable; there the Triton kernel
-runs in the interpreter (TRITON_INTERPRET=1), so its CPU timings mean nothing.
+On GPU: B = 1, Hq 32 / Hkv 8, D 128, bf16, L in {256, 1k, 4k, 16k, 32k} x T in {1, 18, 56, 120}; reports the
+median time (triton.testing.do_bench), effective TB/s (K/V bytes read / time), TFLOPS (visible query-key pairs x
+4D) and, on a known GPU, time over the HBM floor (K/V bytes / peak bandwidth). On CPU it runs tiny shapes so it
+still works; there the Triton kernel runs in its interpreter (TRITON_INTERPRET=1), so CPU timings mean nothing.
+Results go to bench/results/kernels-<device>.json with the machine, versions and commit.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+import time
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-import pytest  # noqa: E402
-import triton  # noqa: E402
-
 from common import machine, print_table, save_json  # noqa: E402
-from lookahead.kernels import StepPattern, lookahead_attention, masked_attention  # noqa: E402
-from lookahead.kernels.triton_attention import block_sizes  # noqa: E402
+from lookahead.kernels import StepAttentionPlan, StepPattern, masked_attention  # noqa: E402
 
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
+STEPS = {1: (1, 2, 0), 18: (3, 4, 3), 56: (7, 5, 7), 120: (15, 5, 15)}  # T -> (W, N, G), T = (W + G)(N - 1)
 if GPU:
-    SHAPE = dict(heads_q=32, heads_kv=8, head_dim=128, dtype=torch.float16)
-    CASES = [(w, n, g, L) for (w, n, g) in [(15, 5, 15), (7, 5, 7), (5, 4, 5)] for L in (256, 1024, 4096)]
+    SHAPE = dict(heads_q=32, heads_kv=8, head_dim=128, dtype=torch.bfloat16)
+    LENGTHS, TOKENS = [256, 1024, 4096, 16384, 32768], [1, 18, 56, 120]
 else:
-    SHAPE = dict(heads_q=4, heads_kv=2, head_dim=64, dtype=torch.float32)
-    CASES = [(5, 4, 5, 64), (7, 5, 7, 128)]
-IDS = [f"W{w}-N{n}-G{g}-L{L}" for w, n, g, L in CASES]
+    SHAPE = dict(heads_q=4, heads_kv=2, head_dim=64, dtype=torch.float16)
+    LENGTHS, TOKENS = [64, 256], [1, 18]
+HBM_TBPS = {"H100": 3.35, "H200": 4.8, "A100": 2.0}  # peak bandwidth (SXM parts) for the floor column
+IMPLS = ["triton", "flex", "sdpa", "fa"]
 
 
-def make_case(W, N, G, L):
+def make_case(T: int, L: int):
+    W, N, G = STEPS[T]
     gen = torch.Generator().manual_seed(0)
-    t = StepPattern(W, N, G).num_tokens
     hq, hkv, d, dtype = SHAPE["heads_q"], SHAPE["heads_kv"], SHAPE["head_dim"], SHAPE["dtype"]
-    q = torch.randn(1, hq, t, d, generator=gen).to(DEVICE, dtype)
-    k = torch.randn(1, hkv, L + t, d, generator=gen).to(DEVICE, dtype)
-    v = torch.randn(1, hkv, L + t, d, generator=gen).to(DEVICE, dtype)
-    return q, k, v
+    q = torch.randn(1, T, hq, d, generator=gen).to(DEVICE, dtype).transpose(1, 2)  # as the model passes it
+    k = torch.randn(1, hkv, L + T, d, generator=gen).to(DEVICE, dtype)
+    v = torch.randn(1, hkv, L + T, d, generator=gen).to(DEVICE, dtype)
+    return StepPattern(W, N, G), q, k, v
 
 
-def flex_runner(q, k, v, W, N, G, L):
-    """flex_attention with the pattern as a mask_mod (attention-gym style); None where unavailable."""
-    try:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    except ImportError:
-        return None
-    pattern = StepPattern(W, N, G)
+def triton_runner(pattern, q, k, v, L):
+    plan = StepAttentionPlan(pattern, batch=1, heads_q=q.shape[1], heads_kv=k.shape[1], head_dim=q.shape[3],
+                             dtype=q.dtype, device=q.device, max_len=L)
+    lengths = torch.full((1,), L, dtype=torch.int64, device=q.device)
+    return lambda: plan(q, k, v, lengths)
+
+
+def flex_runner(pattern, q, k, v, L):
+    """flex_attention with the pattern as a mask_mod (attention-gym style), the block mask built outside timing."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     def mask_mod(b, h, q_idx, kv_idx):
         return (kv_idx < L) | pattern.visible(q_idx, kv_idx - L)
 
     t = q.shape[2]
     block_mask = create_block_mask(mask_mod, None, None, t, L + t, device=DEVICE)
-    fn = torch.compile(flex_attention) if GPU else flex_attention
-    return lambda: fn(q, k, v, block_mask=block_mask, enable_gqa=True)
+    fn = torch.compile(flex_attention, dynamic=False) if GPU else flex_attention
+    qc = q.contiguous()
+    return lambda: fn(qc, k, v, block_mask=block_mask, enable_gqa=True)
 
 
-def implementations(case):
-    W, N, G, L = case
-    q, k, v = make_case(W, N, G, L)
-    mask = StepPattern(W, N, G).materialize(L, device=DEVICE)  # built once, outside the timing
-    return {
-        "triton": lambda: lookahead_attention(q, k, v, L, W, N, G),
-        "sdpa_dense_mask": lambda: masked_attention(q, k, v, L, mask),
-        "flex": flex_runner(q, k, v, W, N, G, L),
-    }
+def sdpa_runner(pattern, q, k, v, L):
+    mask = pattern.materialize(L, device=DEVICE)  # built once, outside the timing
+    return lambda: masked_attention(q, k, v, L, mask)
 
 
-def synced(fn):
-    def run():
-        out = fn()
-        if GPU:
-            torch.cuda.synchronize()
-        return out
+def fa_runner(pattern, q, k, v, L):
+    """FlashAttention's decoding kernel, causal over the same tokens (a speed reference, not the same pattern)."""
+    from flash_attn import flash_attn_with_kvcache
 
-    return run
-
-
-@pytest.mark.parametrize("impl", ["triton", "sdpa_dense_mask", "flex"])
-@pytest.mark.parametrize("case", CASES, ids=IDS)
-def test_step_attention(benchmark, impl, case):
-    run = implementations(case)[impl]
-    if run is None:
-        pytest.skip("flex_attention is not available in this torch")
-    try:
-        run()
-    except Exception as e:  # noqa: BLE001 - flex on CPU may be unsupported in some torch builds
-        pytest.skip(f"{impl} failed to run here: {type(e).__name__}: {e}")
-    benchmark.group = IDS[CASES.index(case)]
-    benchmark.extra_info.update(machine())
-    benchmark.extra_info["block_pairs_computed"] = block_pair_fraction(*case)
-    benchmark.pedantic(synced(run), rounds=50 if GPU else 3, warmup_rounds=5 if GPU else 1)
+    q_bthd, k_bshd, v_bshd = q.transpose(1, 2), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+    seqlens = torch.full((1,), L + q.shape[2], dtype=torch.int32, device=DEVICE)
+    return lambda: flash_attn_with_kvcache(q_bthd, k_bshd, v_bshd, cache_seqlens=seqlens, causal=True)
 
 
-def block_pair_fraction(W, N, G, L) -> float:
-    """Query/key block pairs the kernel computes, over those a dense masked kernel would (mirrors its loops)."""
-    pattern = StepPattern(W, N, G)
-    group = SHAPE["heads_q"] // SHAPE["heads_kv"]
-    block_m, block_n = block_sizes(W, N, G, group, SHAPE["head_dim"], SHAPE["dtype"])
+RUNNERS = {"triton": triton_runner, "flex": flex_runner, "sdpa": sdpa_runner, "fa": fa_runner}
+
+
+def time_us(fn) -> float:
+    """Median microseconds: triton.testing.do_bench on GPU (synchronises), a few timed calls on CPU."""
+    if GPU:
+        import triton.testing
+
+        return 1000 * triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    fn()
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e6 * sorted(times)[1]
+
+
+def work(pattern: StepPattern, L: int) -> tuple[int, int]:
+    """(K/V bytes read, FLOPs of the visible query-key pairs: 4 D per pair per query head)."""
+    hq, hkv, d = SHAPE["heads_q"], SHAPE["heads_kv"], SHAPE["head_dim"]
     t = pattern.num_tokens
-    rows = t * group
-    visible = pattern.materialize(0)
-    computed = dense = 0
-    for m0 in range(0, rows, block_m):
-        tokens = torch.arange(m0, min(m0 + block_m, rows)) // group
-        computed += triton.cdiv(L, block_n)  # the prefix: every block
-        last = int(tokens.max())
-        for n0 in range(0, last + 1, block_n):
-            computed += bool(visible[tokens][:, n0 : min(n0 + block_n, t)].any())
-        dense += triton.cdiv(L + t, block_n)
-    return computed / dense
+    size = torch.finfo(SHAPE["dtype"]).bits // 8
+    step_pairs = int(pattern.materialize(0).sum())
+    return 2 * hkv * (L + t) * d * size, 4 * d * hq * (t * L + step_pairs)
 
 
-def test_print_block_pair_fractions():
-    """The table of block pairs computed against a dense masked kernel, for every case."""
-    rows = [[f"W{w}-N{n}-G{g}", L, f"{block_pair_fraction(w, n, g, L):.3f}"] for w, n, g, L in CASES]
+def floor_tbps() -> float | None:
+    name = torch.cuda.get_device_name() if GPU else ""
+    return next((tbps for key, tbps in HBM_TBPS.items() if key in name), None)
+
+
+def run(impls=IMPLS, lengths=LENGTHS, tokens=TOKENS) -> list[dict]:
+    rows, peak = [], floor_tbps()
+    for T in tokens:
+        for L in lengths:
+            pattern, q, k, v = make_case(T, L)
+            kv_bytes, flops = work(pattern, L)
+            for impl in impls:
+                row = dict(T=T, L=L, impl=impl)
+                try:
+                    us = time_us(RUNNERS[impl](pattern, q, k, v, L))
+                    row.update(us=round(us, 2), tbps=round(kv_bytes / us / 1e6, 3), tflops=round(flops / us / 1e6, 2))
+                    if peak:
+                        row["x_floor"] = round(us / (kv_bytes / peak / 1e6), 2)
+                except ImportError as e:
+                    row["error"] = f"not installed ({e.name})"
+                except Exception as e:  # noqa: BLE001 - an unavailable baseline is a row, not a crash
+                    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
+                rows.append(row)
+            del q, k, v
+    return rows
+
+
+def report(rows: list[dict]) -> None:
+    headers = ["T", "L", "impl", "us", "TB/s", "TFLOPS", "x floor"]
+    table = [[r["T"], r["L"], r["impl"], *(r.get(key, "-") for key in ("us", "tbps", "tflops", "x_floor"))]
+             if "error" not in r else [r["T"], r["L"], r["impl"], r["error"], "", "", ""] for r in rows]
     print()
-    print_table(["W-N-G", "L", "block pairs computed / dense"], rows)
-    save_json("block-pairs", {"machine": machine(), "shape": {k: str(v) for k, v in SHAPE.items()}, "rows": rows})
+    print_table(headers, table)
+    path = save_json("kernels", {"machine": machine(), "shape": {k: str(v) for k, v in SHAPE.items()}, "rows": rows})
+    print(f"saved {path}")
     if not GPU:
         print("note: on CPU the Triton kernel runs in its interpreter; its timings here mean nothing.")
+
+
+def test_kernel_table():
+    """`pytest bench/bench_kernels.py -s` prints the same table."""
+    report(run())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset of " + ",".join(IMPLS))
+    parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="cache prefix lengths L")
+    parser.add_argument("--tokens", default=",".join(map(str, TOKENS)), help=f"step sizes T, of {sorted(STEPS)}")
+    args = parser.parse_args()
+    if GPU:  # one flex compilation per shape: keep them all rather than fall back to eager
+        torch._dynamo.config.cache_size_limit = 64
+    report(run(args.impls.split(","), [int(x) for x in args.lengths.split(",")],
+               [int(x) for x in args.tokens.split(",")]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,38 +1,75 @@
 """The lookahead step layout and its attention pattern: the one source of truth.
 
-A step feeds T = (W + g) * (N - 1) tokens (see DESIGN.md, "One decoding step"):
+A step feeds T tokens (see DESIGN.md, "One decoding step"): the lookahead branch, then the
+verification branch in one of two forms.
 
     step index            part                       relative position
     W*l + i               level l, column i          l + i       (l = 0..N-2, i = 0..W-1)
-    W*(N-1) + c*(N-1)+k-1 candidate c, token k       k           (c = 0..g-1, k = 1..N-1)
+    W*(N-1) + c*(N-1)+k-1 chains: candidate c, token k    k      (c = 0..g-1, k = 1..N-1)
+    W*(N-1) + j           tree: node j (pre-order)   depth of j  (j = 0..V-1)
 
-Level 0 column 0 is the input token. `visible(q, k)` below is the rule; the Triton kernel
-(`triton_attention.py`, `_visible`) writes the same comparisons line for line, and a test pins
+Chains give T = (W + g)(N - 1); a tree, given by `tree_end[j]` (one past the pre-order index of the
+last node of j's subtree), gives T = W(N - 1) + V. Chains are the tree in which each candidate is a
+path. Level 0 column 0 is the input token. `visible(q, k)` below is the rule; the Triton kernel
+(`attention_kernels.py`, `_visible`) writes the same comparisons line for line, and a test pins
 the two together. `materialize()` builds a dense mask for the reference and tests only.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
 import torch
 
 
+def check_tree_end(tree_end: Sequence[int], name: str = "tree_end") -> None:
+    """ValueError unless tree_end describes a forest in pre-order: tree_end[j] in (j, V], subtrees nested."""
+    size = len(tree_end)
+    for j, end in enumerate(tree_end):
+        if not j < end <= size:
+            raise ValueError(f"{name}[{j}] must be in ({j}, {size}], got {end} (tree_end={list(tree_end)})")
+    # laminar intervals: a node that starts inside i's subtree must also end inside it
+    open_ends: list[int] = []
+    for j, end in enumerate(tree_end):
+        while open_ends and open_ends[-1] <= j:
+            open_ends.pop()
+        if open_ends and end > open_ends[-1]:
+            raise ValueError(f"{name}[{j}] = {end} leaves its parent's subtree, which ends at {open_ends[-1]} "
+                             f"(tree_end={list(tree_end)})")
+        open_ends.append(end)
+
+
 @dataclass(frozen=True)
 class StepPattern:
-    """One step's layout for window W, n-gram size N and g candidates present in the step."""
+    """One step's layout: window W, n-gram size N, and g candidates (chains) or a tree of draft nodes.
+
+    `candidates` is g, what this step holds (the configured budget G is LookaheadConfig.guesses). With
+    `tree_end` given the verification branch is that tree and `candidates` does not enter the layout
+    (as the kernel contract ignores `guesses` in tree form).
+    """
 
     window: int
     ngram: int
-    candidates: int
+    candidates: int = 0
+    tree_end: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        for name, value, low in (("window", self.window, 1), ("ngram", self.ngram, 2), ("candidates", self.candidates, 0)):
+        for name, value, low in (("window", self.window, 1), ("ngram", self.ngram, 2),
+                                 ("candidates", self.candidates, 0)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
             if value < low:
                 raise ValueError(f"{name} must be >= {low}, got {value}")
+        if self.tree_end is not None:
+            ends = self.tree_end.tolist() if isinstance(self.tree_end, torch.Tensor) else self.tree_end
+            if isinstance(ends, (str, bytes)) or not isinstance(ends, Sequence):
+                raise TypeError(f"tree_end must be a sequence of ints or None, got {type(self.tree_end).__name__}")
+            if any(isinstance(e, bool) or not isinstance(e, int) for e in ends):
+                raise TypeError(f"tree_end must hold ints, got {list(ends)!r}")
+            check_tree_end(ends)
+            object.__setattr__(self, "tree_end", tuple(ends))
 
     @property
     def lookahead_len(self) -> int:
@@ -40,21 +77,34 @@ class StepPattern:
         return self.window * (self.ngram - 1)
 
     @property
+    def is_tree(self) -> bool:
+        return self.tree_end is not None
+
+    @property
+    def verify_len(self) -> int:
+        """Tokens of the verification branch: g(N - 1) for chains, V for a tree."""
+        return len(self.tree_end) if self.is_tree else self.candidates * (self.ngram - 1)
+
+    @property
     def num_tokens(self) -> int:
-        """T = (W + g) * (N - 1)."""
-        return (self.window + self.candidates) * (self.ngram - 1)
+        """T = W(N - 1) + g(N - 1) for chains, W(N - 1) + V for a tree."""
+        return self.lookahead_len + self.verify_len
 
     @property
     def max_commit(self) -> int:
-        """The most KV entries a verdict of this step commits: the input token plus a whole candidate."""
-        return self.ngram if self.candidates > 0 else 1
+        """The most KV entries a verdict of this step commits: the input token plus the longest path."""
+        if self.is_tree:
+            return 1 + max(self._depths, default=0)
+        return 1 + (self.ngram - 1) if self.candidates > 0 else 1
 
     def level_index(self, level: int, column: int) -> int:
         """Step index of level `level`, column `column` of the lookahead branch."""
         return self.window * level + column
 
     def candidate_index(self, candidate: int, token: int) -> int:
-        """Step index of token `token` (1..N-1) of candidate `candidate`."""
+        """Step index of token `token` (1..N-1) of candidate `candidate` (chains form)."""
+        if self.is_tree:
+            raise ValueError("candidate_index is for the chains form; in tree form node j is at lookahead_len + j")
         return self.lookahead_len + candidate * (self.ngram - 1) + token - 1
 
     def last_level_indices(self) -> range:
@@ -63,32 +113,41 @@ class StepPattern:
         return range(start, start + self.window)
 
     @cached_property
+    def _depths(self) -> tuple[int, ...]:
+        """Tree form: depth of each node = the nodes whose subtree holds it (itself included)."""
+        ends = self.tree_end or ()
+        return tuple(sum(1 for i in range(j + 1) if j < ends[i]) for j in range(len(ends)))
+
+    @cached_property
     def relative_positions(self) -> torch.Tensor:
         """[T] int64: the position of each step token relative to the input token."""
         idx = torch.arange(self.num_tokens)
         la = idx < self.lookahead_len
         level, column = idx // self.window, idx % self.window
-        cand_token = (idx - self.lookahead_len) % (self.ngram - 1) + 1
-        return torch.where(la, level + column, cand_token)
+        if self.is_tree:
+            depth = torch.tensor((0,) * self.lookahead_len + self._depths, dtype=torch.int64)
+        else:
+            depth = (idx - self.lookahead_len) % (self.ngram - 1) + 1
+        return torch.where(la, level + column, depth)
+
+    def subtree_end(self, k_idx: torch.Tensor) -> torch.Tensor:
+        """One past the step index of the last token in verification token k_idx's subtree (chains: the end of its
+        candidate). Only meaningful for k_idx >= lookahead_len; mirrors `_chain_end` / the tree load in the kernel."""
+        W, N = self.window, self.ngram
+        LA = W * (N - 1)
+        if self.is_tree:
+            ends = torch.tensor(self.tree_end + (0,), device=k_idx.device)  # one spare entry: V may be 0
+            return LA + ends[(k_idx - LA).clamp(0, len(self.tree_end))]
+        return LA + ((k_idx - LA) // (N - 1) + 1) * (N - 1)
 
     def visible(self, q_idx: torch.Tensor, k_idx: torch.Tensor) -> torch.Tensor:
         """Whether step token `q_idx` attends to step token `k_idx` (broadcasting int tensors)."""
-        W, N = self.window, self.ngram
-        la_len = W * (N - 1)
-        q_la, k_la = q_idx < la_len, k_idx < la_len
-        q_level, q_col = q_idx // W, q_idx % W
-        k_level, k_col = k_idx // W, k_idx % W
-        # lookahead: level 0 columns up to the query's, and the query's own column up to its level
-        lookahead = q_la & k_la & (((k_level == 0) & (k_col <= q_col)) | ((k_col == q_col) & (k_level <= q_level)))
-        q_cand, k_cand = (q_idx - la_len) // (N - 1), (k_idx - la_len) // (N - 1)
-        # candidates: the input token, and their own earlier tokens
-        candidate = ~q_la & ((k_idx == 0) | (~k_la & (k_cand == q_cand) & (k_idx <= q_idx)))
-        return lookahead | candidate
+        return _visible_rule(q_idx, k_idx, self.subtree_end(k_idx), self.window, self.ngram)
 
     def materialize(self, prefix_len: int, device: torch.device | str | None = None) -> torch.Tensor:
         """Dense bool mask [T, prefix_len + T] (True = attend). For the reference and tests only."""
-        if prefix_len < 0:
-            raise ValueError(f"prefix_len must be >= 0, got {prefix_len}")
+        if isinstance(prefix_len, bool) or not isinstance(prefix_len, int) or prefix_len < 0:
+            raise ValueError(f"prefix_len must be an int >= 0, got {prefix_len!r}")
         t = self.num_tokens
         idx = torch.arange(t, device=device)
         step = self.visible(idx[:, None], idx[None, :])
@@ -96,6 +155,28 @@ class StepPattern:
         return torch.cat([prefix, step], dim=1)
 
 
-def lookahead_mask(window: int, ngram: int, guesses: int, prefix_len: int) -> torch.Tensor:
-    """Bool [T, prefix_len + T] mask of one step (True = attend); the reference the kernel is held to."""
+def _visible_rule(q_idx, k_idx, k_end, W: int, N: int):
+    """The rule on step indices; `k_end` = subtree_end(k_idx). Line for line the kernel's `_visible`."""
+    LA = W * (N - 1)
+    q_la = q_idx < LA
+    k_la = k_idx < LA
+    q_level = q_idx // W
+    q_col = q_idx % W
+    k_level = k_idx // W
+    k_col = k_idx % W
+    # lookahead: level 0 columns up to the query's, and the query's own column up to its level
+    lookahead = q_la & k_la & (((k_level == 0) & (k_col <= q_col)) | ((k_col == q_col) & (k_level <= q_level)))
+    # verification: the input token, and the nodes whose subtree holds the query (ancestors and itself)
+    verify = (q_idx >= LA) & ((k_idx == 0) | ((k_idx >= LA) & (k_idx <= q_idx) & (q_idx < k_end)))
+    return lookahead | verify
+
+
+def lookahead_mask(window: int, ngram: int, guesses: int, prefix_len: int, *,
+                   tree_end: Sequence[int] | None = None) -> torch.Tensor:
+    """Bool [T, prefix_len + T] mask of one step (True = attend); the reference the kernel is held to.
+
+    guesses: g, the candidates present (chains form; ignored when tree_end is given).
+    """
+    if tree_end is not None:
+        return StepPattern(window, ngram, 0, tree_end).materialize(prefix_len)
     return StepPattern(window, ngram, guesses).materialize(prefix_len)

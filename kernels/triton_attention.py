@@ -1,190 +1,219 @@
-"""Triton kernel of the lookahead/verification attention, with the pattern computed from (W, N, g).
+"""The lookahead attention on Triton: `lookahead_attention` (public, checked) and `StepAttentionPlan` (the model's
+pre-checked launch path), both launching the split and merge kernels of `attention_kernels.py`.
 
-FlashAttention-style forward (online softmax in exp2): one program owns a block of query rows of one
-KV head. Its rows are (step token, query head) pairs packed token-major, so the GQA query heads that
-share a KV head ride in the same tile and each K/V tile is loaded once per group. The cache prefix is
-read block by block with no mask work (an unmasked loop plus one tail block); the step region tests
-visibility with the integer rule of `_visible` (line for line `StepPattern.visible`) and skips key
-blocks that no row of the block can see. No mask tensor exists on this path.
+A plan fixes the shapes of one step once (tiles, split count, grids); calling it only allocates the output and
+the partials and launches two kernels: no validation, no host sync, nothing recompiled after the first call, so
+it can run inside a CUDA graph. The kernels are looked up through this module's globals at each launch and
+every compile-time argument is passed by keyword, so a test can wrap a global and record the constexprs used.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import triton
-import triton.language as tl
 
-from .pattern import StepPattern
+from .attention_kernels import _lookahead_attn_merge, _lookahead_attn_split, interpreting
+from .pattern import StepPattern, check_tree_end
+
+__all__ = ["StepAttentionPlan", "interpreting", "launch_config", "lookahead_attention", "num_splits_for"]
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_HEAD_DIM = 256
+_NOMINAL_SMS = 132  # an H100 SXM; the split count on a machine with no GPU (the interpreter) follows it
+_MIN_BLOCKS_PER_SPLIT = 4  # each split streams at least this many K/V blocks at max_len
+_MAX_SPLITS = 64
+_MERGE_ROWS = 16
+_LOG2E = 1.4426950408889634
 
 
-@triton.jit
-def _visible(q_idx, k_idx, W: tl.constexpr, N: tl.constexpr):
-    """Bool tile: step token q_idx attends to step token k_idx. Mirrors `StepPattern.visible`."""
-    LA: tl.constexpr = W * (N - 1)
-    q_la = q_idx < LA
-    k_la = k_idx < LA
-    q_level = q_idx // W
-    q_col = q_idx % W
-    k_level = k_idx // W
-    k_col = k_idx % W
-    # lookahead: level 0 columns up to the query's, and the query's own column up to its level
-    lookahead = q_la & k_la & (((k_level == 0) & (k_col <= q_col)) | ((k_col == q_col) & (k_level <= q_level)))
-    q_cand = (q_idx - LA) // (N - 1)
-    k_cand = (k_idx - LA) // (N - 1)
-    # candidates: the input token, and their own earlier tokens
-    candidate = (q_idx >= LA) & ((k_idx == 0) | ((k_idx >= LA) & (k_cand == q_cand) & (k_idx <= q_idx)))
-    return lookahead | candidate
+def launch_config(pattern: StepPattern, group: int, head_dim: int, dtype: torch.dtype,
+                  capability: tuple[int, int] | None = None) -> dict:
+    """Tiles, padded head dim, dot precision, warps and stages of the split kernel.
 
-
-@triton.jit
-def _softmax_update(acc, m_i, l_i, qk, v, DOT_PRECISION: tl.constexpr):
-    """One online-softmax step: fold the scores qk [BLOCK_M, BLOCK_N] (log2 units) and v into acc."""
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    # rows with nothing visible yet keep m = -inf; shift them by 0 so no inf - inf appears
-    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(qk - m_shift[:, None])  # [BLOCK_M, BLOCK_N]
-    alpha = tl.math.exp2(m_i - m_shift)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return acc, m_new, l_i
-
-
-@triton.jit
-def _lookahead_attn_fwd(
-    Q, K, V, Out,
-    stride_qb, stride_qh, stride_qt, stride_qd,
-    stride_kb, stride_kh, stride_kt, stride_kd,
-    stride_vb, stride_vh, stride_vt, stride_vd,
-    stride_ob, stride_oh, stride_ot, stride_od,
-    prefix_len, qk_scale, H_KV,
-    W: tl.constexpr, N: tl.constexpr, G: tl.constexpr, GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
-    T: tl.constexpr = (W + G) * (N - 1)
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H_KV
-    h_kv = pid_bh % H_KV
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    q_idx = offs_m // GROUP  # [BLOCK_M] step index of each row
-    q_head = h_kv * GROUP + offs_m % GROUP  # [BLOCK_M] query head of each row
-    row_ok = q_idx < T
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    offs_n = tl.arange(0, BLOCK_N)
-
-    q_ptrs = Q + b * stride_qb + q_head[:, None] * stride_qh + q_idx[:, None] * stride_qt + offs_d[None, :] * stride_qd
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
-    k_base = K + b * stride_kb + h_kv * stride_kh + offs_d[:, None] * stride_kd  # [BLOCK_D, 1]
-    v_base = V + b * stride_vb + h_kv * stride_vh + offs_d[None, :] * stride_vd  # [1, BLOCK_D]
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-
-    # cache prefix, full blocks: every step token sees all of it, so no masking work
-    prefix_full = (prefix_len // BLOCK_N) * BLOCK_N
-    for start_n in range(0, prefix_full, BLOCK_N):
-        k = tl.load(k_base + (start_n + offs_n)[None, :] * stride_kt, mask=d_ok[:, None], other=0.0)
-        v = tl.load(v_base + (start_n + offs_n)[:, None] * stride_vt, mask=d_ok[None, :], other=0.0)
-        qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-        acc, m_i, l_i = _softmax_update(acc, m_i, l_i, qk, v, DOT_PRECISION)
-
-    # cache prefix, the tail block when prefix_len is not a multiple of BLOCK_N
-    if prefix_full < prefix_len:
-        n_ok = prefix_full + offs_n < prefix_len
-        tail = prefix_full + offs_n
-        k = tl.load(k_base + tail[None, :] * stride_kt, mask=d_ok[:, None] & n_ok[None, :], other=0.0)
-        v = tl.load(v_base + tail[:, None] * stride_vt, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
-        qk = tl.where(n_ok[None, :], qk, float("-inf"))
-        acc, m_i, l_i = _softmax_update(acc, m_i, l_i, qk, v, DOT_PRECISION)
-
-    # the step's own tokens: visible pairs come from (W, N, g); keys never come after the block's last row
-    last_row = tl.minimum((pid_m + 1) * BLOCK_M - 1, GROUP * T - 1) // GROUP
-    for start_n in range(0, last_row + 1, BLOCK_N):
-        k_idx = start_n + offs_n  # [BLOCK_N] step index of each key
-        vis = _visible(q_idx[:, None], k_idx[None, :], W, N) & row_ok[:, None] & (k_idx < T)[None, :]
-        if tl.max(vis.to(tl.int32)) > 0:  # skip block pairs with nothing visible
-            n_ok = k_idx < T
-            k_pos = prefix_len + k_idx
-            k = tl.load(k_base + k_pos[None, :] * stride_kt, mask=d_ok[:, None] & n_ok[None, :], other=0.0)
-            v = tl.load(v_base + k_pos[:, None] * stride_vt, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-            qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
-            qk = tl.where(vis, qk, float("-inf"))
-            acc, m_i, l_i = _softmax_update(acc, m_i, l_i, qk, v, DOT_PRECISION)
-
-    l_i = tl.where(row_ok, l_i, 1.0)
-    out = acc / l_i[:, None]
-    o_ptrs = Out + b * stride_ob + q_head[:, None] * stride_oh + q_idx[:, None] * stride_ot
-    o_ptrs += offs_d[None, :] * stride_od
-    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-
-
-def interpreting() -> bool:
-    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1 at import time)."""
-    return not isinstance(_lookahead_attn_fwd, triton.runtime.JITFunction)
-
-
-def block_sizes(window: int, ngram: int, guesses: int, group: int, head_dim: int,
-                dtype: torch.dtype = torch.float16) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N) for a step: M tiles the (step token, query head) rows of one KV head."""
-    rows = (window + guesses) * (ngram - 1) * group
-    # bigger query tiles re-read each K/V tile fewer times; 128 x 64 is the tutorial's tile for D <= 128 in
-    # 16-bit types (fp32 tiles take twice the shared memory: 64 rows keep D = 128 within an A100's 164 KB)
-    wide = head_dim <= 128 and dtype != torch.float32
-    block_m = min(128 if wide else 64, max(16, triton.next_power_of_2(rows)))
-    block_n = 64 if head_dim <= 128 else 32
-    return block_m, block_n
-
-
-def launch_config(window: int, ngram: int, guesses: int, group: int, head_dim: int, dtype: torch.dtype) -> dict:
-    """Block sizes, padded head dim, dot precision, warps and stages of one launch."""
-    block_m, block_n = block_sizes(window, ngram, guesses, group, head_dim, dtype)
+    Chosen from sm_90/sm_80 compilations without a GPU (tests/compile_for_gpu.py: registers, spills, shared
+    memory), not from timings. BLOCK_M tiles the (step token, query head) rows of one KV head; it depends on
+    (W, N, group) only, never on the candidates present, so steps with any g share one compiled kernel: it is sized
+    for a verification branch about as long as the lookahead branch (G ~ W, as the paper configures). fp32 runs its
+    dots as tf32x3 (three TF32 products, ~fp32 accuracy) instead of IEEE FMA code; its operand splitting needs
+    registers, so it takes the smallest tiles (the fewest spills measured).
+    """
+    if dtype == torch.float32:
+        block_m, block_n = 16, 16
+    else:
+        hint_rows = 2 * pattern.lookahead_len * group
+        block_m = min(128 if head_dim <= 128 else 64, max(16, triton.next_power_of_2(hint_rows)))
+        block_n = 64 if head_dim <= 128 else 32
+    hopper = capability is None or capability[0] >= 9
     return {
         "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
         "BLOCK_M": block_m,
         "BLOCK_N": block_n,
-        "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",  # exact fp32, no silent TF32
-        "num_warps": 8 if block_m * head_dim >= 128 * 128 else 4,
-        "num_stages": 2,
+        "DOT_PRECISION": "tf32x3" if dtype == torch.float32 else "tf32",  # tf32 is ignored by 16-bit dots
+        "num_warps": 8 if block_m >= 128 else 4,
+        # 16-bit D <= 128: three 32 KB K/V stages fit Hopper's 227 KB; two elsewhere
+        "num_stages": 3 if dtype != torch.float32 and head_dim <= 128 and hopper else 2,
     }
 
 
-def _check_inputs(q, k, v, prefix_len, window, ngram, guesses, sm_scale) -> None:
-    pattern = StepPattern(window, ngram, guesses)  # checks W >= 1, N >= 2, g >= 0 and their types
+def num_splits_for(programs_per_split: int, rows: int, max_len: int, block_n: int, sm_count: int) -> int:
+    """Splits S of the cache prefix: enough programs for about one wave of the SMs, but each split keeps a few
+    K/V blocks at max_len and the fp32 partials written (rows x D per split) stay under half the K/V read."""
+    by_grid = max(1, sm_count // max(1, programs_per_split))
+    by_blocks = max(1, triton.cdiv(max_len, block_n) // _MIN_BLOCKS_PER_SPLIT)
+    by_traffic = max(1, max_len // (2 * max(1, rows)))
+    return min(by_grid, by_blocks, by_traffic, _MAX_SPLITS)
+
+
+class StepAttentionPlan:
+    """Launches of one step's attention for fixed shapes: checked once, then called per layer with no checks."""
+
+    def __init__(self, pattern: StepPattern, *, batch: int, heads_q: int, heads_kv: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device, max_len: int, sm_scale: float | None = None,
+                 num_splits: int | None = None) -> None:
+        """max_len: the most prefix positions any call will have (the cache capacity); the split count is chosen
+        from it (fixed for a CUDA graph) unless num_splits is given."""
+        if not isinstance(pattern, StepPattern):
+            raise TypeError(f"pattern must be a StepPattern, got {type(pattern).__name__}")
+        for name, value, low in (("batch", batch, 1), ("heads_q", heads_q, 1), ("heads_kv", heads_kv, 1),
+                                 ("head_dim", head_dim, 1), ("max_len", max_len, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        if heads_q % heads_kv:
+            raise ValueError(f"query heads ({heads_q}) must be a multiple of KV heads ({heads_kv})")
+        if head_dim > _MAX_HEAD_DIM:
+            raise ValueError(f"head dim {head_dim} is larger than the kernel's maximum {_MAX_HEAD_DIM}")
+        _check_dtype(dtype)
+        _check_sm_scale(sm_scale)
+        if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
+                                       or not 1 <= num_splits <= 65535):
+            raise ValueError(f"num_splits must be an int in [1, 65535] or None, got {num_splits!r}")
+        if batch * heads_kv > 65535:
+            raise ValueError(f"batch x KV heads = {batch * heads_kv} exceeds the grid's 65535")
+        device = torch.device(device)
+        self.pattern = pattern
+        self.batch, self.heads_q, self.heads_kv, self.head_dim = batch, heads_q, heads_kv, head_dim
+        self.dtype, self.device = dtype, device
+        self.group = heads_q // heads_kv
+        self.tokens = pattern.num_tokens
+        self.rows = self.tokens * self.group
+        self.qk_scale = (sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)) * _LOG2E
+        capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        config = launch_config(pattern, self.group, head_dim, dtype, capability)
+        self.options = {"num_warps": config.pop("num_warps"), "num_stages": config.pop("num_stages")}
+        self.constexprs = dict(W=pattern.window, N=pattern.ngram, GROUP=self.group, HEAD_DIM=head_dim,
+                               TREE=pattern.is_tree, **config)
+        m_tiles = triton.cdiv(self.rows, config["BLOCK_M"])
+        if num_splits is None:
+            sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
+            num_splits = num_splits_for(m_tiles * batch * heads_kv, self.rows, max_len, config["BLOCK_N"],
+                                        sms or _NOMINAL_SMS)
+        self.num_splits = num_splits
+        self.split_grid = (m_tiles, batch * heads_kv, num_splits + 1)
+        self.merge_grid = (triton.cdiv(self.rows, _MERGE_ROWS), batch * heads_kv)
+        self.merge_constexprs = dict(GROUP=self.group, HEAD_DIM=head_dim, BLOCK_D=config["BLOCK_D"],
+                                     BLOCK_R=_MERGE_ROWS)
+        # a fixed tree is kept on the device once; per-step trees come with each call
+        self._tree_end = (torch.tensor(pattern.tree_end or (0,), dtype=torch.int64, device=device)
+                          if pattern.is_tree else None)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: torch.Tensor,
+                 tree_end: torch.Tensor | None = None) -> torch.Tensor:
+        """q [B, Hq, T, D] any strides; k, v [B, Hkv, S, D], S >= max_len + T; prefix_len int64 [B] on the device;
+        tree_end (tree plans) [V] or [B, V] on the device, contiguous in V, default the pattern's.
+        Returns [B, Hq, T, D], a transposed view of a contiguous [B, T, Hq, D]."""
+        batch, tokens, heads_q, head_dim = self.batch, self.tokens, self.heads_q, self.head_dim
+        out = torch.empty(batch, tokens, heads_q, head_dim, dtype=q.dtype, device=q.device).transpose(1, 2)
+        parts = batch * self.heads_kv * (self.num_splits + 1) * self.rows
+        partial_out = torch.empty(parts, head_dim, dtype=torch.float32, device=q.device)
+        partial_lse = torch.empty(parts, dtype=torch.float32, device=q.device)
+        if tree_end is None:
+            tree_end = self._tree_end if self._tree_end is not None else prefix_len  # never read by chains
+        stride_tree_b = tree_end.stride(0) if tree_end.ndim == 2 else 0
+        _lookahead_attn_split[self.split_grid](
+            q, k, v, prefix_len, tree_end, partial_out, partial_lse,
+            *q.stride(), *k.stride(), *v.stride(),
+            stride_tree_b, tokens, self.qk_scale, self.heads_kv,
+            **self.constexprs, **self.options,
+        )  # fmt: skip
+        _lookahead_attn_merge[self.merge_grid](
+            partial_out, partial_lse, out, *out.stride(), tokens, self.heads_kv, self.num_splits,
+            **self.merge_constexprs, num_warps=4, num_stages=1,
+        )  # fmt: skip
+        return out
+
+
+def _check_dtype(dtype: torch.dtype) -> None:
+    if dtype not in _SUPPORTED_DTYPES:
+        raise TypeError(f"unsupported dtype {dtype}; use one of float16, bfloat16, float32")
+    if dtype == torch.bfloat16 and interpreting():
+        raise ValueError("bfloat16 under the Triton interpreter: it computes bf16 dots wrongly "
+                         "(triton-lang/triton#11584); use float16 or float32 here, or run on a GPU")
+
+
+def _check_sm_scale(sm_scale) -> None:
+    ok = isinstance(sm_scale, (int, float)) and not isinstance(sm_scale, bool) and math.isfinite(sm_scale)
+    if sm_scale is not None and not (ok and sm_scale > 0):
+        raise ValueError(f"sm_scale must be a finite positive number or None, got {sm_scale!r}")
+
+
+def _check_integer_tensor(name: str, x: torch.Tensor, device: torch.device, shapes: Sequence[tuple]) -> None:
+    if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got {x.dtype}")
+    if tuple(x.shape) not in shapes:
+        raise ValueError(f"{name} must have shape {' or '.join(str(list(s)) for s in shapes)}, got {list(x.shape)}")
+    if x.device != device:
+        raise ValueError(f"{name} must be on q's device {device}, got {x.device}")
+
+
+def _check_inputs(q, k, v, prefix_len, window, ngram, guesses, sm_scale, tree_end) -> tuple[StepPattern, list[int]]:
+    """Every check of the public entry; returns the step's pattern and the per-row prefix lengths."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
-        raise ValueError(
-            f"q, k, v must be 4-D [B, H, T, D] / [B, Hkv, S, D] with k.shape == v.shape; "
-            f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
+        raise ValueError(f"q, k, v must be 4-D [B, H, T, D] / [B, Hkv, S, D] with k.shape == v.shape; "
+                         f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     batch, heads_q, tokens, head_dim = q.shape
     if k.shape[0] != batch or k.shape[3] != head_dim:
         raise ValueError(f"k/v batch and head dim must match q's ({batch}, {head_dim}); got k {tuple(k.shape)}")
+    if head_dim == 0:
+        raise ValueError(f"head dim must be >= 1, got q {tuple(q.shape)}")
+    if heads_q == 0 or k.shape[1] == 0:
+        raise ValueError(f"q and k/v need at least one head; got q {tuple(q.shape)}, k {tuple(k.shape)}")
     if heads_q % k.shape[1] != 0:
         raise ValueError(f"query heads ({heads_q}) must be a multiple of KV heads ({k.shape[1]})")
+    if tree_end is None:
+        pattern = StepPattern(window, ngram, guesses)  # checks W >= 1, N >= 2, g >= 0 and their types
+        trees = None
+    else:
+        if not isinstance(tree_end, torch.Tensor):
+            raise TypeError(f"tree_end must be an integer tensor [V] or [B, V] or None, got {type(tree_end).__name__}")
+        width = tree_end.shape[-1] if tree_end.ndim else -1
+        _check_integer_tensor("tree_end", tree_end, q.device, [(width,), (batch, width)])
+        trees = tree_end.reshape(-1, width).tolist() if width else [[]] * (batch if tree_end.ndim == 2 else 1)
+        for row, ends in enumerate(trees):
+            check_tree_end(ends, "tree_end" if tree_end.ndim == 1 else f"tree_end[{row}]")
+        pattern = StepPattern(window, ngram, 0, tuple(trees[0]) if trees else ())
+    form = (f"W={window}, N={ngram}, V={pattern.verify_len} needs W(N - 1) + V" if trees is not None
+            else f"W={window}, N={ngram}, g={guesses} needs (W + g) * (N - 1)")
     if tokens != pattern.num_tokens:
-        raise ValueError(
-            f"q has {tokens} tokens; W={window}, N={ngram}, g={guesses} needs (W + g) * (N - 1) = {pattern.num_tokens}"
-        )
-    if isinstance(prefix_len, bool) or not isinstance(prefix_len, int) or prefix_len < 0:
-        raise ValueError(f"prefix_len must be an int >= 0, got {prefix_len!r}")
-    if prefix_len + tokens > k.shape[2]:
-        raise ValueError(
-            f"k/v hold {k.shape[2]} positions but prefix_len + T = {prefix_len} + {tokens} = {prefix_len + tokens}"
-        )
-    if q.dtype not in _SUPPORTED_DTYPES:
-        raise TypeError(f"unsupported dtype {q.dtype}; use one of float16, bfloat16, float32")
+        raise ValueError(f"q has {tokens} tokens; {form} = {pattern.num_tokens}")
+    if isinstance(prefix_len, torch.Tensor):
+        _check_integer_tensor("prefix_len", prefix_len, q.device, [(batch,)])
+        lengths = prefix_len.tolist()
+    elif isinstance(prefix_len, bool) or not isinstance(prefix_len, int):
+        raise ValueError(f"prefix_len must be an int >= 0 or an integer tensor [B], got {prefix_len!r}")
+    else:
+        lengths = [prefix_len] * batch
+    if any(n < 0 for n in lengths):
+        raise ValueError(f"prefix_len must be an int >= 0 (per row), got {lengths if len(lengths) > 1 else lengths[0]}")
+    if lengths and max(lengths) + tokens > k.shape[2]:
+        raise ValueError(f"k/v hold {k.shape[2]} positions but prefix_len + T = {max(lengths)} + {tokens} = "
+                         f"{max(lengths) + tokens}")
+    _check_dtype(q.dtype)
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
@@ -192,51 +221,51 @@ def _check_inputs(q, k, v, prefix_len, window, ngram, guesses, sm_scale) -> None
     if head_dim > _MAX_HEAD_DIM:
         raise ValueError(f"head dim {head_dim} is larger than the kernel's maximum {_MAX_HEAD_DIM}")
     if q.device.type == "cpu" and not interpreting():
-        raise ValueError(
-            "lookahead_attention got CPU tensors, but Triton runs on CPU only in its interpreter "
-            "(set TRITON_INTERPRET=1 before importing triton); on CPU use reference_attention "
-            "(the model's attn_backend='torch')"
-        )
-    if sm_scale is not None and not (isinstance(sm_scale, (int, float)) and sm_scale > 0):
-        raise ValueError(f"sm_scale must be a positive number or None, got {sm_scale!r}")
+        raise ValueError("lookahead_attention got CPU tensors, but Triton runs on CPU only in its interpreter "
+                         "(set TRITON_INTERPRET=1 before importing triton); on CPU use reference_attention "
+                         "(the model's attn_backend='torch')")
+    _check_sm_scale(sm_scale)
+    return pattern, lengths
 
 
 def lookahead_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    prefix_len: int,
+    prefix_len: int | torch.Tensor,
     window: int,
     ngram: int,
     guesses: int,
     sm_scale: float | None = None,
+    *,
+    tree_end: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of one lookahead decoding step, its pattern computed from (W, N, g) in the kernel.
+    """Attention of one lookahead decoding step, its pattern computed in the kernel (no mask tensor).
 
     Args:
-        q: [B, Hq, T, D] the step's queries in DESIGN.md's layout, T = (window + guesses) * (ngram - 1).
-        k, v: [B, Hkv, S, D], S >= prefix_len + T: the cache prefix (positions < prefix_len) followed by
-            the step's keys/values. Only the first prefix_len + T positions are read, so a preallocated
-            cache buffer can be passed as it is. Hq % Hkv == 0 (GQA/MQA).
-        prefix_len: L, the tokens already in the cache (every step token sees all of them).
-        window, ngram: W >= 1 and N >= 2; guesses: g >= 0, the candidates present in this step.
+        q: [B, Hq, T, D] the step's queries in DESIGN.md's layout, any strides.
+        k, v: [B, Hkv, S, D]: row b holds its cache prefix (positions < prefix_len[b]) followed by the step's T
+            keys/values; only those are read, so a preallocated cache buffer can be passed as it is. Hq % Hkv == 0.
+        prefix_len: L, an int (every row) or an integer tensor [B] on q's device (per-row lengths).
+        window, ngram: W >= 1 and N >= 2.
+        guesses: chains form: g >= 0, the candidates present; T = (W + g)(N - 1). Ignored in tree form.
         sm_scale: softmax scale, default 1 / sqrt(D).
+        tree_end: None (chains) or an integer tensor [V] or [B, V] on q's device: node j's subtree ends before
+            tree_end[j] (DESIGN.md's tree form); T = W(N - 1) + V.
 
     Returns:
-        [B, Hq, T, D] in q's dtype (float16, bfloat16 or float32).
+        [B, Hq, T, D] in q's dtype (float16, bfloat16 or float32): a transposed view of a contiguous [B, T, Hq, D].
     """
-    _check_inputs(q, k, v, prefix_len, window, ngram, guesses, sm_scale)
+    pattern, lengths = _check_inputs(q, k, v, prefix_len, window, ngram, guesses, sm_scale, tree_end)
     batch, heads_q, tokens, head_dim = q.shape
-    heads_kv = k.shape[1]
-    group = heads_q // heads_kv
-    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    config = launch_config(window, ngram, guesses, group, head_dim, q.dtype)
-    grid = (triton.cdiv(tokens * group, config["BLOCK_M"]), batch * heads_kv)
-    _lookahead_attn_fwd[grid](
-        q, k, v, out,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        prefix_len, scale * 1.4426950408889634, heads_kv,
-        W=window, N=ngram, G=guesses, GROUP=group, HEAD_DIM=head_dim, **config,
-    )  # fmt: skip
-    return out
+    if batch == 0:
+        return torch.empty(batch, tokens, heads_q, head_dim, dtype=q.dtype, device=q.device).transpose(1, 2)
+    if isinstance(prefix_len, torch.Tensor):
+        prefix_len = prefix_len.to(torch.int64).contiguous()
+    else:
+        prefix_len = torch.full((batch,), prefix_len, dtype=torch.int64, device=q.device)
+    if tree_end is not None:
+        tree_end = tree_end.to(torch.int64).contiguous()
+    plan = StepAttentionPlan(pattern, batch=batch, heads_q=heads_q, heads_kv=k.shape[1], head_dim=head_dim,
+                             dtype=q.dtype, device=q.device, max_len=max(lengths), sm_scale=sm_scale)
+    return plan(q, k, v, prefix_len, tree_end)

@@ -1,56 +1,137 @@
-"""Compile the lookahead attention kernel for NVIDIA targets on a machine with no GPU (run as a script:
-Triton's interpreter must be off, which the test process cannot undo once triton is imported).
+"""Compile the lookahead attention kernels for NVIDIA targets on a machine with no GPU, exactly as they launch
+(run as a script: Triton's interpreter must be off, which the test process cannot undo once triton is imported).
 
-Prints one line per (arch, dtype, head_dim): OK with the shared memory it needs, or FAILED with the error.
+The launches are captured from a real `StepAttentionPlan` call on CPU tensors shaped like the model's (q a
+transposed view of [B, T, Hq, D], k/v a [B, Hkv, S, D] cache), then specialised as Triton's launcher does at run
+time (16-byte divisible pointers and ints, ints equal to 1 folded, `do_not_specialize` honoured), so the compiled
+kernel is the one that would run. Prints one line per (arch, dtype, head dim, W-N-G): OK with registers, spilled
+(stack) bytes, shared memory and whether async copies / wgmma are used, for the split and merge kernels; or FAILED.
+
+    python tests/compile_for_gpu.py          # the four cases the test suite checks
+    python tests/compile_for_gpu.py --all    # (15,5,15), (3,4,3), plain decoding x fp16/bf16 x sm_90/sm_80, fp32
 """
 
+from __future__ import annotations
+
 import inspect
+import re
+import subprocess
 import sys
+import tempfile
 
 import torch
 import triton
+from triton import knobs
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import CUDABackend
 from triton.compiler import ASTSource
+from triton.runtime.jit import native_specialize_impl
 
-from lookahead.kernels.triton_attention import _lookahead_attn_fwd, launch_config
+import lookahead.kernels.triton_attention as launcher
+from lookahead.kernels import StepAttentionPlan, StepPattern
 
 _TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+_LAUNCH_OPTIONS = ("num_warps", "num_stages")
+SHAPE = dict(batch=1, heads_q=32, heads_kv=8, max_len=4096)  # an 8B-class model's attention
 
 
-def compile_for(arch: int, dtype: torch.dtype, head_dim: int, window=15, ngram=5, guesses=15, group=4):
-    params = list(inspect.signature(_lookahead_attn_fwd.fn).parameters)
-    config = launch_config(window, ngram, guesses, group, head_dim, dtype)
-    constants = {k: v for k, v in config.items() if k not in ("num_warps", "num_stages")}
-    constants.update(W=window, N=ngram, G=guesses, GROUP=group, HEAD_DIM=head_dim)
-    signature = {}
-    for name in params:
-        if name in ("Q", "K", "V", "Out"):
-            signature[name] = "*" + _TYPES[dtype]
-        elif name in constants:
-            signature[name] = "constexpr"
+class _Capture:
+    """Stands in for a kernel global: records (kernel, args, kwargs) of each launch instead of running it."""
+
+    def __init__(self, kernel, launches):
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((self.kernel, args, kwargs))
+
+
+def captured_launches(pattern: StepPattern, dtype: torch.dtype, head_dim: int, arch: int) -> list:
+    """The (kernel, args, kwargs) of one plan call with the model's layouts, tiles chosen for `arch`."""
+    launches: list = []
+    saved = {name: getattr(launcher, name) for name in ("_lookahead_attn_split", "_lookahead_attn_merge",
+                                                        "launch_config")}
+    try:
+        for name in ("_lookahead_attn_split", "_lookahead_attn_merge"):
+            setattr(launcher, name, _Capture(saved[name], launches))
+        # the plan asks the device for its capability; here the target's stands in
+        launcher.launch_config = lambda pattern, group, head_dim, dtype, capability=None: saved["launch_config"](
+            pattern, group, head_dim, dtype, (arch // 10, arch % 10))
+        b, hq, hkv, max_len, t = *SHAPE.values(), pattern.num_tokens
+        plan = StepAttentionPlan(pattern, batch=b, heads_q=hq, heads_kv=hkv, head_dim=head_dim, dtype=dtype,
+                                 device=torch.device("cpu"), max_len=max_len)
+        q = torch.empty(b, t, hq, head_dim, dtype=dtype).transpose(1, 2)
+        k = torch.empty(b, hkv, max_len + t, head_dim, dtype=dtype)
+        plan(q, k, torch.empty_like(k), torch.full((b,), max_len // 2), None)
+    finally:
+        for name, value in saved.items():
+            setattr(launcher, name, value)
+    return launches
+
+
+def compile_launch(kernel, args, kwargs, arch: int):
+    """Compile one captured launch as JITFunction.run would: same signature, constexprs and attributes."""
+    backend = CUDABackend(GPUTarget("cuda", arch, 32))
+    options = {k: kwargs[k] for k in _LAUNCH_OPTIONS if k in kwargs}
+    bound = inspect.signature(kernel.fn).bind(*args, **{k: v for k, v in kwargs.items() if k not in options})
+    bound.apply_defaults()
+    values = list(bound.arguments.values())
+    signature, constexprs, attrs = {}, {}, {}
+    for i, (param, value) in enumerate(zip(kernel.params, values, strict=True)):
+        if param.is_constexpr:
+            kind, attr = "constexpr", None
         else:
-            signature[name] = "fp32" if name == "qk_scale" else "i32"
-    source = ASTSource(fn=_lookahead_attn_fwd, signature=signature, constexprs=constants)
-    options = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+            kind, attr = native_specialize_impl(backend, value, param.is_const, not param.do_not_specialize,
+                                                not param.do_not_specialize_on_alignment)
+        signature[param.name] = kind
+        if kind == "constexpr":
+            constexprs[(i,)] = value
+        elif isinstance(attr, str):
+            attrs[(i,)] = backend.parse_attr(attr)
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
 
 
-# Hopper in every dtype at D = 128, Ampere at D = 64; `--all` compiles every combination
-DEFAULT = [(90, torch.float16, 128), (90, torch.bfloat16, 128), (90, torch.float32, 128), (80, torch.float16, 64)]
+def describe(compiled) -> str:
+    """Registers and stack (spilled) bytes per thread from the cubin (cuobjdump, so cached kernels report too),
+    shared memory, warps, and which async-copy / tensor-core instructions the PTX uses."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([knobs.nvidia.cuobjdump.path, "-res-usage", cubin.name], capture_output=True,
+                               text=True, check=True).stdout
+    found = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", usage))
+    ptx = compiled.asm["ptx"]
+    ops = [name for name, op in (("cp.async", "cp.async."), ("tma", "cp.async.bulk.tensor"), ("wgmma", "wgmma."),
+                                 ("mma", "mma.sync")) if op in ptx]
+    return (f"regs {found.get('REG', '?')}, spill {found.get('STACK', '?')} B, smem {compiled.metadata.shared} B, "
+            f"warps {compiled.metadata.num_warps}, {'+'.join(ops) or 'no async copy / mma'}")
+
+
+def compile_case(arch: int, dtype: torch.dtype, head_dim: int, window: int, ngram: int, guesses: int) -> str:
+    parts = []
+    for kernel, args, kwargs in captured_launches(StepPattern(window, ngram, guesses), dtype, head_dim, arch):
+        compiled = compile_launch(kernel, args, kwargs, arch)
+        parts.append(f"{kernel.fn.__name__.removeprefix('_lookahead_attn_')}: {describe(compiled)}")
+    return " | ".join(parts)
+
+
+STEPS = {"W15-N5-G15": (15, 5, 15), "W3-N4-G3": (3, 4, 3), "plain": (1, 2, 0)}
+# what the test suite checks: every step shape once on Hopper, Ampere once
+DEFAULT = [(90, torch.float16, 128, "W15-N5-G15"), (90, torch.bfloat16, 128, "W3-N4-G3"),
+           (90, torch.float16, 128, "plain"), (80, torch.float16, 128, "W3-N4-G3")]
+ALL = [(a, d, 128, s) for a in (90, 80) for d in (torch.float16, torch.bfloat16) for s in STEPS]
+ALL += [(90, torch.float32, 128, s) for s in STEPS] + [(90, torch.float16, d, "W3-N4-G3") for d in (64, 256)]
 
 
 def main() -> int:
     failed = 0
-    cases = DEFAULT
-    if "--all" in sys.argv:
-        cases = [(a, d, h) for a in (80, 90) for d in _TYPES for h in (64, 128)]
-    for arch, dtype, head_dim in cases:
+    for arch, dtype, head_dim, step in ALL if "--all" in sys.argv else DEFAULT:
+        name = f"sm_{arch} {_TYPES[dtype]} D{head_dim} {step}"
         try:
-            kernel = compile_for(arch, dtype, head_dim)
-            print(f"sm_{arch} {_TYPES[dtype]} D{head_dim} OK shared={kernel.metadata.shared}")
+            print(f"{name} OK {compile_case(arch, dtype, head_dim, *STEPS[step])}", flush=True)
         except Exception as e:  # noqa: BLE001 - report every failure, whatever the compiler raised
             failed += 1
-            print(f"sm_{arch} {_TYPES[dtype]} D{head_dim} FAILED {type(e).__name__}: {e}"[:2000])
+            print(f"{name} FAILED {type(e).__name__}: {e}"[:2000], flush=True)
     return 1 if failed else 0
 
 

@@ -1,4 +1,6 @@
-"""The step layout and attention pattern: DESIGN.md's rules, the paper's example, torch == Triton."""
+"""The step layout and attention pattern: DESIGN.md's rules (chains and trees), the paper's example, torch == Triton."""
+
+import random
 
 import pytest
 import torch
@@ -6,7 +8,7 @@ import triton
 import triton.language as tl
 
 from lookahead.kernels import StepPattern, lookahead_mask
-from lookahead.kernels.triton_attention import _visible
+from lookahead.kernels.attention_kernels import _chain_end, _visible
 
 CASES = [(1, 2, 0), (1, 2, 3), (5, 4, 2), (3, 3, 0), (4, 5, 3), (15, 5, 15), (2, 6, 1)]
 IDS = [f"W{w}-N{n}-G{g}" for w, n, g in CASES]
@@ -79,30 +81,147 @@ def test_relative_positions_follow_design_table(W, N, g):
             assert pos[p.candidate_index(c, k)] == k
 
 
+def random_parents(size, rng):
+    """A random forest of `size` nodes in pre-order, as parent indices (-1: a child of the input token)."""
+    parents, path = [], []  # path: the ancestors of the last node, itself included
+    for j in range(size):
+        depth = rng.randint(0, len(path))
+        parents.append(path[depth - 1] if depth else -1)
+        path = path[:depth] + [j]
+    return parents
+
+
+def tree_end_of(parents):
+    """DESIGN.md's encoding: one past the pre-order index of the last node of each subtree."""
+    ends = [j + 1 for j in range(len(parents))]
+    for j in range(len(parents)):
+        a = parents[j]
+        while a >= 0:
+            ends[a] = max(ends[a], j + 1)
+            a = parents[a]
+    return ends
+
+
+def ancestors(parents, j):
+    out = {j}
+    while parents[j] >= 0:
+        j = parents[j]
+        out.add(j)
+    return out
+
+
+def tree_rule_from_design(W, N, parents):
+    """The lookahead rows of the chains rule, and node q sees the input token and its ancestors and itself."""
+    LA = W * (N - 1)
+    visible = {q: seen for q, seen in rule_from_design(W, N, 0).items()}
+    for j in range(len(parents)):
+        visible[LA + j] = {0} | {LA + a for a in ancestors(parents, j)}
+    return visible
+
+
+TREES = {
+    "empty": [],
+    "single-path": [-1, 0, 1, 2, 3],
+    "star": [-1] * 6,
+    "deep-chain": list(range(-1, 15)),
+    "padding-leaves": [-1, 0, 0, -1, 3, -1, -1, -1],
+    "branchy": [-1, 0, 1, 1, 0, 4, -1, 6, 6],
+}
+TREES.update({f"random{i}": random_parents(1 + 3 * i, random.Random(i)) for i in range(6)})
+TREE_CASES = [(W, N, name) for (W, N) in [(1, 2), (3, 4), (5, 3)] for name in TREES]
+TREE_IDS = [f"W{w}-N{n}-{name}" for w, n, name in TREE_CASES]
+
+
+def chain_tree(N, g):
+    return tuple((j // (N - 1) + 1) * (N - 1) for j in range(g * (N - 1)))
+
+
+@pytest.mark.parametrize("W, N, name", TREE_CASES, ids=TREE_IDS)
+def test_tree_mask_follows_design_rules(W, N, name):
+    parents = TREES[name]
+    p = StepPattern(W, N, tree_end=tree_end_of(parents))
+    expected = tree_rule_from_design(W, N, parents)
+    mask = p.materialize(0)
+    assert mask.shape == (len(expected), len(expected)) == (p.num_tokens, p.num_tokens)
+    for q, seen in expected.items():
+        assert set(mask[q].nonzero().flatten().tolist()) == seen, f"row {q}"
+    depths = [len(ancestors(parents, j)) for j in range(len(parents))]
+    assert p.relative_positions.tolist()[p.lookahead_len :] == depths
+    assert p.max_commit == 1 + max(depths, default=0)
+
+
+@pytest.mark.parametrize("W, N, g", CASES, ids=IDS)
+def test_chains_equal_their_tree(W, N, g):
+    chains, tree = StepPattern(W, N, g), StepPattern(W, N, tree_end=chain_tree(N, g))
+    assert torch.equal(chains.materialize(3), tree.materialize(3))
+    assert torch.equal(chains.relative_positions, tree.relative_positions)
+    assert chains.num_tokens == tree.num_tokens and chains.max_commit == tree.max_commit
+    assert torch.equal(lookahead_mask(W, N, g, 2), lookahead_mask(W, N, 99, 2, tree_end=chain_tree(N, g)))
+
+
+@pytest.mark.parametrize("W, N, g, expected", [(1, 2, 0, 1), (3, 4, 0, 1), (3, 4, 3, 4), (15, 5, 15, 5), (7, 2, 7, 2)],
+                         ids=lambda v: None)
+def test_max_commit_chains(W, N, g, expected):
+    assert StepPattern(W, N, g).max_commit == expected
+
+
 @triton.jit
-def _mask_tile_kernel(Out, T: tl.constexpr, BLOCK: tl.constexpr, W: tl.constexpr, N: tl.constexpr):
+def _mask_tile_kernel(Out, TreeEnd, T: tl.constexpr, BLOCK: tl.constexpr, W: tl.constexpr, N: tl.constexpr,
+                      TREE: tl.constexpr):
+    LA: tl.constexpr = W * (N - 1)
     offs = tl.arange(0, BLOCK)
-    vis = _visible(offs[:, None], offs[None, :], W, N)
+    if TREE:
+        k_end = LA + tl.load(TreeEnd + offs - LA, mask=(offs >= LA) & (offs < T), other=0)
+    else:
+        k_end = _chain_end(offs, W, N)
+    vis = _visible(offs[:, None], offs[None, :], k_end[None, :], W, N)
     ok = (offs[:, None] < T) & (offs[None, :] < T)
     tl.store(Out + offs[:, None] * T + offs[None, :], vis.to(tl.int8), mask=ok)
+
+
+def triton_mask(p):
+    t = p.num_tokens
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    out = torch.zeros(t, t, dtype=torch.int8, device=device)
+    tree = torch.tensor(p.tree_end or (0,), dtype=torch.int64, device=device)
+    _mask_tile_kernel[(1,)](out, tree, T=t, BLOCK=max(16, triton.next_power_of_2(t)), W=p.window, N=p.ngram,
+                            TREE=p.is_tree)
+    return out.bool().cpu()
 
 
 @pytest.mark.parametrize("W, N, g", CASES, ids=IDS)
 def test_triton_predicate_equals_torch_predicate(W, N, g):
     p = StepPattern(W, N, g)
-    t = p.num_tokens
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    out = torch.zeros(t, t, dtype=torch.int8, device=device)
-    _mask_tile_kernel[(1,)](out, T=t, BLOCK=triton.next_power_of_2(t), W=W, N=N)
-    assert torch.equal(out.bool().cpu(), p.materialize(0))
+    assert torch.equal(triton_mask(p), p.materialize(0))
+    as_tree = StepPattern(W, N, tree_end=chain_tree(N, g))  # the kernel's tree path on chains written as trees
+    assert torch.equal(triton_mask(as_tree), p.materialize(0))
+
+
+@pytest.mark.parametrize("W, N, name", TREE_CASES, ids=TREE_IDS)
+def test_triton_tree_predicate_equals_torch_predicate(W, N, name):
+    p = StepPattern(W, N, tree_end=tree_end_of(TREES[name]))
+    assert torch.equal(triton_mask(p), p.materialize(0))
 
 
 @pytest.mark.parametrize("bad, message", [
-    (dict(window=0, ngram=2, guesses=0), "window must be >= 1"),
-    (dict(window=1, ngram=1, guesses=0), "ngram must be >= 2"),
-    (dict(window=1, ngram=2, guesses=-1), "guesses must be >= 0"),
-    (dict(window=1.0, ngram=2, guesses=0), "window must be an int"),
+    (dict(window=0, ngram=2, candidates=0), "window must be >= 1"),
+    (dict(window=1, ngram=1, candidates=0), "ngram must be >= 2"),
+    (dict(window=1, ngram=2, candidates=-1), "candidates must be >= 0"),
+    (dict(window=1.0, ngram=2, candidates=0), "window must be an int"),
+    (dict(window=1, ngram=2, tree_end=(1, 1)), r"tree_end\[1\] must be in \(1, 2\]"),
+    (dict(window=1, ngram=2, tree_end=(0,)), r"tree_end\[0\] must be in \(0, 1\]"),
+    (dict(window=1, ngram=2, tree_end=(2, 3, 3)), "leaves its parent's subtree"),
+    (dict(window=1, ngram=2, tree_end=(1.5,)), "tree_end must hold ints"),
+    (dict(window=1, ngram=2, tree_end="ab"), "tree_end must be a sequence"),
 ])
 def test_pattern_rejects_bad_parameters(bad, message):
     with pytest.raises((ValueError, TypeError), match=message):
         StepPattern(**bad)
+
+
+def test_tree_pattern_normalises_lists_and_has_no_candidate_index():
+    p = StepPattern(2, 3, tree_end=[2, 2, 3])
+    assert p.tree_end == (2, 2, 3) and hash(p) == hash(StepPattern(2, 3, tree_end=(2, 2, 3)))
+    assert p.num_tokens == 2 * 2 + 3
+    with pytest.raises(ValueError, match="chains form"):
+        p.candidate_index(0, 1)
