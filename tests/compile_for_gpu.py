@@ -7,8 +7,8 @@ time (16-byte divisible pointers and ints, ints equal to 1 folded, `do_not_speci
 kernel is the one that would run. Prints one line per (arch, dtype, head dim, W-N-G): OK with registers, spilled
 (stack) bytes, shared memory and whether async copies / wgmma are used, for the split and merge kernels; or FAILED.
 
-    python tests/compile_for_gpu.py          # the four cases the test suite checks
-    python tests/compile_for_gpu.py --all    # (15,5,15), (3,4,3), plain decoding x fp16/bf16 x sm_90/sm_80, fp32
+    python tests/compile_for_gpu.py          # the five cases the test suite checks
+    python tests/compile_for_gpu.py --all    # (15,5,15), (3,4,3), a tree, plain x fp16/bf16 x sm_90/sm_80, fp32
 """
 
 from __future__ import annotations
@@ -107,18 +107,20 @@ def describe(compiled) -> str:
             f"warps {compiled.metadata.num_warps}, {'+'.join(ops) or 'no async copy / mma'}")
 
 
-def compile_case(arch: int, dtype: torch.dtype, head_dim: int, window: int, ngram: int, guesses: int) -> str:
+def compile_case(arch: int, dtype: torch.dtype, head_dim: int, pattern: StepPattern) -> str:
     parts = []
-    for kernel, args, kwargs in captured_launches(StepPattern(window, ngram, guesses), dtype, head_dim, arch):
+    for kernel, args, kwargs in captured_launches(pattern, dtype, head_dim, arch):
         compiled = compile_launch(kernel, args, kwargs, arch)
         parts.append(f"{kernel.fn.__name__.removeprefix('_lookahead_attn_')}: {describe(compiled)}")
     return " | ".join(parts)
 
 
-STEPS = {"W15-N5-G15": (15, 5, 15), "W3-N4-G3": (3, 4, 3), "plain": (1, 2, 0)}
+STEPS = {"W15-N5-G15": StepPattern(15, 5, 15), "W3-N4-G3": StepPattern(3, 4, 3), "plain": StepPattern(1, 2, 0),
+         "W3-N4-tree9": StepPattern(3, 4, tree_end=(4, 3, 3, 4, 7, 6, 7, 8, 9))}
 # what the test suite checks: every step shape once on Hopper, Ampere once
 DEFAULT = [(90, torch.float16, 128, "W15-N5-G15"), (90, torch.bfloat16, 128, "W3-N4-G3"),
-           (90, torch.float16, 128, "plain"), (80, torch.float16, 128, "W3-N4-G3")]
+           (90, torch.float16, 128, "plain"), (90, torch.bfloat16, 128, "W3-N4-tree9"),
+           (80, torch.float16, 128, "W3-N4-G3")]
 ALL = [(a, d, 128, s) for a in (90, 80) for d in (torch.float16, torch.bfloat16) for s in STEPS]
 ALL += [(90, torch.float32, 128, s) for s in STEPS] + [(90, torch.float16, d, "W3-N4-G3") for d in (64, 256)]
 
@@ -128,7 +130,7 @@ def main() -> int:
     for arch, dtype, head_dim, step in ALL if "--all" in sys.argv else DEFAULT:
         name = f"sm_{arch} {_TYPES[dtype]} D{head_dim} {step}"
         try:
-            print(f"{name} OK {compile_case(arch, dtype, head_dim, *STEPS[step])}", flush=True)
+            print(f"{name} OK {compile_case(arch, dtype, head_dim, STEPS[step])}", flush=True)
         except Exception as e:  # noqa: BLE001 - report every failure, whatever the compiler raised
             failed += 1
             print(f"{name} FAILED {type(e).__name__}: {e}"[:2000], flush=True)
