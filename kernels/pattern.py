@@ -1,6 +1,6 @@
 """The lookahead step layout and its attention pattern: the one source of truth.
 
-A step feeds T tokens (see DESIGN.md, "One decoding step"): the lookahead branch, then the
+A step feeds T tokens (see docs/DESIGN.md, "One decoding step"): the lookahead branch, then the
 verification branch in one of two forms.
 
     step index            part                       relative position

@@ -243,7 +243,7 @@ def lookahead_attention(
     """Attention of one lookahead decoding step, its pattern computed in the kernel (no mask tensor).
 
     Args:
-        q: [B, Hq, T, D] the step's queries in DESIGN.md's layout, any strides.
+        q: [B, Hq, T, D] the step's queries in docs/DESIGN.md's layout, any strides.
         k, v: [B, Hkv, S, D]: row b holds its cache prefix (positions < prefix_len[b]) followed by the step's T
             keys/values; only those are read, so a preallocated cache buffer can be passed as it is. Hq % Hkv == 0.
         prefix_len: L, an int (every row) or an integer tensor [B] on q's device (per-row lengths).
@@ -251,7 +251,7 @@ def lookahead_attention(
         guesses: chains form: g >= 0, the candidates present; T = (W + g)(N - 1). Ignored in tree form.
         sm_scale: softmax scale, default 1 / sqrt(D).
         tree_end: None (chains) or an integer tensor [V] or [B, V] on q's device: node j's subtree ends before
-            tree_end[j] (DESIGN.md's tree form); T = W(N - 1) + V.
+            tree_end[j] (docs/DESIGN.md's tree form); T = W(N - 1) + V.
 
     Returns:
         [B, Hq, T, D] in q's dtype (float16, bfloat16 or float32): a transposed view of a contiguous [B, T, Hq, D].

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from lookahead.kernels import StepPattern, masked_attention
+from lookahead.kernels import StepAttentionPlan, StepPattern, masked_attention
 
 from .kv_cache import KVCache
 
@@ -100,11 +100,9 @@ class TritonBackend:
                  dtype: torch.dtype, device: torch.device) -> None:
         self._shape = dict(batch=batch, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype,
                            device=device, max_len=capacity)
-        self._plans: dict = {}
+        self._plans: dict[StepPattern, StepAttentionPlan] = {}
 
     def begin_step(self, pattern: StepPattern, prefix_len: int, lengths: torch.Tensor) -> LayerAttention:
-        from lookahead.kernels.triton_attention import StepAttentionPlan  # Triton is optional on CPU
-
         if pattern not in self._plans:
             self._plans[pattern] = StepAttentionPlan(pattern, **self._shape)
         plan = self._plans[pattern]

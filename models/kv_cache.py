@@ -26,7 +26,8 @@ class KVCache(nn.Module):
         """Positions each layer holds."""
         return self.k.shape[3]
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v [B, Hkv, T, D] at positions `slots` [T] of `layer`; return that layer's buffers."""
         k_layer, v_layer = self.k[layer], self.v[layer]
         k_layer.index_copy_(2, slots, k)

@@ -50,7 +50,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         # rotate q and k together: one set of rotary ops per layer instead of two
         q, k = apply_rotary(torch.cat((q, k), dim=2), cos, sin).split((self.heads, self.kv_heads), dim=2)
-        out = attend(layer, q.transpose(1, 2), k.transpose(1, 2), v)  # [B, Hq, T, D]; the kernel's is a view of [B, T, Hq, D], so no copy below
+        # [B, Hq, T, D]; the kernel's is a view of [B, T, Hq, D], so the reshape below copies nothing
+        out = attend(layer, q.transpose(1, 2), k.transpose(1, 2), v)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
 

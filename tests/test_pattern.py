@@ -1,4 +1,5 @@
-"""The step layout and attention pattern: DESIGN.md's rules (chains and trees), the paper's example, torch == Triton."""
+"""The step layout and attention pattern: docs/DESIGN.md's rules (chains and trees), the paper's example,
+torch == Triton."""
 
 import random
 
@@ -15,7 +16,7 @@ IDS = [f"W{w}-N{n}-G{g}" for w, n, g in CASES]
 
 
 def rule_from_design(W, N, g):
-    """DESIGN.md's table and rules, written as sets: {step index: (part, position, visible step indices)}."""
+    """docs/DESIGN.md's table and rules, written as sets: {step index: (part, position, visible step indices)}."""
     parts = {}
     for level in range(N - 1):
         for col in range(W):
@@ -92,7 +93,7 @@ def random_parents(size, rng):
 
 
 def tree_end_of(parents):
-    """DESIGN.md's encoding: one past the pre-order index of the last node of each subtree."""
+    """docs/DESIGN.md's encoding: one past the pre-order index of the last node of each subtree."""
     ends = [j + 1 for j in range(len(parents))]
     for j in range(len(parents)):
         a = parents[j]

@@ -184,3 +184,34 @@ def test_cuda_graphs_replay_the_eager_step(tiny_checkpoint, lookahead):
     assert runner.cuda_graphs and all(p.graph is not None for p in runner._programs.values())
     cpu = Llama.from_pretrained(tiny_checkpoint("gqa"))
     assert graphed.tokens == cpu.generate(prompt, max_new_tokens=48, eos_token_id=[]).tokens
+
+
+class KernelLaunches:
+    """Wraps a Triton kernel global and records the compile-time (keyword) arguments of every launch."""
+
+    def __init__(self, kernel):
+        self.kernel, self.constexpr_sets = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.constexpr_sets.append(tuple(sorted(kwargs.items())))
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+@pytest.mark.parametrize("static", [True, False], ids=["static", "exact-size"])
+def test_a_static_generation_compiles_the_kernel_once(tiny_checkpoint, monkeypatch, static):
+    """15-5-15 with static steps launches the kernel with one set of compile-time arguments, warm-up included;
+    exact-size steps change N during the warm-up, so they need several."""
+    import lookahead.kernels.triton_attention as kernel_module
+
+    launches = KernelLaunches(kernel_module._lookahead_attn_split)
+    monkeypatch.setattr(kernel_module, "_lookahead_attn_split", launches)
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"), attn_backend="triton")
+    prompt = [3, 17, 22, 3, 17, 5, 9, 3, 17]
+    result = model.generate(prompt, max_new_tokens=8, eos_token_id=[], lookahead=LookaheadConfig(15, 5, 15),
+                            static_step=static)
+    assert result.steps >= 5  # the 3 warm-up steps and at least one full one
+    assert len(launches.constexpr_sets) == (result.steps - 1) * model.config.num_hidden_layers
+    assert (len(set(launches.constexpr_sets)) == 1) == static, set(launches.constexpr_sets)
