@@ -58,8 +58,8 @@ def warmup(model: Llama, lookahead: LookaheadConfig | None, max_tokens: int, cud
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 2:
         raise ValueError(f"max_tokens must be an int >= 2, got {max_tokens!r}")
     runner_for(model, max_tokens, lookahead, cuda_graph)
-    steps = 1 if lookahead is None else lookahead.ngram  # past the window's warm-up: the full step shape
-    generate(model, [0], max_new_tokens=steps + 1, lookahead=lookahead, temperature=0.0, top_k=0, top_p=1.0,
+    # the prefill gives one token, so two make exactly one step, of the one shape static steps have
+    generate(model, [0], max_new_tokens=2, lookahead=lookahead, temperature=0.0, top_k=0, top_p=1.0,
              seed=None, eos_token_id=[], stream=None, static_step=True, cuda_graph=cuda_graph)
 
 

@@ -215,3 +215,16 @@ def test_a_static_generation_compiles_the_kernel_once(tiny_checkpoint, monkeypat
     assert result.steps >= 5  # the 3 warm-up steps and at least one full one
     assert len(launches.constexpr_sets) == (result.steps - 1) * model.config.num_hidden_layers
     assert (len(set(launches.constexpr_sets)) == 1) == static, set(launches.constexpr_sets)
+
+
+def test_warmup_prepares_the_runner_the_generation_uses(tiny_checkpoint):
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    cfg = LookaheadConfig(3, 4, 3)
+    model.warmup(cfg, max_tokens=300)
+    runner = model.__dict__["_runner"]
+    assert runner.cache.capacity >= 300 and [p for p, _ in runner._programs] == [full_pattern(cfg)]
+    result = model.generate(list(range(1, 40)), max_new_tokens=200, lookahead=cfg, eos_token_id=[], static_step=True)
+    assert model.__dict__["_runner"] is runner and len(runner._programs) == 1
+    assert result.tokens == model.generate(list(range(1, 40)), max_new_tokens=200, eos_token_id=[]).tokens
+    with pytest.raises(ValueError, match="max_tokens must be an int >= 2"):
+        model.warmup(cfg, max_tokens=1)
