@@ -1,6 +1,9 @@
-"""Installs the three top-level folders as `lookahead`, `lookahead.kernels` and `lookahead.models`."""
+"""Installs the three top-level folders as `lookahead`, `lookahead.kernels` and `lookahead.models`, and the
+`lookahead` command."""
 
 from setuptools import setup
+
+TRITON = "triton>=3.0; platform_system == 'Linux' and platform_machine == 'x86_64'"
 
 setup(
     name="lookahead",
@@ -12,8 +15,7 @@ setup(
     packages=["lookahead", "lookahead.kernels", "lookahead.models"],
     package_dir={"lookahead": "lookahead", "lookahead.kernels": "kernels", "lookahead.models": "models"},
     install_requires=[
-        "torch>=2.4",
-        "triton>=3.0; platform_system == 'Linux' and platform_machine == 'x86_64'",
+        "torch>=2.4",  # CUDA builds of torch bring triton with them; the CPU path never runs it
         "safetensors>=0.4",
         "transformers>=4.45",  # tokenizers and chat templates only; models run without it
         "gguf>=0.10",  # reads the embedded default model's GGUF file once, to convert it
@@ -21,8 +23,9 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "test": ["pytest>=8", "accelerate", "pytest-benchmark"],
-        "bench": ["pytest-benchmark>=4", "matplotlib"],
+        "triton": [TRITON],  # the kernel on a CPU-only torch, under TRITON_INTERPRET=1
+        "test": ["pytest>=8", "accelerate", "pytest-benchmark", TRITON],  # kernel tests run under the interpreter
+        "bench": ["pytest-benchmark>=4", "matplotlib", TRITON],
     },
     entry_points={"console_scripts": ["lookahead=lookahead.cli:main"]},
 )

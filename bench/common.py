@@ -1,4 +1,4 @@
-"""Shared pieces of the benchmarks: machine facts, prompts from ../shared/data, results on disk."""
+"""Shared pieces of the benchmarks: machine facts, the prompts in bench/data, results on disk."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-DATA = ROOT.parent / "shared" / "data" / "dev.jsonl"
+DATA = ROOT / "bench" / "data" / "dev.jsonl"  # sources and licenses: bench/data/README.md
 
 
 def machine() -> dict:
@@ -32,13 +32,18 @@ def machine() -> dict:
     except OSError:
         commit = ""
     import transformers
-    import triton
 
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not installed"
     return {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU: {cpu}",
         "cpu_threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        "triton": triton.__version__,
+        "triton": triton_version,
         "transformers": transformers.__version__,
         "commit": commit,
         "date": time.strftime("%Y-%m-%d %H:%M"),
@@ -51,6 +56,9 @@ def device_slug() -> str:
 
 def load_prompts(per_kind: int | None = None, kinds: tuple[str, ...] = ("chat", "code", "math", "summarize")):
     """Rows of dev.jsonl ({id, kind, prompt}), at most `per_kind` of each kind, in file order."""
+    if not DATA.is_file():
+        raise FileNotFoundError(f"{DATA} is missing: the prompt sets are part of the repository (bench/data, with "
+                                "their sources and licenses); restore them with: git checkout -- bench/data")
     rows = [json.loads(line) for line in DATA.read_text(encoding="utf-8").splitlines() if line.strip()]
     picked, seen = [], {}
     for row in rows:

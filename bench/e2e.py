@@ -1,6 +1,6 @@
 """End-to-end: plain greedy, transformers (greedy, prompt lookup) and lookahead at several (W, N, G).
 
-All methods run in one process on the same prompts from ../shared/data/dev.jsonl, interleaved per prompt
+All methods run in one process on the same prompts from bench/data/dev.jsonl, interleaved per prompt
 (the order rotates from prompt to prompt) so machine noise hits them alike. Prints per-kind tables of
 S (tokens / forward passes), tokens/s and the speed ratio against transformers' greedy, with the count
 of outputs identical to plain greedy; saves JSON and a PNG.

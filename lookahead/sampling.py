@@ -38,7 +38,10 @@ class SamplingParams:
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """[R, V] logits -> [R, V] fp32 probabilities after temperature, top-k, then top-p."""
-    logits = logits.float() / params.temperature
+    # shift the max to 0 and divide in float64: any temperature > 0, however small (1e-40), stays finite
+    # (the max at 0, the rest at most -inf), where fp32 logits / 1e-40 overflow to inf and softmax gives NaN
+    logits = logits.double()
+    logits = ((logits - logits.max(-1, keepdim=True).values) / params.temperature).float()
     vocab = logits.shape[-1]
     if 0 < params.top_k < vocab:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
@@ -60,6 +63,8 @@ class Sampler:
     def __init__(self, seed: int | None, device: torch.device) -> None:
         if seed is None:
             seed = random.SystemRandom().randrange(2**63)
+        elif isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+            raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
         self.uniform = random.Random(seed).random
         self._generator = torch.Generator(device=device)
         self._generator.manual_seed(seed)

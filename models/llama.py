@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -15,7 +18,7 @@ from lookahead.kernels import interpreting
 from .attention import BACKENDS, Attend, causal
 from .config import LlamaConfig
 from .generation import generate, warmup
-from .loading import load_weights
+from .loading import load_weights, tensor_names
 from .rope import apply_rotary, inverse_frequencies, rotary_cos_sin
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -107,29 +110,60 @@ class Llama(nn.Module):
                         device: torch.device | str = "cpu", attn_backend: str = "auto") -> Llama:
         """Load a Hugging Face LLaMA checkpoint folder (config.json + model.safetensors, sharded or not).
 
-        dtype: float32, float16 or bfloat16; None means bfloat16 on CUDA and float32 elsewhere. Greedy
-        lookahead output equals plain greedy token for token in float32; in 16-bit types a multi-token
-        pass rounds differently from a one-token pass, so near-ties can flip.
+        dtype: float32, float16 or bfloat16; None means bfloat16 on CUDA and float32 elsewhere. Lookahead
+        decoding is token for token plain greedy in float32; in 16-bit a multi-token pass rounds differently
+        from a one-token pass, so near-ties can flip.
         attn_backend: "auto" (Triton on CUDA, torch on CPU), "torch", or "triton" (on CPU only under
         TRITON_INTERPRET=1).
+
+        Refused with an error naming the field, tensor or file: config fields of the wrong type or out of
+        range, NaN/inf weights, index entries outside the folder or tensors in the wrong shard. With
+        tie_word_embeddings and both embed_tokens and lm_head in the file, does what transformers does:
+        ties them if they are equal, else keeps the file's lm_head and warns.
         """
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path must be a checkpoint folder (str or Path), got {type(path).__name__}")
+        if not str(path).strip():
+            raise ValueError(f"path must name a checkpoint folder, got {str(path)!r}")
         path = Path(path)
         if not path.is_dir():
             raise FileNotFoundError(f"checkpoint folder {path} does not exist")
-        device = torch.device(device)
+        device = resolve_device(device)
         dtype = resolve_dtype(dtype if dtype is not None else default_dtype(device))
         backend = resolve_backend(attn_backend, device)
         config = LlamaConfig.from_file(path)
+        names = tensor_names(path)
+        head, embed = "lm_head.weight", "model.embed_tokens.weight"
+        both_in_file = config.tie_word_embeddings and head in names and embed in names
+        if both_in_file:  # load both; tied again below only if they are equal (transformers' rule)
+            config = dataclasses.replace(config, tie_word_embeddings=False)
         with torch.device("meta"):
             model = cls(config, attn_backend=backend)
         model.to_empty(device=device)
         model.to(dtype)
         model._tie_weights()  # to_empty gives each module its own new tensor
         model.rope_inv_freq = inverse_frequencies(config.head_dim, config.rope).to(device)  # fp32 always
-        optional = frozenset({"lm_head.weight"}) if config.tie_word_embeddings else frozenset()
+        # tied: the one shared tensor may come from either name (transformers swaps them if only the head is there)
+        optional = frozenset({embed if head in names else head}) if config.tie_word_embeddings else frozenset()
         load_weights(model, path, optional=optional)
+        if both_in_file:
+            if torch.equal(model.lm_head.weight, model.model.embed_tokens.weight):
+                model.config = dataclasses.replace(config, tie_word_embeddings=True)
+                model._tie_weights()
+            else:
+                warnings.warn(f"{path / 'config.json'} sets tie_word_embeddings, but the checkpoint holds an "
+                              f"lm_head.weight that differs from embed_tokens: keeping both, untied, as transformers "
+                              "does (set tie_word_embeddings to false to silence this)", stacklevel=2)
         model.checkpoint_dir = path
         return model.eval().requires_grad_(False)
+
+    def _apply(self, fn, recurse=True):
+        """`.to()`, `.half()`, `.cuda()` all pass here: the RoPE table moves with the model but stays fp32."""
+        inv_freq = self.rope_inv_freq
+        super()._apply(fn, recurse)
+        if self.rope_inv_freq.dtype != torch.float32:
+            self.rope_inv_freq = inv_freq.to(device=self.rope_inv_freq.device, dtype=torch.float32)
+        return self
 
     def _tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
@@ -212,6 +246,23 @@ def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
     if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
         return dtype
     raise ValueError(f"unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+
+
+def resolve_device(device: torch.device | str) -> torch.device:
+    """A torch device that exists here; "cuda" without a usable CUDA build or GPU is refused."""
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device {device!r} is not a torch device ({e})") from None
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise ValueError(f"device {str(device)!r} is not available: {why} (torch {torch.__version__}); "
+                             "use device='cpu'")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise ValueError(f"device {str(device)!r} is not available: {torch.cuda.device_count()} CUDA GPU(s) "
+                             "visible")
+    return resolved
 
 
 def resolve_backend(attn_backend: str, device: torch.device) -> str:

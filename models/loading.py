@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -19,15 +19,23 @@ class CheckpointError(ValueError):
 
 
 def checkpoint_files(folder: Path) -> dict[str, list[str]]:
-    """{file name: tensor names it holds per the index} for a sharded checkpoint, {file: []} for a single file."""
+    """{file name: tensor names it holds per the index} for a sharded checkpoint, {file: []} for a single file.
+
+    The index may name only files inside `folder` (no absolute paths, no `..`).
+    """
     index = folder / INDEX_FILE
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index} is not a valid safetensors index (needs a 'weight_map'): {e}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index} is not a valid safetensors index (needs a 'weight_map'): {e!r}") from None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: 'weight_map' must be an object {{tensor: file}}, got {weight_map!r:.80}")
         files: dict[str, list[str]] = {}
         for name, file in weight_map.items():
+            if not isinstance(file, str) or not _inside(file):
+                raise CheckpointError(f"{index} assigns tensor {name!r} to {file!r}: only files inside the "
+                                      "checkpoint folder may be named (a relative path without '..')")
             files.setdefault(file, []).append(name)
         return files
     if (folder / SINGLE_FILE).is_file():
@@ -35,9 +43,23 @@ def checkpoint_files(folder: Path) -> dict[str, list[str]]:
     raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {folder}: is this a safetensors checkpoint folder?")
 
 
+def tensor_names(folder: Path) -> set[str]:
+    """Names of the checkpoint's tensors, read from the file headers only."""
+    return {name for name, _ in _iter_files(folder, read=False)}
+
+
 def iter_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) for every tensor of the checkpoint in `folder`, one file open at a time."""
-    for file, indexed_names in checkpoint_files(folder).items():
+    """Yield (name, tensor) for every tensor of the checkpoint in `folder`, one file open at a time.
+
+    In a sharded checkpoint every tensor must sit in the shard the index assigns it to.
+    """
+    yield from _iter_files(folder, read=True)
+
+
+def _iter_files(folder: Path, read: bool) -> Iterator[tuple[str, torch.Tensor | None]]:
+    files = checkpoint_files(folder)
+    sharded = (folder / INDEX_FILE).is_file()
+    for file, indexed_names in files.items():
         path = folder / file
         if not path.is_file():
             raise FileNotFoundError(f"{path} is listed in {INDEX_FILE} but does not exist")
@@ -47,17 +69,29 @@ def iter_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 for name in indexed_names:
                     if name not in names:
                         raise CheckpointError(f"tensor {name!r} is listed in {INDEX_FILE} for {file} but is not in it")
+                if sharded:
+                    stray = sorted(names - set(indexed_names))
+                    if stray:
+                        raise CheckpointError(f"tensor {stray[0]!r} is in {file}, but {INDEX_FILE} does not assign it "
+                                              f"to that file ({len(stray)} such tensor(s))")
                 for name in sorted(names):
-                    yield name, f.get_tensor(name)
+                    yield name, (f.get_tensor(name) if read else None)
         except SafetensorError as e:
             raise CheckpointError(f"cannot read {path}: {e} (is the file complete and a safetensors file?)") from None
+
+
+def _inside(file: str) -> bool:
+    """A relative path that stays inside the folder (judged on the name: symlinks, as in the HF cache, are fine)."""
+    pure = PurePosixPath(file.replace("\\", "/"))
+    return bool(file) and not pure.is_absolute() and not PureWindowsPath(file).drive and ".." not in pure.parts
 
 
 def load_weights(module: nn.Module, folder: Path, optional: frozenset[str] = frozenset()) -> None:
     """Copy the checkpoint's tensors into `module`'s parameters (converting dtype), all or nothing checked.
 
-    Every parameter must be present with its exact shape; names in `optional` may be absent or extra
-    (a tied head, say). Unexpected or misshapen tensors raise `CheckpointError` naming them.
+    Every parameter must be present with its exact shape and only finite values; names in `optional` may
+    be absent or extra (a tied head, say). Unexpected, misshapen or non-finite tensors raise
+    `CheckpointError` naming them.
     """
     params = dict(module.named_parameters(remove_duplicate=False))
     seen: set[str] = set()
@@ -70,11 +104,21 @@ def load_weights(module: nn.Module, folder: Path, optional: frozenset[str] = fro
         if tuple(tensor.shape) != tuple(target.shape):
             raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.shape)}, "
                                   f"the model expects {tuple(target.shape)} (does config.json match the weights?)")
+        if tensor.is_floating_point() and not _all_finite(tensor):
+            raise CheckpointError(f"tensor {name!r} in {folder} holds NaN or inf values: the checkpoint is damaged")
         with torch.no_grad():
             target.copy_(tensor)
+        if target.dtype != tensor.dtype and not _all_finite(target):
+            raise CheckpointError(f"tensor {name!r} overflows {target.dtype} (values up to "
+                                  f"{tensor.abs().max().item():.3g}); load it in a wider dtype such as float32")
         seen.add(name)
     missing = sorted(set(params) - seen - optional)
     if missing:
         shown = ", ".join(repr(n) for n in missing[:5])
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise CheckpointError(f"checkpoint {folder} is missing tensor(s) {shown}{more}")
+
+
+def _all_finite(tensor: torch.Tensor) -> bool:
+    """No NaN or inf: a finite sum proves it in one cheap pass; only a non-finite sum needs the exact check."""
+    return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())

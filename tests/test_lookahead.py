@@ -40,6 +40,19 @@ def test_model_that_knows_a_text_accepts_many_tokens(W, N, G):
     assert max(len(s) for s in result.step_tokens) == N  # a whole candidate plus the model's own next token
 
 
+@pytest.mark.parametrize("W, N, G", [(5, 4, 5), (3, 3, 3), (1, 2, 1)], ids=["W5-N4-G5", "W3-N3-G3", "W1-N2-G1"])
+def test_lookahead_branch_alone_feeds_the_pool(W, N, G):
+    """With the prompt and output n-grams off, every candidate must come from the lookahead branch's columns:
+    a pool cut off from that branch stays empty and S is exactly 1, so S > 1.3 proves the branch reaches it."""
+    vocab = 16
+    fn = lambda ctx: context_logits(ctx, vocab, target=[1, 2] + TARGET)  # noqa: E731
+    plain = decode(MockStepModel(vocab, fn), [1, 2], 60)
+    cfg = LookaheadConfig(W, N, G, pool_from_prompt=False, pool_from_output=False)
+    result = decode(MockStepModel(vocab, fn), [1, 2], 60, lookahead=cfg)
+    assert result.tokens == plain.tokens
+    assert result.compression > 1.3, result.compression
+
+
 @pytest.mark.parametrize("W, N, G", CONFIGS, ids=IDS)
 def test_tiny_llama_lookahead_equals_greedy(tiny_checkpoint, W, N, G):
     model = Llama.from_pretrained(tiny_checkpoint("gqa"))

@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
+from lookahead import LookaheadConfig
 from lookahead.models import CheckpointError, ConfigError, Llama, LlamaConfig
 from lookahead.models.runner import CachedRunner
 
@@ -135,6 +136,18 @@ def test_default_eos_comes_from_checkpoint(tiny_checkpoint):
     (dict(top_k=-1), ValueError, "top_k must be"),
     (dict(lookahead=(5, 4, 5)), TypeError, "LookaheadConfig"),
     (dict(eos_token_id="x"), TypeError, "eos_token_id"),
+    (dict(eos_token_id="12"), TypeError, "eos_token_id must be an int or a list of ints, got '12'"),
+    (dict(eos_token_id=[True]), TypeError, r"eos_token_id must be an int or a list of ints, got \[True\]"),
+    (dict(eos_token_id=True), TypeError, "eos_token_id must be an int or a list of ints"),
+    (dict(eos_token_id=[2, -1]), ValueError, "eos_token_id must hold token ids >= 0"),
+    (dict(prompt_ids=torch.zeros(2, 3, dtype=torch.long)), ValueError, r"1-D or \[1, T\] tensor"),
+    (dict(prompt_ids=torch.ones(1, 3)), TypeError, "must hold integers"),
+    (dict(prompt_ids=[[1, 2], [3, 4]]), TypeError, "list of ints"),
+    (dict(prompt_ids=[1, True]), TypeError, "list of ints"),
+    (dict(prompt_ids={"input_ids": [1, 2, 3], "attention_mask": [1, 0, 1]}), ValueError, "not all ones"),
+    (dict(prompt_ids={"ids": [1, 2]}), TypeError, "without 'input_ids'"),
+    (dict(seed=2**64, temperature=1.0), ValueError, r"seed must be an int in \[0, 2\*\*64\)"),
+    (dict(seed=-1, temperature=1.0), ValueError, "seed must be an int in"),
 ])
 def test_generate_rejects_bad_input(tiny_checkpoint, kwargs, error, message):
     model = Llama.from_pretrained(tiny_checkpoint("gqa"))
@@ -142,6 +155,28 @@ def test_generate_rejects_bad_input(tiny_checkpoint, kwargs, error, message):
     args.update(kwargs)
     with pytest.raises(error, match=message):
         model.generate(**args)
+
+
+def test_generate_accepts_what_transformers_hands_over(tiny_checkpoint):
+    """A list, a 1-D tensor, apply_chat_template's [1, T] tensor, a BatchEncoding: the same prompt."""
+    from transformers import BatchEncoding
+
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    ids = [5, 17, 3, 99, 42]
+    expected = model.generate(ids, max_new_tokens=6, eos_token_id=[]).tokens
+    forms = [torch.tensor(ids), torch.tensor([ids]), [ids], {"input_ids": ids},
+             BatchEncoding({"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, 5, dtype=torch.long)})]
+    for form in forms:
+        assert model.generate(form, max_new_tokens=6, eos_token_id=[]).tokens == expected, type(form)
+
+
+def test_tiny_temperature_samples_like_greedy(tiny_checkpoint):
+    """1e-40 used to overflow to inf logits and NaN probabilities; it is the greedy limit."""
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    greedy = model.generate([1, 2, 3], max_new_tokens=8, eos_token_id=[]).tokens
+    for temperature in (1e-40, 5e-324):
+        assert model.generate([1, 2, 3], max_new_tokens=8, eos_token_id=[], temperature=temperature, seed=0,
+                              lookahead=LookaheadConfig()).tokens == greedy
 
 
 def test_unsupported_dtype_and_backend(tiny_checkpoint):
@@ -210,3 +245,35 @@ def test_plain_forward_is_causal_without_cache(tiny_checkpoint):
     model = Llama.from_pretrained(tiny_checkpoint("gqa"))
     ids = torch.randint(0, 101, (1, 20), generator=torch.Generator().manual_seed(5))
     assert torch.allclose(model(ids)[0, :10], model(ids[:, :10])[0], atol=1e-5)
+
+
+LONG = dict(max_position_embeddings=4096)
+
+
+def test_positions_past_2048_match_transformers(tiny_checkpoint):
+    """RoPE at large positions: an fp16/bf16 table or fp16 angles would drift here, not at position 90."""
+    folder = tiny_checkpoint("long", **LONG)
+    ids = torch.randint(0, 101, (1, 2300), generator=torch.Generator().manual_seed(8))
+    expected, hf = hf_logits(folder, ids)
+    model = Llama.from_pretrained(folder)
+    assert (model(ids) - expected).abs().max().item() < 1e-4
+    prompt = ids[:, :2040]  # decoding crosses position 2048 through the KV cache and lookahead steps
+    greedy = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)  # the mask: token 0 in the prompt is not padding
+    for lookahead in (None, LookaheadConfig(3, 4, 3)):
+        assert model.generate(prompt, max_new_tokens=24, eos_token_id=[], lookahead=lookahead).tokens == \
+            greedy[0, 2040:].tolist()
+
+
+@pytest.mark.parametrize("dtype, cast", [("bfloat16", lambda m: m.to(torch.bfloat16)), ("float16", lambda m: m.half())],
+                         ids=["to-bf16", "half"])
+def test_casting_the_model_keeps_rope_in_fp32(tiny_checkpoint, dtype, cast):
+    """model.to(bfloat16) / .half() must give the same model as loading in that dtype (RoPE stays fp32)."""
+    folder = tiny_checkpoint("long", **LONG)
+    ids = torch.randint(0, 101, (1, 2200), generator=torch.Generator().manual_seed(9))
+    loaded = Llama.from_pretrained(folder, dtype=dtype)
+    cast_model = cast(Llama.from_pretrained(folder))
+    assert cast_model.dtype == loaded.dtype
+    assert torch.equal(cast_model(ids[:, 2100:]), loaded(ids[:, 2100:]))
+    positions = ids[:, :2200]
+    assert torch.equal(cast_model(positions)[0, -50:], loaded(positions)[0, -50:])

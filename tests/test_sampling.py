@@ -31,8 +31,8 @@ def exact_joint(logits_fn, prompt, params, depth=DEPTH):
     return joint
 
 
-def chi_square_p(counts: dict, expected: dict, n: int) -> float:
-    """Pearson chi-square p-value; cells expected below 5 are pooled into one."""
+def chi_square_stat(counts: dict, expected: dict, n: int) -> tuple[float, int]:
+    """Pearson's statistic and degrees of freedom; cells expected below 5 are pooled into one."""
     stat, df, pooled_obs, pooled_exp = 0.0, -1, 0, 0.0
     for cell, p in expected.items():
         e = p * n
@@ -42,7 +42,38 @@ def chi_square_p(counts: dict, expected: dict, n: int) -> float:
         stat, df = stat + (counts.get(cell, 0) - e) ** 2 / e, df + 1
     if pooled_exp > 0:
         stat, df = stat + (pooled_obs - pooled_exp) ** 2 / pooled_exp, df + 1
+    return stat, max(df, 0)
+
+
+def p_value(stat: float, df: int) -> float:
     return torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2)).item()
+
+
+def chi_square_p(counts: dict, expected: dict, n: int) -> float:
+    """Pearson chi-square p-value; cells expected below 5 are pooled into one."""
+    return p_value(*chi_square_stat(counts, expected, n))
+
+
+def conditional_p(counts: dict, joint: dict, position: int) -> float:
+    """Token `position` given the tokens before it: one chi-square summed over the prefixes seen.
+
+    A wrong rule skews the verified tokens differently after each prefix; the marginal averages those skews
+    away and the joint spreads the samples over V**DEPTH cells, so this is the check with the power.
+    """
+    expected: dict = {}
+    observed: dict = {}
+    for seq, p in joint.items():
+        cells = expected.setdefault(seq[:position], {})
+        cells[seq[position]] = cells.get(seq[position], 0.0) + p
+    for seq, c in counts.items():
+        cells = observed.setdefault(seq[:position], {})
+        cells[seq[position]] = cells.get(seq[position], 0) + c
+    stat, df = 0.0, 0
+    for prefix, cells in observed.items():
+        mass = sum(expected[prefix].values())
+        s, d = chi_square_stat(cells, {t: p / mass for t, p in expected[prefix].items()}, sum(cells.values()))
+        stat, df = stat + s, df + d
+    return p_value(stat, df)
 
 
 def marginal(joint: dict, position: int) -> dict:
@@ -71,18 +102,24 @@ def distribution_p_values(counts, joint, n):
         for seq, c in counts.items():
             observed[(seq[position],)] = observed.get((seq[position],), 0) + c
         checks[f"token{position + 1}"] = chi_square_p(observed, marginal(joint, position), n)
+        if position > 0:
+            checks[f"token{position + 1}-given-prefix"] = conditional_p(counts, joint, position)
     return checks
 
 
 PARAMS = [SamplingParams(1.0), SamplingParams(0.7), SamplingParams(1.0, top_k=3), SamplingParams(0.7, top_p=0.9)]
+# G = 6 keeps up to 6 candidates per first token: several distinct tokens compete at a position, so a rule
+# that mishandles rejections (no renormalisation of the residual) is caught in every setting, not in one
+CONFIGS = [LookaheadConfig(3, 3, 3), LookaheadConfig(2, 4, 6)]
 
 
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"W{c.window}-N{c.ngram}-G{c.guesses}")
 @pytest.mark.parametrize("params", PARAMS, ids=["T1", "T0.7", "T1-topk3", "T0.7-topp0.9"])
-def test_lookahead_sampling_matches_exact_distribution(params):
+def test_lookahead_sampling_matches_exact_distribution(params, cfg):
     fn = lambda ctx: context_logits(ctx, VOCAB)  # noqa: E731
     joint = exact_joint(fn, PROMPT, params)
     n = 2000
-    counts, accepted = sample_many(lambda: MockStepModel(VOCAB, fn), params, n)
+    counts, accepted = sample_many(lambda: MockStepModel(VOCAB, fn), params, n, cfg)
     assert accepted > 0.2, f"only {accepted:.0%} of runs accepted a candidate token: verification barely exercised"
     checks = distribution_p_values(counts, joint, n)
     assert min(checks.values()) > P_FLOOR, checks
@@ -117,7 +154,7 @@ def test_tiny_llama_sampling_matches_exact_distribution(tiny_checkpoint):
     accepted = 0
     for seed in range(n):
         result = model.generate(PROMPT, max_new_tokens=DEPTH, temperature=1.0, seed=seed, eos_token_id=[],
-                                lookahead=LookaheadConfig(3, 3, 3))
+                                lookahead=LookaheadConfig(3, 3, 6))
         counts[tuple(result.tokens)] = counts.get(tuple(result.tokens), 0) + 1
         accepted += any(len(s) > 1 for s in result.step_tokens)
     assert accepted / n > 0.2

@@ -1,0 +1,118 @@
+"""The work of `lookahead generate`: load the checkpoint and its tokenizer, generate, stream the text.
+
+The command's front (argument parsing and checks, the environment, error handling) is the top-level
+module `lookahead.cli`, which runs before torch is imported and calls `run` with checked arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import time
+from collections.abc import Mapping
+
+_COLORS = ("\033[38;5;39m", "\033[38;5;208m")  # alternate per multi-token step, like the authors' demo
+_RESET = "\033[0m"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Generate for `lookahead.cli`'s checked arguments; errors are raised for the front to print."""
+    _say(f"loading torch and {args.model or 'the default model'} ...")
+    start = time.perf_counter()
+    import torch
+
+    from lookahead import LookaheadConfig
+    from lookahead.models import Llama, default_model_dir
+
+    lookahead = None if args.no_lookahead else LookaheadConfig(args.window, args.ngram, args.guesses)
+    device = _device(torch, args.device)
+    backend = _backend(args.attn_backend, device)
+    folder = args.model if args.model else default_model_dir(args.cache_dir)
+    model = Llama.from_pretrained(folder, dtype=args.dtype, device=device, attn_backend=backend)
+    tokenizer = _tokenizer(folder)
+    prompt_ids = _encode(tokenizer, args.prompt, raw=args.raw)
+    dtype = str(model.dtype).removeprefix("torch.")
+    _say(f"loaded in {time.perf_counter() - start:.1f} s ({dtype}, {device}); generating")
+    if dtype != "float32" and lookahead is not None and args.temperature == 0:
+        _say(f"note: in {dtype} the output may differ from plain greedy decoding where two tokens are "
+             "nearly tied (a multi-token pass rounds differently from a one-token pass); float32 is token-exact")
+    printer = _StreamPrinter(tokenizer, args.show_steps, color=sys.stdout.isatty())
+    start = time.perf_counter()
+    result = model.generate(prompt_ids, max_new_tokens=args.max_new_tokens, lookahead=lookahead,
+                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                            stream=printer)
+    elapsed = time.perf_counter() - start
+    print(flush=True)
+    mode = "plain" if lookahead is None else f"lookahead W={lookahead.window} N={lookahead.ngram} G={lookahead.guesses}"
+    print(f"[{mode}] {len(result.tokens)} tokens, {result.steps} steps, S={result.compression:.2f}, "
+          f"{len(result.tokens) / elapsed:.1f} tokens/s", file=sys.stderr)
+    return 0
+
+
+def _say(message: str) -> None:
+    print(f"lookahead: {message}", file=sys.stderr, flush=True)
+
+
+def _device(torch, requested: str | None) -> str:
+    if requested is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested.startswith("cuda") and not torch.cuda.is_available():
+        why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+        raise ValueError(f"--device {requested}: {why} (torch {torch.__version__}); use --device cpu")
+    return requested
+
+
+def _backend(requested: str, device: str) -> str:
+    from lookahead.kernels import interpreting
+
+    wants_triton = requested == "triton" or (requested == "auto" and device.startswith("cuda"))
+    if wants_triton and importlib.util.find_spec("triton") is None:
+        raise ValueError(f"--attn-backend {requested} on {device} needs the triton package (pip install triton, "
+                         "or pip install -e '.[triton]'); or pass --attn-backend torch")
+    if requested == "triton" and device == "cpu" and not interpreting():
+        raise ValueError("--attn-backend triton needs a CUDA GPU (on CPU it runs only under Triton's interpreter, "
+                         "TRITON_INTERPRET=1); use --attn-backend torch or auto")
+    return requested
+
+
+def _tokenizer(folder):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"cannot load the tokenizer of {folder}: {e}") from None
+
+
+def _encode(tokenizer, prompt: str, raw: bool) -> list[int]:
+    if raw:
+        return tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this checkpoint's tokenizer has no chat template; pass --raw to feed the prompt as is")
+    encoded = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            tokenize=True)
+    return list(encoded["input_ids"] if isinstance(encoded, Mapping) else encoded)
+
+
+class _StreamPrinter:
+    """Prints the text of each step's tokens as it arrives; optionally marks multi-token steps."""
+
+    def __init__(self, tokenizer, show_steps: bool, color: bool) -> None:
+        self.tokenizer, self.show_steps, self.color = tokenizer, show_steps, color
+        self.tokens: list[int] = []
+        self.printed = ""
+        self.groups = 0
+
+    def __call__(self, tokens: list[int]) -> None:
+        self.tokens.extend(tokens)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 character: wait for its other bytes
+            return
+        new = text[len(self.printed):]
+        self.printed = text
+        if self.show_steps and len(tokens) > 1 and new:
+            self.groups += 1
+            new = (_COLORS[self.groups % 2] + new + _RESET) if self.color else f"[{new}]"
+        sys.stdout.write(new)
+        sys.stdout.flush()

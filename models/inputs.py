@@ -1,0 +1,92 @@
+"""What `Llama.generate` accepts as a prompt and as stop tokens, checked and turned into plain ints.
+
+A prompt may come as transformers hands it over: a list of ints, a 1-D or [1, T] integer tensor (what
+`apply_chat_template(..., return_tensors="pt")` gives), or a `BatchEncoding` / dict holding `input_ids`
+(and, optionally, an all-ones `attention_mask`). Nothing here imports transformers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+
+def prompt_tokens(prompt_ids: Any, vocab_size: int) -> list[int]:
+    """The prompt as a non-empty list of token ids in [0, vocab_size); a clear error for anything else."""
+    if isinstance(prompt_ids, Mapping):
+        prompt_ids = _from_encoding(prompt_ids)
+    if isinstance(prompt_ids, torch.Tensor):
+        prompt = _from_tensor(prompt_ids)
+    elif isinstance(prompt_ids, (list, tuple)):
+        prompt = _from_sequence(prompt_ids)
+    else:
+        raise TypeError("prompt_ids must be a list of ints, a 1-D or [1, T] integer tensor, or a tokenizer's "
+                        f"output holding 'input_ids'; got {type(prompt_ids).__name__}")
+    if not prompt:
+        raise ValueError("prompt_ids is empty; give at least one token")
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt_ids holds token id(s) {bad[:5]} outside the vocabulary [0, {vocab_size})")
+    return prompt
+
+
+def eos_ids(config_eos: tuple[int, ...], eos_token_id: Any) -> tuple[int, ...]:
+    """The token ids that end generation: `eos_token_id` if given (an int or a list of ints), else the config's."""
+    if eos_token_id is None:
+        return tuple(config_eos)
+    return token_ids(eos_token_id, "eos_token_id")
+
+
+def token_ids(value: Any, name: str) -> tuple[int, ...]:
+    """An int or a list/tuple of ints (never bools or strings), all >= 0, as a tuple; `name` goes in the error."""
+    items = [value] if _is_int(value) else value
+    if not isinstance(items, (list, tuple)) or not all(_is_int(t) for t in items):
+        raise TypeError(f"{name} must be an int or a list of ints, got {value!r}")
+    negative = [t for t in items if t < 0]
+    if negative:
+        raise ValueError(f"{name} must hold token ids >= 0, got {value!r}")
+    return tuple(items)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _from_encoding(encoding: Mapping) -> Any:
+    if "input_ids" not in encoding:
+        raise TypeError(f"prompt_ids is a mapping without 'input_ids' (keys: {sorted(map(str, encoding))})")
+    mask = encoding.get("attention_mask")
+    if mask is not None:
+        values = mask.flatten().tolist() if isinstance(mask, torch.Tensor) else _flatten_one_row(mask, "attention_mask")
+        if any(v != 1 for v in values):
+            raise ValueError("prompt_ids['attention_mask'] is not all ones: generate takes one unpadded prompt")
+    return encoding["input_ids"]
+
+
+def _from_tensor(ids: torch.Tensor) -> list[int]:
+    if ids.ndim == 2 and ids.shape[0] == 1:
+        ids = ids[0]
+    if ids.ndim != 1:
+        raise ValueError(f"prompt_ids must be a 1-D or [1, T] tensor (one prompt), got shape {tuple(ids.shape)}")
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise TypeError(f"prompt_ids must hold integers, got dtype {ids.dtype}")
+    return ids.tolist()
+
+
+def _from_sequence(ids: list | tuple) -> list[int]:
+    if len(ids) == 1 and isinstance(ids[0], (list, tuple)):  # a batch of one, as some tokenizer calls return
+        ids = ids[0]
+    if not all(_is_int(t) for t in ids):
+        odd = next(t for t in ids if not _is_int(t))
+        raise TypeError(f"prompt_ids must be a list of ints, found {type(odd).__name__} {odd!r}")
+    return list(ids)
+
+
+def _flatten_one_row(values: Any, name: str) -> list:
+    if isinstance(values, (list, tuple)) and len(values) == 1 and isinstance(values[0], (list, tuple)):
+        values = values[0]
+    if not isinstance(values, (list, tuple)):
+        raise TypeError(f"prompt_ids[{name!r}] must be a list or a tensor, got {type(values).__name__}")
+    return list(values)

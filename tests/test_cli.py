@@ -1,0 +1,165 @@
+"""The `lookahead` command: arguments checked before torch loads, one-line errors naming flags, --debug, the run."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import lookahead.cli
+import lookahead.cli as lookahead_cli
+from lookahead import LookaheadConfig
+from lookahead.cli import main
+
+ENV = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def command() -> list[str]:
+    """The installed console script if there is one beside this Python, else the same entry through -m."""
+    script = Path(sys.executable).with_name("lookahead")
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "lookahead"]
+
+
+def run_main(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err.strip().splitlines()
+
+
+def test_help_lists_every_option():
+    text = lookahead_cli.build_parser()._subparsers._group_actions[0].choices["generate"].format_help()
+    for option in ("--model", "--cache-dir", "--max-new-tokens", "--temperature", "--top-k", "--top-p", "--seed",
+                   "--raw", "--window", "--ngram", "--guesses", "--no-lookahead", "--show-steps", "--dtype",
+                   "--device", "--attn-backend", "--debug"):
+        assert option in text
+
+
+def test_defaults_are_lookahead_configs():
+    defaults = LookaheadConfig()
+    assert (lookahead_cli.DEFAULT_WINDOW, lookahead_cli.DEFAULT_NGRAM, lookahead_cli.DEFAULT_GUESSES) == \
+        (defaults.window, defaults.ngram, defaults.guesses)
+
+
+def test_help_and_bad_arguments_never_import_torch_and_set_omp_first():
+    """--help answers at once, and OMP_WAIT_POLICY is in place before anything could load torch."""
+    probe = """
+import os, sys
+import lookahead.cli as lookahead_cli
+try:
+    lookahead_cli.main(["generate", "--help"])
+except SystemExit:
+    pass
+code = lookahead_cli.main(["generate", "x", "--top-p", "2"])
+heavy = sorted(m for m in ("torch", "transformers", "lookahead") if m in sys.modules)
+print(code, os.environ.get("OMP_WAIT_POLICY"), heavy)
+"""
+    env = {k: v for k, v in ENV.items() if k != "OMP_WAIT_POLICY"}
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().splitlines()[-1] == "2 PASSIVE []"
+    assert run.stderr.strip().splitlines() == ["lookahead: error: --top-p must be in (0, 1], got 2.0"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["-N", "1"], "--ngram/-N must be >= 2, got 1"),
+    (["-W", "0"], "--window/-W must be >= 1, got 0"),
+    (["-G", "-1"], "--guesses/-G must be >= 0, got -1"),
+    (["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
+    (["--top-p", "nan"], "--top-p must be in (0, 1], got nan"),
+    (["--top-k", "-2"], "--top-k must be >= 0 (0 is off), got -2"),
+    (["--temperature", "-1"], "--temperature must be a finite number >= 0 (0 is greedy), got -1.0"),
+    (["--temperature", "inf"], "--temperature must be a finite number >= 0 (0 is greedy), got inf"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+    (["--seed", str(2**64)], f"--seed must be in [0, 2**64), got {2**64}"),
+    (["--seed", "-1"], "--seed must be in [0, 2**64), got -1"),
+    (["--device", "gpu"], "--device must be cpu, cuda or cuda:N, got 'gpu'"),
+    (["--model", ""], "--model is empty; give a checkpoint folder, or leave the flag out for SmolLM2-135M-Instruct"),
+    (["--model", "/nonexistent/x"], "--model '/nonexistent/x' is not a folder (it does not exist)"),
+    (["--cache-dir", ""], "--cache-dir is empty; give a folder or leave the flag out"),
+])
+def test_bad_arguments_get_one_line_naming_the_flag(capsys, argv, message):
+    code, out, err = run_main(capsys, "generate", "Hello", *argv)
+    assert (code, out, err) == (2, "", [f"lookahead: error: {message}"])
+
+
+def test_argparse_errors_are_one_line_too(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "Hello", "-W", "2.5"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "lookahead: error: argument --window/-W: invalid int value: '2.5' (see 'lookahead generate --help')"]
+
+
+def test_cache_dir_that_is_a_file_and_model_without_tokenizer(capsys, tmp_path, tiny_checkpoint):
+    file = tmp_path / "file"
+    file.write_text("x")
+    assert run_main(capsys, "generate", "Hello", "--cache-dir", str(file)) == (
+        2, "", [f"lookahead: error: --cache-dir '{file}' is a file, not a folder"])
+    folder = tiny_checkpoint("gqa")  # saved by transformers without a tokenizer
+    capsys.readouterr()
+    code, _, err = run_main(capsys, "generate", "Hello", "--model", str(folder))
+    assert code == 2 and err == [f"lookahead: error: --model '{folder}' has no tokenizer.json or tokenizer.model: "
+                                 "the command needs the checkpoint's tokenizer (use the Python API to bring your own)"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_device_without_cuda_is_one_line(capsys, tmp_path):
+    code, _, err = run_main(capsys, "generate", "Hello", "--device", "cuda", "--cache-dir", str(tmp_path))
+    assert code == 1 and len(err) == 2  # the loading line, then the error
+    assert err[1].startswith("lookahead: error: --device cuda: ") and err[1].endswith("use --device cpu")
+    assert list(tmp_path.iterdir()) == []  # refused before any conversion
+
+
+def test_unexpected_errors_are_one_line_with_a_debug_hint(capsys, monkeypatch):
+    def broken(args):
+        raise AssertionError("internal\nstate broken")
+
+    monkeypatch.setattr(lookahead.cli, "run", broken)
+    code, _, err = run_main(capsys, "generate", "Hello")
+    assert code == 1
+    assert err == ["lookahead: error: AssertionError: internal state broken (rerun with --debug for the traceback)"]
+    with pytest.raises(AssertionError, match="internal"):
+        main(["generate", "Hello", "--debug"])
+
+
+@pytest.mark.slow
+def test_cli_end_to_end(default_model_dir):
+    cache = default_model_dir.parent
+    run = subprocess.run([*command(), "generate", "Name three colors.", "--cache-dir", str(cache),
+                          "--max-new-tokens", "20", "--show-steps"], capture_output=True, text=True, env=ENV,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip()
+    err = run.stderr.strip().splitlines()
+    assert err[0] == "lookahead: loading torch and the default model ..."
+    assert err[1].startswith("lookahead: loaded in ") and err[1].endswith("; generating")
+    assert "tokens/s" in err[-1] and "S=" in err[-1]
+
+
+@pytest.mark.slow
+def test_cli_notes_that_16_bit_may_flip_near_ties(capsys, default_model_dir):
+    code, out, err = run_main(capsys, "generate", "Name three colors.", "--cache-dir", str(default_model_dir.parent),
+                              "--max-new-tokens", "4", "--dtype", "bfloat16")
+    assert code == 0 and out.strip()
+    assert any(line.startswith("lookahead: note: in bfloat16 the output may differ from plain greedy") for line in err)
+
+
+@pytest.mark.slow
+def test_cli_converts_a_damaged_cached_model_again(capsys, default_model_dir, tmp_path):
+    """Zeroing half of the cached weights used to make `lookahead generate` print an empty line and exit 0."""
+    cache = tmp_path / "cache"
+    shutil.copytree(default_model_dir, cache / default_model_dir.name)
+    weights = cache / default_model_dir.name / "model.safetensors"
+    size = weights.stat().st_size
+    with open(weights, "r+b") as f:
+        f.seek(size // 2)
+        f.write(bytes(size - size // 2))
+    code, out, err = run_main(capsys, "generate", "Name three colors.", "--cache-dir", str(cache),
+                              "--max-new-tokens", "8")
+    assert code == 0, err
+    assert any("is damaged (model.safetensors does not match the SHA-256 recorded at conversion); converting it "
+               "again" in line for line in err)
+    assert out.strip()
