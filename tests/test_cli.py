@@ -11,6 +11,7 @@ import torch
 
 import lookahead.cli
 import lookahead.cli as lookahead_cli
+import lookahead.cli_generate
 from lookahead import LookaheadConfig
 from lookahead.cli import main
 
@@ -53,7 +54,7 @@ try:
 except SystemExit:
     pass
 code = lookahead_cli.main(["generate", "x", "--top-p", "2"])
-heavy = sorted(m for m in ("torch", "transformers", "lookahead") if m in sys.modules)
+heavy = sorted(m for m in ("torch", "transformers", "lookahead.engine", "lookahead.models") if m in sys.modules)
 print(code, os.environ.get("OMP_WAIT_POLICY"), heavy)
 """
     env = {k: v for k, v in ENV.items() if k != "OMP_WAIT_POLICY"}
@@ -117,7 +118,7 @@ def test_unexpected_errors_are_one_line_with_a_debug_hint(capsys, monkeypatch):
     def broken(args):
         raise AssertionError("internal\nstate broken")
 
-    monkeypatch.setattr(lookahead.cli, "run", broken)
+    monkeypatch.setattr(lookahead.cli_generate, "run", broken)
     code, _, err = run_main(capsys, "generate", "Hello")
     assert code == 1
     assert err == ["lookahead: error: AssertionError: internal state broken (rerun with --debug for the traceback)"]

@@ -152,7 +152,7 @@ def test_no_module_imports_upwards():
              "lookahead": ("lookahead.models",)}
     for folder, forbidden in rules.items():
         for path in (root / folder).glob("*.py"):
-            if path.name == "cli.py":  # the CLI sits on top of everything
+            if path.name.startswith("cli"):  # the CLI sits on top of everything
                 continue
             for node in ast.walk(ast.parse(path.read_text())):
                 names = []
