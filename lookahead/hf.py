@@ -26,6 +26,7 @@ from lookahead.kernels import StepPattern, commit_accepted, lookahead_attention,
 
 from .config import LookaheadConfig
 from .engine import GenerationResult, StepOutput, decode
+from .inputs import eos_ids, prompt_tokens
 from .sampling import SamplingParams
 
 MIN_TRANSFORMERS = "4.56"  # AttentionInterface, DynamicCache layers, callable custom_generate
@@ -213,14 +214,14 @@ def generate(hf_model, input_ids, max_new_tokens: int = 256, lookahead: Lookahea
     The model is left as it was: its attention implementation is switched only during each step.
     """
     step_model = HFStepModel(hf_model, attn_backend=attn_backend)
-    prompt = _prompt_ids(input_ids, hf_model.config.vocab_size)
+    prompt = prompt_tokens(input_ids, hf_model.config.vocab_size, name="input_ids")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if stream is not None and not callable(stream):
         raise TypeError(f"stream must be callable or None, got {type(stream).__name__}")
     _check_options(lookahead, seed, static_step)
     sampling = SamplingParams(temperature, top_k, top_p)
-    eos = _eos_ids(hf_model.generation_config.eos_token_id if eos_token_id is None else eos_token_id)
+    eos = eos_ids((), hf_model.generation_config.eos_token_id if eos_token_id is None else eos_token_id)
     static = step_model.device.type == "cuda" if static_step is None else static_step
     with torch.no_grad():
         return decode(step_model, prompt, max_new_tokens, sampling, lookahead, eos, stream, seed, step_model.device,
@@ -335,44 +336,3 @@ def _check_model_kwargs(kwargs: dict, input_ids: torch.Tensor) -> None:
         kwargs.pop(ignored, None)
     if kwargs:
         raise ValueError(f"lookahead.hf cannot honour the model inputs {sorted(kwargs)}")
-
-
-def _prompt_ids(input_ids, vocab_size: int) -> list[int]:
-    """A prompt as a list of ints, from a [1, T] / [T] tensor, a list of ints or a BatchEncoding."""
-    if hasattr(input_ids, "keys") and "input_ids" in input_ids:
-        mask = input_ids.get("attention_mask")
-        if mask is not None and not bool((torch.as_tensor(mask) == 1).all()):
-            raise ValueError("input_ids: lookahead.hf cannot run a padded prompt (attention_mask has zeros)")
-        input_ids = input_ids["input_ids"]
-    if isinstance(input_ids, torch.Tensor):
-        if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
-            raise TypeError(f"input_ids must hold integers, got dtype {input_ids.dtype}")
-        if input_ids.ndim == 2 and input_ids.shape[0] == 1:
-            input_ids = input_ids[0]
-        if input_ids.ndim != 1:
-            raise ValueError(f"input_ids must be [1, T] or [T] (batch size 1), got shape {tuple(input_ids.shape)}")
-        prompt = input_ids.tolist()
-    elif isinstance(input_ids, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                       for t in input_ids):
-        prompt = list(input_ids)
-    else:
-        raise TypeError(f"input_ids must be a tensor, a list of ints or a BatchEncoding; got {type(input_ids).__name__}"
-                        + (" of lists (batch size 1 only: pass the inner list)" if isinstance(input_ids, list) else ""))
-    if not prompt:
-        raise ValueError("input_ids is empty; give at least one token")
-    bad = [t for t in prompt if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"input_ids: token id(s) {bad[:5]} outside the vocabulary [0, {vocab_size})")
-    return prompt
-
-
-def _eos_ids(eos_token_id) -> tuple[int, ...]:
-    if eos_token_id is None:
-        return ()
-    if isinstance(eos_token_id, int) and not isinstance(eos_token_id, bool):
-        return (eos_token_id,)
-    if isinstance(eos_token_id, torch.Tensor):
-        return tuple(eos_token_id.flatten().tolist())
-    if isinstance(eos_token_id, (list, tuple)) and all(isinstance(t, int) for t in eos_token_id):
-        return tuple(eos_token_id)
-    raise TypeError(f"eos_token_id must be an int, a list of ints or None, got {eos_token_id!r}")

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .inputs import token_ids
+from lookahead.inputs import token_ids
 
 _ROPE_TYPES = ("default", "linear", "llama3")
 

@@ -12,10 +12,10 @@ import torch
 
 from lookahead.config import LookaheadConfig
 from lookahead.engine import PLAIN_STEP, GenerationResult, decode
+from lookahead.inputs import eos_ids, prompt_tokens
 from lookahead.layout import full_pattern
 from lookahead.sampling import SamplingParams
 
-from .inputs import eos_ids, prompt_tokens
 from .runner import CachedRunner
 
 if TYPE_CHECKING:

@@ -258,7 +258,7 @@ def test_other_llama_family_architectures(hf_model):
     (dict(input_ids=torch.tensor([[1, 2], [3, 4]])), r"batch size 1\), got shape \(2, 2\)"),
     (dict(input_ids=torch.tensor([1.0, 2.0])), "must hold integers"),
     (dict(input_ids=[]), "input_ids is empty"),
-    (dict(input_ids=[[1, 2]]), "batch size 1 only"),
+    (dict(input_ids=[[1, 2], [3, 4]]), r"input_ids must be a list of ints \(one prompt\)"),
     (dict(input_ids=[1, 500]), r"token id\(s\) \[500\] outside the vocabulary"),
     (dict(input_ids=transformers.BatchEncoding({"input_ids": [[0, 1, 2]], "attention_mask": [[0, 1, 1]]})),
      "padded prompt"),
