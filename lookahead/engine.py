@@ -147,12 +147,21 @@ class _LookaheadLoop:
 
     def step(self, model: StepModel, input_token: int) -> Verdict:
         """One forward pass: lookahead branch + verification branch; commits the accepted KV entries."""
-        levels = len(self.window.levels)
-        layout = pack_step(self.window.levels, self._candidates(input_token, levels), self.full, self.static)
+        layout = self.plan(input_token)
         output = model.step(layout.tokens, layout.pattern, layout.rows)
+        verdict = self.finish(layout, output)
+        model.commit(layout.commit_indices(verdict.candidate, verdict.run))
+        return verdict
+
+    def plan(self, input_token: int) -> StepLayout:
+        """The next step's layout: the window's levels and the pool's candidates for `input_token`."""
+        levels = len(self.window.levels)
+        return pack_step(self.window.levels, self._candidates(input_token, levels), self.full, self.static)
+
+    def finish(self, layout: StepLayout, output: StepOutput) -> Verdict:
+        """Verify the step's outputs and move the window and the pool on; the caller commits the verdict."""
         predicted = {index: output.argmax[r] for index, r in layout.row_of.items()}
         verdict = self._verify(layout, output.logits, predicted)
-        model.commit(layout.commit_indices(verdict.candidate, verdict.run))
         self._advance(verdict.tokens, [predicted[i] for i in layout.last_level])
         return verdict
 
