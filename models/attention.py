@@ -63,7 +63,7 @@ class TorchBackend:
     forward and reset after it (`end_step`), so no per-step allocation grows with the sequence.
     """
 
-    graphable = False
+    name, graphable = "torch", False
 
     def __init__(self, capacity: int, max_tokens: int, device: torch.device) -> None:
         self._mask = torch.ones(max_tokens, capacity, dtype=torch.bool, device=device)
@@ -94,7 +94,7 @@ class TorchBackend:
 class TritonBackend:
     """The Triton kernel through one prepared plan per step pattern (checked once, launched per layer)."""
 
-    graphable = True
+    name, graphable = "triton", True
 
     def __init__(self, batch: int, heads_q: int, heads_kv: int, head_dim: int, capacity: int,
                  dtype: torch.dtype, device: torch.device) -> None:

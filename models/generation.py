@@ -70,7 +70,7 @@ def runner_for(model: Llama, tokens: int, lookahead: LookaheadConfig | None, cud
     step_tokens = full.num_tokens
     capacity = tokens + step_tokens
     runner: CachedRunner | None = model.__dict__.get("_runner")
-    if runner is None or not runner.fits(capacity, step_tokens, full.max_commit, cuda_graph):
+    if runner is None or not runner.fits(capacity, step_tokens, full.max_commit):
         old = runner
         capacity = max(MIN_CAPACITY, 1 << (capacity - 1).bit_length())
         if old is not None:  # keep what the old one could serve, so alternating configs do not rebuild
@@ -81,5 +81,6 @@ def runner_for(model: Llama, tokens: int, lookahead: LookaheadConfig | None, cud
         del old, runner
         runner = CachedRunner(model, capacity, step_tokens, max_commit, cuda_graph)
         model.__dict__["_runner"] = runner
+    runner.cuda_graphs = cuda_graph and runner.can_graph  # graphs captured before stay for later generations
     runner.reset()
     return runner

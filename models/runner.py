@@ -49,8 +49,9 @@ class CachedRunner:
                                          capacity, model.dtype, model.device)
         else:
             self.backend = TorchBackend(capacity, max_step_tokens, model.device)
-        self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and self.backend.graphable
-        self._graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
+        self.can_graph = self.device.type == "cuda" and self.backend.graphable
+        self.cuda_graphs = cuda_graphs and self.can_graph  # may be switched between generations
+        self._graph_pool = torch.cuda.graph_pool_handle() if self.can_graph else None
         self._programs: dict[tuple[StepPattern, int], _StepProgram] = {}
         self.reset()
 
@@ -59,13 +60,12 @@ class CachedRunner:
         self.length = 0
         self._commit: tuple[list[int], list[int]] | None = None
 
-    def fits(self, capacity: int, max_step_tokens: int, max_commit: int, cuda_graphs: bool) -> bool:
+    def fits(self, capacity: int, max_step_tokens: int, max_commit: int) -> bool:
         """Whether this runner can serve a generation of that size on the model as it is now."""
         model = self.model
         return (self.cache.capacity >= capacity and self.max_step_tokens >= max_step_tokens
                 and self.max_commit >= max_commit and self.cache.k.dtype == model.dtype
-                and self.cache.k.device == model.device and self.cuda_graphs == (
-                    cuda_graphs and self.device.type == "cuda" and self.backend.graphable))
+                and self.cache.k.device == model.device and self.backend.name == model.attn_backend)
 
     def prefill(self, tokens: Sequence[int]) -> torch.Tensor:
         self._check_room(len(tokens))
@@ -133,7 +133,8 @@ class _StepProgram:
         self.outputs: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def run(self, tokens, rows, prefix_len: int, src, dst) -> StepOutput:
-        if self.runner.cuda_graphs and self.graph is None:
+        graphed = self.runner.cuda_graphs
+        if graphed and self.graph is None:
             # capture with a no-op commit: apply this call's commit first, outside the graph, so the
             # warm-up runs (which compile kernels) change nothing real
             self.runner.cache.move(*(torch.tensor(x, device=self.runner.device) for x in (src, dst)))
@@ -141,7 +142,7 @@ class _StepProgram:
             self._stage(tokens, rows, prefix_len, src, dst)
             self._capture(prefix_len)
         self._stage(tokens, rows, prefix_len, src, dst)
-        if self.graph is not None:
+        if graphed:
             self.graph.replay()
             logits, argmax = self.outputs
         else:
