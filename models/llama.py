@@ -180,10 +180,10 @@ class Llama(nn.Module):
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 attention: Attend | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, T, vocab] (or [B, len(rows), vocab] for the rows `rows`, an index tensor).
+        """Logits [B, T, vocab] (or [B, R, vocab] for the rows `rows`: an index tensor [R], or [B, R] per row).
 
-        positions: [T] absolute positions (default 0..T-1). attention: how each layer attends,
-        `attention(layer, q, k, v)` (default: plain causal over these tokens, no cache).
+        positions: [T] absolute positions, or [B, T] per row (default 0..T-1). attention: how each layer
+        attends, `attention(layer, q, k, v)` (default: plain causal over these tokens, no cache).
         """
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
@@ -191,12 +191,12 @@ class Llama(nn.Module):
             positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         attend = attention if attention is not None else causal
         x = self.model.embed_tokens(input_ids)
-        # fp32 angles, cast once to the model dtype as transformers does; [T, 1, D] broadcasts over heads
-        cos, sin = (c.to(x.dtype)[:, None] for c in rotary_cos_sin(self.rope_inv_freq, positions))
+        # fp32 angles, cast once to the model dtype as transformers does; [(B,) T, 1, D] broadcasts over heads
+        cos, sin = (c.to(x.dtype).unsqueeze(-2) for c in rotary_cos_sin(self.rope_inv_freq, positions))
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, i, attend)
         if rows is not None:
-            x = x[:, rows]
+            x = x[:, rows] if rows.ndim == 1 else x.gather(1, rows[..., None].expand(-1, -1, x.shape[-1]))
         return self.lm_head(self.model.norm(x))
 
     def generate(self, prompt_ids, max_new_tokens: int = 256, lookahead: LookaheadConfig | None = None,
