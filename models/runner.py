@@ -35,8 +35,8 @@ class CachedRunner:
     the copy of the accepted entries runs at the start of the next step (or prefill), inside its graph,
     one gather over every row, padded to `max_commit` entries per row so its shape never changes.
 
-    cuda_graphs: capture each step pattern as a CUDA graph on its first use and replay it (CUDA and
-    the Triton backend only; elsewhere steps run eagerly, the same code).
+    cuda_graphs: capture each step shape (pattern, batch size) as a CUDA graph on its first use and
+    replay it (CUDA and the Triton backend only; elsewhere steps run eagerly, the same code).
     """
 
     def __init__(self, model: Llama, capacity: int, max_step_tokens: int = 1, max_commit: int = 1,
@@ -137,7 +137,7 @@ class CachedRunner:
     def keep_rows(self, order: Sequence[int]) -> None:
         """Go on with rows `order` only: row i becomes what row order[i] was (finished rows leave the batch,
         so later steps spend nothing on them). Moves only the rows whose place changes."""
-        if not order or sorted(set(order)) != sorted(order) or not all(0 <= r < len(self.lengths) for r in order):
+        if not order or len(set(order)) != len(order) or not all(0 <= r < len(self.lengths) for r in order):
             raise ValueError(f"order must name distinct rows of 0..{len(self.lengths) - 1}, got {list(order)}")
         self._apply_commit()
         moved = [r for i, r in enumerate(order) if i != r]
