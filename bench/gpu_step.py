@@ -119,7 +119,7 @@ def step_seconds(model: Llama, cfg: LookaheadConfig | None, prefix_len: int, rep
     """Median seconds of one step of `cfg`'s full shape at L = prefix_len (graphed on GPU)."""
     pattern, tokens, rows = full_step(cfg)
     runner = runner_for(model, prefix_len + 64, cfg, cuda_graph=True)
-    runner.length = prefix_len  # the cache content does not change the step's cost
+    runner.lengths = [prefix_len]  # the cache content does not change the step's cost
     times = []
     with torch.inference_mode():
         for i in range(repeats + 3):
@@ -164,7 +164,7 @@ def part_host(args) -> dict:
     rows = []
     for mode in (["eager", "graphs"] if GPU else ["eager"]):
         runner = runner_for(model, 1024, cfg, cuda_graph=mode == "graphs")
-        runner.length = 512
+        runner.lengths = [512]
         with torch.inference_mode():
             for _ in range(3):
                 runner.step(tokens, pattern, rows_idx)

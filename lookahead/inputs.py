@@ -4,6 +4,9 @@ turned into plain ints. `name` is the caller's argument name, for the messages.
 A prompt may come as transformers hands it over: a list of ints, a 1-D or [1, T] integer tensor (what
 `apply_chat_template(..., return_tensors="pt")` gives), or a `BatchEncoding` / dict holding `input_ids`
 (and, optionally, an all-ones `attention_mask`). Nothing here imports transformers.
+
+A batch (`Llama.generate` only) is a list or tuple of prompts, each a list of ints or a 1-D (or [1, T])
+integer tensor; a flat list of ints is one prompt. `prompt_batch` tells them apart.
 """
 
 from __future__ import annotations
@@ -31,6 +34,37 @@ def prompt_tokens(prompt_ids: Any, vocab_size: int, name: str = "prompt_ids") ->
     if bad:
         raise ValueError(f"{name} holds token id(s) {bad[:5]} outside the vocabulary [0, {vocab_size})")
     return prompt
+
+
+def prompt_batch(prompt_ids: Any, vocab_size: int, name: str = "prompt_ids") -> list[list[int]] | None:
+    """The prompts of a batch as lists of ints, or None when `prompt_ids` is one prompt (for `prompt_tokens`).
+
+    A list/tuple holding a list, tuple or tensor is a batch, so `[[1, 2, 3]]` is a batch of one; a flat
+    list of ints, a tensor or a tokenizer's output is one prompt.
+    """
+    if not isinstance(prompt_ids, (list, tuple)):
+        return None
+    if not prompt_ids:
+        raise ValueError(f"{name} is empty: give one prompt (a list of ints) or a batch (a list of prompts)")
+    if not any(isinstance(p, (list, tuple, torch.Tensor)) for p in prompt_ids):
+        return None
+    ints = [i for i, p in enumerate(prompt_ids) if _is_int(p)]
+    if ints:
+        raise TypeError(f"{name} mixes token ids and prompts ({name}[{ints[0]}] is the int {prompt_ids[ints[0]]!r}): "
+                        "give one prompt as a list of ints, or a batch as a list of prompts")
+    return [_batch_row(p, vocab_size, f"{name}[{i}]") for i, p in enumerate(prompt_ids)]
+
+
+def _batch_row(row: Any, vocab_size: int, name: str) -> list[int]:
+    if isinstance(row, (list, tuple)):
+        odd = next((t for t in row if not _is_int(t)), None)
+        if odd is not None:
+            raise TypeError(f"{name} must be a list of ints (one prompt of the batch), found "
+                            f"{type(odd).__name__} {odd!r}")
+    elif not isinstance(row, torch.Tensor):
+        raise TypeError(f"{name} must be a list of ints or a 1-D integer tensor (one prompt of the batch), "
+                        f"got {type(row).__name__}")
+    return prompt_tokens(list(row) if isinstance(row, tuple) else row, vocab_size, name)
 
 
 def eos_ids(config_eos: tuple[int, ...], eos_token_id: Any) -> tuple[int, ...]:

@@ -6,6 +6,10 @@ it with no checks or re-derivation. "torch" runs SDPA over the first L + T keys 
 mask, written into a preallocated buffer (on CPU the fastest choice for a few hundred query rows; it
 reads L on the host, so it cannot be replayed by a CUDA graph). "triton" runs the kernel's prepared
 plan, which reads L from a device tensor, so a captured graph replays it at any L.
+
+A batch of b sequences steps together with one L per row (`lengths` [b] on the device, `prefix_lens`
+the same on the host): "torch" builds a [b, 1, T, max(L) + T] mask from them each step, "triton" hands
+the kernel the [b] lengths.
 """
 
 from __future__ import annotations
@@ -32,11 +36,12 @@ def causal(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tor
     return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, enable_gqa=True)
 
 
-def cached(cache: KVCache, slots: torch.Tensor, attend: LayerAttention) -> Attend:
-    """Write each layer's new K/V at positions `slots` [T], then attend over the layer's cache."""
+def cached(cache: KVCache, slots: torch.Tensor, attend: LayerAttention, rows: slice = slice(None)) -> Attend:
+    """Write each layer's new K/V into cache rows `rows` at positions `slots` ([T], or [b, T] per row), then
+    attend over those rows of the layer's cache."""
 
     def layer_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        k_all, v_all = cache.write(layer, slots, k, v)
+        k_all, v_all = cache.write(layer, slots, k, v, rows)
         return attend(layer, q, k_all, v_all)
 
     return layer_attention
@@ -60,28 +65,48 @@ class TorchBackend:
     """SDPA with the step's dense mask in a preallocated [max_tokens, capacity] buffer.
 
     The buffer's columns stay True except a step's own T x T block, which is written before the
-    forward and reset after it (`end_step`), so no per-step allocation grows with the sequence.
+    forward and reset after it (`end_step`), so no per-step allocation grows with the sequence. A batch
+    step (rows with different L) builds its [b, 1, T, max(L) + T] mask instead: each row sees its own
+    prefix, its own step block at L_b, and nothing past it (another row's longer prefix is not its own).
     """
 
     name, graphable = "torch", False
 
     def __init__(self, capacity: int, max_tokens: int, device: torch.device) -> None:
         self._mask = torch.ones(max_tokens, capacity, dtype=torch.bool, device=device)
+        self._columns = torch.arange(capacity, device=device)
         self._step_masks: dict[StepPattern, torch.Tensor] = {}
         self._block: torch.Tensor | None = None
 
-    def begin_step(self, pattern: StepPattern, prefix_len: int, lengths: torch.Tensor) -> LayerAttention:
+    def begin_step(self, pattern: StepPattern, prefix_lens: list[int], lengths: torch.Tensor) -> LayerAttention:
         t = pattern.num_tokens
+        if pattern not in self._step_masks:
+            self._step_masks[pattern] = pattern.materialize(0, device=self._mask.device)
+        if len(prefix_lens) > 1:
+            return self._batch_step(pattern, prefix_lens, lengths)
+        prefix_len = prefix_lens[0]
         mask = None
         if t > 1:
-            if pattern not in self._step_masks:
-                self._step_masks[pattern] = pattern.materialize(0, device=self._mask.device)
             self._block = self._mask[:t, prefix_len : prefix_len + t]
             self._block.copy_(self._step_masks[pattern])
             mask = self._mask[:t, : prefix_len + t]
 
         def attend(layer: int, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor) -> torch.Tensor:
             return masked_attention(q, k_all, v_all, prefix_len, mask)
+
+        return attend
+
+    def _batch_step(self, pattern: StepPattern, prefix_lens: list[int], lengths: torch.Tensor) -> LayerAttention:
+        t = pattern.num_tokens
+        width = max(prefix_lens) + t
+        offset = self._columns[:width] - lengths[:, None]  # [b, width]: key j of the step sits at L_b + j
+        in_step = (offset >= 0) & (offset < t)
+        block = self._step_masks[pattern][:, offset.clamp(0, t - 1)].transpose(0, 1)  # [b, T, width]
+        mask = ((offset < 0)[:, None] | (in_step[:, None] & block))[:, None]  # [b, 1, T, width]
+        prefix = width - t
+
+        def attend(layer: int, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor) -> torch.Tensor:
+            return masked_attention(q, k_all, v_all, prefix, mask)
 
         return attend
 
@@ -92,20 +117,22 @@ class TorchBackend:
 
 
 class TritonBackend:
-    """The Triton kernel through one prepared plan per step pattern (checked once, launched per layer)."""
+    """The Triton kernel through one prepared plan per (step pattern, batch size), checked once, launched per
+    layer with the rows' device lengths."""
 
     name, graphable = "triton", True
 
-    def __init__(self, batch: int, heads_q: int, heads_kv: int, head_dim: int, capacity: int,
+    def __init__(self, heads_q: int, heads_kv: int, head_dim: int, capacity: int,
                  dtype: torch.dtype, device: torch.device) -> None:
-        self._shape = dict(batch=batch, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype,
+        self._shape = dict(heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype,
                            device=device, max_len=capacity)
-        self._plans: dict[StepPattern, StepAttentionPlan] = {}
+        self._plans: dict[tuple[StepPattern, int], StepAttentionPlan] = {}
 
-    def begin_step(self, pattern: StepPattern, prefix_len: int, lengths: torch.Tensor) -> LayerAttention:
-        if pattern not in self._plans:
-            self._plans[pattern] = StepAttentionPlan(pattern, **self._shape)
-        plan = self._plans[pattern]
+    def begin_step(self, pattern: StepPattern, prefix_lens: list[int], lengths: torch.Tensor) -> LayerAttention:
+        key = (pattern, len(prefix_lens))
+        if key not in self._plans:
+            self._plans[key] = StepAttentionPlan(pattern, batch=len(prefix_lens), **self._shape)
+        plan = self._plans[key]
 
         def attend(layer: int, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor) -> torch.Tensor:
             return plan(q, k_all, v_all, lengths)

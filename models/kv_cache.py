@@ -7,11 +7,11 @@ from torch import nn
 
 
 class KVCache(nn.Module):
-    """Keys and values of every layer: k, v [layers, B, Hkv, capacity, D].
+    """Keys and values of every layer: k, v [layers, B, Hkv, capacity, D], one row per sequence.
 
     Writes and moves take device index tensors (no host value decides a shape), so a captured CUDA
     graph can replay them; stacking the layers lets one gather move a step's accepted entries in all
-    of them.
+    of them. A step of b < B sequences uses rows 0..b-1.
     """
 
     def __init__(self, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
@@ -26,15 +26,41 @@ class KVCache(nn.Module):
         """Positions each layer holds."""
         return self.k.shape[3]
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor,
-              v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v [B, Hkv, T, D] at positions `slots` [T] of `layer`; return that layer's buffers."""
-        k_layer, v_layer = self.k[layer], self.v[layer]
-        k_layer.index_copy_(2, slots, k)
-        v_layer.index_copy_(2, slots, v)
+    @property
+    def batch(self) -> int:
+        """Sequences (rows) it holds."""
+        return self.k.shape[1]
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [b, Hkv, T, D] in cache rows `rows` (b of them) at positions `slots`: [T], the same for
+        every row, or [b, T], each row's own. Return those rows of the layer's buffers, [b, Hkv, capacity, D]."""
+        k_layer, v_layer = self.k[layer, rows], self.v[layer, rows]
+        if slots.ndim == 1:
+            k_layer.index_copy_(2, slots, k)
+            v_layer.index_copy_(2, slots, v)
+        else:  # per-row positions: one scatter over (row, position) pairs
+            batch = torch.arange(slots.shape[0], device=slots.device)[:, None]
+            k_layer[batch, :, slots] = k.transpose(1, 2)  # the indexed view is [b, T, Hkv, D]
+            v_layer[batch, :, slots] = v.transpose(1, 2)
         return k_layer, v_layer
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy positions `src` [K] to positions `dst` [K] in every layer (all reads happen before the writes)."""
+        """In each row b < src.shape[0], copy positions src[b] [K] to dst[b] [K] in every layer (one gather,
+        one scatter: every read happens before any write)."""
+        batch = torch.arange(src.shape[0], device=src.device)[:, None]
         for cache in (self.k, self.v):
-            cache.index_copy_(3, dst, cache.index_select(3, src))
+            cache[:, batch, :, dst] = cache[:, batch, :, src]
+
+    def keep_rows(self, order: list[int], upto: int) -> None:
+        """Row i takes the contents of row order[i] (positions < upto only: nothing past them is read again).
+        Rows already in place are not copied, so dropping a finished row by moving the last one into its
+        place costs one row's copy."""
+        moved = [(i, r) for i, r in enumerate(order) if i != r]
+        if not moved:
+            return
+        dst = torch.tensor([i for i, _ in moved], device=self.k.device)
+        src = torch.tensor([r for _, r in moved], device=self.k.device)
+        for cache in (self.k, self.v):
+            prefix = cache[:, :, :, :upto]
+            prefix.index_copy_(1, dst, prefix.index_select(1, src))

@@ -180,10 +180,10 @@ class Llama(nn.Module):
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 attention: Attend | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, T, vocab] (or [B, len(rows), vocab] for the rows `rows`, an index tensor).
+        """Logits [B, T, vocab] (or [B, R, vocab] for the rows `rows`: an index tensor [R], or [B, R] per row).
 
-        positions: [T] absolute positions (default 0..T-1). attention: how each layer attends,
-        `attention(layer, q, k, v)` (default: plain causal over these tokens, no cache).
+        positions: [T] absolute positions, or [B, T] per row (default 0..T-1). attention: how each layer
+        attends, `attention(layer, q, k, v)` (default: plain causal over these tokens, no cache).
         """
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
@@ -191,27 +191,38 @@ class Llama(nn.Module):
             positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         attend = attention if attention is not None else causal
         x = self.model.embed_tokens(input_ids)
-        # fp32 angles, cast once to the model dtype as transformers does; [T, 1, D] broadcasts over heads
-        cos, sin = (c.to(x.dtype)[:, None] for c in rotary_cos_sin(self.rope_inv_freq, positions))
+        # fp32 angles, cast once to the model dtype as transformers does; [(B,) T, 1, D] broadcasts over heads
+        cos, sin = (c.to(x.dtype).unsqueeze(-2) for c in rotary_cos_sin(self.rope_inv_freq, positions))
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, i, attend)
         if rows is not None:
-            x = x[:, rows]
+            x = x[:, rows] if rows.ndim == 1 else x.gather(1, rows[..., None].expand(-1, -1, x.shape[-1]))
         return self.lm_head(self.model.norm(x))
 
-    def generate(self, prompt_ids, max_new_tokens: int = 256, lookahead: LookaheadConfig | None = None,
-                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+    def generate(self, prompt_ids, max_new_tokens: int = 256, lookahead: LookaheadConfig | str | None = None,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | list[int] | None = None,
                  eos_token_id=None, stream=None, static_step: bool | None = None,
-                 cuda_graph: bool = True) -> GenerationResult:
-        """Generate up to `max_new_tokens` tokens after `prompt_ids` (a list of ints or a 1-D tensor).
+                 cuda_graph: bool = True) -> GenerationResult | list[GenerationResult]:
+        """Generate up to `max_new_tokens` tokens after `prompt_ids` (a list of ints or a 1-D tensor), or after
+        each prompt of a batch.
 
-        lookahead: None for plain decoding, or a `lookahead.LookaheadConfig` for lookahead decoding.
+        prompt_ids: one prompt (a list of ints, a 1-D or [1, T] tensor, a tokenizer's output) returns one
+            `GenerationResult`; a batch (a list of prompts, each a list of ints or a 1-D tensor, lengths may
+            differ; `[[1, 2, 3]]` is a batch of one) returns a list of them, one per prompt, each what that
+            prompt would give alone. A batch decodes all rows in one forward pass per step, always with
+            static steps; a row that finishes (EOS, token limit) leaves the batch.
+        lookahead: None for plain decoding, a `lookahead.LookaheadConfig` for lookahead decoding (per row), or
+            "auto": the measured choice for the batch size and device (`lookahead.batch.auto_lookahead`; on
+            a CPU the default config for one prompt, plain decoding for two or more).
         Exact: with temperature 0 the output is plain greedy decoding's, token for token, in float32 (in
         16-bit types a multi-token pass rounds differently from a one-token pass, so near-ties can
         flip); with sampling the output distribution is unchanged.
         temperature 0 is greedy; otherwise sampling with top_k (0 = off) and top_p, reproducible with seed.
+        seed: for a batch, a list (one per prompt) or an int s (row i gets s + i, so it samples exactly as
+            that prompt alone with seed s + i); each row has its own random source, untouched by the others.
         eos_token_id: an int or a list (default: the checkpoint's; [] never stops early).
-        stream: called with each step's accepted tokens (a list of ints) as they are decided.
+        stream: called with each step's accepted tokens (a list of ints) as they are decided; for a batch,
+            called as stream(prompt index, tokens).
         static_step: pad every lookahead step to the configuration's full size (W + G)(N - 1), so the
             whole generation has one step shape (one kernel compile, one CUDA graph); None = on CUDA
             only (on a CPU padding costs real compute). The tokens are the same either way.

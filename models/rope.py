@@ -33,8 +33,8 @@ def _llama3_scaling(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
 
 
 def rotary_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [T, head_dim] in fp32 for integer positions [T]."""
-    freqs = positions.float()[:, None] * inv_freq[None, :]
+    """cos, sin [..., T, head_dim] in fp32 for integer positions [..., T] ([T], or [B, T] for per-row positions)."""
+    freqs = positions.float()[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
 

@@ -3,7 +3,12 @@
 A step reads everything that changes from one step to the next (token ids, output rows, L, the
 previous verdict's commit) from one device buffer, filled by one host-to-device copy; it returns
 the requested rows' logits and their argmax, fetched by one device-to-host copy. Shapes depend only
-on the step pattern, so on CUDA each pattern's step is captured once as a CUDA graph and replayed.
+on the step pattern and the batch size, so on CUDA each (pattern, batch size) step is captured once as
+a CUDA graph and replayed.
+
+With a batch dimension it also speaks the batched loop's `BatchStepModel` protocol (`prefill_batch`,
+`step_batch`, `commit_batch`, `keep_rows`): b sequences in cache rows 0..b-1, each with its own L,
+stepping together in one forward pass. The one-sequence protocol is the batch of one.
 """
 
 from __future__ import annotations
@@ -24,82 +29,123 @@ if TYPE_CHECKING:
 
 
 class CachedRunner:
-    """Prefill, steps and commits over a preallocated cache of `capacity` positions.
+    """Prefill, steps and commits over a preallocated cache of `batch` rows of `capacity` positions.
 
-    `length` is L, the positions holding committed entries. A commit is deferred: the copy of the
-    accepted entries runs at the start of the next step (or prefill), inside its graph, padded to
-    `max_commit` entries so its shape never changes.
+    `lengths` holds each live row's L, the positions holding committed entries. A commit is deferred:
+    the copy of the accepted entries runs at the start of the next step (or prefill), inside its graph,
+    one gather over every row, padded to `max_commit` entries per row so its shape never changes.
 
-    cuda_graphs: capture each step pattern as a CUDA graph on its first use and replay it (CUDA and
-    the Triton backend only; elsewhere steps run eagerly, the same code).
+    cuda_graphs: capture each step shape (pattern, batch size) as a CUDA graph on its first use and
+    replay it (CUDA and the Triton backend only; elsewhere steps run eagerly, the same code).
     """
 
     def __init__(self, model: Llama, capacity: int, max_step_tokens: int = 1, max_commit: int = 1,
-                 cuda_graphs: bool = False) -> None:
+                 cuda_graphs: bool = False, batch: int = 1) -> None:
         cfg = model.config
         if max_commit > max_step_tokens:
             raise ValueError(f"max_commit ({max_commit}) cannot exceed max_step_tokens ({max_step_tokens})")
         self.model = model
         self.device = model.device
-        self.cache = KVCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, capacity, cfg.head_dim,
+        self.cache = KVCache(cfg.num_hidden_layers, batch, cfg.num_key_value_heads, capacity, cfg.head_dim,
                              model.dtype, model.device)
         self.max_step_tokens, self.max_commit = max_step_tokens, max_commit
         if model.attn_backend == "triton":
-            self.backend = TritonBackend(1, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+            self.backend = TritonBackend(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                                          capacity, model.dtype, model.device)
         else:
             self.backend = TorchBackend(capacity, max_step_tokens, model.device)
         self.can_graph = self.device.type == "cuda" and self.backend.graphable
         self.cuda_graphs = cuda_graphs and self.can_graph  # may be switched between generations
         self._graph_pool = torch.cuda.graph_pool_handle() if self.can_graph else None
-        self._programs: dict[tuple[StepPattern, int], _StepProgram] = {}
+        self._programs: dict[tuple[StepPattern, int, int], _StepProgram] = {}  # (pattern, rows R, batch b)
         self.reset()
 
-    def reset(self) -> None:
-        """Forget the sequence (the buffers and captured graphs stay for the next one)."""
-        self.length = 0
-        self._commit: tuple[list[int], list[int]] | None = None
+    def reset(self, batch: int = 1) -> None:
+        """Forget the sequences and start `batch` empty ones (the buffers and captured graphs stay)."""
+        if not 1 <= batch <= self.cache.batch:
+            raise ValueError(f"batch must be in 1..{self.cache.batch} (the cache's rows), got {batch}")
+        self.lengths = [0] * batch
+        self._commit: tuple[list[list[int]], list[list[int]]] | None = None
 
-    def fits(self, capacity: int, max_step_tokens: int, max_commit: int) -> bool:
+    @property
+    def length(self) -> int:
+        """L of a single sequence."""
+        (length,) = self.lengths
+        return length
+
+    def fits(self, capacity: int, max_step_tokens: int, max_commit: int, batch: int = 1) -> bool:
         """Whether this runner can serve a generation of that size on the model as it is now."""
         model = self.model
         return (self.cache.capacity >= capacity and self.max_step_tokens >= max_step_tokens
+                and self.cache.batch >= batch
                 and self.max_commit >= max_commit and self.cache.k.dtype == model.dtype
                 and self.cache.k.device == model.device and self.backend.name == model.attn_backend)
 
     def prefill(self, tokens: Sequence[int]) -> torch.Tensor:
-        self._check_room(len(tokens))
-        self._apply_commit()
-        ids = torch.tensor([list(tokens)], device=self.device)
-        slots = torch.arange(self.length, self.length + len(tokens), device=self.device)
-        attend = cached(self.cache, slots, prefill_attention(self.length))
-        logits = self.model(ids, slots, attend, torch.tensor([len(tokens) - 1], device=self.device))
-        self.length += len(tokens)
-        return logits[0, 0]
+        return self.prefill_batch([tokens])[0]
 
     def step(self, tokens: Sequence[int], pattern: StepPattern, rows: Sequence[int]) -> StepOutput:
+        return self.step_batch([tokens], pattern, [rows])[0]
+
+    def commit(self, step_indices: Sequence[int]) -> None:
+        self.commit_batch([step_indices])
+
+    def prefill_batch(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Each row's prompt after its L, one row at a time (no padding computed; measured in bench/batch.py);
+        the logits [b, V] of each prompt's last token."""
+        if len(prompts) != len(self.lengths):
+            raise ValueError(f"{len(prompts)} prompts for {len(self.lengths)} sequences")
+        self._check_room([len(p) for p in prompts])
+        self._apply_commit()
+        last = []
+        for b, tokens in enumerate(prompts):
+            start = self.lengths[b]
+            ids = torch.tensor([list(tokens)], device=self.device)
+            slots = torch.arange(start, start + len(tokens), device=self.device)
+            attend = cached(self.cache, slots, prefill_attention(start), rows=slice(b, b + 1))
+            last.append(self.model(ids, slots, attend, torch.tensor([len(tokens) - 1], device=self.device))[0, 0])
+            self.lengths[b] += len(tokens)
+        return torch.stack(last)
+
+    def step_batch(self, tokens: Sequence[Sequence[int]], pattern: StepPattern,
+                   rows: Sequence[Sequence[int]]) -> list[StepOutput]:
+        """Row b's `tokens[b]` laid out as `pattern` at positions L_b + relative position; the outputs of its
+        step indices `rows[b]` (the same count in every row)."""
         self._check_room(pattern.num_tokens)
-        key = (pattern, len(rows))
+        key = (pattern, len(rows[0]), len(tokens))
         if key not in self._programs:
-            self._programs[key] = _StepProgram(self, pattern, len(rows))
+            self._programs[key] = _StepProgram(self, pattern, len(rows[0]), len(tokens))
         program = self._programs[key]
         src, dst = self._commit if self._commit is not None else self._no_commit()
         self._commit = None
-        return program.run(tokens, rows, self.length, src, dst)
+        return program.run(tokens, rows, self.lengths, src, dst)
 
-    def commit(self, step_indices: Sequence[int]) -> None:
-        count = len(step_indices)
-        if not 0 < count <= self.max_commit:
-            raise ValueError(f"a commit keeps 1..{self.max_commit} entries, got {count}")
-        start = self.length
-        self.length += count
-        pad = range(count, self.max_commit)  # self-copies past the new L: harmless, the next step overwrites them
-        src = [start + int(i) for i in step_indices] + [self.length + j for j in pad]
-        dst = [start + j for j in range(count)] + [self.length + j for j in pad]
+    def commit_batch(self, step_indices: Sequence[Sequence[int]]) -> None:
+        """Keep row b's entries `step_indices[b]` (a different count in each row) at L_b, L_b + 1, ..."""
+        src, dst = [], []
+        for b, indices in enumerate(step_indices):
+            count = len(indices)
+            if not 0 < count <= self.max_commit:
+                raise ValueError(f"a commit keeps 1..{self.max_commit} entries, got {count} in row {b}")
+            start = self.lengths[b]
+            end = self.lengths[b] = start + count
+            pad = range(count, self.max_commit)  # self-copies past the new L: harmless, the next step overwrites them
+            src.append([start + int(i) for i in indices] + [end + j for j in pad])
+            dst.append([start + j for j in range(count)] + [end + j for j in pad])
         self._commit = (src, dst)
 
-    def _no_commit(self) -> tuple[list[int], list[int]]:
-        positions = [self.length + j for j in range(self.max_commit)]
+    def keep_rows(self, order: Sequence[int]) -> None:
+        """Go on with rows `order` only: row i becomes what row order[i] was (finished rows leave the batch,
+        so later steps spend nothing on them). Moves only the rows whose place changes."""
+        if not order or len(set(order)) != len(order) or not all(0 <= r < len(self.lengths) for r in order):
+            raise ValueError(f"order must name distinct rows of 0..{len(self.lengths) - 1}, got {list(order)}")
+        self._apply_commit()
+        moved = [r for i, r in enumerate(order) if i != r]
+        self.cache.keep_rows(list(order), max((self.lengths[r] for r in moved), default=0))
+        self.lengths = [self.lengths[r] for r in order]
+
+    def _no_commit(self) -> tuple[list[list[int]], list[list[int]]]:
+        positions = [[length + j for j in range(self.max_commit)] for length in self.lengths]
         return positions, positions
 
     def _apply_commit(self) -> None:
@@ -108,21 +154,26 @@ class CachedRunner:
             self.cache.move(src, dst)
             self._commit = None
 
-    def _check_room(self, tokens: int) -> None:
-        if self.length + max(tokens, self.max_commit) > self.cache.capacity:
-            raise ValueError(f"{tokens} tokens at L={self.length} overflow the KV cache "
-                             f"({self.cache.capacity} positions)")
+    def _check_room(self, tokens: int | list[int]) -> None:
+        """Room for `tokens` more positions in every row (a list: per row)."""
+        counts = tokens if isinstance(tokens, list) else [tokens] * len(self.lengths)
+        for length, count in zip(self.lengths, counts, strict=True):
+            if length + max(count, self.max_commit) > self.cache.capacity:
+                raise ValueError(f"{count} tokens at L={length} overflow the KV cache "
+                                 f"({self.cache.capacity} positions)")
 
 
 class _StepProgram:
-    """One step shape: its device input buffer, the forward that reads only that buffer, its graph."""
+    """One step shape (pattern, output rows R, batch b): its device input buffer, the forward that reads only
+    that buffer, its graph."""
 
-    def __init__(self, runner: CachedRunner, pattern: StepPattern, num_rows: int) -> None:
-        self.runner, self.pattern = runner, pattern
+    def __init__(self, runner: CachedRunner, pattern: StepPattern, num_rows: int, batch: int) -> None:
+        self.runner, self.pattern, self.batch = runner, pattern, batch
         device = runner.device
         t, k = pattern.num_tokens, runner.max_commit
-        # inputs: token ids [T] | output rows [R] | L [1] | commit sources [K] | commit destinations [K]
-        self._splits = (t, num_rows, 1, k, k)
+        # inputs, row-major: token ids [b, T] | output rows [b, R] | L [b] | commit sources [b, K] | destinations [b, K]
+        self._splits = (batch * t, batch * num_rows, batch, batch * k, batch * k)
+        self._shapes = ((batch, t), (batch, num_rows), (batch,), (batch, k), (batch, k))
         size = sum(self._splits)
         self.inputs = torch.zeros(size, dtype=torch.int64, device=device)
         self.staging = torch.zeros(size, dtype=torch.int64, pin_memory=device.type == "cuda")
@@ -132,50 +183,59 @@ class _StepProgram:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def run(self, tokens, rows, prefix_len: int, src, dst) -> StepOutput:
+    def run(self, tokens, rows, prefix_lens: list[int], src, dst) -> list[StepOutput]:
         graphed = self.runner.cuda_graphs
         if graphed and self.graph is None:
             # capture with a no-op commit: apply this call's commit first, outside the graph, so the
             # warm-up runs (which compile kernels) change nothing real
             self.runner.cache.move(*(torch.tensor(x, device=self.runner.device) for x in (src, dst)))
             src = dst = self.runner._no_commit()[0]
-            self._stage(tokens, rows, prefix_len, src, dst)
-            self._capture(prefix_len)
-        self._stage(tokens, rows, prefix_len, src, dst)
+            self._stage(tokens, rows, prefix_lens, src, dst)
+            self._capture(prefix_lens)
+        self._stage(tokens, rows, prefix_lens, src, dst)
         if graphed:
             self.graph.replay()
             logits, argmax = self.outputs
         else:
-            logits, argmax = self.forward(prefix_len)
-        return StepOutput(logits, argmax.tolist())
+            logits, argmax = self.forward(prefix_lens)
+        return [StepOutput(row_logits, row_argmax) for row_logits, row_argmax in zip(logits, argmax.tolist(),
+                                                                                      strict=True)]
 
-    def _stage(self, tokens, rows, prefix_len: int, src, dst) -> None:
+    def _stage(self, tokens, rows, prefix_lens: list[int], src, dst) -> None:
         """The step's one host-to-device copy (from pinned memory on CUDA)."""
-        self._host[:] = [*tokens, *rows, prefix_len, *src, *dst]
+        flat = [t for row in tokens for t in row]
+        flat += [r for row in rows for r in row]
+        flat += prefix_lens
+        flat += [p for row in src for p in row]
+        flat += [p for row in dst for p in row]
+        self._host[:] = flat
         self.inputs.copy_(self.staging, non_blocking=True)
 
-    def forward(self, prefix_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step from `self.inputs` alone (`prefix_len` is read only by a non-graphable backend)."""
+    def forward(self, prefix_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step from `self.inputs` alone (`prefix_lens` are read only by a non-graphable backend):
+        logits [b, R, V] and their argmax [b, R]."""
         runner = self.runner
-        tokens, rows, length, src, dst = self.inputs.split(self._splits)
+        tokens, rows, lengths, src, dst = (x.view(shape) for x, shape in
+                                           zip(self.inputs.split(self._splits), self._shapes, strict=True))
         runner.cache.move(src, dst)
-        slots = length + self.offsets
-        attend = runner.backend.begin_step(self.pattern, prefix_len, length)
+        positions = lengths[:, None] + self.relative_positions  # [b, T]
+        slots = lengths[:, None] + self.offsets  # [b, T]: the step's KV entries go right after each row's prefix
+        attend = runner.backend.begin_step(self.pattern, prefix_lens, lengths)
         try:
-            logits = runner.model(tokens[None], length + self.relative_positions,
-                                  cached(runner.cache, slots, attend), rows)[0]
+            logits = runner.model(tokens, positions, cached(runner.cache, slots, attend, rows=slice(0, self.batch)),
+                                  rows)
         finally:
             runner.backend.end_step()
         return logits, logits.argmax(-1)
 
-    def _capture(self, prefix_len: int) -> None:
+    def _capture(self, prefix_lens: list[int]) -> None:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                self.forward(prefix_len)
+                self.forward(prefix_lens)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.runner._graph_pool):
-            self.outputs = self.forward(prefix_len)
+            self.outputs = self.forward(prefix_lens)
         self.graph = graph

@@ -85,3 +85,33 @@ class MockStepModel:
     def commit(self, step_indices):
         assert step_indices[0] == 0
         self.committed += [self.step_tokens[i] for i in step_indices]
+
+
+class MockBatchStepModel:
+    """A `BatchStepModel` of one `MockStepModel` per row: each row's logits depend on that row's tokens only, so
+    a loop that mixes rows up, or packs a row's step wrongly, changes tokens. Records every step's batch size
+    and pattern."""
+
+    def __init__(self, vocab: int, logits_fn: Callable[[Sequence[int]], torch.Tensor] | None = None) -> None:
+        self.vocab, self.logits_fn = vocab, logits_fn
+        self.rows: list[MockStepModel] = []
+        self.batch_sizes: list[int] = []
+        self.patterns: list[StepPattern] = []
+
+    def prefill_batch(self, prompts):
+        self.rows = [MockStepModel(self.vocab, self.logits_fn) for _ in prompts]
+        return torch.stack([row.prefill(prompt) for row, prompt in zip(self.rows, prompts, strict=True)])
+
+    def step_batch(self, tokens, pattern: StepPattern, rows):
+        assert len(tokens) == len(rows) == len(self.rows) and len({len(r) for r in rows}) == 1
+        self.batch_sizes.append(len(tokens))
+        self.patterns.append(pattern)
+        return [row.step(t, pattern, r) for row, t, r in zip(self.rows, tokens, rows, strict=True)]
+
+    def commit_batch(self, step_indices):
+        for row, indices in zip(self.rows, step_indices, strict=True):
+            row.commit(indices)
+
+    def keep_rows(self, order):
+        assert len(set(order)) == len(order) <= len(self.rows)
+        self.rows = [self.rows[r] for r in order]

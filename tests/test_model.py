@@ -142,7 +142,7 @@ def test_default_eos_comes_from_checkpoint(tiny_checkpoint):
     (dict(eos_token_id=[2, -1]), ValueError, "eos_token_id must hold token ids >= 0"),
     (dict(prompt_ids=torch.zeros(2, 3, dtype=torch.long)), ValueError, r"1-D or \[1, T\] tensor"),
     (dict(prompt_ids=torch.ones(1, 3)), TypeError, "must hold integers"),
-    (dict(prompt_ids=[[1, 2], [3, 4]]), TypeError, "list of ints"),
+    (dict(prompt_ids=[[1, 2], 3]), TypeError, "prompt_ids mixes token ids and prompts"),
     (dict(prompt_ids=[1, True]), TypeError, "list of ints"),
     (dict(prompt_ids={"input_ids": [1, 2, 3], "attention_mask": [1, 0, 1]}), ValueError, "not all ones"),
     (dict(prompt_ids={"ids": [1, 2]}), TypeError, "without 'input_ids'"),
@@ -158,16 +158,18 @@ def test_generate_rejects_bad_input(tiny_checkpoint, kwargs, error, message):
 
 
 def test_generate_accepts_what_transformers_hands_over(tiny_checkpoint):
-    """A list, a 1-D tensor, apply_chat_template's [1, T] tensor, a BatchEncoding: the same prompt."""
+    """A list, a 1-D tensor, apply_chat_template's [1, T] tensor, a BatchEncoding: the same prompt. A list holding
+    the list is a batch of one (a list of results)."""
     from transformers import BatchEncoding
 
     model = Llama.from_pretrained(tiny_checkpoint("gqa"))
     ids = [5, 17, 3, 99, 42]
     expected = model.generate(ids, max_new_tokens=6, eos_token_id=[]).tokens
-    forms = [torch.tensor(ids), torch.tensor([ids]), [ids], {"input_ids": ids},
+    forms = [torch.tensor(ids), torch.tensor([ids]), {"input_ids": ids},
              BatchEncoding({"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, 5, dtype=torch.long)})]
     for form in forms:
         assert model.generate(form, max_new_tokens=6, eos_token_id=[]).tokens == expected, type(form)
+    assert [r.tokens for r in model.generate([ids], max_new_tokens=6, eos_token_id=[])] == [expected]
 
 
 def test_tiny_temperature_samples_like_greedy(tiny_checkpoint):

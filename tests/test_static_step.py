@@ -222,7 +222,7 @@ def test_warmup_prepares_the_runner_the_generation_uses(tiny_checkpoint):
     cfg = LookaheadConfig(3, 4, 3)
     model.warmup(cfg, max_tokens=300)
     runner = model.__dict__["_runner"]
-    assert runner.cache.capacity >= 300 and [p for p, _ in runner._programs] == [full_pattern(cfg)]
+    assert runner.cache.capacity >= 300 and [key[0] for key in runner._programs] == [full_pattern(cfg)]
     result = model.generate(list(range(1, 40)), max_new_tokens=200, lookahead=cfg, eos_token_id=[], static_step=True)
     assert model.__dict__["_runner"] is runner and len(runner._programs) == 1
     assert result.tokens == model.generate(list(range(1, 40)), max_new_tokens=200, eos_token_id=[]).tokens
