@@ -61,6 +61,7 @@ class TorchBackend:
 
     The buffer's columns stay True except a step's own T x T block, which is written before the
     forward and reset after it (`end_step`), so no per-step allocation grows with the sequence.
+    A chains block is built once per pattern; a tree block every step, from the step's tree_end.
     """
 
     graphable = False
@@ -70,14 +71,20 @@ class TorchBackend:
         self._step_masks: dict[StepPattern, torch.Tensor] = {}
         self._block: torch.Tensor | None = None
 
-    def begin_step(self, pattern: StepPattern, prefix_len: int, lengths: torch.Tensor) -> LayerAttention:
+    def begin_step(self, pattern: StepPattern, prefix_len: int, lengths: torch.Tensor,
+                   tree_end: torch.Tensor | None = None) -> LayerAttention:
+        """tree_end: tree form, this step's [V] on the device (the pattern stands for the shape only)."""
         t = pattern.num_tokens
         mask = None
         if t > 1:
-            if pattern not in self._step_masks:
-                self._step_masks[pattern] = pattern.materialize(0, device=self._mask.device)
             self._block = self._mask[:t, prefix_len : prefix_len + t]
-            self._block.copy_(self._step_masks[pattern])
+            if pattern.is_tree:
+                idx = torch.arange(t, device=self._mask.device)
+                self._block.copy_(pattern.visible(idx[:, None], idx[None, :], tree_end))
+            else:
+                if pattern not in self._step_masks:
+                    self._step_masks[pattern] = pattern.materialize(0, device=self._mask.device)
+                self._block.copy_(self._step_masks[pattern])
             mask = self._mask[:t, : prefix_len + t]
 
         def attend(layer: int, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor) -> torch.Tensor:
@@ -92,7 +99,8 @@ class TorchBackend:
 
 
 class TritonBackend:
-    """The Triton kernel through one prepared plan per step pattern (checked once, launched per layer)."""
+    """The Triton kernel through one prepared plan per step shape (checked once, launched per layer); a tree
+    comes with each call, as data."""
 
     graphable = True
 
@@ -100,15 +108,17 @@ class TritonBackend:
                  dtype: torch.dtype, device: torch.device) -> None:
         self._shape = dict(batch=batch, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype,
                            device=device, max_len=capacity)
-        self._plans: dict[StepPattern, StepAttentionPlan] = {}
+        self._plans: dict[tuple, StepAttentionPlan] = {}
 
-    def begin_step(self, pattern: StepPattern, prefix_len: int, lengths: torch.Tensor) -> LayerAttention:
-        if pattern not in self._plans:
-            self._plans[pattern] = StepAttentionPlan(pattern, **self._shape)
-        plan = self._plans[pattern]
+    def begin_step(self, pattern: StepPattern, prefix_len: int, lengths: torch.Tensor,
+                   tree_end: torch.Tensor | None = None) -> LayerAttention:
+        """tree_end: tree form, this step's [V] on the device (the pattern stands for the shape only)."""
+        if pattern.shape not in self._plans:
+            self._plans[pattern.shape] = StepAttentionPlan(pattern, **self._shape)
+        plan = self._plans[pattern.shape]
 
         def attend(layer: int, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor) -> torch.Tensor:
-            return plan(q, k_all, v_all, lengths)
+            return plan(q, k_all, v_all, lengths, tree_end)
 
         return attend
 

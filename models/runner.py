@@ -1,9 +1,11 @@
 """`CachedRunner`: a `Llama` with its KV cache, speaking the decode loop's `StepModel` protocol.
 
 A step reads everything that changes from one step to the next (token ids, output rows, L, the
-previous verdict's commit) from one device buffer, filled by one host-to-device copy; it returns
-the requested rows' logits and their argmax, fetched by one device-to-host copy. Shapes depend only
-on the step pattern, so on CUDA each pattern's step is captured once as a CUDA graph and replayed.
+relative positions, a tree's `tree_end`, the previous verdict's commit) from one device buffer, filled
+by one host-to-device copy; it returns the requested rows' logits and their argmax (and, when asked,
+every row's top-k tokens), fetched by one device-to-host copy. A program is keyed by the step's shape
+only (W, N, the verification branch's size and form, the rows): a tree that changes every step is data,
+so on CUDA each shape is captured once as a CUDA graph and replayed.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ class CachedRunner:
             self.backend = TorchBackend(capacity, max_step_tokens, model.device)
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and self.backend.graphable
         self._graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
-        self._programs: dict[tuple[StepPattern, int], _StepProgram] = {}
+        self._programs: dict[tuple, _StepProgram] = {}
         self.reset()
 
     def reset(self) -> None:
@@ -77,15 +79,15 @@ class CachedRunner:
         self.length += len(tokens)
         return logits[0, 0]
 
-    def step(self, tokens: Sequence[int], pattern: StepPattern, rows: Sequence[int]) -> StepOutput:
+    def step(self, tokens: Sequence[int], pattern: StepPattern, rows: Sequence[int], topk: int = 0) -> StepOutput:
         self._check_room(pattern.num_tokens)
-        key = (pattern, len(rows))
+        key = (pattern.shape, len(rows), topk)
         if key not in self._programs:
-            self._programs[key] = _StepProgram(self, pattern, len(rows))
+            self._programs[key] = _StepProgram(self, pattern, len(rows), topk)
         program = self._programs[key]
         src, dst = self._commit if self._commit is not None else self._no_commit()
         self._commit = None
-        return program.run(tokens, rows, self.length, src, dst)
+        return program.run(tokens, pattern, rows, self.length, src, dst)
 
     def commit(self, step_indices: Sequence[int]) -> None:
         count = len(step_indices)
@@ -117,55 +119,71 @@ class CachedRunner:
 class _StepProgram:
     """One step shape: its device input buffer, the forward that reads only that buffer, its graph."""
 
-    def __init__(self, runner: CachedRunner, pattern: StepPattern, num_rows: int) -> None:
-        self.runner, self.pattern = runner, pattern
+    def __init__(self, runner: CachedRunner, pattern: StepPattern, num_rows: int, topk: int) -> None:
+        self.runner, self.pattern = runner, pattern  # a tree pattern stands for its shape only
+        self.topk = min(topk, runner.model.config.vocab_size)
         device = runner.device
-        t, k = pattern.num_tokens, runner.max_commit
-        # inputs: token ids [T] | output rows [R] | L [1] | commit sources [K] | commit destinations [K]
-        self._splits = (t, num_rows, 1, k, k)
+        t, k, v = pattern.num_tokens, runner.max_commit, pattern.verify_len if pattern.is_tree else 0
+        # inputs: token ids [T] | output rows [R] | L [1] | relative positions [T] | tree_end [V] (tree form)
+        #         | commit sources [K] | commit destinations [K]
+        self._splits = (t, num_rows, 1, t, v, k, k)
         size = sum(self._splits)
         self.inputs = torch.zeros(size, dtype=torch.int64, device=device)
         self.staging = torch.zeros(size, dtype=torch.int64, pin_memory=device.type == "cuda")
         self._host = self.staging.numpy()  # writes through to the (pinned) staging buffer
-        self.relative_positions = pattern.relative_positions.to(device)
+        self._positions_at = t + num_rows + 1
         self.offsets = torch.arange(t, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def run(self, tokens, rows, prefix_len: int, src, dst) -> StepOutput:
+    def run(self, tokens, pattern: StepPattern, rows, prefix_len: int, src, dst) -> StepOutput:
         if self.runner.cuda_graphs and self.graph is None:
             # capture with a no-op commit: apply this call's commit first, outside the graph, so the
             # warm-up runs (which compile kernels) change nothing real
             self.runner.cache.move(*(torch.tensor(x, device=self.runner.device) for x in (src, dst)))
             src = dst = self.runner._no_commit()[0]
-            self._stage(tokens, rows, prefix_len, src, dst)
+            self._stage(tokens, pattern, rows, prefix_len, src, dst)
             self._capture(prefix_len)
-        self._stage(tokens, rows, prefix_len, src, dst)
+        self._stage(tokens, pattern, rows, prefix_len, src, dst)
         if self.graph is not None:
             self.graph.replay()
-            logits, argmax = self.outputs
+            logits, fetched = self.outputs
         else:
-            logits, argmax = self.forward(prefix_len)
-        return StepOutput(logits, argmax.tolist())
+            logits, fetched = self.forward(prefix_len)
+        fetched = fetched.cpu()  # the step's one device-to-host copy: argmax [R], then top-k [T, k]
+        argmax = fetched[: len(rows)].tolist()
+        topk = fetched[len(rows) :].view(-1, self.topk) if self.topk else None
+        return StepOutput(logits, argmax, topk)
 
-    def _stage(self, tokens, rows, prefix_len: int, src, dst) -> None:
+    def _stage(self, tokens, pattern: StepPattern, rows, prefix_len: int, src, dst) -> None:
         """The step's one host-to-device copy (from pinned memory on CUDA)."""
-        self._host[:] = [*tokens, *rows, prefix_len, *src, *dst]
+        at = self._positions_at
+        t = len(tokens)
+        self._host[:at] = [*tokens, *rows, prefix_len]
+        self._host[at : at + t] = pattern.relative_positions.numpy()
+        self._host[at + t :] = [*(pattern.tree_end or ()), *src, *dst]
         self.inputs.copy_(self.staging, non_blocking=True)
 
     def forward(self, prefix_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step from `self.inputs` alone (`prefix_len` is read only by a non-graphable backend)."""
+        """The step from `self.inputs` alone (`prefix_len` is read only by a non-graphable backend): the rows'
+        logits, and the int64 tensor the host fetches (the rows' argmax, then every row's top-k if asked)."""
         runner = self.runner
-        tokens, rows, length, src, dst = self.inputs.split(self._splits)
+        tokens, rows, length, positions, tree_end, src, dst = self.inputs.split(self._splits)
         runner.cache.move(src, dst)
         slots = length + self.offsets
-        attend = runner.backend.begin_step(self.pattern, prefix_len, length)
+        attend = runner.backend.begin_step(self.pattern, prefix_len, length,
+                                           tree_end if self.pattern.is_tree else None)
         try:
-            logits = runner.model(tokens[None], length + self.relative_positions,
-                                  cached(runner.cache, slots, attend), rows)[0]
+            # top-k of every row needs the lm_head on every row, not only on the rows read
+            logits = runner.model(tokens[None], length + positions, cached(runner.cache, slots, attend),
+                                  None if self.topk else rows)[0]
         finally:
             runner.backend.end_step()
-        return logits, logits.argmax(-1)
+        if not self.topk:
+            return logits, logits.argmax(-1)
+        top = logits.topk(self.topk, dim=-1).indices  # [T, k]
+        logits = logits[rows]
+        return logits, torch.cat([logits.argmax(-1), top.flatten()])
 
     def _capture(self, prefix_len: int) -> None:
         side = torch.cuda.Stream()
