@@ -66,21 +66,22 @@ class MockStepModel:
         self.committed = list(tokens)
         return self.logits_fn(self.committed).float()
 
-    def step(self, tokens, pattern: StepPattern, rows):
+    def step(self, tokens, pattern: StepPattern, rows, topk: int = 0):
         self.calls += 1
         self.patterns.append(pattern)
         assert len(tokens) == pattern.num_tokens
         self.step_tokens = list(tokens)
         positions = pattern.relative_positions.tolist()
         mask = pattern.materialize(0)
-        out = []
-        for r in rows:
+        out = {}
+        for r in range(len(tokens)) if topk else rows:  # top-k: every row's output, as a model does then
             seen = mask[r].nonzero().flatten().tolist()
             by_position = sorted(seen, key=lambda j: positions[j])
             assert [positions[j] for j in by_position] == list(range(positions[r] + 1)), "layout broken"
-            out.append(self.logits_fn(self.committed + [tokens[j] for j in by_position]))
-        logits = torch.stack(out).float()
-        return StepOutput(logits, logits.argmax(-1).tolist())
+            out[r] = self.logits_fn(self.committed + [tokens[j] for j in by_position])
+        logits = torch.stack([out[r] for r in rows]).float()
+        top = torch.stack(list(out.values())).float().topk(min(topk, self.vocab)).indices if topk else None
+        return StepOutput(logits, logits.argmax(-1).tolist(), top)
 
     def commit(self, step_indices):
         assert step_indices[0] == 0
