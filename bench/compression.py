@@ -1,34 +1,54 @@
-"""Compression S per kind for chosen (W, N, G) on the dev prompts, counting forward passes only.
+"""Compression S per kind for chosen settings on the dev prompts, counting forward passes only.
 
-Every output is checked token for token against plain greedy. `--pools prompt` runs the authors' setting
-(prompt n-grams only in the pool); `--pools both` runs it beside ours.
+A setting is W-N-G, then optionally ":chains" (the paper's candidates), ":tree" (every draft source, the
+default) or ":tree=" with the sources that feed the tree joined by "+" (pool, suffix, recycle; none: "").
+Every output is checked token for token against plain greedy. `--pools prompt` runs the authors' pool
+(prompt n-grams only); `--pools both` runs it beside ours.
 
-    python bench/compression.py --kinds chat code math --per-kind 3 --configs 15-5-15 7-5-7 5-4-5 3-3-3 --pools both
+    python bench/compression.py --per-kind 0 --configs 3-4-3 3-4-3:chains 15-5-15 15-5-15:chains
+    python bench/compression.py --configs 3-4-3:tree=pool 3-4-3:tree=suffix 3-4-3:tree=recycle
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 
 from common import chat_ids, load_model, load_prompts, machine, print_table, save_json
 from lookahead import LookaheadConfig
 
+SOURCES = ("pool", "suffix", "recycle")
+
+
+def parse_setting(spec: str, output_pool: bool = True) -> LookaheadConfig:
+    """'W-N-G[:chains|:tree[=source+source...]]' -> LookaheadConfig."""
+    numbers, _, form = spec.partition(":")
+    w, n, g = map(int, numbers.split("-"))
+    form, has_sources, sources = form.partition("=")
+    form = form or "tree"
+    chosen = set(sources.split("+")) - {""} if has_sources else set(SOURCES)
+    if form not in ("tree", "chains") or chosen - set(SOURCES):
+        raise ValueError(f"setting {spec!r}: use W-N-G, W-N-G:chains or W-N-G:tree=pool+suffix+recycle")
+    return LookaheadConfig(w, n, g, pool_from_output=output_pool, form=form,
+                           **{f"draft_{name}": name in chosen for name in SOURCES})
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="checkpoint folder (default: the converted default model)")
     parser.add_argument("--kinds", nargs="*", default=["chat", "code", "math", "summarize"])
-    parser.add_argument("--per-kind", type=int, default=2)
+    parser.add_argument("--per-kind", type=int, default=2, help="prompts of each kind (0: all)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--configs", nargs="*", default=["15-5-15", "7-5-7", "5-4-5", "3-3-3"])
+    parser.add_argument("--configs", nargs="*", default=["3-4-3", "3-4-3:chains", "15-5-15", "15-5-15:chains"])
     parser.add_argument("--pools", choices=("ours", "prompt", "both"), default="ours",
                         help="ours: prompt + output n-grams; prompt: prompt n-grams only (the authors'); both")
+    parser.add_argument("--static", action="store_true", help="static steps (one shape per generation)")
     parser.add_argument("--name", default="compression")
     args = parser.parse_args()
     folder, model, tokenizer = load_model(args.model)
-    rows = load_prompts(args.per_kind, tuple(args.kinds))
+    rows = load_prompts(args.per_kind or None, tuple(args.kinds))
     pools = {"ours": [True], "prompt": [False], "both": [True, False]}[args.pools]
     variants = [(spec, output_pool) for output_pool in pools for spec in args.configs]
     records = []
@@ -37,12 +57,15 @@ def main() -> None:
             ids = chat_ids(tokenizer, row["prompt"])
             reference = model.generate(ids, max_new_tokens=args.max_new_tokens).tokens
             for spec, output_pool in variants:
-                cfg = LookaheadConfig(*map(int, spec.split("-")), pool_from_output=output_pool)
-                result = model.generate(ids, max_new_tokens=args.max_new_tokens, lookahead=cfg)
+                start = time.perf_counter()
+                result = model.generate(ids, max_new_tokens=args.max_new_tokens, static_step=args.static,
+                                        lookahead=parse_setting(spec, output_pool))
                 records.append({"id": row["id"], "kind": row["kind"], "config": spec, "output_pool": output_pool,
                                 "tokens": len(result.tokens), "steps": result.steps,
-                                "exact": result.tokens == reference})
-            print(f"{row['id']} done", flush=True)
+                                "seconds": time.perf_counter() - start, "exact": result.tokens == reference})
+            mine = records[-len(variants) :]
+            print(f"{row['id']}: " + ", ".join(f"{r['config']} {r['tokens'] / r['steps']:.2f}" for r in mine),
+                  flush=True)
     kinds = list(dict.fromkeys(r["kind"] for r in records)) + ["all"]
     table = []
     for spec, output_pool in variants:
@@ -54,7 +77,7 @@ def main() -> None:
         line.append(f"{sum(r['exact'] for r in mine)}/{len(mine)}")
         table.append(line)
     print(f"\nS by kind ({len(rows)} prompts, {args.max_new_tokens} tokens, {machine()['device']})")
-    print_table(["W-N-G"] + kinds + ["exact"], table)
+    print_table(["setting"] + kinds + ["exact"], table)
     print(save_json(args.name, {"machine": machine(), "max_new_tokens": args.max_new_tokens, "records": records,
                                 "table": table}))
 

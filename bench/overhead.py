@@ -1,9 +1,11 @@
-"""Per-step overhead of the decode loop: wall time of `decode` minus the time inside the model's calls.
+"""Per-step host cost of the decode loop: wall time of `decode` minus the time inside the model's calls, and
+within it the time spent drafting (the tree form's sources and tree building) and packing, and learning
+from a verified step (the recycling tables and the edge model).
 
-The loop's own work per step (window, pool, candidate lookup, argmax and verification, commit
-bookkeeping) should stay small next to the forward pass and must not grow with the sequence.
+The loop's own work per step (window, pool, drafts, argmax and verification, commit bookkeeping) should stay
+small next to the forward pass and must not grow with the sequence.
 
-    python bench/overhead.py --max-new-tokens 256
+    python bench/overhead.py --max-new-tokens 256 --configs 15-5-15 3-4-3 15-5-15:chains
 """
 
 from __future__ import annotations
@@ -12,9 +14,12 @@ import argparse
 import time
 
 import torch
+from compression import parse_setting
 
 from common import chat_ids, load_model, load_prompts, machine, print_table, save_json, sync
-from lookahead import LookaheadConfig, decode
+from lookahead import decode
+from lookahead.drafts import DraftBuilder
+from lookahead.engine import _LookaheadLoop
 from lookahead.models.generation import runner_for
 
 
@@ -32,9 +37,9 @@ class TimedModel:
         inside = marks[-1][1] - marks[0][1]
         return (wall - inside) / (len(marks) - 1) * 1e6
 
-    def _timed(self, fn, *args):
+    def _timed(self, fn, *args, **kwargs):
         start = time.perf_counter()
-        out = fn(*args)
+        out = fn(*args, **kwargs)
         sync()
         self.seconds += time.perf_counter() - start
         return out
@@ -42,10 +47,10 @@ class TimedModel:
     def prefill(self, tokens):
         return self._timed(self.inner.prefill, tokens)
 
-    def step(self, tokens, pattern, rows):
+    def step(self, tokens, pattern, rows, **kwargs):
         start = time.perf_counter()
         self.marks.append((start, self.seconds))
-        out = self._timed(self.inner.step, tokens, pattern, rows)
+        out = self._timed(self.inner.step, tokens, pattern, rows, **kwargs)
         self.step_seconds.append(time.perf_counter() - start)
         return out
 
@@ -53,36 +58,73 @@ class TimedModel:
         return self._timed(self.inner.commit, indices)
 
 
+class Stopwatch:
+    """Seconds spent in some functions, patched over the class attributes that hold them."""
+
+    def __init__(self, targets: dict[str, tuple[type, str]]) -> None:
+        self.seconds = dict.fromkeys(targets, 0.0)
+        self._saved = []
+        for name, (owner, attribute) in targets.items():
+            original = getattr(owner, attribute)
+            self._saved.append((owner, attribute, original))
+            setattr(owner, attribute, self._wrap(name, original))
+
+    def _wrap(self, name, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - start
+        return timed
+
+    def restore(self) -> None:
+        for owner, attribute, original in self._saved:
+            setattr(owner, attribute, original)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="checkpoint folder (default: the converted default model)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--configs", nargs="*", default=["5-4-5", "7-5-7", "15-5-15"])
+    parser.add_argument("--kind", default="code", help="which kind of dev prompt to run (the first of it)")
+    parser.add_argument("--configs", nargs="*", default=["15-5-15", "3-4-3", "15-5-15:chains", "3-4-3:chains"])
     args = parser.parse_args()
     folder, model, tokenizer = load_model(args.model)
-    ids = chat_ids(tokenizer, load_prompts(1, ("code",))[0]["prompt"])
+    ids = chat_ids(tokenizer, load_prompts(1, (args.kind,))[0]["prompt"])
     rows = []
     with torch.inference_mode():
         for spec in args.configs:
-            cfg = LookaheadConfig(*map(int, spec.split("-")))
+            cfg = parse_setting(spec)
             timed = TimedModel(runner_for(model, len(ids) + args.max_new_tokens, cfg, cuda_graph=True))
+            watch = Stopwatch({"plan": (_LookaheadLoop, "plan"), "draft": (DraftBuilder, "build"),
+                               "finish": (_LookaheadLoop, "finish"), "learn": (_LookaheadLoop, "_learn")})
             start = time.perf_counter()
-            result = decode(timed, ids, args.max_new_tokens, lookahead=cfg, eos_token_ids=(), device=model.device,
-                            static_step=model.device.type == "cuda")
+            try:
+                result = decode(timed, ids, args.max_new_tokens, lookahead=cfg, eos_token_ids=(),
+                                device=model.device, static_step=model.device.type == "cuda")
+            finally:
+                watch.restore()
             total = time.perf_counter() - start
-            loop_us = (total - timed.seconds) / result.steps * 1e6
+            steps = result.steps - 1  # the prefill is no lookahead step
+            loop_us = (total - timed.seconds) / steps * 1e6
             model_ms = sum(timed.step_seconds) / len(timed.step_seconds) * 1e3
             half = len(timed.marks) // 2
-            rows.append({"config": spec, "steps": result.steps, "loop_us_per_step": loop_us,
-                         "model_ms_per_step": model_ms, "loop_share": loop_us / 1e3 / (model_ms + loop_us / 1e3),
+            per_step = {f"{name}_us": s / steps * 1e6 for name, s in watch.seconds.items()}
+            rows.append({"config": spec, "steps": result.steps, "S": result.compression, "loop_us_per_step": loop_us,
+                         **per_step, "model_ms_per_step": model_ms,
+                         "loop_share": loop_us / 1e3 / (model_ms + loop_us / 1e3),
                          "loop_us_first_half": timed.loop_us(slice(0, half + 1)),
                          "loop_us_second_half": timed.loop_us(slice(half, None))})
-    print(f"decode loop overhead, {args.max_new_tokens} tokens, {machine()['device']}")
-    print_table(["W-N-G", "steps", "loop us/step", "1st half", "2nd half", "model ms/step", "loop share"],
-                [[r["config"], r["steps"], f"{r['loop_us_per_step']:.0f}", f"{r['loop_us_first_half']:.0f}",
-                  f"{r['loop_us_second_half']:.0f}", f"{r['model_ms_per_step']:.1f}", f"{r['loop_share']:.1%}"]
-                 for r in rows])
-    print(save_json("overhead", {"machine": machine(), "rows": rows}))
+    print(f"decode loop host cost per step, {args.max_new_tokens} tokens, one {args.kind} prompt, "
+          f"{machine()['device']}")
+    print_table(["setting", "steps", "S", "loop us", "plan us", "(draft us)", "finish us", "(learn us)", "1st half",
+                 "2nd half", "model ms", "loop share"],
+                [[r["config"], r["steps"], f"{r['S']:.2f}", f"{r['loop_us_per_step']:.0f}", f"{r['plan_us']:.0f}",
+                  f"{r['draft_us']:.0f}", f"{r['finish_us']:.0f}", f"{r['learn_us']:.0f}",
+                  f"{r['loop_us_first_half']:.0f}", f"{r['loop_us_second_half']:.0f}",
+                  f"{r['model_ms_per_step']:.1f}", f"{r['loop_share']:.1%}"] for r in rows])
+    print(save_json("overhead", {"machine": machine(), "max_new_tokens": args.max_new_tokens, "rows": rows}))
 
 
 if __name__ == "__main__":

@@ -91,6 +91,12 @@ class StepPattern:
         return self.lookahead_len + self.verify_len
 
     @property
+    def shape(self) -> tuple:
+        """What a compiled step (a kernel plan, a CUDA graph) depends on: W, N, T, the form and, for chains, g. A
+        tree's structure is left out: it changes every step and reaches the kernel as data (`tree_end`)."""
+        return (self.window, self.ngram, self.num_tokens, self.is_tree, 0 if self.is_tree else self.candidates)
+
+    @property
     def max_commit(self) -> int:
         """The most KV entries a verdict of this step commits: the input token plus the longest path."""
         if self.is_tree:
@@ -114,9 +120,15 @@ class StepPattern:
 
     @cached_property
     def _depths(self) -> tuple[int, ...]:
-        """Tree form: depth of each node = the nodes whose subtree holds it (itself included)."""
-        ends = self.tree_end or ()
-        return tuple(sum(1 for i in range(j + 1) if j < ends[i]) for j in range(len(ends)))
+        """Tree form: depth of each node = the nodes whose subtree holds it (itself included). One pass with a
+        stack of the open subtrees' ends: a per-step tree is a new pattern, so this runs every step."""
+        depths, open_ends = [], []
+        for j, end in enumerate(self.tree_end or ()):
+            while open_ends and open_ends[-1] <= j:
+                open_ends.pop()
+            open_ends.append(end)
+            depths.append(len(open_ends))
+        return tuple(depths)
 
     @cached_property
     def relative_positions(self) -> torch.Tensor:
@@ -130,19 +142,26 @@ class StepPattern:
             depth = (idx - self.lookahead_len) % (self.ngram - 1) + 1
         return torch.where(la, level + column, depth)
 
-    def subtree_end(self, k_idx: torch.Tensor) -> torch.Tensor:
+    def subtree_end(self, k_idx: torch.Tensor, tree_end: torch.Tensor | None = None) -> torch.Tensor:
         """One past the step index of the last token in verification token k_idx's subtree (chains: the end of its
-        candidate). Only meaningful for k_idx >= lookahead_len; mirrors `_chain_end` / the tree load in the kernel."""
+        candidate). Only meaningful for k_idx >= lookahead_len; mirrors `_chain_end` / the tree load in the kernel.
+
+        tree_end: tree form, an integer tensor [V] on k_idx's device that replaces the pattern's own (as the kernel
+        takes the tree per call: a model keeps one program per shape and gets each step's tree as data).
+        """
         W, N = self.window, self.ngram
         LA = W * (N - 1)
         if self.is_tree:
-            ends = torch.tensor(self.tree_end + (0,), device=k_idx.device)  # one spare entry: V may be 0
-            return LA + ends[(k_idx - LA).clamp(0, len(self.tree_end))]
+            if tree_end is None:
+                tree_end = torch.tensor(self.tree_end, dtype=torch.int64, device=k_idx.device)
+            ends = torch.cat([tree_end, tree_end.new_zeros(1)])  # one spare entry: V may be 0
+            return LA + ends[(k_idx - LA).clamp(0, ends.shape[0] - 1)]
         return LA + ((k_idx - LA) // (N - 1) + 1) * (N - 1)
 
-    def visible(self, q_idx: torch.Tensor, k_idx: torch.Tensor) -> torch.Tensor:
-        """Whether step token `q_idx` attends to step token `k_idx` (broadcasting int tensors)."""
-        return _visible_rule(q_idx, k_idx, self.subtree_end(k_idx), self.window, self.ngram)
+    def visible(self, q_idx: torch.Tensor, k_idx: torch.Tensor, tree_end: torch.Tensor | None = None) -> torch.Tensor:
+        """Whether step token `q_idx` attends to step token `k_idx` (broadcasting int tensors); `tree_end` as in
+        `subtree_end`."""
+        return _visible_rule(q_idx, k_idx, self.subtree_end(k_idx, tree_end), self.window, self.ngram)
 
     def materialize(self, prefix_len: int, device: torch.device | str | None = None) -> torch.Tensor:
         """Dense bool mask [T, prefix_len + T] (True = attend). For the reference and tests only."""

@@ -39,9 +39,10 @@ class BatchStepModel(Protocol):
     """What the batched loop needs of a model with a KV cache of b rows (row b: sequence b, its own L).
 
     prefill_batch: run prompt b into row b; return the logits [b, V] of each prompt's last token.
-    step_batch: run row b's `tokens[b]` laid out as `pattern` (the same for every row) at positions
-        L_b + relative position; return one `StepOutput` per row, of its step indices `rows[b]` (the
-        same count in every row).
+    step_batch: run row b's `tokens[b]` laid out as `pattern` (one for every row, or one per row of a
+        single shape: tree forms differ per row) at positions L_b + relative position; return one
+        `StepOutput` per row, of its step indices `rows[b]` (the same count in every row), with topk > 0
+        also every step index's top-k tokens.
     commit_batch: keep row b's entries `step_indices[b]` at L_b, L_b + 1, ... (may be deferred to the
         next step, as `StepModel.commit`).
     keep_rows: continue with rows `order` only: row i becomes what row order[i] was.
@@ -49,8 +50,8 @@ class BatchStepModel(Protocol):
 
     def prefill_batch(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor: ...
 
-    def step_batch(self, tokens: Sequence[Sequence[int]], pattern: StepPattern,
-                   rows: Sequence[Sequence[int]]) -> list[StepOutput]: ...
+    def step_batch(self, tokens: Sequence[Sequence[int]], pattern: StepPattern | Sequence[StepPattern],
+                   rows: Sequence[Sequence[int]], topk: int = 0) -> list[StepOutput]: ...
 
     def commit_batch(self, step_indices: Sequence[Sequence[int]]) -> None: ...
 
@@ -151,11 +152,12 @@ def _plain_step(model, live, last, outs, sampling, samplers) -> None:
 
 def _lookahead_step(model, live, last, outs, loops, padding) -> None:
     layouts: list[StepLayout | None] = [None if outs[i].done else loops[i].plan(last[i]) for i in live]
-    steps = [padding[i] if layout is None else (layout.tokens, layout.rows)
+    steps = [padding[i] if layout is None else (layout.tokens, layout.rows, layout.pattern)
              for i, layout in zip(live, layouts, strict=True)]
-    pattern = next(layout.pattern for layout in layouts if layout is not None)
-    assert all(layout is None or layout.pattern == pattern for layout in layouts), "a batch step has one shape"
-    outputs = model.step_batch([tokens for tokens, _ in steps], pattern, [rows for _, rows in steps])
+    topk = next(layout.topk for layout in layouts if layout is not None)  # one configuration: one top-k
+    # one shape for every row (static steps), but a tree form's pattern differs from row to row
+    outputs = model.step_batch([tokens for tokens, _, _ in steps], [pattern for _, _, pattern in steps],
+                               [rows for _, rows, _ in steps], topk)
     commits = []
     for i, layout, output, step in zip(live, layouts, outputs, steps, strict=True):
         if layout is None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+FORMS = ("tree", "chains")
+
 
 @dataclass(frozen=True)
 class LookaheadConfig:
@@ -14,6 +16,12 @@ class LookaheadConfig:
     guesses (G): the most candidate n-grams verified per step (and kept per first token in the pool).
     pool_from_prompt: seed the pool with the prompt's n-grams (the paper's "prompt as reference").
     pool_from_output: also add the n-grams of the accepted output as it grows.
+    form: the verification branch. "chains": the paper's, G candidate n-grams from the pool. "tree": one token
+        tree of at most G(N - 1) nodes (the same tokens a step) merged from the draft sources below, verified
+        down the tree, so shared prefixes are stored once and continuations can be longer than N - 1.
+    draft_pool, draft_suffix, draft_recycle (tree form): the sources that feed the tree: the n-gram pool;
+        earlier occurrences of the last tokens in prompt + output and what followed them; and the model's
+        own top-k next tokens recorded at every row of every step, per token id ("token recycling").
 
     Exactness: with temperature 0 in float32 the tokens are those of plain greedy decoding; in
     float16/bfloat16 a multi-token pass rounds differently from a one-token pass, so near-ties can flip.
@@ -29,6 +37,10 @@ class LookaheadConfig:
     guesses: int = 3
     pool_from_prompt: bool = True
     pool_from_output: bool = True
+    form: str = "tree"
+    draft_pool: bool = True
+    draft_suffix: bool = True
+    draft_recycle: bool = True
 
     def __post_init__(self) -> None:
         for name, low in (("window", 1), ("ngram", 2), ("guesses", 0)):
@@ -37,7 +49,9 @@ class LookaheadConfig:
                 raise TypeError(f"LookaheadConfig.{name} must be an int, got {type(value).__name__} {value!r}")
             if value < low:
                 raise ValueError(f"LookaheadConfig.{name} must be >= {low}, got {value}")
-        for name in ("pool_from_prompt", "pool_from_output"):
+        for name in ("pool_from_prompt", "pool_from_output", "draft_pool", "draft_suffix", "draft_recycle"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"LookaheadConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.form not in FORMS:
+            raise ValueError(f"LookaheadConfig.form must be one of {', '.join(FORMS)}, got {self.form!r}")
 

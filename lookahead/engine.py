@@ -14,10 +14,11 @@ import torch
 from lookahead.kernels import StepPattern
 
 from .config import LookaheadConfig
+from .drafts import DraftBuilder
 from .layout import StepLayout, full_pattern, pack_step
-from .pool import NGramPool
+from .pool import CONTEXT, NGramPool
 from .sampling import Sampler, SamplingParams, target_probs
-from .verify import Verdict, greedy_verify, sample_verify
+from .verify import Verdict, greedy_verify, greedy_verify_tree, sample_verify, sample_verify_tree
 from .window import LookaheadWindow
 
 PLAIN_STEP = StepPattern(1, 2, 0)  # one token that sees the whole cache
@@ -26,10 +27,12 @@ GREEDY = SamplingParams()
 
 @dataclass
 class StepOutput:
-    """What a step returns: the logits of the requested rows (on the model's device) and their argmax."""
+    """What a step returns: the logits of the requested rows (on the model's device) and their argmax; when asked
+    for, the top-k next tokens of every step row (the model's predictions after each token, for recycling)."""
 
     logits: torch.Tensor  # [R, V]
     argmax: list[int]  # [R], fetched in the step's one device-to-host copy
+    topk: torch.Tensor | None = None  # [T, k] int64 on the host, fetched in the same copy
 
 
 class StepModel(Protocol):
@@ -37,14 +40,17 @@ class StepModel(Protocol):
 
     prefill: run the prompt into the cache; return the logits [V] of its last token.
     step: run `tokens` laid out as `pattern` describes, at positions L + relative position, writing
-        their KV entries after the cache prefix; return the outputs of step indices `rows`.
+        their KV entries after the cache prefix; return the outputs of step indices `rows`, and with
+        topk > 0 the top-k tokens of every step index's output (the loop passes topk only when it needs it).
+        A tree pattern changes every step: its tree is data, not a new shape to compile.
     commit: keep the KV entries of these step indices (at positions L, L+1, ...) and grow L by their
         number. A model may defer the copy to its next step, so a commit costs no launch of its own.
     """
 
     def prefill(self, tokens: Sequence[int]) -> torch.Tensor: ...
 
-    def step(self, tokens: Sequence[int], pattern: StepPattern, rows: Sequence[int]) -> StepOutput: ...
+    def step(self, tokens: Sequence[int], pattern: StepPattern, rows: Sequence[int], topk: int = 0) -> StepOutput:
+        ...
 
     def commit(self, step_indices: Sequence[int]) -> None: ...
 
@@ -132,7 +138,7 @@ def _choose(logits: torch.Tensor, sampling: SamplingParams, sampler: Sampler | N
 
 
 class _LookaheadLoop:
-    """State of lookahead decoding between steps: the 2D window, the n-gram pool, the sequence."""
+    """State of lookahead decoding between steps: the 2D window, the n-gram pool, the draft sources, the sequence."""
 
     def __init__(self, cfg: LookaheadConfig, prompt: Sequence[int], first: int, sampling: SamplingParams,
                  sampler: Sampler | None, static: bool) -> None:
@@ -144,24 +150,37 @@ class _LookaheadLoop:
             self.pool.add_sequence(self.sequence)
         self.pooled_upto = len(self.sequence)  # n-grams starting before this index are in the pool
         self.window = LookaheadWindow(cfg.window, cfg.ngram, first, prompt)
+        self.drafts = None
+        if cfg.form == "tree":
+            self.drafts = DraftBuilder(self.sequence, cfg.draft_pool, cfg.draft_suffix, cfg.draft_recycle,
+                                       pool_limit=cfg.guesses)
 
     def step(self, model: StepModel, input_token: int) -> Verdict:
         """One forward pass: lookahead branch + verification branch; commits the accepted KV entries."""
         layout = self.plan(input_token)
-        output = model.step(layout.tokens, layout.pattern, layout.rows)
+        topk = {"topk": layout.topk} if layout.topk else {}
+        output = model.step(layout.tokens, layout.pattern, layout.rows, **topk)
         verdict = self.finish(layout, output)
         model.commit(layout.commit_indices(verdict.candidate, verdict.run))
         return verdict
 
     def plan(self, input_token: int) -> StepLayout:
-        """The next step's layout: the window's levels and the pool's candidates for `input_token`."""
+        """The next step's layout: the window's levels and the drafts for `input_token` (the pool's candidates,
+        or the tree of the draft sources)."""
+        if self.drafts is not None:
+            budget = self.cfg.guesses * (self.cfg.ngram - 1)
+            tree = self.drafts.build(self.sequence, self.pool, budget)
+            return pack_step(self.window.levels, tree, self.full, self.static, self.drafts.topk)
         levels = len(self.window.levels)
         return pack_step(self.window.levels, self._candidates(input_token, levels), self.full, self.static)
 
     def finish(self, layout: StepLayout, output: StepOutput) -> Verdict:
-        """Verify the step's outputs and move the window and the pool on; the caller commits the verdict."""
+        """Verify the step's outputs, let the draft sources learn from them, and move the window and the pool on;
+        the caller commits the verdict."""
         predicted = {index: output.argmax[r] for index, r in layout.row_of.items()}
         verdict = self._verify(layout, output.logits, predicted)
+        if self.drafts is not None:
+            self._learn(layout, output, predicted, verdict)
         self._advance(verdict.tokens, [predicted[i] for i in layout.last_level])
         return verdict
 
@@ -172,7 +191,25 @@ class _LookaheadLoop:
         # warm-up: the window has fewer levels, so verify the candidates' first `levels` tokens
         return list(dict.fromkeys(candidate[:levels] for candidate in found))
 
+    def _learn(self, layout: StepLayout, output: StepOutput, predicted: dict[int, int], verdict: Verdict) -> None:
+        """The tree's edges teach the sources their worth; every real row's top-k refills the recycling table."""
+        tree, base = layout.tree, layout.pattern.lookahead_len
+        self.drafts.observe(tree, [predicted[0], *(predicted[base + j] for j in range(len(tree)))])
+        if not layout.topk:
+            return
+        if output.topk is None:
+            raise TypeError(f"the step asked for the top-{layout.topk} tokens of every row (draft_recycle), but the "
+                            "model's step returned StepOutput.topk None: a StepModel must honour `topk`")
+        # the accepted path's rows come last: their context was the true one, so their predictions win
+        rows = layout.real_indices + layout.commit_indices(verdict.candidate, verdict.run)
+        before = layout.predecessors(self.sequence[-2] if len(self.sequence) > 1 else -1)
+        tokens = layout.tokens
+        self.drafts.recycle.update([before[i] for i in rows], [tokens[i] for i in rows],
+                                   output.topk.numpy()[rows])
+
     def _verify(self, layout: StepLayout, logits: torch.Tensor, predicted: dict[int, int]) -> Verdict:
+        if layout.tree is not None:
+            return self._verify_tree(layout, logits, predicted)
         candidates, pattern = layout.candidates, layout.pattern
         if self.sampler is None:
             return greedy_verify(candidates, predicted, pattern)
@@ -189,11 +226,30 @@ class _LookaheadLoop:
         return sample_verify(candidates, lambda s: probs[prob_row[s]], lambda s, t: lookup[(s, t)], pattern,
                              self.sampler.uniform, self.sampler.draw)
 
+    def _verify_tree(self, layout: StepLayout, logits: torch.Tensor, predicted: dict[int, int]) -> Verdict:
+        tree, base = layout.tree, layout.pattern.lookahead_len
+        if self.sampler is None:
+            return greedy_verify_tree(tree, predicted, base)
+        verified = [0, *layout.candidate_rows]
+        probs = target_probs(logits[[layout.row_of[i] for i in verified]], self.sampling)
+        # the probability of every node's token at its parent, fetched at once (one device sync)
+        parent_rows = [0 if parent < 0 else 1 + parent for parent in tree.parents]
+        values = probs[parent_rows, tree.tokens].tolist() if len(tree) else []
+        lookup = {(layout.node_index(parent), token): p
+                  for parent, token, p in zip(tree.parents, tree.tokens, values, strict=True)}
+        return sample_verify_tree(tree, lambda s: probs[0 if s == 0 else 1 + s - base],
+                                  lambda s, t: lookup[(s, t)], base, self.sampler.uniform, self.sampler.draw)
+
     def _advance(self, accepted: list[int], outputs: list[int]) -> None:
         if self.window.full:
-            for gram in self.window.columns(outputs):
-                self.pool.add(gram)
+            # column i's n-gram follows the sequence before the input token, then level 0's columns 0..i-1
+            prior = self.sequence[-1 - CONTEXT : -1]
+            before = prior + self.window.levels[0]
+            for i, gram in enumerate(self.window.columns(outputs)):
+                self.pool.add(gram, tuple(before[: len(prior) + i][-CONTEXT:]))
         self.sequence.extend(accepted)
+        if self.drafts is not None:
+            self.drafts.extend(accepted)
         if self.cfg.pool_from_output:
             self.pool.add_sequence(self.sequence, start=self.pooled_upto - self.cfg.ngram + 1)
         self.pooled_upto = len(self.sequence)

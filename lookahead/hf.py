@@ -83,7 +83,9 @@ def _step_attention(module, query, key, value, attention_mask, scaling=None, dro
         raise RuntimeError(f"attention {ATTENTION_NAME!r} runs only inside lookahead.hf steps")
     if step.mask is None:
         p = step.pattern
-        out = lookahead_attention(query, key, value, step.prefix_len, p.window, p.ngram, p.candidates, scaling)
+        tree_end = torch.tensor(p.tree_end, dtype=torch.int64, device=query.device) if p.is_tree else None
+        out = lookahead_attention(query, key, value, step.prefix_len, p.window, p.ngram, p.candidates, scaling,
+                                  tree_end=tree_end)
     else:
         out = masked_attention(query, key, value, step.prefix_len, step.mask, scaling)
     return out.transpose(1, 2).contiguous(), None
@@ -171,16 +173,23 @@ class HFStepModel:
         return out.logits[0, -1]
 
     @torch.no_grad()
-    def step(self, tokens: Sequence[int], pattern: StepPattern, rows: Sequence[int]) -> StepOutput:
+    def step(self, tokens: Sequence[int], pattern: StepPattern, rows: Sequence[int], topk: int = 0) -> StepOutput:
         ids = torch.tensor([list(tokens)], device=self.device)
         positions = (self.length + pattern.relative_positions).to(self.device)[None]
         mask = None if self.kernel else pattern.materialize(self.length, device=self.device)
         step = _Step(pattern, self.length, mask)
+        rows = torch.tensor(list(rows), device=self.device)
         with _attention_implementation(self.model, ATTENTION_NAME):
+            # top-k of every row needs the head on every row (logits_to_keep=0: all of them)
             out = self.model(input_ids=ids, position_ids=positions, past_key_values=self.cache, use_cache=True,
-                             logits_to_keep=torch.tensor(list(rows), device=self.device), **{_STEP_KWARG: step})
+                             logits_to_keep=0 if topk else rows, **{_STEP_KWARG: step})
         logits = out.logits[0]
-        return StepOutput(logits, logits.argmax(-1).tolist())
+        if not topk:
+            return StepOutput(logits, logits.argmax(-1).tolist())
+        top = logits.topk(min(topk, logits.shape[-1]), dim=-1).indices
+        logits = logits[rows]
+        fetched = torch.cat([logits.argmax(-1), top.flatten()]).cpu()  # one device-to-host copy
+        return StepOutput(logits, fetched[: len(rows)].tolist(), fetched[len(rows) :].view(-1, top.shape[1]))
 
     def commit(self, step_indices: Sequence[int]) -> None:
         keep = self.length + len(step_indices)

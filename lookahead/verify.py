@@ -1,8 +1,9 @@
-"""Verification of the step's candidate n-grams: greedy (paper Algorithm 3) and sampling (Algorithm 4).
+"""Verification of the step's drafts: greedy (paper Algorithm 3) and sampling (Algorithm 4), over chains and trees.
 
-Both walk the candidates position by position, keeping the candidates that share the accepted prefix,
-and return the accepted tokens: a run of one candidate's tokens followed by one token of the model's
-own (so a step yields 1..N tokens), plus which candidate the run came from.
+Chains: walk the candidates position by position, keeping the candidates that share the accepted prefix;
+return a run of one candidate's tokens followed by one token of the model's own (1..N tokens a step),
+plus which candidate the run came from. Tree: walk down from the input token, each time to the child that
+is accepted, and return the path's tokens plus one token of the model's own, plus the last node taken.
 """
 
 from __future__ import annotations
@@ -14,13 +15,15 @@ import torch
 
 from lookahead.kernels import StepPattern
 
+from .tree import ROOT, DraftTree
+
 
 @dataclass(frozen=True)
 class Verdict:
     """Accepted tokens (candidate run + the model's next token) and the candidate the run came from."""
 
     tokens: list[int]
-    candidate: int  # -1 when no candidate token was accepted
+    candidate: int  # chains: the candidate the run came from; tree: the last node taken; -1 when none
 
     @property
     def run(self) -> int:
@@ -91,3 +94,59 @@ def sample_verify(
 def _source(pattern: StepPattern, candidate: int, run: int) -> int:
     """Step index whose output predicts token run + 1 of `candidate` (the input's when run is 0)."""
     return 0 if run == 0 else pattern.candidate_index(candidate, run)
+
+
+def greedy_verify_tree(tree: DraftTree, predicted: dict[int, int], base: int) -> Verdict:
+    """The longest path whose every token is the model's argmax at its parent, then the argmax after it.
+
+    predicted: step index -> argmax (needs 0, the input token, and base + j for every node j).
+    """
+    node, source, tokens = ROOT, 0, []
+    while True:
+        want = predicted[source]
+        child = next((c for c in tree.children(node) if tree.tokens[c] == want), None)
+        if child is None:
+            return Verdict(tokens + [want], node)
+        tokens.append(want)
+        node, source = child, base + child
+
+
+def sample_verify_tree(
+    tree: DraftTree,
+    probs: Callable[[int], torch.Tensor],
+    prob_of: Callable[[int, int], float],
+    base: int,
+    uniform: Callable[[], float],
+    draw: Callable[[torch.Tensor], int],
+) -> Verdict:
+    """Algorithm 4 at each node over its children: accept a child with its residual target probability, else
+    remove its token and renormalise before the next; when all are rejected, draw from that residual and stop.
+    The drafts do not depend on this step's random draws, so the output keeps the target distribution.
+
+    probs(step_index) -> [V] target distribution there; prob_of(step_index, token) -> one entry.
+    """
+    node, source, tokens = ROOT, 0, []
+    while True:
+        rejected: list[int] = []
+        rejected_mass = 0.0
+        chosen = None
+        for child in tree.children(node):
+            token = tree.tokens[child]
+            if token in rejected:
+                continue  # already removed from the residual: probability 0
+            p = prob_of(source, token)
+            if uniform() * (1.0 - rejected_mass) < p:
+                chosen = child
+                break
+            rejected.append(token)
+            rejected_mass += p
+        if chosen is None:
+            residual = probs(source)
+            if rejected:
+                residual = residual.clone()
+                residual[rejected] = 0.0
+                if not residual.sum() > 0:  # only float round-off can empty it; fall back to the target
+                    residual = probs(source)
+            return Verdict(tokens + [draw(residual)], node)
+        tokens.append(tree.tokens[chosen])
+        node, source = chosen, base + chosen

@@ -68,6 +68,7 @@ class TorchBackend:
     forward and reset after it (`end_step`), so no per-step allocation grows with the sequence. A batch
     step (rows with different L) builds its [b, 1, T, max(L) + T] mask instead: each row sees its own
     prefix, its own step block at L_b, and nothing past it (another row's longer prefix is not its own).
+    A chains block is built once per pattern; a tree block every step, from the step's tree_end.
     """
 
     name, graphable = "torch", False
@@ -78,17 +79,18 @@ class TorchBackend:
         self._step_masks: dict[StepPattern, torch.Tensor] = {}
         self._block: torch.Tensor | None = None
 
-    def begin_step(self, pattern: StepPattern, prefix_lens: list[int], lengths: torch.Tensor) -> LayerAttention:
-        t = pattern.num_tokens
-        if pattern not in self._step_masks:
-            self._step_masks[pattern] = pattern.materialize(0, device=self._mask.device)
+    def begin_step(self, pattern: StepPattern, prefix_lens: list[int], lengths: torch.Tensor,
+                   tree_end: torch.Tensor | None = None) -> LayerAttention:
+        """tree_end: tree form, this step's [b, V] on the device (the pattern stands for the shape only)."""
+        blocks = self._step_blocks(pattern, len(prefix_lens), tree_end)  # [b, T, T]
         if len(prefix_lens) > 1:
-            return self._batch_step(pattern, prefix_lens, lengths)
+            return self._batch_step(pattern, prefix_lens, lengths, blocks)
+        t = pattern.num_tokens
         prefix_len = prefix_lens[0]
         mask = None
         if t > 1:
             self._block = self._mask[:t, prefix_len : prefix_len + t]
-            self._block.copy_(self._step_masks[pattern])
+            self._block.copy_(blocks[0])
             mask = self._mask[:t, : prefix_len + t]
 
         def attend(layer: int, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor) -> torch.Tensor:
@@ -96,12 +98,23 @@ class TorchBackend:
 
         return attend
 
-    def _batch_step(self, pattern: StepPattern, prefix_lens: list[int], lengths: torch.Tensor) -> LayerAttention:
+    def _step_blocks(self, pattern: StepPattern, batch: int, tree_end: torch.Tensor | None) -> torch.Tensor:
+        """Each row's T x T visibility block: [b, T, T]."""
+        if pattern.is_tree:
+            idx = torch.arange(pattern.num_tokens, device=self._mask.device)
+            return torch.stack([pattern.visible(idx[:, None], idx[None, :], row) for row in tree_end])
+        if pattern not in self._step_masks:
+            self._step_masks[pattern] = pattern.materialize(0, device=self._mask.device)
+        return self._step_masks[pattern].expand(batch, -1, -1)
+
+    def _batch_step(self, pattern: StepPattern, prefix_lens: list[int], lengths: torch.Tensor,
+                    blocks: torch.Tensor) -> LayerAttention:
         t = pattern.num_tokens
         width = max(prefix_lens) + t
         offset = self._columns[:width] - lengths[:, None]  # [b, width]: key j of the step sits at L_b + j
         in_step = (offset >= 0) & (offset < t)
-        block = self._step_masks[pattern][:, offset.clamp(0, t - 1)].transpose(0, 1)  # [b, T, width]
+        rows = torch.arange(len(prefix_lens), device=offset.device)[:, None, None]
+        block = blocks[rows, torch.arange(t, device=offset.device)[None, :, None], offset.clamp(0, t - 1)[:, None]]
         mask = ((offset < 0)[:, None] | (in_step[:, None] & block))[:, None]  # [b, 1, T, width]
         prefix = width - t
 
@@ -117,8 +130,8 @@ class TorchBackend:
 
 
 class TritonBackend:
-    """The Triton kernel through one prepared plan per (step pattern, batch size), checked once, launched per
-    layer with the rows' device lengths."""
+    """The Triton kernel through one prepared plan per (step shape, batch size), checked once, launched per
+    layer with the rows' device lengths; a tree comes with each call, as data."""
 
     name, graphable = "triton", True
 
@@ -126,16 +139,18 @@ class TritonBackend:
                  dtype: torch.dtype, device: torch.device) -> None:
         self._shape = dict(heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype,
                            device=device, max_len=capacity)
-        self._plans: dict[tuple[StepPattern, int], StepAttentionPlan] = {}
+        self._plans: dict[tuple, StepAttentionPlan] = {}
 
-    def begin_step(self, pattern: StepPattern, prefix_lens: list[int], lengths: torch.Tensor) -> LayerAttention:
-        key = (pattern, len(prefix_lens))
+    def begin_step(self, pattern: StepPattern, prefix_lens: list[int], lengths: torch.Tensor,
+                   tree_end: torch.Tensor | None = None) -> LayerAttention:
+        """tree_end: tree form, this step's [b, V] on the device (the pattern stands for the shape only)."""
+        key = (pattern.shape, len(prefix_lens))
         if key not in self._plans:
             self._plans[key] = StepAttentionPlan(pattern, batch=len(prefix_lens), **self._shape)
         plan = self._plans[key]
 
         def attend(layer: int, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor) -> torch.Tensor:
-            return plan(q, k_all, v_all, lengths)
+            return plan(q, k_all, v_all, lengths, tree_end)
 
         return attend
 

@@ -1,10 +1,11 @@
 """`CachedRunner`: a `Llama` with its KV cache, speaking the decode loop's `StepModel` protocol.
 
 A step reads everything that changes from one step to the next (token ids, output rows, L, the
-previous verdict's commit) from one device buffer, filled by one host-to-device copy; it returns
-the requested rows' logits and their argmax, fetched by one device-to-host copy. Shapes depend only
-on the step pattern and the batch size, so on CUDA each (pattern, batch size) step is captured once as
-a CUDA graph and replayed.
+relative positions, a tree's `tree_end`, the previous verdict's commit) from one device buffer, filled
+by one host-to-device copy; it returns the requested rows' logits and their argmax (and, when asked,
+every row's top-k tokens), fetched by one device-to-host copy. A program is keyed by the step's shape
+only (W, N, the verification branch's size and form, the rows, the batch size): a tree that changes
+every step is data, so on CUDA each shape is captured once as a CUDA graph and replayed.
 
 With a batch dimension it also speaks the batched loop's `BatchStepModel` protocol (`prefill_batch`,
 `step_batch`, `commit_batch`, `keep_rows`): b sequences in cache rows 0..b-1, each with its own L,
@@ -57,7 +58,7 @@ class CachedRunner:
         self.can_graph = self.device.type == "cuda" and self.backend.graphable
         self.cuda_graphs = cuda_graphs and self.can_graph  # may be switched between generations
         self._graph_pool = torch.cuda.graph_pool_handle() if self.can_graph else None
-        self._programs: dict[tuple[StepPattern, int, int], _StepProgram] = {}  # (pattern, rows R, batch b)
+        self._programs: dict[tuple, _StepProgram] = {}  # (pattern shape, rows R, batch b, top-k)
         self.reset()
 
     def reset(self, batch: int = 1) -> None:
@@ -84,8 +85,8 @@ class CachedRunner:
     def prefill(self, tokens: Sequence[int]) -> torch.Tensor:
         return self.prefill_batch([tokens])[0]
 
-    def step(self, tokens: Sequence[int], pattern: StepPattern, rows: Sequence[int]) -> StepOutput:
-        return self.step_batch([tokens], pattern, [rows])[0]
+    def step(self, tokens: Sequence[int], pattern: StepPattern, rows: Sequence[int], topk: int = 0) -> StepOutput:
+        return self.step_batch([tokens], pattern, [rows], topk)[0]
 
     def commit(self, step_indices: Sequence[int]) -> None:
         self.commit_batch([step_indices])
@@ -107,18 +108,24 @@ class CachedRunner:
             self.lengths[b] += len(tokens)
         return torch.stack(last)
 
-    def step_batch(self, tokens: Sequence[Sequence[int]], pattern: StepPattern,
-                   rows: Sequence[Sequence[int]]) -> list[StepOutput]:
-        """Row b's `tokens[b]` laid out as `pattern` at positions L_b + relative position; the outputs of its
-        step indices `rows[b]` (the same count in every row)."""
-        self._check_room(pattern.num_tokens)
-        key = (pattern, len(rows[0]), len(tokens))
+    def step_batch(self, tokens: Sequence[Sequence[int]], pattern: StepPattern | Sequence[StepPattern],
+                   rows: Sequence[Sequence[int]], topk: int = 0) -> list[StepOutput]:
+        """Row b's `tokens[b]` laid out as `pattern` (one for every row, or one per row of a single shape: trees
+        differ from row to row) at positions L_b + relative position; the outputs of its step indices
+        `rows[b]` (the same count in every row), with topk > 0 also every step index's top-k tokens."""
+        patterns = [pattern] * len(tokens) if isinstance(pattern, StepPattern) else list(pattern)
+        shape = patterns[0].shape
+        if any(p.shape != shape for p in patterns):
+            shapes = sorted({p.shape for p in patterns})
+            raise ValueError(f"a batch step needs one step shape for every row, got {shapes}")
+        self._check_room(patterns[0].num_tokens)
+        key = (shape, len(rows[0]), len(tokens), topk)
         if key not in self._programs:
-            self._programs[key] = _StepProgram(self, pattern, len(rows[0]), len(tokens))
+            self._programs[key] = _StepProgram(self, patterns[0], len(rows[0]), len(tokens), topk)
         program = self._programs[key]
         src, dst = self._commit if self._commit is not None else self._no_commit()
         self._commit = None
-        return program.run(tokens, rows, self.lengths, src, dst)
+        return program.run(tokens, patterns, rows, self.lengths, src, dst)
 
     def commit_batch(self, step_indices: Sequence[Sequence[int]]) -> None:
         """Keep row b's entries `step_indices[b]` (a different count in each row) at L_b, L_b + 1, ..."""
@@ -164,69 +171,83 @@ class CachedRunner:
 
 
 class _StepProgram:
-    """One step shape (pattern, output rows R, batch b): its device input buffer, the forward that reads only
-    that buffer, its graph."""
+    """One step shape (pattern shape, output rows R, batch b, top-k): its device input buffer, the forward that
+    reads only that buffer, its graph."""
 
-    def __init__(self, runner: CachedRunner, pattern: StepPattern, num_rows: int, batch: int) -> None:
-        self.runner, self.pattern, self.batch = runner, pattern, batch
+    def __init__(self, runner: CachedRunner, pattern: StepPattern, num_rows: int, batch: int, topk: int) -> None:
+        self.runner, self.pattern, self.batch = runner, pattern, batch  # a tree pattern stands for its shape only
+        self.num_rows, self.topk = num_rows, min(topk, runner.model.config.vocab_size)
         device = runner.device
-        t, k = pattern.num_tokens, runner.max_commit
-        # inputs, row-major: token ids [b, T] | output rows [b, R] | L [b] | commit sources [b, K] | destinations [b, K]
-        self._splits = (batch * t, batch * num_rows, batch, batch * k, batch * k)
-        self._shapes = ((batch, t), (batch, num_rows), (batch,), (batch, k), (batch, k))
+        t, k, v = pattern.num_tokens, runner.max_commit, pattern.verify_len if pattern.is_tree else 0
+        # inputs, row-major: token ids [b, T] | output rows [b, R] | L [b] | relative positions [b, T]
+        #                    | tree_end [b, V] (tree form) | commit sources [b, K] | commit destinations [b, K]
+        self._shapes = ((batch, t), (batch, num_rows), (batch,), (batch, t), (batch, v), (batch, k), (batch, k))
+        self._splits = tuple(batch * (shape[1] if len(shape) > 1 else 1) for shape in self._shapes)
         size = sum(self._splits)
         self.inputs = torch.zeros(size, dtype=torch.int64, device=device)
         self.staging = torch.zeros(size, dtype=torch.int64, pin_memory=device.type == "cuda")
         self._host = self.staging.numpy()  # writes through to the (pinned) staging buffer
-        self.relative_positions = pattern.relative_positions.to(device)
         self.offsets = torch.arange(t, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def run(self, tokens, rows, prefix_lens: list[int], src, dst) -> list[StepOutput]:
+    def run(self, tokens, patterns: list[StepPattern], rows, prefix_lens: list[int], src, dst) -> list[StepOutput]:
         graphed = self.runner.cuda_graphs
         if graphed and self.graph is None:
             # capture with a no-op commit: apply this call's commit first, outside the graph, so the
             # warm-up runs (which compile kernels) change nothing real
             self.runner.cache.move(*(torch.tensor(x, device=self.runner.device) for x in (src, dst)))
             src = dst = self.runner._no_commit()[0]
-            self._stage(tokens, rows, prefix_lens, src, dst)
+            self._stage(tokens, patterns, rows, prefix_lens, src, dst)
             self._capture(prefix_lens)
-        self._stage(tokens, rows, prefix_lens, src, dst)
+        self._stage(tokens, patterns, rows, prefix_lens, src, dst)
         if graphed:
             self.graph.replay()
-            logits, argmax = self.outputs
+            logits, fetched = self.outputs
         else:
-            logits, argmax = self.forward(prefix_lens)
-        return [StepOutput(row_logits, row_argmax) for row_logits, row_argmax in zip(logits, argmax.tolist(),
-                                                                                      strict=True)]
+            logits, fetched = self.forward(prefix_lens)
+        fetched = fetched.cpu()  # the step's one device-to-host copy: argmax [b, R], then top-k [b, T, k]
+        argmax = fetched[:, : self.num_rows].tolist()
+        topk = fetched[:, self.num_rows :].view(self.batch, -1, self.topk) if self.topk else [None] * self.batch
+        return [StepOutput(*row) for row in zip(logits, argmax, topk, strict=True)]
 
-    def _stage(self, tokens, rows, prefix_lens: list[int], src, dst) -> None:
+    def _stage(self, tokens, patterns: list[StepPattern], rows, prefix_lens: list[int], src, dst) -> None:
         """The step's one host-to-device copy (from pinned memory on CUDA)."""
         flat = [t for row in tokens for t in row]
         flat += [r for row in rows for r in row]
         flat += prefix_lens
+        for pattern in patterns:
+            flat += pattern.relative_positions.tolist()
+        for pattern in patterns:
+            flat += pattern.tree_end or ()
         flat += [p for row in src for p in row]
         flat += [p for row in dst for p in row]
         self._host[:] = flat
         self.inputs.copy_(self.staging, non_blocking=True)
 
     def forward(self, prefix_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step from `self.inputs` alone (`prefix_lens` are read only by a non-graphable backend):
-        logits [b, R, V] and their argmax [b, R]."""
+        """The step from `self.inputs` alone (`prefix_lens` are read only by a non-graphable backend): the rows'
+        logits [b, R, V], and the int64 [b, ...] tensor the host fetches (each row's argmax, then every step
+        index's top-k if asked)."""
         runner = self.runner
-        tokens, rows, lengths, src, dst = (x.view(shape) for x, shape in
-                                           zip(self.inputs.split(self._splits), self._shapes, strict=True))
+        tokens, rows, lengths, positions, tree_end, src, dst = (
+            x.view(shape) for x, shape in zip(self.inputs.split(self._splits), self._shapes, strict=True))
         runner.cache.move(src, dst)
-        positions = lengths[:, None] + self.relative_positions  # [b, T]
         slots = lengths[:, None] + self.offsets  # [b, T]: the step's KV entries go right after each row's prefix
-        attend = runner.backend.begin_step(self.pattern, prefix_lens, lengths)
+        attend = runner.backend.begin_step(self.pattern, prefix_lens, lengths,
+                                           tree_end if self.pattern.is_tree else None)
         try:
-            logits = runner.model(tokens, positions, cached(runner.cache, slots, attend, rows=slice(0, self.batch)),
-                                  rows)
+            # top-k of every row needs the lm_head on every row, not only on the rows read
+            logits = runner.model(tokens, lengths[:, None] + positions,
+                                  cached(runner.cache, slots, attend, rows=slice(0, self.batch)),
+                                  None if self.topk else rows)
         finally:
             runner.backend.end_step()
-        return logits, logits.argmax(-1)
+        if not self.topk:
+            return logits, logits.argmax(-1)
+        top = logits.topk(self.topk, dim=-1).indices.flatten(1)  # [b, T * k]
+        logits = logits[torch.arange(self.batch, device=logits.device)[:, None], rows]  # [b, R, V]
+        return logits, torch.cat([logits.argmax(-1), top], dim=1)
 
     def _capture(self, prefix_lens: list[int]) -> None:
         side = torch.cuda.Stream()

@@ -66,21 +66,22 @@ class MockStepModel:
         self.committed = list(tokens)
         return self.logits_fn(self.committed).float()
 
-    def step(self, tokens, pattern: StepPattern, rows):
+    def step(self, tokens, pattern: StepPattern, rows, topk: int = 0):
         self.calls += 1
         self.patterns.append(pattern)
         assert len(tokens) == pattern.num_tokens
         self.step_tokens = list(tokens)
         positions = pattern.relative_positions.tolist()
         mask = pattern.materialize(0)
-        out = []
-        for r in rows:
+        out = {}
+        for r in range(len(tokens)) if topk else rows:  # top-k: every row's output, as a model does then
             seen = mask[r].nonzero().flatten().tolist()
             by_position = sorted(seen, key=lambda j: positions[j])
             assert [positions[j] for j in by_position] == list(range(positions[r] + 1)), "layout broken"
-            out.append(self.logits_fn(self.committed + [tokens[j] for j in by_position]))
-        logits = torch.stack(out).float()
-        return StepOutput(logits, logits.argmax(-1).tolist())
+            out[r] = self.logits_fn(self.committed + [tokens[j] for j in by_position])
+        logits = torch.stack([out[r] for r in rows]).float()
+        top = torch.stack(list(out.values())).float().topk(min(topk, self.vocab)).indices if topk else None
+        return StepOutput(logits, logits.argmax(-1).tolist(), top)
 
     def commit(self, step_indices):
         assert step_indices[0] == 0
@@ -102,11 +103,13 @@ class MockBatchStepModel:
         self.rows = [MockStepModel(self.vocab, self.logits_fn) for _ in prompts]
         return torch.stack([row.prefill(prompt) for row, prompt in zip(self.rows, prompts, strict=True)])
 
-    def step_batch(self, tokens, pattern: StepPattern, rows):
+    def step_batch(self, tokens, pattern, rows, topk: int = 0):
         assert len(tokens) == len(rows) == len(self.rows) and len({len(r) for r in rows}) == 1
+        patterns = [pattern] * len(tokens) if isinstance(pattern, StepPattern) else list(pattern)
+        assert len({p.shape for p in patterns}) == 1, "a batch step has one shape"
         self.batch_sizes.append(len(tokens))
-        self.patterns.append(pattern)
-        return [row.step(t, pattern, r) for row, t, r in zip(self.rows, tokens, rows, strict=True)]
+        self.patterns.extend({p.shape: p for p in patterns}.values())
+        return [row.step(t, p, r, topk) for row, t, p, r in zip(self.rows, tokens, patterns, rows, strict=True)]
 
     def commit_batch(self, step_indices):
         for row, indices in zip(self.rows, step_indices, strict=True):

@@ -51,7 +51,7 @@ def test_mock_batch_equals_each_prompt_alone(config, known):
     assert [r.step_tokens for r in batch] == [r.step_tokens for r in alone]
     assert len(batch[0].tokens) == length and batch[0].tokens[-1] == token
     full = PLAIN if lookahead is None else full_pattern(lookahead)
-    assert set(model.patterns) == {full}  # static steps: one shape, warm-up included
+    assert {p.shape for p in model.patterns} == {full.shape}  # static steps: one shape, warm-up included
     assert model.batch_sizes == sorted(model.batch_sizes, reverse=True)
     assert model.batch_sizes[0] == len(prompts) and model.batch_sizes[-1] < len(prompts)  # finished rows left
     assert len(model.batch_sizes) == max(r.steps for r in batch) - 1  # one forward per step for all rows
@@ -102,9 +102,9 @@ def test_tiny_llama_batch_equals_each_prompt_alone(tiny_checkpoint, config):
     assert [r.steps for r in batch] == [r.steps for r in alone]
     assert len(batch[0].tokens) == length and max(len(r.tokens) for r in batch) > length
     runner = model.__dict__["_runner"]
-    shapes = {(pattern, size) for pattern, _, size in runner._programs}
+    shapes = {(shape, size) for shape, _, size, _ in runner._programs}  # programs: (shape, rows, batch, top-k)
     full = PLAIN if lookahead is None else full_pattern(lookahead)
-    assert {pattern for pattern, _ in shapes} == {full} and 4 in {size for _, size in shapes}
+    assert {shape for shape, _ in shapes} == {full.shape} and 4 in {size for _, size in shapes}
     # a batch of one, tensors as rows, and the model's runner reused for a single prompt afterwards
     assert [r.tokens for r in model.generate([torch.tensor(prompts[2])], max_new_tokens=24, eos_token_id=eos,
                                              lookahead=lookahead)] == [alone[2].tokens]
@@ -187,7 +187,7 @@ def test_auto_lookahead_by_batch_size(tiny_checkpoint):
     one = model.generate([5, 6, 7], max_new_tokens=6, lookahead="auto", eos_token_id=[])
     assert one.tokens == model.generate([5, 6, 7], max_new_tokens=6, eos_token_id=[]).tokens
     model.generate([[5, 6, 7], [8, 9]], max_new_tokens=6, lookahead="auto", eos_token_id=[])
-    assert {pattern for pattern, _, size in model.__dict__["_runner"]._programs if size == 2} == {PLAIN}
+    assert {shape for shape, _, size, _ in model.__dict__["_runner"]._programs if size == 2} == {PLAIN.shape}
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")

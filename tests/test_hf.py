@@ -166,10 +166,10 @@ def vocab6_model(hf_model):
                     intermediate_size=48)
 
 
-def sample_counts(model, n):
+def sample_counts(model, n, form="tree"):
     counts, multi = {}, 0
     for seed in range(n):
-        result = lh.generate(model, PROMPT, DEPTH, LookaheadConfig(3, 3, 3), temperature=1.0, seed=seed,
+        result = lh.generate(model, PROMPT, DEPTH, LookaheadConfig(3, 3, 3, form=form), temperature=1.0, seed=seed,
                              eos_token_id=[])
         counts[tuple(result.tokens)] = counts.get(tuple(result.tokens), 0) + 1
         multi += any(len(s) > 1 for s in result.step_tokens)
@@ -194,7 +194,7 @@ def test_sampling_matches_exact_distribution(hf_model):
 
 @torch.no_grad()
 def test_a_wrong_acceptance_rule_fails_the_same_check(hf_model, monkeypatch):
-    """Negative control: always accepting the first candidate must be caught with the same model."""
+    """Negative control: always accepting the first candidate (chains form) must be caught with the same model."""
 
     def accept_first_candidate(candidates, probs, prob_of, pattern, uniform, draw):
         if not candidates:
@@ -204,7 +204,7 @@ def test_a_wrong_acceptance_rule_fails_the_same_check(hf_model, monkeypatch):
     monkeypatch.setattr(engine, "sample_verify", accept_first_candidate)
     model = vocab6_model(hf_model)
     n = 400
-    counts, _ = sample_counts(model, n)
+    counts, _ = sample_counts(model, n, form="chains")
     checks = distribution_p_values(counts, exact_joint(hf_logits(model), PROMPT, SamplingParams(1.0)), n)
     assert checks["joint"] < P_FLOOR, checks
 

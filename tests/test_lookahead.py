@@ -28,26 +28,34 @@ def test_mock_model_lookahead_equals_greedy(W, N, G):
         assert result.steps == model.calls
 
 
+@pytest.mark.parametrize("form", ["chains", "tree"])
 @pytest.mark.parametrize("W, N, G", [(5, 4, 5), (3, 3, 3), (1, 2, 1)], ids=["W5-N4-G5", "W3-N3-G3", "W1-N2-G1"])
-def test_model_that_knows_a_text_accepts_many_tokens(W, N, G):
+def test_model_that_knows_a_text_accepts_many_tokens(W, N, G, form):
     vocab = 16
     fn = lambda ctx: context_logits(ctx, vocab, target=[1, 2] + TARGET)  # noqa: E731
     plain = decode(MockStepModel(vocab, fn), [1, 2], 60)
     assert plain.tokens[:40] == TARGET[:40]
-    result = decode(MockStepModel(vocab, fn), [1, 2], 60, lookahead=LookaheadConfig(W, N, G))
+    result = decode(MockStepModel(vocab, fn), [1, 2], 60, lookahead=LookaheadConfig(W, N, G, form=form))
     assert result.tokens == plain.tokens
     assert result.compression > 1 + 0.4 * (N - 1), result.compression
-    assert max(len(s) for s in result.step_tokens) == N  # a whole candidate plus the model's own next token
+    longest = max(len(s) for s in result.step_tokens)
+    if form == "chains":
+        assert longest == N  # a whole candidate plus the model's own next token
+    else:  # a path through the tree may be longer than an n-gram, up to the node budget
+        assert longest > N if G * (N - 1) > N - 1 else longest == N
 
 
+@pytest.mark.parametrize("form", ["chains", "tree"])
 @pytest.mark.parametrize("W, N, G", [(5, 4, 5), (3, 3, 3), (1, 2, 1)], ids=["W5-N4-G5", "W3-N3-G3", "W1-N2-G1"])
-def test_lookahead_branch_alone_feeds_the_pool(W, N, G):
-    """With the prompt and output n-grams off, every candidate must come from the lookahead branch's columns:
-    a pool cut off from that branch stays empty and S is exactly 1, so S > 1.3 proves the branch reaches it."""
+def test_lookahead_branch_alone_feeds_the_pool(W, N, G, form):
+    """With the prompt and output n-grams off (and the tree's other sources), every draft must come from the lookahead
+    branch's columns: a pool cut off from that branch stays empty and S is exactly 1, so S > 1.3 proves the branch
+    reaches it."""
     vocab = 16
     fn = lambda ctx: context_logits(ctx, vocab, target=[1, 2] + TARGET)  # noqa: E731
     plain = decode(MockStepModel(vocab, fn), [1, 2], 60)
-    cfg = LookaheadConfig(W, N, G, pool_from_prompt=False, pool_from_output=False)
+    cfg = LookaheadConfig(W, N, G, pool_from_prompt=False, pool_from_output=False, form=form, draft_suffix=False,
+                          draft_recycle=False)
     result = decode(MockStepModel(vocab, fn), [1, 2], 60, lookahead=cfg)
     assert result.tokens == plain.tokens
     assert result.compression > 1.3, result.compression
@@ -172,6 +180,8 @@ def test_greedy_verify_takes_the_longest_prefix_and_the_next_token():
     (dict(guesses=-2), "guesses must be >= 0"),
     (dict(window=2.5), "window must be an int"),
     (dict(pool_from_prompt=1), "pool_from_prompt must be a bool"),
+    (dict(draft_recycle=None), "draft_recycle must be a bool"),
+    (dict(form="trie"), "form must be one of tree, chains, got 'trie'"),
 ])
 def test_config_validation(kwargs, message):
     with pytest.raises((ValueError, TypeError), match=message):

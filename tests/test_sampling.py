@@ -10,6 +10,7 @@ from helpers import MockStepModel, context_logits
 from lookahead import LookaheadConfig, SamplingParams, decode
 from lookahead.models import Llama
 from lookahead.sampling import target_probs
+from lookahead.tree import ROOT
 from lookahead.verify import Verdict
 
 VOCAB = 6
@@ -109,11 +110,13 @@ def distribution_p_values(counts, joint, n):
 
 PARAMS = [SamplingParams(1.0), SamplingParams(0.7), SamplingParams(1.0, top_k=3), SamplingParams(0.7, top_p=0.9)]
 # G = 6 keeps up to 6 candidates per first token: several distinct tokens compete at a position, so a rule
-# that mishandles rejections (no renormalisation of the residual) is caught in every setting, not in one
-CONFIGS = [LookaheadConfig(3, 3, 3), LookaheadConfig(2, 4, 6)]
+# that mishandles rejections (no renormalisation of the residual) is caught in every setting, not in one. The
+# tree form walks Algorithm 4 down a tree whose nodes have up to 8 children (the recycled top-k).
+CONFIGS = [LookaheadConfig(3, 3, 3, form=form) for form in ("chains", "tree")]
+CONFIGS += [LookaheadConfig(2, 4, 6, form=form) for form in ("chains", "tree")]
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"W{c.window}-N{c.ngram}-G{c.guesses}")
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"W{c.window}-N{c.ngram}-G{c.guesses}-{c.form}")
 @pytest.mark.parametrize("params", PARAMS, ids=["T1", "T0.7", "T1-topk3", "T0.7-topp0.9"])
 def test_lookahead_sampling_matches_exact_distribution(params, cfg):
     fn = lambda ctx: context_logits(ctx, VOCAB)  # noqa: E731
@@ -125,19 +128,30 @@ def test_lookahead_sampling_matches_exact_distribution(params, cfg):
     assert min(checks.values()) > P_FLOOR, checks
 
 
-def test_a_wrong_acceptance_rule_fails_the_same_test(monkeypatch):
-    """Negative control: always accepting the first candidate's tokens must be caught."""
+@pytest.mark.parametrize("form", ["chains", "tree"])
+def test_a_wrong_acceptance_rule_fails_the_same_test(monkeypatch, form):
+    """Negative control: always accepting the first candidate's tokens (the tree's first path) must be caught."""
 
     def accept_first_candidate(candidates, probs, prob_of, pattern, uniform, draw):
         if not candidates:
             return Verdict([draw(probs(0))], -1)
         return Verdict(list(candidates[0]) + [draw(probs(pattern.candidate_index(0, len(candidates[0]))))], 0)
 
-    monkeypatch.setattr(engine, "sample_verify", accept_first_candidate)
+    def accept_first_path(tree, probs, prob_of, base, uniform, draw):
+        node, tokens = ROOT, []
+        while (child := next(tree.children(node), None)) is not None:
+            node = child
+            tokens.append(tree.tokens[child])
+        return Verdict(tokens + [draw(probs(0 if node == ROOT else base + node))], node)
+
+    if form == "chains":
+        monkeypatch.setattr(engine, "sample_verify", accept_first_candidate)
+    else:
+        monkeypatch.setattr(engine, "sample_verify_tree", accept_first_path)
     params = SamplingParams(1.0)
     fn = lambda ctx: context_logits(ctx, VOCAB)  # noqa: E731
     n = 2000
-    counts, _ = sample_many(lambda: MockStepModel(VOCAB, fn), params, n)
+    counts, _ = sample_many(lambda: MockStepModel(VOCAB, fn), params, n, LookaheadConfig(3, 3, 3, form=form))
     checks = distribution_p_values(counts, exact_joint(fn, PROMPT, params), n)
     assert checks["joint"] < P_FLOOR, checks
 

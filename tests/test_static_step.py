@@ -1,17 +1,21 @@
 """Static steps (padded to the configuration's full size) give the tokens of exact-size steps; the layout
 owner packs them; imports point one way; CUDA graphs (GPU only) replay the eager step exactly."""
 
+import random
 import subprocess
 import sys
 
 import pytest
 import torch
+from test_pattern import random_parents
 
 from helpers import MockStepModel, context_logits
 from lookahead import LookaheadConfig, decode
+from lookahead.drafts import DraftBuilder
 from lookahead.kernels import StepPattern
 from lookahead.layout import full_pattern, pack_step
 from lookahead.models import Llama
+from lookahead.tree import DraftTree
 
 CONFIGS = [(1, 2, 0), (1, 2, 3), (3, 2, 3), (4, 3, 0), (1, 4, 2), (3, 4, 3), (5, 4, 5), (15, 5, 15)]
 IDS = [f"W{w}-N{n}-G{g}" for w, n, g in CONFIGS]
@@ -44,7 +48,13 @@ def test_mock_static_equals_exact_size(W, N, G):
         model = MockStepModel(16)
         static = decode(model, prompt, 40, lookahead=LookaheadConfig(W, N, G), static_step=True)
         assert static.tokens == exact.tokens and static.step_tokens == exact.step_tokens
-        assert {p for p in model.patterns} == {StepPattern(W, N, G)}  # one shape, warm-up included
+        # one shape, warm-up included (a tree's structure is data, not shape)
+        assert {p.shape for p in model.patterns} == {full_pattern(LookaheadConfig(W, N, G)).shape}
+        model = MockStepModel(16)
+        chains = LookaheadConfig(W, N, G, form="chains")
+        static = decode(model, prompt, 40, lookahead=chains, static_step=True)
+        assert static.tokens == exact.tokens
+        assert {p for p in model.patterns} == {StepPattern(W, N, G)}
 
 
 @pytest.mark.parametrize("limit", [1, 5, 9])
@@ -114,9 +124,11 @@ def test_runner_is_reused_across_generations(tiny_checkpoint):
 
 
 def test_full_pattern_is_the_configured_budget():
-    assert full_pattern(LookaheadConfig(15, 5, 15)).num_tokens == 120
-    assert full_pattern(LookaheadConfig(3, 4, 3)).max_commit == 4
-    assert full_pattern(LookaheadConfig(3, 4, 0)).max_commit == 1
+    for form in ("chains", "tree"):
+        assert full_pattern(LookaheadConfig(15, 5, 15, form=form)).num_tokens == 120
+        assert full_pattern(LookaheadConfig(3, 4, 0, form=form)).max_commit == 1
+    assert full_pattern(LookaheadConfig(3, 4, 3, form="chains")).max_commit == 4
+    assert full_pattern(LookaheadConfig(3, 4, 3, form="tree")).max_commit == 10  # a path may use all 9 nodes
 
 
 LAYERING = """
@@ -200,17 +212,26 @@ class KernelLaunches:
         return launch
 
 
+@pytest.mark.parametrize("form", ["chains", "tree"])
 @pytest.mark.parametrize("static", [True, False], ids=["static", "exact-size"])
-def test_a_static_generation_compiles_the_kernel_once(tiny_checkpoint, monkeypatch, static):
-    """15-5-15 with static steps launches the kernel with one set of compile-time arguments, warm-up included;
-    exact-size steps change N during the warm-up, so they need several."""
+def test_a_static_generation_compiles_the_kernel_once(tiny_checkpoint, monkeypatch, static, form):
+    """15-5-15 with static steps launches the kernel with one set of compile-time arguments, warm-up included, also
+    when every step brings another tree; exact-size steps change N during the warm-up, so they need several."""
     import lookahead.kernels.triton_attention as kernel_module
 
     launches = KernelLaunches(kernel_module._lookahead_attn_split)
     monkeypatch.setattr(kernel_module, "_lookahead_attn_split", launches)
+    if form == "tree":  # another random tree every step, of any size up to the budget
+        rng = random.Random(0)
+
+        def random_tree(sequence, pool, budget):
+            size = rng.randint(0, budget)
+            return DraftTree.from_parents([rng.randrange(101) for _ in range(size)], random_parents(size, rng))
+
+        monkeypatch.setattr(DraftBuilder, "build", lambda self, *args: random_tree(*args))
     model = Llama.from_pretrained(tiny_checkpoint("gqa"), attn_backend="triton")
     prompt = [3, 17, 22, 3, 17, 5, 9, 3, 17]
-    result = model.generate(prompt, max_new_tokens=8, eos_token_id=[], lookahead=LookaheadConfig(15, 5, 15),
+    result = model.generate(prompt, max_new_tokens=8, eos_token_id=[], lookahead=LookaheadConfig(15, 5, 15, form=form),
                             static_step=static)
     assert result.steps >= 5  # the 3 warm-up steps and at least one full one
     assert len(launches.constexpr_sets) == (result.steps - 1) * model.config.num_hidden_layers
@@ -222,7 +243,7 @@ def test_warmup_prepares_the_runner_the_generation_uses(tiny_checkpoint):
     cfg = LookaheadConfig(3, 4, 3)
     model.warmup(cfg, max_tokens=300)
     runner = model.__dict__["_runner"]
-    assert runner.cache.capacity >= 300 and [key[0] for key in runner._programs] == [full_pattern(cfg)]
+    assert runner.cache.capacity >= 300 and [key[0] for key in runner._programs] == [full_pattern(cfg).shape]
     result = model.generate(list(range(1, 40)), max_new_tokens=200, lookahead=cfg, eos_token_id=[], static_step=True)
     assert model.__dict__["_runner"] is runner and len(runner._programs) == 1
     assert result.tokens == model.generate(list(range(1, 40)), max_new_tokens=200, eos_token_id=[]).tokens

@@ -1,0 +1,173 @@
+"""Draft sources merged into one token tree: what the verification branch of a tree-form step holds.
+
+Three sources propose tokens under the step's input token and under every node of the tree:
+  recycle  the model's own top-k next tokens recorded at every row of every step ("token recycling"), per
+           (previous token, token) and, where that pair was never seen, per token;
+  suffix   earlier occurrences of the sequence's last 1..4 tokens in prompt + output, and what followed them
+           (continuations of any length up to the node budget);
+  pool     the lookahead branch's n-grams (and the prompt's and output's, per `pool_from_*`), those whose
+           stored preceding tokens match the tokens before the input first.
+Each offered edge (a token under a parent) is scored by `EdgeModel`: the probability that it is the model's
+argmax there given that its parent is accepted, from what each source says about it (its rank in the recycled
+top-k, the match length behind a suffix continuation, ...). A node's score is the product down its path, the
+chance that a step accepts it, so growing the tree best-first by score to the node budget maximises the
+expected accepted tokens and splits the budget between the sources by what they are worth on this text.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+from .edges import EdgeModel, pool_state, recycle_state, suffix_state
+from .pool import NGramPool
+from .recycle import RecycleTables
+from .suffix import SuffixIndex
+from .tree import EMPTY, ROOT, DraftTree
+
+RECYCLE_K = 8  # next tokens recorded per row
+SUFFIX_MATCH = 4  # longest suffix looked up; longer matches count as this long
+SUFFIX_LIMIT = 4  # continuations taken from the suffix index per step
+
+
+class DraftBuilder:
+    """The sources and the edge model of one generation, and the best-first tree builder."""
+
+    def __init__(self, sequence: Sequence[int], pool: bool = True, suffix: bool = True, recycle: bool = True,
+                 pool_limit: int = 0) -> None:
+        self.use_pool, self.use_suffix, self.use_recycle = pool, suffix, recycle
+        self.pool_limit = pool_limit
+        self.suffix = SuffixIndex(SUFFIX_MATCH)
+        self.suffix.extend(sequence)
+        self.recycle = RecycleTables()
+        self.edges = EdgeModel()
+
+    @property
+    def topk(self) -> int:
+        """Next tokens per row the model should return with a step (0: none needed)."""
+        return RECYCLE_K if self.use_recycle else 0
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Accepted tokens join the sequence the suffix source searches."""
+        self.suffix.extend(tokens)
+
+    def build(self, sequence: Sequence[int], pool: NGramPool, budget: int) -> DraftTree:
+        """The tree of at most `budget` nodes under the input token `sequence[-1]`, best expected nodes first."""
+        if budget <= 0:
+            return EMPTY
+        proposals: dict = {}  # token -> [children, suffix state, pool state]: the paths proposed whole
+        if self.use_suffix:
+            for continuation, match in self.suffix.continuations(SUFFIX_LIMIT, budget):
+                _insert(proposals, continuation, 1, suffix_state(match, False), suffix_state(match, True))
+        if self.use_pool:
+            for continuation, match in pool.ranked(sequence[-1], self.pool_limit, sequence[-3:-1]):
+                _insert(proposals, continuation, 2, pool_state(match, False), pool_state(match, True))
+        previous = sequence[-2] if len(sequence) > 1 else -1
+        return self._grow(previous, sequence[-1], proposals, budget)
+
+    def _grow(self, previous: int, root_token: int, proposals: dict, budget: int) -> DraftTree:
+        """Best-first growth. Children of a node are sorted by edge probability, so a child is offered only
+        when its elder sibling is taken: two heap pushes per node instead of one per candidate."""
+        tokens: list[int] = []
+        parents: list[int] = []
+        origins: list[tuple[int, int, int]] = []
+        kids: list[list[int]] = [[]]  # kids[j + 1]: the children of node j (kids[0]: of the input token)
+        heap: list = []
+        offered = self._children(previous, root_token, proposals)
+        if offered:
+            heap.append((-offered[0][0], 0, ROOT, root_token, 1.0, offered, 0))
+        order = 1
+        while heap and len(tokens) < budget:
+            neg, _, parent, parent_token, parent_score, siblings, i = heapq.heappop(heap)
+            _, token, below, state = siblings[i]
+            node = len(tokens)
+            tokens.append(token)
+            parents.append(parent)
+            origins.append(state)
+            kids[parent + 1].append(node)
+            kids.append([])
+            if i + 1 < len(siblings):
+                heapq.heappush(heap, (-parent_score * siblings[i + 1][0], order, parent, parent_token, parent_score,
+                                      siblings, i + 1))
+                order += 1
+            offered = self._children(parent_token, token, below)
+            if offered:
+                heapq.heappush(heap, (neg * offered[0][0], order, node, token, -neg, offered, 0))
+                order += 1
+        return _preorder(tokens, parents, origins, kids)
+
+    def _children(self, previous: int, token: int, proposed: dict | None) -> list:
+        """(probability, child token, proposals below it, evidence state) of every child offered under `token`
+        (whose own previous token is `previous`), best first."""
+        pair, single = self.recycle.lookup(previous, token) if self.use_recycle else (None, ())
+        listed = pair if pair is not None else single
+        offered: dict[int, list] = {}
+        for rank, child in enumerate(listed):
+            offered[child] = [None, recycle_state(pair is not None, rank), 0, 0]
+        if proposed:
+            missing = recycle_state(pair is not None, None) if listed else recycle_state(False, None, seen=False)
+            for child, (below, suffix, pool) in proposed.items():
+                entry = offered.get(child)
+                if entry is None:
+                    offered[child] = [below, missing, suffix, pool]
+                else:
+                    entry[0], entry[2], entry[3] = below, suffix, pool
+        prob = self.edges.prob
+        out = [(prob(a, b, c), child, below, (a, b, c)) for child, (below, a, b, c) in offered.items()]
+        out.sort(key=_first, reverse=True)
+        return out
+
+    def observe(self, tree: DraftTree, predicted: Sequence[int]) -> None:
+        """Learn from a verified step: an edge whose parent was accepted was right iff its token is the model's
+        argmax at the parent. predicted: [1 + V] the argmax at the input token, then at each node."""
+        if len(tree.origins) != len(tree):
+            return  # a tree this builder did not grow: no evidence states to learn from
+        accepted = [False] * len(tree)
+        states, rights = [], []
+        for j, (token, parent) in enumerate(zip(tree.tokens, tree.parents, strict=True)):
+            if parent == ROOT or accepted[parent]:
+                right = token == predicted[parent + 1]
+                accepted[j] = right
+                states.append(tree.origins[j])
+                rights.append(right)
+        self.edges.learn(states, rights)
+
+
+def _first(item: tuple) -> float:
+    return item[0]
+
+
+def _insert(trie: dict, path: Sequence[int], slot: int, first_state: int, later_state: int) -> None:
+    """Add a proposed path to the proposal trie (token -> [children, suffix state, pool state]), keeping the
+    stronger state where two proposals share a node."""
+    level = trie
+    for depth, token in enumerate(path):
+        state = first_state if depth == 0 else later_state
+        entry = level.get(token)
+        if entry is None:
+            entry = level[token] = [{}, 0, 0]
+            entry[slot] = state
+        elif EdgeModel.stronger(slot, state, entry[slot]):
+            entry[slot] = state
+        level = entry[0]
+
+
+def _preorder(tokens: list[int], parents: list[int], origins: list, kids: list[list[int]]) -> DraftTree:
+    """Renumber the grown nodes in depth-first pre-order (children in the order they were taken: best first)."""
+    size = len(tokens)
+    if size == 0:
+        return EMPTY
+    new_of = [0] * size
+    order: list[int] = []
+    stack = kids[0][::-1]
+    while stack:
+        node = stack.pop()
+        new_of[node] = len(order)
+        order.append(node)
+        stack.extend(kids[node + 1][::-1])
+    ends = [0] * size
+    for position in range(size - 1, -1, -1):  # a subtree ends where its last child's does (already known)
+        children = kids[order[position] + 1]
+        ends[position] = ends[new_of[children[-1]]] if children else position + 1
+    return DraftTree([tokens[n] for n in order], [ROOT if parents[n] == ROOT else new_of[parents[n]] for n in order],
+                     ends, [origins[n] for n in order])

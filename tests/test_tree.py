@@ -1,0 +1,249 @@
+"""Tree-form verification: the tree, its packing and verification, the draft sources, and exactness against plain
+greedy over tree shapes and sources, static and exact-size, on the mock model, a tiny LLaMA and the kernel."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from test_pattern import TREES
+
+from helpers import MockStepModel, context_logits
+from lookahead import LookaheadConfig, decode
+from lookahead.drafts import DraftBuilder
+from lookahead.kernels import StepPattern
+from lookahead.layout import full_pattern, pack_step
+from lookahead.models import Llama
+from lookahead.pool import NGramPool
+from lookahead.recycle import RecycleTables
+from lookahead.suffix import SuffixIndex
+from lookahead.tree import EMPTY, ROOT, DraftTree
+from lookahead.verify import greedy_verify_tree
+
+SOURCES = ("pool", "suffix", "recycle")
+SOURCE_SETS = [frozenset(s for i, s in enumerate(SOURCES) if mask >> i & 1) for mask in range(8)]
+SOURCE_IDS = ["+".join(sorted(s)) or "none" for s in SOURCE_SETS]
+TARGET = [7, 3, 9, 12, 4, 8, 1, 11, 5, 14, 6, 10, 13] * 6  # each token determines the next
+
+
+def tree_config(W, N, G, sources=SOURCES, **kwargs):
+    return LookaheadConfig(W, N, G, form="tree", **{f"draft_{s}": s in sources for s in SOURCES}, **kwargs)
+
+
+def test_draft_tree_from_parents():
+    tree = DraftTree.from_parents([5, 6, 7, 8, 9], [ROOT, 0, 1, 0, ROOT])
+    assert tree.tree_end == [4, 3, 3, 4, 5]
+    assert list(tree.children(ROOT)) == [0, 4] and list(tree.children(0)) == [1, 3] and list(tree.children(2)) == []
+    assert tree.path(2) == [0, 1, 2] and tree.path(ROOT) == [] and tree.depths() == [1, 2, 3, 2, 1]
+    assert StepPattern(2, 3, tree_end=tree.tree_end).relative_positions.tolist()[4:] == tree.depths()
+    with pytest.raises(ValueError, match="not a pre-order forest"):
+        DraftTree.from_parents([1, 2, 3], [ROOT, ROOT, 0])
+
+
+def test_suffix_index_longest_match_first_then_most_recent():
+    index = SuffixIndex(max_match=3)
+    index.extend([1, 2, 3, 9, 2, 3, 8, 5, 2, 3])
+    # "2 3" ends at 2 and 5 (a 3-gram "x 2 3" matches nowhere: the tokens before differ)
+    assert index.continuations(5, 2) == [((8, 5), 2), ((9, 2), 2)]
+    index.extend([4])  # "3 4" never occurred: back off to "4", never seen either
+    assert index.continuations(5, 2) == []
+    index.extend([1, 2])  # "4 1 2" no, "1 2" at 1: continuation (3, 9); then "2" alone adds nothing new
+    assert index.continuations(5, 2)[0] == ((3, 9), 2)
+    assert index.continuations(1, 3) == [((3, 9, 2), 2)]
+
+
+def test_pool_prefers_ngrams_whose_context_matches():
+    pool = NGramPool(3, capacity=4)
+    pool.add([1, 2, 3], context=(7, 8))
+    pool.add([1, 4, 5], context=(6, 9))
+    pool.add([1, 6, 7], context=(5, 5))
+    assert pool.ranked(1, 3, [7, 8]) == [((2, 3), 2), ((6, 7), 0), ((4, 5), 0)]
+    assert pool.ranked(1, 1, [0, 9]) == [((4, 5), 1)]
+    assert pool.candidates(1, 3) == [(6, 7), (4, 5), (2, 3)]  # the chains form keeps recency order
+
+
+def test_recycle_tables_pair_first_last_row_wins():
+    tables = RecycleTables()
+    assert tables.lookup(0, 5) == (None, ())
+    topk = np.array([[1, 2], [3, 4], [5, 6]])
+    tables.update([9, 8, 9], [5, 5, 7], topk)
+    assert tables.lookup(9, 5) == ([1, 2], ()) and tables.lookup(8, 5) == ([3, 4], ())
+    assert tables.lookup(0, 5) == (None, [3, 4])  # no such pair: the token's last row
+    assert tables.lookup(0, 7) == (None, [5, 6]) and tables.lookup(0, 6) == (None, ())
+
+
+@pytest.mark.parametrize("budget", [0, 1, 5, 12, 60])
+def test_builder_grows_a_trie_within_budget(budget):
+    rng = random.Random(budget)
+    sequence = [rng.randrange(12) for _ in range(80)]
+    builder = DraftBuilder(sequence)
+    pool = NGramPool(4, 5)
+    pool.add_sequence(sequence)
+    for _ in range(5):  # recycled predictions under every token and pair
+        tokens = [rng.randrange(12) for _ in range(20)]
+        builder.recycle.update([rng.randrange(12) for _ in tokens], tokens, np.array(
+            [rng.sample(range(12), 8) for _ in tokens]))
+    tree = builder.build(sequence, pool, budget)
+    assert len(tree) == budget  # every source has plenty: the budget is filled
+    assert StepPattern(1, 2, tree_end=tree.tree_end).num_tokens == 1 + budget  # a valid pre-order forest
+    assert tree == DraftTree.from_parents(tree.tokens, tree.parents)
+    for node in [ROOT, *range(len(tree))]:
+        siblings = [tree.tokens[c] for c in tree.children(node)]
+        assert len(siblings) == len(set(siblings))  # a trie
+    predicted = [rng.randrange(12) for _ in range(1 + budget)]
+    builder.observe(tree, predicted)  # learns without error
+
+
+def test_static_tree_layout_pads_with_invisible_leaves():
+    cfg = tree_config(3, 4, 2)  # budget 6 nodes
+    full = full_pattern(cfg)
+    assert full.num_tokens == 15 and full.max_commit == 7
+    levels = [[10, 11, 12], [20, 21, 22]]  # warm-up: 2 of 3 levels
+    tree = DraftTree.from_parents([5, 6, 7], [ROOT, 0, ROOT])
+    layout = pack_step(levels, tree, full, static=True)
+    assert layout.pattern.shape == full.shape and layout.tokens[9:12] == [5, 6, 7]
+    assert layout.pattern.tree_end == (11 - 9, 11 - 9, 3, 4, 5, 6)
+    assert len(layout.rows) == 1 + 3 + 6 and layout.candidate_rows == [9, 10, 11]
+    padding = [6, 7, 8, 12, 13, 14]
+    real = [i for i in range(15) if i not in padding]
+    assert not layout.pattern.materialize(0)[real][:, padding].any()  # no real token sees a padding token
+    assert layout.commit_indices(1, 2) == [0, 9, 10] and layout.commit_indices(ROOT, 0) == [0]
+    assert layout.predecessors(99)[:6] == [99, 10, 11, 10, 11, 12] and layout.predecessors(99)[9:12] == [10, 5, 10]
+    exact = pack_step(levels, tree, full, static=False)
+    assert exact.pattern == StepPattern(3, 3, tree_end=(2, 2, 3)) and exact.tokens == [10, 11, 12, 20, 21, 22, 5, 6, 7]
+    assert exact.commit_indices(1, 2) == [0, 6, 7]
+    with pytest.raises(ValueError, match="does not fit"):
+        pack_step(levels, DraftTree.from_parents(list(range(7)), [ROOT] * 7), full, static=True)
+
+
+def test_greedy_verify_tree_takes_the_matching_path():
+    tree = DraftTree.from_parents([5, 6, 7, 8, 6], [ROOT, 0, 1, 0, ROOT])
+    base = 10
+    predicted = {0: 5, base: 8, base + 1: 7, base + 2: 1, base + 3: 2, base + 4: 3}
+    verdict = greedy_verify_tree(tree, predicted, base)
+    assert verdict.tokens == [5, 8, 2] and verdict.candidate == 3 and verdict.run == 2
+    assert greedy_verify_tree(tree, {**predicted, 0: 9}, base).tokens == [9]
+    assert greedy_verify_tree(EMPTY, {0: 4}, base).tokens == [4]
+
+
+class ShapeDrafts:
+    """Replaces the draft sources by one fixed tree shape whose tokens are mostly plain greedy's next tokens (so
+    paths are accepted deep) and sometimes a wrong one (so verification stops inside the tree)."""
+
+    def __init__(self, parents, prompt, reference, vocab, seed=0):
+        self.parents, self.offset, self.reference, self.vocab = parents, len(prompt), reference, vocab
+        self.rng = random.Random(seed)
+
+    def build(self, sequence, pool, budget):  # patched over DraftBuilder.build (a bound method: no builder arg)
+        assert len(self.parents) <= budget
+        done = len(sequence) - self.offset  # tokens generated so far: the input token is reference[done - 1]
+        tokens, depth = [], []
+        for parent in self.parents:
+            depth.append(1 if parent == ROOT else depth[parent] + 1)
+            truth = self.reference[done - 1 + depth[-1]] if done - 1 + depth[-1] < len(self.reference) else 0
+            tokens.append(truth if self.rng.random() < 0.75 else self.rng.randrange(self.vocab))
+        return DraftTree.from_parents(tokens, self.parents)
+
+
+SHAPES = ["empty", "single-path", "star", "deep-chain", "padding-leaves", "branchy", "random4"]
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["exact-size", "static"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_mock_tree_shapes_equal_greedy(monkeypatch, shape, static):
+    vocab = 16
+    for seed in range(3):
+        prompt = torch.randint(0, vocab, (4 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+        plain = decode(MockStepModel(vocab), prompt, 40)
+        monkeypatch.setattr(DraftBuilder, "build", ShapeDrafts(TREES[shape], prompt, plain.tokens, vocab, seed).build)
+        model = MockStepModel(vocab)
+        result = decode(model, prompt, 40, lookahead=tree_config(3, 5, 4), static_step=static)
+        assert result.tokens == plain.tokens and result.steps == model.calls
+        deepest, depth = max(len(s) for s in result.step_tokens), max(DraftTree.from_parents(
+            TREES[shape], TREES[shape]).depths(), default=0)
+        assert deepest == 1 + depth if shape in ("empty", "star") else deepest > 2  # paths accepted deep
+        shapes = {p.shape for p in model.patterns}
+        assert len(shapes) == 1 if static else len(shapes) > 1
+
+
+@pytest.mark.parametrize("shape", ["empty", "star", "deep-chain", "padding-leaves", "branchy"])
+def test_tiny_llama_tree_shapes_equal_greedy(tiny_checkpoint, monkeypatch, shape):
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    prompt = [3, 17, 22, 3, 17, 5, 9]
+    plain = model.generate(prompt, max_new_tokens=40, eos_token_id=[])
+    monkeypatch.setattr(DraftBuilder, "build", ShapeDrafts(TREES[shape], prompt, plain.tokens, 101).build)
+    for static in (False, True):
+        result = model.generate(prompt, max_new_tokens=40, eos_token_id=[], lookahead=tree_config(3, 5, 4),
+                                static_step=static)
+        assert result.tokens == plain.tokens
+        assert (result.steps < 30) == (shape != "empty")
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["exact-size", "static"])
+@pytest.mark.parametrize("sources", SOURCE_SETS, ids=SOURCE_IDS)
+def test_mock_sources_on_off_equal_greedy(sources, static):
+    for W, N, G in [(3, 4, 3), (1, 2, 5), (5, 3, 4)]:
+        for seed in range(2):
+            prompt = torch.randint(0, 16, (5 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+            plain = decode(MockStepModel(16), prompt, 40)
+            result = decode(MockStepModel(16), prompt, 40, lookahead=tree_config(W, N, G, sources),
+                            static_step=static)
+            assert result.tokens == plain.tokens
+
+
+@pytest.mark.parametrize("sources", SOURCE_SETS, ids=SOURCE_IDS)
+def test_tiny_llama_sources_on_off_equal_greedy(tiny_checkpoint, sources):
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    prompt = [3, 17, 22, 3, 17, 5, 9, 3, 17]
+    plain = model.generate(prompt, max_new_tokens=40, eos_token_id=[])
+    for static in (False, True):
+        result = model.generate(prompt, max_new_tokens=40, eos_token_id=[], static_step=static,
+                                lookahead=tree_config(3, 4, 3, sources))
+        assert result.tokens == plain.tokens
+
+
+# S of the mock model that knows TARGET with each source alone at W3-N4-G3 (measured: pool 2.40, suffix 3.16,
+# recycle 2.73; all three 3.33); a disconnected source gives 1.0
+FLOORS = {"pool": 1.8, "suffix": 2.5, "recycle": 2.2}
+
+
+@pytest.mark.parametrize("source", [None, *SOURCES], ids=["none", *SOURCES])
+def test_every_source_feeds_the_tree(source):
+    """With every source off the tree stays empty and S is exactly 1; each source alone must lift S above its floor,
+    so a source that is silently cut off (not queried, not fed, its table never filled) fails here."""
+    vocab = 16
+    fn = lambda ctx: context_logits(ctx, vocab, target=[1, 2] + TARGET)  # noqa: E731
+    plain = decode(MockStepModel(vocab, fn), [1, 2], 60)
+    for static in (False, True):
+        cfg = tree_config(3, 4, 3, () if source is None else (source,))
+        result = decode(MockStepModel(vocab, fn), [1, 2], 60, lookahead=cfg, static_step=static)
+        assert result.tokens == plain.tokens
+        if source is None:
+            assert result.compression == 1.0
+        else:
+            assert result.compression > FLOORS[source], result.compression
+
+
+def test_triton_backend_tree_steps(tiny_checkpoint):
+    """The kernel with a per-step tree (tree_end as data) inside the decode loop, under the interpreter on CPU."""
+    folder = tiny_checkpoint("gqa")
+    reference = Llama.from_pretrained(folder, attn_backend="torch")
+    kernel = Llama.from_pretrained(folder, attn_backend="triton")
+    prompt = [3, 17, 22, 3, 17, 5, 9, 3, 17]
+    plain = reference.generate(prompt, max_new_tokens=16, eos_token_id=[])
+    result = kernel.generate(prompt, max_new_tokens=16, eos_token_id=[], lookahead=tree_config(2, 3, 3),
+                             static_step=True)
+    assert result.tokens == plain.tokens and result.steps < 16
+
+
+def test_static_tree_generation_has_one_shape(tiny_checkpoint):
+    """Trees change every step, the step's shape does not: one runner program (one CUDA graph on a GPU)."""
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    cfg = tree_config(7, 5, 7)
+    result = model.generate(list(range(3, 40)) * 2, max_new_tokens=40, eos_token_id=[], lookahead=cfg,
+                            static_step=True)
+    runner = model.__dict__["_runner"]
+    assert result.steps < 40 and [key[0] for key in runner._programs] == [full_pattern(cfg).shape]
+    mock = MockStepModel(16)
+    decode(mock, [1, 2, 3, 1, 2], 40, lookahead=cfg, static_step=True)
+    assert len({p.shape for p in mock.patterns}) == 1 and len({p.tree_end for p in mock.patterns}) > 1
