@@ -24,11 +24,11 @@ import torch
 
 from common import RESULTS, chat_ids, device_slug, load_model, load_prompts, machine, print_table, save_json, sync
 from lookahead import LookaheadConfig
-from lookahead.engine import PLAIN_STEP
+from lookahead.engine import PLAIN_STEP, _LookaheadLoop
 from lookahead.kernels import StepPattern
-from lookahead.layout import full_pattern, pack_step
 from lookahead.models import Llama, LlamaConfig
 from lookahead.models.generation import runner_for
+from lookahead.sampling import SamplingParams
 
 GPU = torch.cuda.is_available()
 STEP_CONFIGS = {1: None, 18: LookaheadConfig(3, 4, 3), 56: LookaheadConfig(7, 5, 7), 120: LookaheadConfig(15, 5, 15)}
@@ -106,24 +106,24 @@ def random_llama(shape: dict, dtype: torch.dtype, device: str) -> Llama:
     return model.eval().requires_grad_(False)
 
 
-def full_step(cfg: LookaheadConfig | None) -> tuple[StepPattern, list[int], list[int]]:
-    """(pattern, tokens, rows) of a full step of `cfg`, as the decode loop packs it."""
+def full_step(cfg: LookaheadConfig | None) -> tuple[StepPattern, list[int], list[int], int]:
+    """(pattern, tokens, rows, top-k) of a full static step of `cfg`, packed by the decode loop itself."""
     if cfg is None:
-        return PLAIN_STEP, [1], [0]
-    full = full_pattern(cfg)
-    layout = pack_step([[1] * cfg.window] * (cfg.ngram - 1), [(1,) * (cfg.ngram - 1)] * cfg.guesses, full, True)
-    return layout.pattern, layout.tokens, layout.rows
+        return PLAIN_STEP, [1], [0], 0
+    loop = _LookaheadLoop(cfg, list(range(1, 33)), 1, SamplingParams(), None, static=True)
+    layout = loop.plan(1)
+    return layout.pattern, layout.tokens, layout.rows, layout.topk
 
 
 def step_seconds(model: Llama, cfg: LookaheadConfig | None, prefix_len: int, repeats: int) -> float:
     """Median seconds of one step of `cfg`'s full shape at L = prefix_len (graphed on GPU)."""
-    pattern, tokens, rows = full_step(cfg)
+    pattern, tokens, rows, topk = full_step(cfg)
     runner = runner_for(model, prefix_len + 64, cfg, cuda_graph=True)
     runner.lengths = [prefix_len]  # the cache content does not change the step's cost
     times = []
     with torch.inference_mode():
         for i in range(repeats + 3):
-            _, seconds = timed(lambda: runner.step(tokens, pattern, rows))  # noqa: B023
+            _, seconds = timed(lambda: runner.step(tokens, pattern, rows, topk))  # noqa: B023
             if i >= 3:
                 times.append(seconds)
     return statistics.median(times)
@@ -160,19 +160,20 @@ def part_host(args) -> dict:
 
     _, model, _ = load_model()
     cfg = LookaheadConfig(7, 5, 7)
-    pattern, tokens, rows_idx = full_step(cfg)
+    pattern, tokens, rows_idx, topk = full_step(cfg)
     rows = []
     for mode in (["eager", "graphs"] if GPU else ["eager"]):
         runner = runner_for(model, 1024, cfg, cuda_graph=mode == "graphs")
         runner.lengths = [512]
         with torch.inference_mode():
             for _ in range(3):
-                runner.step(tokens, pattern, rows_idx)
-            walls = [timed(lambda: runner.step(tokens, pattern, rows_idx))[1] for _ in range(args.repeats)]  # noqa: B023
+                runner.step(tokens, pattern, rows_idx, topk)
+            walls = [timed(lambda: runner.step(tokens, pattern, rows_idx, topk))[1]  # noqa: B023
+                     for _ in range(args.repeats)]
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if GPU else [])
             with profile(activities=activities) as prof:
                 for _ in range(args.repeats):
-                    runner.step(tokens, pattern, rows_idx)
+                    runner.step(tokens, pattern, rows_idx, topk)
                 sync()
         events = prof.key_averages()
         ops = sum(e.count for e in events if e.key.startswith("aten::")) / args.repeats
