@@ -153,10 +153,12 @@ def test_mock_sampling_rows_do_not_touch_each_other():
 def test_row_seeds_and_auto_rule():
     assert row_seeds(None, 2) == [None, None] and row_seeds(7, 3) == [7, 8, 9] and row_seeds([4, 1], 2) == [4, 1]
     assert row_seeds(2**64 - 1, 2) == [2**64 - 1, 0]
-    assert auto_lookahead(1, "cpu") == LookaheadConfig() and auto_lookahead(2, "cpu") is None
-    sizes = [auto_lookahead(b, "cuda") for b in (1, 2, 4, 8, 16)]
-    assert sizes[0] == LookaheadConfig(15, 5, 15) and sizes[-1] is None
-    assert all(b * full_pattern(c).num_tokens <= 256 for b, c in zip((1, 2, 4, 8), sizes, strict=False) if c)
+    assert [auto_lookahead(b, "cpu") for b in (1, 2, 16)] == [None] * 3  # measured: lookahead did not pay on a CPU
+    sizes = (1, 2, 3, 8, 9, 32, 33)
+    configs = [auto_lookahead(b, "cuda") for b in sizes]
+    assert [c and (c.window, c.ngram, c.guesses) for c in configs] == [
+        (15, 5, 15), (15, 5, 15), (7, 5, 7), (5, 4, 5), (3, 4, 3), (2, 3, 2), None]
+    assert all(b * full_pattern(c).num_tokens <= 256 for b, c in zip(sizes, configs, strict=True) if c)
 
 
 @pytest.mark.parametrize("kwargs, error, message", [
@@ -182,12 +184,12 @@ def test_batch_rejects_bad_input(tiny_checkpoint, kwargs, error, message):
         model.generate(max_new_tokens=4, **kwargs)
 
 
-def test_auto_lookahead_by_batch_size(tiny_checkpoint):
+def test_auto_lookahead_on_cpu_is_plain(tiny_checkpoint):
     model = Llama.from_pretrained(tiny_checkpoint("gqa"))
     one = model.generate([5, 6, 7], max_new_tokens=6, lookahead="auto", eos_token_id=[])
-    assert one.tokens == model.generate([5, 6, 7], max_new_tokens=6, eos_token_id=[]).tokens
+    assert one.tokens == model.generate([5, 6, 7], max_new_tokens=6, eos_token_id=[]).tokens and one.steps == 6
     model.generate([[5, 6, 7], [8, 9]], max_new_tokens=6, lookahead="auto", eos_token_id=[])
-    assert {pattern for pattern, _, size in model.__dict__["_runner"]._programs if size == 2} == {PLAIN}
+    assert {pattern for pattern, _, _ in model.__dict__["_runner"]._programs} == {PLAIN}
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
