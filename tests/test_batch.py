@@ -208,8 +208,9 @@ def test_cuda_graphs_per_batch_size(tiny_checkpoint):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lookahead", [None, LookaheadConfig()], ids=["plain", "W3-N4-G3"])
-def test_default_model_batch_equals_each_prompt_alone(default_model_dir, lookahead):
+def test_default_model_batch_equals_each_prompt_alone(default_model_dir):
+    """Plain and lookahead batches of ragged chat prompts, one row ending early at an extra EOS: each row is
+    plain greedy decoding of its prompt alone, cut at its first EOS."""
     from transformers import AutoTokenizer
 
     model = Llama.from_pretrained(default_model_dir)
@@ -219,9 +220,11 @@ def test_default_model_batch_equals_each_prompt_alone(default_model_dir, lookahe
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)
                for t in texts]
     prompts = [list(p["input_ids"] if hasattr(p, "keys") else p) for p in prompts]
-    plain = [model.generate(p, max_new_tokens=24, eos_token_id=[]).tokens for p in prompts]
-    token, length = early_eos(plain, at=8)
-    eos = [*model.config.eos_token_id, token]  # row 0 ends early; the others where they first hold it
-    alone = [model.generate(p, max_new_tokens=24, eos_token_id=eos, lookahead=lookahead).tokens for p in prompts]
-    batch = model.generate(prompts, max_new_tokens=24, eos_token_id=eos, lookahead=lookahead)
-    assert [r.tokens for r in batch] == alone and len(alone[0]) == length
+    plain = [model.generate(p, max_new_tokens=20, eos_token_id=[]).tokens for p in prompts]
+    token, length = early_eos(plain, at=6)
+    eos = [*model.config.eos_token_id, token]  # row 0 ends early; the others where they first hold one
+    alone = [row[: next((i + 1 for i, t in enumerate(row) if t in eos), len(row))] for row in plain]
+    assert len(alone[0]) == length and max(map(len, alone)) > length
+    for lookahead in (None, LookaheadConfig()):
+        batch = model.generate(prompts, max_new_tokens=20, eos_token_id=eos, lookahead=lookahead)
+        assert [r.tokens for r in batch] == alone, lookahead
