@@ -212,8 +212,9 @@ class Llama(nn.Module):
             prompt would give alone. A batch decodes all rows in one forward pass per step, always with
             static steps; a row that finishes (EOS, token limit) leaves the batch.
         lookahead: None for plain decoding, a `lookahead.LookaheadConfig` for lookahead decoding (per row), or
-            "auto": the measured choice for the batch size and device (`lookahead.batch.auto_lookahead`; on
-            a CPU the default config for one prompt, plain decoding for two or more).
+            "auto": by batch size and device (`lookahead.batch.auto_lookahead`): smaller W and G per row as
+            the batch grows, plain decoding above 32 rows on CUDA; plain decoding on a CPU, where
+            bench/batch.py measured no batch size at which lookahead paid.
         Exact: with temperature 0 the output is plain greedy decoding's, token for token, in float32 (in
         16-bit types a multi-token pass rounds differently from a one-token pass, so near-ties can
         flip); with sampling the output distribution is unchanged.
