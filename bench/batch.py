@@ -23,25 +23,26 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle OpenMP threads sleep
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import time  # noqa: E402
 
 import torch  # noqa: E402
 
-from common import RESULTS, chat_ids, device_slug, load_model, load_prompts, machine, print_table, save_json, sync  # noqa: E402
+from common import (  # noqa: E402
+    RESULTS,
+    chat_ids,
+    device_slug,
+    load_model,
+    load_prompts,
+    machine,
+    print_table,
+    save_json,
+    timed,
+)
 from lookahead import LookaheadConfig  # noqa: E402
 from lookahead.batch import decode_batch  # noqa: E402
 from lookahead.models.generation import runner_for  # noqa: E402
 from lookahead.sampling import SamplingParams  # noqa: E402
 
 PLAIN = "plain"
-
-
-def timed(fn):
-    sync()
-    start = time.perf_counter()
-    out = fn()
-    sync()
-    return out, time.perf_counter() - start
 
 
 def decode_rows(model, prompts, max_new_tokens, lookahead, drop_finished=True):

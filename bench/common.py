@@ -87,6 +87,15 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def timed(fn):
+    """(fn(), its wall seconds), with the device synchronised before and after."""
+    sync()
+    start = time.perf_counter()
+    out = fn()
+    sync()
+    return out, time.perf_counter() - start
+
+
 def print_table(headers: list[str], rows: list[list]) -> None:
     widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(headers)]
     print(" | ".join(str(h).ljust(w) for h, w in zip(headers, widths, strict=True)))

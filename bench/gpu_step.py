@@ -22,7 +22,18 @@ import traceback
 
 import torch
 
-from common import RESULTS, chat_ids, device_slug, load_model, load_prompts, machine, print_table, save_json, sync
+from common import (
+    RESULTS,
+    chat_ids,
+    device_slug,
+    load_model,
+    load_prompts,
+    machine,
+    print_table,
+    save_json,
+    sync,
+    timed,
+)
 from lookahead import LookaheadConfig
 from lookahead.engine import PLAIN_STEP, _LookaheadLoop
 from lookahead.kernels import StepPattern
@@ -41,14 +52,6 @@ SMALL = dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden
 
 def label(cfg: LookaheadConfig | None) -> str:
     return "plain" if cfg is None else f"{cfg.window}-{cfg.ngram}-{cfg.guesses}"
-
-
-def timed(fn):
-    sync()
-    start = time.perf_counter()
-    out = fn()
-    sync()
-    return out, time.perf_counter() - start
 
 
 def part_tokens_per_second(args) -> dict:

@@ -65,30 +65,44 @@ def sample_verify(
     alive = list(range(len(candidates)))
     tokens: list[int] = []
     source = 0  # step index whose output predicts the next token
-    for position in range(pattern.ngram - 1):
-        rejected: list[int] = []
-        rejected_mass = 0.0
-        chosen = None
-        for c in alive:
-            token = candidates[c][position]
-            if token in rejected:
-                continue  # already removed from the residual: probability 0
-            p = prob_of(source, token)
-            if uniform() * (1.0 - rejected_mass) < p:
-                chosen = token
-                break
-            rejected.append(token)
-            rejected_mass += p
+    depth = len(candidates[0]) if candidates else 0  # warm-up candidates are shorter than N - 1
+    for position in range(depth):
+        options = [candidates[c][position] for c in alive]
+        chosen, rejected = _accept_one(options, source, prob_of, uniform)
         if chosen is None:
-            residual = probs(source).clone()
-            residual[rejected] = 0.0
-            if not residual.sum() > 0:  # only float round-off can empty it; fall back to the target
-                residual = probs(source)
-            return Verdict(tokens + [draw(residual)], alive[0] if tokens else -1)
-        tokens.append(chosen)
-        alive = [c for c in alive if candidates[c][position] == chosen]
+            return Verdict(tokens + [draw(_residual(probs(source), rejected))], alive[0] if tokens else -1)
+        token = options[chosen]
+        tokens.append(token)
+        alive = [c for c in alive if candidates[c][position] == token]
         source = pattern.candidate_index(alive[0], position + 1)
-    return Verdict(tokens + [draw(probs(source))], alive[0])
+    return Verdict(tokens + [draw(probs(source))], alive[0] if tokens else -1)
+
+
+def _accept_one(tokens: Sequence[int], source: int, prob_of: Callable[[int, int], float],
+                uniform: Callable[[], float]) -> tuple[int | None, list[int]]:
+    """Algorithm 4 at one position: try `tokens` in turn, accepting one with its residual target probability;
+    a rejected token leaves the distribution and the rest is renormalised. Returns the index of the accepted
+    one (None if all were rejected) and the rejected tokens."""
+    rejected: list[int] = []
+    rejected_mass = 0.0
+    for i, token in enumerate(tokens):
+        if token in rejected:
+            continue  # already removed from the residual: probability 0
+        p = prob_of(source, token)
+        if uniform() * (1.0 - rejected_mass) < p:
+            return i, rejected
+        rejected.append(token)
+        rejected_mass += p
+    return None, rejected
+
+
+def _residual(target: torch.Tensor, rejected: list[int]) -> torch.Tensor:
+    """The target with the rejected tokens removed, to draw from (unnormalised)."""
+    if not rejected:
+        return target
+    residual = target.clone()
+    residual[rejected] = 0.0
+    return residual if residual.sum() > 0 else target  # only float round-off can empty it: fall back
 
 
 def _source(pattern: StepPattern, candidate: int, run: int) -> int:
@@ -127,26 +141,10 @@ def sample_verify_tree(
     """
     node, source, tokens = ROOT, 0, []
     while True:
-        rejected: list[int] = []
-        rejected_mass = 0.0
-        chosen = None
-        for child in tree.children(node):
-            token = tree.tokens[child]
-            if token in rejected:
-                continue  # already removed from the residual: probability 0
-            p = prob_of(source, token)
-            if uniform() * (1.0 - rejected_mass) < p:
-                chosen = child
-                break
-            rejected.append(token)
-            rejected_mass += p
+        children = list(tree.children(node))
+        chosen, rejected = _accept_one([tree.tokens[child] for child in children], source, prob_of, uniform)
         if chosen is None:
-            residual = probs(source)
-            if rejected:
-                residual = residual.clone()
-                residual[rejected] = 0.0
-                if not residual.sum() > 0:  # only float round-off can empty it; fall back to the target
-                    residual = probs(source)
-            return Verdict(tokens + [draw(residual)], node)
+            return Verdict(tokens + [draw(_residual(probs(source), rejected))], node)
+        chosen = children[chosen]
         tokens.append(tree.tokens[chosen])
         node, source = chosen, base + chosen
