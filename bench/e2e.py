@@ -1,4 +1,4 @@
-"""End-to-end: plain greedy, transformers (greedy, prompt lookup) and lookahead at several (W, N, G).
+"""End-to-end: plain greedy, transformers (greedy, prompt lookup) and lookahead at several settings.
 
 All methods run in one process on the same prompts from bench/data/dev.jsonl, interleaved per prompt
 (the order rotates from prompt to prompt) so machine noise hits them alike. Prints per-kind tables of
@@ -7,6 +7,7 @@ of outputs identical to plain greedy; saves JSON and a PNG.
 
     python bench/e2e.py --quick          # a minute: 4 prompts, 48 tokens
     python bench/e2e.py --per-kind 2     # 8 prompts, 256 tokens
+    python bench/e2e.py --configs 3-4-3 3-4-3:chains 1-2-8   # settings as in bench/compression.py
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ import json
 import time
 
 import torch
+from compression import parse_setting
 
 from common import RESULTS, chat_ids, device_slug, load_model, load_prompts, machine, print_table, save_json, sync
-from lookahead import LookaheadConfig
 
-REQUIRED = [(15, 5, 15), (7, 5, 7), (5, 3, 5)]
-CPU_CANDIDATES = [(2, 3, 2), (3, 3, 3), (4, 3, 4), (3, 4, 3), (5, 4, 5)]
+REQUIRED = ["15-5-15", "7-5-7", "5-3-5"]
+CPU_CANDIDATES = ["2-3-2", "3-3-3", "4-3-4", "3-4-3", "5-4-5", "3-4-3:chains"]
 
 
 def make_methods(model, hf, configs, max_new_tokens: int):
@@ -47,8 +48,8 @@ def make_methods(model, hf, configs, max_new_tokens: int):
 
     methods = {"greedy (ours)": ours(None), "hf greedy": transformers(),
                "hf prompt lookup": transformers(prompt_lookup_num_tokens=10)}
-    for w, n, g in configs:
-        methods[f"lookahead {w}-{n}-{g}"] = ours(LookaheadConfig(w, n, g))
+    for spec in configs:
+        methods[f"lookahead {spec}"] = ours(parse_setting(spec))
     return methods
 
 
@@ -57,7 +58,7 @@ def run(args) -> dict:
 
     folder, model, tokenizer = load_model(args.model)
     hf = LlamaForCausalLM.from_pretrained(str(folder), dtype=torch.float32).to(model.device).eval()
-    configs = [tuple(map(int, c.split("-"))) for c in args.configs] if args.configs else REQUIRED + CPU_CANDIDATES
+    configs = args.configs or REQUIRED + CPU_CANDIDATES
     methods = make_methods(model, hf, configs, args.max_new_tokens)
     prompts = load_prompts(args.per_kind)
     records = []
@@ -97,9 +98,10 @@ def summarize(result: dict) -> dict:
             tokens = sum(r["tokens"] for r in mine)
             per[name] = {"S": tokens / sum(r["steps"] for r in mine), "tok_s": tokens / sum(r["seconds"] for r in mine),
                          "exact": sum(r["exact"] for r in mine), "n": len(mine)}
-        base = per["hf greedy"]["tok_s"]
+        base, ours = per["hf greedy"]["tok_s"], per["greedy (ours)"]["tok_s"]
         for stats in per.values():
             stats["ratio"] = stats["tok_s"] / base
+            stats["vs_greedy"] = stats["tok_s"] / ours
         table[kind] = per
     return table
 
@@ -134,7 +136,8 @@ def main() -> None:
     parser.add_argument("--model", help="checkpoint folder (default: the converted default model)")
     parser.add_argument("--per-kind", type=int, default=2, help="prompts of each kind (0: all 35)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--configs", nargs="*", help="lookahead configs as W-N-G (default: required + CPU set)")
+    parser.add_argument("--configs", nargs="*", help="lookahead settings as W-N-G[:chains|:tree=sources] "
+                        "(default: required + CPU set)")
     parser.add_argument("--quick", action="store_true", help="1 prompt per kind, 48 tokens, 3 configs")
     parser.add_argument("--name", default="e2e", help="results file stem")
     parser.add_argument("--replot", action="store_true", help="only redraw the PNG from the saved JSON")
@@ -152,9 +155,9 @@ def main() -> None:
     result["summary"] = table
     for kind, per in table.items():
         print(f"\n{kind} ({per['greedy (ours)']['n']} prompts, {result['machine']['device']})")
-        print_table(["method", "S", "tokens/s", "vs HF greedy", "exact"],
-                    [[n, f"{s['S']:.2f}", f"{s['tok_s']:.1f}", f"{s['ratio']:.2f}x", f"{s['exact']}/{s['n']}"]
-                     for n, s in per.items()])
+        print_table(["method", "S", "tokens/s", "vs HF greedy", "vs greedy (ours)", "exact"],
+                    [[n, f"{s['S']:.2f}", f"{s['tok_s']:.1f}", f"{s['ratio']:.2f}x", f"{s['vs_greedy']:.2f}x",
+                      f"{s['exact']}/{s['n']}"] for n, s in per.items()])
     path = save_json(args.name, result)
     plot(table, path.with_suffix(".png"))
     print(f"\nsaved {path} and {path.with_suffix('.png')}")

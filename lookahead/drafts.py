@@ -19,7 +19,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-from .edges import EdgeModel, pool_state, recycle_state, suffix_state
+from .edges import NO_RECYCLE, EdgeModel, pool_state, recycle_state, suffix_state
 from .pool import NGramPool
 from .recycle import RecycleTables
 from .suffix import SuffixIndex
@@ -62,6 +62,7 @@ class DraftBuilder:
         if self.use_pool:
             for continuation, match in pool.ranked(sequence[-1], self.pool_limit, sequence[-3:-1]):
                 _insert(proposals, continuation, 2, pool_state(match, False), pool_state(match, True))
+        self._ranked = [[self.edges.table[code] for code in codes] for codes in _RANKED]
         previous = sequence[-2] if len(sequence) > 1 else -1
         return self._grow(previous, sequence[-1], proposals, budget)
 
@@ -70,7 +71,7 @@ class DraftBuilder:
         when its elder sibling is taken: two heap pushes per node instead of one per candidate."""
         tokens: list[int] = []
         parents: list[int] = []
-        origins: list[tuple[int, int, int]] = []
+        origins: list[int] = []
         kids: list[list[int]] = [[]]  # kids[j + 1]: the children of node j (kids[0]: of the input token)
         heap: list = []
         offered = self._children(previous, root_token, proposals)
@@ -100,21 +101,22 @@ class DraftBuilder:
         """(probability, child token, proposals below it, evidence state) of every child offered under `token`
         (whose own previous token is `previous`), best first."""
         pair, single = self.recycle.lookup(previous, token) if self.use_recycle else (None, ())
-        listed = pair if pair is not None else single
-        offered: dict[int, list] = {}
-        for rank, child in enumerate(listed):
-            offered[child] = [None, recycle_state(pair is not None, rank), 0, 0]
-        if proposed:
-            missing = recycle_state(pair is not None, None) if listed else recycle_state(False, None, seen=False)
+        listed, kind = (pair, 0) if pair is not None else (single, 1)
+        if not proposed:  # most nodes: recycled tokens only, their probabilities tabulated by rank
+            out = list(zip(self._ranked[kind], listed, _NONE, _RANKED[kind], strict=False))  # listed: <= k
+        else:
+            offered = {child: [None, code] for child, code in zip(listed, _RANKED[kind], strict=False)}
+            missing = recycle_state(pair is not None, None) if listed else NO_RECYCLE
             for child, (below, suffix, pool) in proposed.items():
                 entry = offered.get(child)
                 if entry is None:
-                    offered[child] = [below, missing, suffix, pool]
+                    offered[child] = [below, missing + suffix + pool]
                 else:
-                    entry[0], entry[2], entry[3] = below, suffix, pool
-        prob = self.edges.prob
-        out = [(prob(a, b, c), child, below, (a, b, c)) for child, (below, a, b, c) in offered.items()]
-        out.sort(key=_first, reverse=True)
+                    entry[0] = below
+                    entry[1] += suffix + pool
+            table = self.edges.table
+            out = [(table[code], child, below, code) for child, (below, code) in offered.items()]
+        out.sort(reverse=True)  # siblings are distinct tokens: ties stop at the token
         return out
 
     def observe(self, tree: DraftTree, predicted: Sequence[int]) -> None:
@@ -133,8 +135,9 @@ class DraftBuilder:
         self.edges.learn(states, rights)
 
 
-def _first(item: tuple) -> float:
-    return item[0]
+# the states of ranks 0..k-1 in a pair's recycled list and in a token's
+_RANKED = [[recycle_state(pair, rank) for rank in range(RECYCLE_K)] for pair in (True, False)]
+_NONE = [None] * RECYCLE_K
 
 
 def _insert(trie: dict, path: Sequence[int], slot: int, first_state: int, later_state: int) -> None:

@@ -21,58 +21,69 @@ PRIOR_RECYCLE = (2.05, 0.0, -0.57, -0.88, -1.3, 1.23, -0.26, -0.21, -0.91, -0.79
 PRIOR_SUFFIX = (-1.55, -1.03, -0.08, -0.12, 1.39)
 # pool: none | first token, no context match | first token, context match | later token
 PRIOR_POOL = (-0.64, -0.42, -0.03, -0.3)
-LEARNING_RATE = 0.02
+LEARNING_RATE = 0.05
 
 
-def recycle_state(pair: bool, rank: int | None, seen: bool = True) -> int:
-    """State of a token in its parent's recycled list: from the pair table or the token table; rank None: not in
-    the list; seen False: no list at all."""
-    if not seen:
-        return 10
-    base = 0 if pair else 5
-    return base + 4 if rank is None else base + min(rank, 3)
+# An edge's state is one int, recycle * _R + suffix * _S + pool: the builder adds a source's part to it
+_S = len(PRIOR_POOL)
+_R = len(PRIOR_SUFFIX) * _S
+NO_RECYCLE = 10 * _R  # no recycled list under the parent at all
+
+
+def recycle_state(pair: bool, rank: int | None) -> int:
+    """A token in its parent's recycled list (from the pair table, else the token table); rank None: not in it."""
+    return ((0 if pair else 5) + (4 if rank is None else min(rank, 3))) * _R
 
 
 def suffix_state(match: int, later: bool) -> int:
-    return (3 if later else 1) + (match >= 2)
+    return ((3 if later else 1) + (match >= 2)) * _S
 
 
 def pool_state(match: int, later: bool) -> int:
     return 3 if later else (2 if match else 1)
 
 
+def suffix_part(state: int) -> int:
+    return state % _R - state % _S
+
+
+def pool_part(state: int) -> int:
+    return state % _S
+
+
 class EdgeModel:
-    """P(edge right | parent accepted) = sigmoid(w_recycle[a] + w_suffix[b] + w_pool[c]), learned online."""
+    """P(edge right | parent accepted) = sigmoid(w_recycle[a] + w_suffix[b] + w_pool[c]), learned online; `table`
+    holds it for every state, so scoring an edge is one list index."""
 
-    _PRIORS = (PRIOR_RECYCLE, PRIOR_SUFFIX, PRIOR_POOL)
+    def __init__(self, learning_rate: float | None = None) -> None:
+        self.weights = [list(PRIOR_RECYCLE), list(PRIOR_SUFFIX), list(PRIOR_POOL)]
+        self.learning_rate = LEARNING_RATE if learning_rate is None else learning_rate
+        self.table: list[float] = []
+        self._tabulate()
 
-    def __init__(self, learning_rate: float = LEARNING_RATE) -> None:
-        self.weights = [list(p) for p in self._PRIORS]
-        self.learning_rate = learning_rate
-        self._memo: dict[tuple[int, int, int], float] = {}
+    @staticmethod
+    def stronger(slot: int, state: int, than: int) -> bool:
+        """Whether the suffix (slot 1) or pool (slot 2) part `state` is stronger evidence than `than` (by the
+        priors)."""
+        if slot == 1:
+            return PRIOR_SUFFIX[state // _S] > PRIOR_SUFFIX[than // _S]
+        return PRIOR_POOL[state] > PRIOR_POOL[than]
 
-    @classmethod
-    def stronger(cls, slot: int, state: int, than: int) -> bool:
-        """Whether `state` of source `slot` (1 suffix, 2 pool) is stronger evidence than `than` (by the priors)."""
-        prior = cls._PRIORS[slot]
-        return prior[state] > prior[than]
+    def _tabulate(self) -> None:
+        wa, wb, wc = self.weights
+        self.table = [1.0 / (1.0 + math.exp(-(a + b + c))) for a in wa for b in wb for c in wc]
 
-    def prob(self, a: int, b: int, c: int) -> float:
-        key = (a, b, c)
-        p = self._memo.get(key)
-        if p is None:
-            w = self.weights
-            p = self._memo[key] = 1.0 / (1.0 + math.exp(-(w[0][a] + w[1][b] + w[2][c])))
-        return p
-
-    def learn(self, states: Sequence[tuple[int, int, int]], rights: Sequence[bool]) -> None:
+    def learn(self, states: Sequence[int], rights: Sequence[bool]) -> None:
         """One gradient step of the log-loss per observed edge."""
         if not self.learning_rate or not states:
             return
-        w, rate = self.weights, self.learning_rate
-        for (a, b, c), right in zip(states, rights, strict=True):
-            g = rate * (right - 1.0 / (1.0 + math.exp(-(w[0][a] + w[1][b] + w[2][c]))))
-            w[0][a] += g
-            w[1][b] += g
-            w[2][c] += g
-        self._memo.clear()
+        wa, wb, wc = self.weights
+        rate = self.learning_rate
+        for state, right in zip(states, rights, strict=True):
+            a, rest = divmod(state, _R)
+            b, c = divmod(rest, _S)
+            g = rate * (right - 1.0 / (1.0 + math.exp(-(wa[a] + wb[b] + wc[c]))))
+            wa[a] += g
+            wb[b] += g
+            wc[c] += g
+        self._tabulate()

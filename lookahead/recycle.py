@@ -21,37 +21,23 @@ import numpy as np
 
 
 class RecycleTables:
-    """(previous token, token) -> top-k (a dict) and token -> top-k (a [vocab, k] array, -1 where unknown)."""
+    """(previous token, token) -> top-k and token -> top-k, as dicts of lists: a step writes a few hundred rows with
+    two `dict.update` calls, and the tree builder reads a list per node with no conversion."""
 
     def __init__(self) -> None:
         self.pairs: dict[tuple[int, int], list[int]] = {}
-        self.single: np.ndarray | None = None
+        self.single: dict[int, list[int]] = {}
 
     def update(self, previous: Sequence[int], tokens: Sequence[int], topk: np.ndarray) -> None:
         """Rows of one step: their previous tokens [R], tokens [R] and top-k next tokens [R, k]; a later row wins
         over an earlier one with the same key."""
-        if not len(tokens):
-            return
         rows = topk.tolist()
         self.pairs.update(zip(zip(previous, tokens, strict=True), rows, strict=True))
-        ids = np.asarray(tokens)
-        if self.single is None:
-            self.single = np.full((0, topk.shape[1]), -1, dtype=np.int64)
-        need = int(ids.max()) + 1
-        if need > self.single.shape[0]:
-            grown = np.full((max(need, 2 * self.single.shape[0]), self.single.shape[1]), -1, dtype=np.int64)
-            grown[: self.single.shape[0]] = self.single
-            self.single = grown
-        # numpy leaves the winner among repeated indices unspecified: keep each token's last row explicitly
-        last = len(ids) - 1 - np.unique(ids[::-1], return_index=True)[1]
-        self.single[ids[last]] = topk[last]
+        self.single.update(zip(tokens, rows, strict=True))
 
-    def lookup(self, previous: int, token: int) -> tuple[list[int] | None, list[int]]:
+    def lookup(self, previous: int, token: int) -> tuple[list[int] | None, Sequence[int]]:
         """(the pair's list or None, the token's list, empty if unknown)."""
         pair = self.pairs.get((previous, token))
         if pair is not None:
             return pair, ()
-        if self.single is None or token >= self.single.shape[0]:
-            return None, ()
-        row = self.single[token]
-        return None, row.tolist() if row[0] >= 0 else ()
+        return None, self.single.get(token, ())
