@@ -18,6 +18,7 @@ from .drafts import DraftBuilder
 from .layout import StepLayout, full_pattern, pack_step
 from .pool import CONTEXT, NGramPool
 from .sampling import Sampler, SamplingParams, target_probs
+from .targets import LocalTargets, Targets
 from .verify import Verdict, greedy_verify, greedy_verify_tree, sample_verify, sample_verify_tree
 from .window import LookaheadWindow
 
@@ -174,11 +175,13 @@ class _LookaheadLoop:
         levels = len(self.window.levels)
         return pack_step(self.window.levels, self._candidates(input_token, levels), self.full, self.static)
 
-    def finish(self, layout: StepLayout, output: StepOutput) -> Verdict:
+    def finish(self, layout: StepLayout, output: StepOutput, targets: Targets | None = None) -> Verdict:
         """Verify the step's outputs, let the draft sources learn from them, and move the window and the pool on;
-        the caller commits the verdict."""
+        the caller commits the verdict. targets: where sampling reads its probabilities (default: `output.logits`)."""
         predicted = {index: output.argmax[r] for index, r in layout.row_of.items()}
-        verdict = self._verify(layout, output.logits, predicted)
+        if self.sampler is not None and targets is None:
+            targets = LocalTargets(layout, output.logits, self.sampling)
+        verdict = self._verify(layout, predicted, targets)
         if self.drafts is not None:
             self._learn(layout, output, predicted, verdict)
         self._advance(verdict.tokens, [predicted[i] for i in layout.last_level])
@@ -207,38 +210,16 @@ class _LookaheadLoop:
         self.drafts.recycle.update([before[i] for i in rows], [tokens[i] for i in rows],
                                    output.topk.numpy()[rows])
 
-    def _verify(self, layout: StepLayout, logits: torch.Tensor, predicted: dict[int, int]) -> Verdict:
+    def _verify(self, layout: StepLayout, predicted: dict[int, int], targets: Targets | None) -> Verdict:
+        if self.sampler is None:
+            if layout.tree is not None:
+                return greedy_verify_tree(layout.tree, predicted, layout.pattern.lookahead_len)
+            return greedy_verify(layout.candidates, predicted, layout.pattern)
         if layout.tree is not None:
-            return self._verify_tree(layout, logits, predicted)
-        candidates, pattern = layout.candidates, layout.pattern
-        if self.sampler is None:
-            return greedy_verify(candidates, predicted, pattern)
-        # only the input's and the candidates' outputs are distributions the walk draws from; the
-        # lookahead rows were argmaxed already, so they are left out of the softmax
-        verified = [0, *layout.candidate_rows]
-        probs = target_probs(logits[[layout.row_of[i] for i in verified]], self.sampling)
-        prob_row = {index: r for r, index in enumerate(verified)}
-        # the few probabilities the walk reads, fetched at once (one device sync)
-        sources = [0] + [pattern.candidate_index(c, k) for c, g in enumerate(candidates) for k in range(1, len(g))]
-        vocab = sorted({t for candidate in candidates for t in candidate})
-        table = probs[[prob_row[s] for s in sources]][:, vocab].tolist() if vocab else []
-        lookup = {(s, t): p for s, row in zip(sources, table, strict=False) for t, p in zip(vocab, row, strict=True)}
-        return sample_verify(candidates, lambda s: probs[prob_row[s]], lambda s, t: lookup[(s, t)], pattern,
+            return sample_verify_tree(layout.tree, targets.probs, targets.prob_of, layout.pattern.lookahead_len,
+                                      self.sampler.uniform, self.sampler.draw)
+        return sample_verify(layout.candidates, targets.probs, targets.prob_of, layout.pattern,
                              self.sampler.uniform, self.sampler.draw)
-
-    def _verify_tree(self, layout: StepLayout, logits: torch.Tensor, predicted: dict[int, int]) -> Verdict:
-        tree, base = layout.tree, layout.pattern.lookahead_len
-        if self.sampler is None:
-            return greedy_verify_tree(tree, predicted, base)
-        verified = [0, *layout.candidate_rows]
-        probs = target_probs(logits[[layout.row_of[i] for i in verified]], self.sampling)
-        # the probability of every node's token at its parent, fetched at once (one device sync)
-        parent_rows = [0 if parent < 0 else 1 + parent for parent in tree.parents]
-        values = probs[parent_rows, tree.tokens].tolist() if len(tree) else []
-        lookup = {(layout.node_index(parent), token): p
-                  for parent, token, p in zip(tree.parents, tree.tokens, values, strict=True)}
-        return sample_verify_tree(tree, lambda s: probs[0 if s == 0 else 1 + s - base],
-                                  lambda s, t: lookup[(s, t)], base, self.sampler.uniform, self.sampler.draw)
 
     def _advance(self, accepted: list[int], outputs: list[int]) -> None:
         if self.window.full:
