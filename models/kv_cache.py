@@ -52,6 +52,15 @@ class KVCache(nn.Module):
         for cache in (self.k, self.v):
             cache[:, batch, :, dst] = cache[:, batch, :, src]
 
+    def entries(self, positions: torch.Tensor, row: int = 0) -> torch.Tensor:
+        """Keys and values at `positions` [n] of row `row` in every layer: [2, layers, Hkv, n, D]."""
+        return torch.stack((self.k[:, row, :, positions], self.v[:, row, :, positions]))
+
+    def put_entries(self, positions: torch.Tensor, entries: torch.Tensor, row: int = 0) -> None:
+        """Write `entries` [2, layers, Hkv, n, D] (as `entries` returns them) at `positions` [n] of row `row`."""
+        self.k[:, row, :, positions] = entries[0]
+        self.v[:, row, :, positions] = entries[1]
+
     def keep_rows(self, order: list[int], upto: int) -> None:
         """Row i takes the contents of row order[i] (positions < upto only: nothing past them is read again).
         Rows already in place are not copied, so dropping a finished row by moving the last one into its

@@ -202,7 +202,7 @@ class Llama(nn.Module):
     def generate(self, prompt_ids, max_new_tokens: int = 256, lookahead: LookaheadConfig | str | None = None,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | list[int] | None = None,
                  eos_token_id=None, stream=None, static_step: bool | None = None,
-                 cuda_graph: bool = True) -> GenerationResult | list[GenerationResult]:
+                 cuda_graph: bool = True, process_group=None) -> GenerationResult | list[GenerationResult]:
         """Generate up to `max_new_tokens` tokens after `prompt_ids` (a list of ints or a 1-D tensor), or after
         each prompt of a batch.
 
@@ -230,13 +230,23 @@ class Llama(nn.Module):
         cuda_graph: on CUDA with static steps and the Triton backend, capture each step shape once as
             a CUDA graph and replay it; False runs every step eagerly (for debugging).
 
+        process_group: a `torch.distributed` process group of K ranks, each a process that holds the same
+            model and calls `generate` with the same arguments (checked): lookahead parallelism. The
+            `lookahead` configuration describes the whole step, whose W columns and verification budget are
+            divided among the ranks (each computes its share plus the input and the level-0 tokens its
+            columns read), one all-gather per step exchanges what verification reads, and the accepted
+            entries' KV are broadcast from the rank that computed them. Every rank returns the same result,
+            the one a single process gives (tokens and steps). "auto" scales the defaults with K (W = 3K,
+            G = 3K). One prompt only; gloo on CPU, NCCL on CUDA; set a timeout in `init_process_group` so a
+            rank that dies makes the others raise.
+
         Returns a `lookahead.GenerationResult` with `tokens`, `steps` (forward passes, prefill included)
         and `compression` (tokens / steps).
         """
         return generate(self, prompt_ids, max_new_tokens=max_new_tokens, lookahead=lookahead,
                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                         eos_token_id=eos_token_id, stream=stream, static_step=static_step,
-                        cuda_graph=cuda_graph)
+                        cuda_graph=cuda_graph, process_group=process_group)
 
     def warmup(self, lookahead: LookaheadConfig | None = None, max_tokens: int = 2048,
                cuda_graph: bool = True) -> None:

@@ -144,6 +144,29 @@ class CachedRunner:
             dst.append([start + j for j in range(count)] + [end + j for j in pad])
         self._commit = (src, dst)
 
+    def step_entries(self, step_indices: Sequence[int]) -> torch.Tensor:
+        """One sequence: the KV entries [2, layers, Hkv, n, D] the last step wrote at these step indices (call it
+        before that step's commit: they sit at L + index). Lookahead parallelism sends them to the ranks that did
+        not compute them."""
+        positions = torch.tensor([self.length + int(i) for i in step_indices], device=self.device)
+        return self.cache.entries(positions)
+
+    def empty_entries(self, count: int) -> torch.Tensor:
+        """A tensor to receive `count` KV entries into, shaped as `step_entries` returns them."""
+        cache = self.cache.k
+        return torch.empty(2, cache.shape[0], cache.shape[2], count, cache.shape[4], dtype=cache.dtype,
+                           device=self.device)
+
+    def append_entries(self, entries: torch.Tensor) -> None:
+        """One sequence: keep KV entries [2, layers, Hkv, n, D] computed elsewhere at L, L+1, ... (after the pending
+        commit) and grow L by n."""
+        self._apply_commit()
+        count = entries.shape[3]
+        self._check_room(count)
+        positions = torch.arange(self.length, self.length + count, device=self.device)
+        self.cache.put_entries(positions, entries.to(device=self.device, dtype=self.cache.k.dtype))
+        self.lengths[0] += count
+
     def keep_rows(self, order: Sequence[int]) -> None:
         """Go on with rows `order` only: row i becomes what row order[i] was (finished rows leave the batch,
         so later steps spend nothing on them). Moves only the rows whose place changes."""

@@ -1,0 +1,86 @@
+"""Spawned ranks for tests/test_parallel.py: each loads the tiny checkpoint, joins a gloo group and runs the cases.
+
+Kept apart from the test module so that the spawned processes import only this (no pytest, no transformers).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def run_cases(rank: int, world: int, store: str, folder: str, cases: list, results, timeout: float) -> None:
+    """Run `cases` [(name, kwargs for Llama.generate, {rank: overrides}, fail_at)] on this rank and put
+    (rank, {name: (tokens, steps) or ("error", type, message)}) on `results`. fail_at: (rank, step): that rank's
+    model raises at that forward step of the case."""
+    torch.set_num_threads(1)
+    from lookahead.models import Llama
+    from lookahead.models.runner import CachedRunner
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout))
+    model = Llama.from_pretrained(folder)
+    original = CachedRunner.step_batch
+    out = {}
+    for name, kwargs, overrides, fail_at in cases:
+        calls = [0]
+
+        def failing(self, *args, _calls=calls, _at=fail_at, **kw):
+            _calls[0] += 1
+            if _at is not None and _at[0] == rank and _calls[0] == _at[1]:
+                raise RuntimeError(f"injected failure on rank {rank}")
+            return original(self, *args, **kw)
+
+        CachedRunner.step_batch = failing
+        start = time.perf_counter()
+        try:
+            result = model.generate(**{**kwargs, **overrides.get(rank, {})}, process_group=dist.group.WORLD)
+            out[name] = (result.tokens, result.steps)
+        except Exception as e:  # reported to the test, which asserts on it
+            out[name] = ("error", type(e).__name__, str(e), traceback.format_exc(limit=3))
+        out[name + ":seconds"] = time.perf_counter() - start
+        CachedRunner.step_batch = original
+    results.put((rank, out))
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def spawn(world: int, store: str, folder: str, cases: list, timeout: float = 20.0, wait: float = 120.0) -> list[dict]:
+    """Run `cases` on `world` spawned ranks; each rank's results, in rank order. Processes still alive after `wait`
+    seconds are killed (a hang fails the test instead of blocking it)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    env = os.environ.copy()
+    procs = [ctx.Process(target=run_cases, args=(rank, world, store, folder, cases, results, timeout), daemon=True)
+             for rank in range(world)]
+    for p in procs:
+        p.start()
+    got: dict[int, dict] = {}
+    deadline = time.monotonic() + wait
+    try:
+        while len(got) < world:
+            rank, out = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            got[rank] = out
+    except queue.Empty:
+        pass
+    finally:
+        for p in procs:
+            p.join(timeout=max(0.1, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join()
+    del env
+    missing = sorted(set(range(world)) - set(got))
+    if missing:
+        raise TimeoutError(f"ranks {missing} gave no results within {wait} s")
+    return [got[rank] for rank in range(world)]
