@@ -6,6 +6,9 @@ torch loads OpenMP (spinning OpenMP threads make multi-token forward passes seve
 CPU shared with other work). The library itself changes no environment; this entry point does, for
 its own process only, unless the user set it. The work itself (loading, generating, streaming) is
 `lookahead.cli_generate.run`.
+
+Under `torchrun --nproc-per-node K -m lookahead generate ...` (torchrun's WORLD_SIZE > 1) the K processes
+run one generation with lookahead parallelism (`Llama.generate(process_group=...)`); rank 0 prints.
 """
 
 from __future__ import annotations
@@ -56,9 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
     gen.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling, in [0, 2**64)")
     gen.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
-    gen.add_argument("--window", "-W", type=int, default=DEFAULT_WINDOW, help="lookahead window W")
+    gen.add_argument("--window", "-W", type=int, default=None,
+                     help=f"lookahead window W (default: {DEFAULT_WINDOW}; under torchrun with K processes, "
+                          f"{DEFAULT_WINDOW}K: the whole step's W, divided among them)")
     gen.add_argument("--ngram", "-N", type=int, default=DEFAULT_NGRAM, help="n-gram size N")
-    gen.add_argument("--guesses", "-G", type=int, default=DEFAULT_GUESSES, help="verified candidates per step G")
+    gen.add_argument("--guesses", "-G", type=int, default=None,
+                     help=f"verified candidates per step G (default: {DEFAULT_GUESSES}; under torchrun with K "
+                          f"processes, {DEFAULT_GUESSES}K)")
     gen.add_argument("--no-lookahead", action="store_true", help="plain autoregressive decoding")
     gen.add_argument("--show-steps", action="store_true", help="mark tokens that arrived in the same step")
     gen.add_argument("--dtype", default=None, choices=("float32", "float16", "bfloat16"),
@@ -87,7 +94,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--seed must be in [0, 2**64), got {args.seed}")
     for flag, value, low in (("--window/-W", args.window, 1), ("--ngram/-N", args.ngram, 2),
                              ("--guesses/-G", args.guesses, 0)):
-        if value < low:
+        if value is not None and value < low:
             raise UsageError(f"{flag} must be >= {low}, got {value}")
     if args.device is not None and not _DEVICE.fullmatch(args.device):
         raise UsageError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")

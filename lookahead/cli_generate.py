@@ -8,43 +8,79 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import sys
 import time
 from collections.abc import Mapping
+
+from lookahead.cli import DEFAULT_GUESSES, DEFAULT_WINDOW
 
 _COLORS = ("\033[38;5;39m", "\033[38;5;208m")  # alternate per multi-token step, like the authors' demo
 _RESET = "\033[0m"
 
 
-def run(args: argparse.Namespace) -> int:
-    """Generate for `lookahead.cli`'s checked arguments; errors are raised for the front to print."""
-    _say(f"loading torch and {args.model or 'the default model'} ...")
+def run(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> int:
+    """Generate for `lookahead.cli`'s checked arguments; errors are raised for the front to print.
+
+    environ: where torchrun's WORLD_SIZE, RANK, LOCAL_RANK are read from (WORLD_SIZE > 1: lookahead parallelism)."""
+    world = int(environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return _run(args, None, _say)
+    import torch
+    import torch.distributed as dist
+
+    if args.no_lookahead:
+        raise ValueError(f"--no-lookahead under torchrun ({world} processes): lookahead parallelism divides lookahead "
+                         "steps among the processes; run plain decoding in one process")
+    device = _device(torch, args.device)
+    if device.startswith("cuda") and args.device in (None, "cuda"):
+        device = f"cuda:{int(environ.get('LOCAL_RANK', '0'))}"  # one GPU per process
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    try:
+        rank = dist.get_rank()
+        say = _say if rank == 0 else (lambda message: None)
+        return _run(args, (dist.group.WORLD, world, rank, device), say)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(args: argparse.Namespace, parallel, say) -> int:
+    say(f"loading torch and {args.model or 'the default model'} ...")
     start = time.perf_counter()
     import torch
 
     from lookahead import LookaheadConfig
     from lookahead.models import Llama, default_model_dir
 
-    lookahead = None if args.no_lookahead else LookaheadConfig(args.window, args.ngram, args.guesses)
-    device = _device(torch, args.device)
+    ranks = 1 if parallel is None else parallel[1]
+    window = args.window if args.window is not None else DEFAULT_WINDOW * ranks  # strong scaling (README)
+    guesses = args.guesses if args.guesses is not None else DEFAULT_GUESSES * ranks
+    lookahead = None if args.no_lookahead else LookaheadConfig(window, args.ngram, guesses)
+    device = _device(torch, args.device) if parallel is None else parallel[3]
     backend = _backend(args.attn_backend, device)
     folder = args.model if args.model else default_model_dir(args.cache_dir)
     model = Llama.from_pretrained(folder, dtype=args.dtype, device=device, attn_backend=backend)
     tokenizer = _tokenizer(folder)
     prompt_ids = _encode(tokenizer, args.prompt, raw=args.raw)
     dtype = str(model.dtype).removeprefix("torch.")
-    _say(f"loaded in {time.perf_counter() - start:.1f} s ({dtype}, {device}); generating")
+    say(f"loaded in {time.perf_counter() - start:.1f} s ({dtype}, {device}); generating"
+        + ("" if parallel is None else f" on {ranks} processes (lookahead parallelism)"))
     if dtype != "float32" and lookahead is not None and args.temperature == 0:
-        _say(f"note: in {dtype} the output may differ from plain greedy decoding where two tokens are "
+        say(f"note: in {dtype} the output may differ from plain greedy decoding where two tokens are "
              "nearly tied (a multi-token pass rounds differently from a one-token pass); float32 is token-exact")
-    printer = _StreamPrinter(tokenizer, args.show_steps, color=sys.stdout.isatty())
+    printing = parallel is None or parallel[2] == 0
+    printer = _StreamPrinter(tokenizer, args.show_steps, color=sys.stdout.isatty()) if printing else None
     start = time.perf_counter()
     result = model.generate(prompt_ids, max_new_tokens=args.max_new_tokens, lookahead=lookahead,
                             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                            stream=printer)
+                            stream=printer, process_group=None if parallel is None else parallel[0])
     elapsed = time.perf_counter() - start
+    if not printing:
+        return 0
     print(flush=True)
     mode = "plain" if lookahead is None else f"lookahead W={lookahead.window} N={lookahead.ngram} G={lookahead.guesses}"
+    if parallel is not None:
+        mode += f" on {ranks} processes"
     print(f"[{mode}] {len(result.tokens)} tokens, {result.steps} steps, S={result.compression:.2f}, "
           f"{len(result.tokens) / elapsed:.1f} tokens/s", file=sys.stderr)
     return 0
