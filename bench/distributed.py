@@ -37,8 +37,40 @@ from lookahead import LookaheadConfig  # noqa: E402
 PLAIN = "plain"
 
 
+def kv_sync_costs(model, group, prompt: list[int], tokens: int, repeats: int = 15) -> dict:
+    """What each KV sync costs per step, measured on every rank at once (as in a generation): "broadcast" sends
+    n entries [2, layers, Hkv, n, D] from rank 0; "refeed" runs n more tokens in a sub-step of `tokens` tokens.
+    Medians in ms, rank 0's."""
+    from lookahead.kernels import StepPattern
+    from lookahead.models.generation import runner_for
+
+    runner = runner_for(model, len(prompt) + tokens + 8, LookaheadConfig(), True, 1, tokens + 8, 8)
+    runner.prefill(prompt)
+    costs = {"broadcast_ms": {}, "forward_ms": {}}
+    for n in (1, 2, 3):
+        entries = runner.empty_entries(n).zero_()
+        samples = []
+        for _ in range(repeats):
+            dist.barrier(group)
+            start = time.perf_counter()
+            dist.broadcast(entries, 0, group=group)
+            samples.append(time.perf_counter() - start)
+        costs["broadcast_ms"][n] = 1000 * sorted(samples)[len(samples) // 2]
+    for extra in (0, 1, 2, 3):
+        size = tokens + extra
+        chain = StepPattern(1, 2, tree_end=tuple([size - 1] * extra + list(range(extra + 1, size))))
+        samples = []
+        for _ in range(repeats):  # no commit: every step writes at the same L
+            dist.barrier(group)
+            start = time.perf_counter()
+            runner.step(prompt[:1] * size, chain, [0])
+            samples.append(time.perf_counter() - start)
+        costs["forward_ms"][extra] = 1000 * sorted(samples)[len(samples) // 2]
+    return costs
+
+
 def rank_main(rank: int, world: int, store: str, folder: str, prompts: list, methods: list, max_new_tokens: int,
-              threads: int, results) -> None:
+              threads: int, results, sub_tokens: int = 12) -> None:
     """One rank: join the group, warm up, decode every prompt with every method; rank 0 puts its records."""
     from lookahead.models import Llama
     from lookahead.models.generation import generate
@@ -75,6 +107,10 @@ def rank_main(rank: int, world: int, store: str, folder: str, prompts: list, met
                 seconds = time.perf_counter() - start
                 records.append({"K": world, "method": name, "prompt": p, "tokens": len(result.tokens),
                                 "steps": result.steps, "seconds": seconds, "ids": result.tokens})
+        if world > 1:
+            costs = kv_sync_costs(model, group, prompts[0], sub_tokens)
+            if rank == 0:
+                records.append({"K": world, "kv_sync_costs": costs})
     if rank == 0:
         results.put(records)
     dist.barrier()
@@ -104,6 +140,7 @@ def run_world(world: int, folder: str, prompts: list, methods: list, max_new_tok
 
 
 def summarize(records: list[dict]) -> list[dict]:
+    records = [r for r in records if "method" in r]
     reference = {r["prompt"]: r["ids"] for r in records if r["K"] == 1 and r["method"] == PLAIN}
     plain_rate = sum(r["tokens"] for r in records if r["K"] == 1 and r["method"] == PLAIN) / sum(
         r["seconds"] for r in records if r["K"] == 1 and r["method"] == PLAIN)
@@ -170,11 +207,19 @@ def main() -> None:
         print(f"K={world}: {len(methods)} methods, {threads} thread(s) per rank ...", flush=True)
         records += run_world(world, folder, prompts, methods, max_new_tokens, threads)
     table = summarize(records)
+    costs = [r for r in records if "kv_sync_costs" in r]
     info = machine()
     print(f"\n{len(prompts)} prompts, {max_new_tokens} new tokens, {info['device']}, {cores} cores")
     print_table(["K", "method (whole step W-N-G, KV sync)", "S", "tokens/s", "vs plain K=1", "same as K=1 plain"],
                 [[r["K"], r["method"], f"{r['S']:.2f}", f"{r['tok_s']:.2f}", f"{r['vs_plain']:.2f}x",
                   f"{r['exact']}/{r['n']}"] for r in table])
+    for cost in costs:
+        c = cost["kv_sync_costs"]
+        print(f"\nK={cost['K']}, per step, medians of rank 0 (all ranks at once): broadcast of n entries vs a "
+              f"sub-step of 12 + n tokens")
+        print_table(["n", "broadcast ms", "forward ms (12 + n tokens)", "re-feed's extra ms"],
+                    [[n, f"{c['broadcast_ms'][n]:.2f}", f"{c['forward_ms'][n]:.1f}",
+                      f"{c['forward_ms'][n] - c['forward_ms'][0]:.1f}"] for n in (1, 2, 3)])
     result = {"machine": info, "cores": cores, "max_new_tokens": max_new_tokens, "prompts": len(prompts),
               "ranks": ranks, "configs": args.configs, "records": records, "summary": table}
     path = save_json(args.name, result)

@@ -99,11 +99,12 @@ def decode_parallel(
         raise ValueError(f"lookahead parallelism over {comm.ranks} ranks needs a window of at least one column per "
                          f"rank, got W={lookahead.window}; use W >= {comm.ranks} (scaled_lookahead(config, K) scales "
                          "W and G with K)")
-    arguments = (list(prompt), max_new_tokens, sampling, lookahead, sorted(set(eos_token_ids)), seed, static_step,
-                 kv_sync, fingerprint)
+    eos = frozenset(eos_token_ids)
+    arguments = (list(prompt), max_new_tokens, sampling, lookahead, sorted(eos), seed, static_step, kv_sync,
+                 fingerprint)
     seed = comm.agree(repr(arguments), seed)
     sampler = None if sampling.greedy else Sampler(seed, torch.device(device))
-    out = _Output(max_new_tokens, eos_token_ids, stream)
+    out = _Output(max_new_tokens, eos, stream)
     last = comm.first_token(lambda: _choose(model.prefill(prompt)[None], sampling, sampler))
     out.accept([last])
     loop = _LookaheadLoop(lookahead, prompt, last, sampling, sampler, static=False)
