@@ -109,6 +109,7 @@ def _cases(folder):
     fail = ("error",)
     add("fails", lookahead=configs["tree"], fail_at=(1, 3), expect=fail)
     add("differ", lookahead=configs["tree"], overrides={1: {"max_new_tokens": TOKENS - 1}}, expect=fail)
+    add("auto", lookahead="auto", expect=("per world",))  # the defaults scaled with K: checked per K below
     add("narrow", lookahead=LookaheadConfig(2, 4, 2))  # W = 2: too few columns for 3 ranks
     add("after-failures", lookahead=configs["chains"])  # the group still works
     return cases, reference
@@ -161,6 +162,16 @@ def test_ranks_with_different_arguments_are_refused(runs, world):
     for out in results[world]:
         assert out["differ"][:2] == ("error", "ValueError") and "ranks [1] were called with different" \
             in out["differ"][2], out["differ"]
+
+
+@pytest.mark.parametrize("world", [2, 3], ids=lambda k: f"K{k}")
+def test_auto_scales_the_defaults_with_the_ranks(runs, tiny_checkpoint, world):
+    """lookahead="auto" with a group is the default configuration with W and G times K (strong scaling)."""
+    results, _ = runs
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    alone = model.generate(PROMPT, TOKENS, lookahead=scaled_lookahead(LookaheadConfig(), world), eos_token_id=[])
+    for out in results[world]:
+        assert out["auto"] == (alone.tokens, alone.steps)
 
 
 def test_a_window_narrower_than_the_ranks_is_refused(runs):
