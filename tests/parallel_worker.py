@@ -17,7 +17,7 @@ import torch.distributed as dist
 def run_cases(rank: int, world: int, store: str, folder: str, cases: list, results, timeout: float) -> None:
     """Run `cases` [(name, kwargs for Llama.generate, {rank: overrides}, fail_at)] on this rank and put
     (rank, {name: (tokens, steps) or ("error", type, message)}) on `results`. fail_at: (rank, step): that rank's
-    model raises at that forward step of the case."""
+    model raises at that forward step of the case. kwargs may name "attn_backend" (the model's) and "kv_sync"."""
     torch.set_num_threads(1)
     from lookahead.models import Llama
     from lookahead.models.generation import generate
@@ -25,7 +25,7 @@ def run_cases(rank: int, world: int, store: str, folder: str, cases: list, resul
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout))
-    model = Llama.from_pretrained(folder)
+    models = {}
     original = CachedRunner.step_batch
     out = {}
     for name, kwargs, overrides, fail_at in cases:
@@ -41,6 +41,10 @@ def run_cases(rank: int, world: int, store: str, folder: str, cases: list, resul
         start = time.perf_counter()
         try:
             args = {**kwargs, **overrides.get(rank, {})}
+            backend = args.pop("attn_backend", "auto")
+            if backend not in models:
+                models[backend] = Llama.from_pretrained(folder, attn_backend=backend)
+            model = models[backend]
             if "kv_sync" in args:  # not a Llama.generate argument: the function behind it
                 defaults = dict(max_new_tokens=256, lookahead=None, temperature=0.0, top_k=0, top_p=1.0, seed=None,
                                 eos_token_id=None, stream=None, static_step=None, cuda_graph=True)

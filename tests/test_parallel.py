@@ -90,7 +90,7 @@ def _cases(folder):
         kwargs = {"prompt_ids": PROMPT, "max_new_tokens": TOKENS, "eos_token_id": [], **kwargs}
         cases.append((name, kwargs, overrides or {}, fail_at))
         if expect is None:
-            plain = {k: v for k, v in kwargs.items() if k != "kv_sync"}
+            plain = {k: v for k, v in kwargs.items() if k not in ("kv_sync", "attn_backend")}
             result = model.generate(**plain)
             expect = (result.tokens, result.steps, result.step_tokens)
         reference[name] = expect
@@ -101,6 +101,8 @@ def _cases(folder):
         add(f"{form}-refeed", lookahead=config, temperature=0.9, seed=8, kv_sync="refeed")
     add("tree-static", lookahead=configs["tree"], static_step=True)
     add("chains-greedy-refeed", lookahead=configs["chains"], kv_sync="refeed")
+    # the Triton kernel (interpreted on CPU) on padded sub-steps: the tree pattern (1, 2) of a few shapes
+    add("triton-static", lookahead=configs["tree"], max_new_tokens=12, static_step=True, attn_backend="triton")
     # an EOS that arrives inside a multi-token step, not at its end
     steps = reference["tree-greedy"][2]
     step = next(s for s in steps[1:] if len(s) >= 2 and s[0] not in itertools.chain(*steps[: steps.index(s)]))
@@ -123,8 +125,14 @@ def runs(tiny_checkpoint, tmp_path_factory):
     out = {}
     for world in (2, 3):
         store = str(tmp_path_factory.mktemp(f"store{world}") / "store")
-        out[world] = spawn(world, store, folder, cases, timeout=30.0, wait=240.0)
+        mine = [case for case in cases if world == 2 or case[0] != "triton-static"]  # the interpreter is slow
+        out[world] = spawn(world, store, folder, mine, timeout=30.0, wait=240.0)
     return out, reference
+
+
+def test_the_triton_kernel_runs_padded_sub_steps(runs):
+    results, reference = runs
+    assert all(out["triton-static"] == reference["triton-static"][:2] for out in results[2])
 
 
 @pytest.mark.parametrize("world", [2, 3], ids=lambda k: f"K{k}")
