@@ -106,7 +106,9 @@ def decode_parallel(
     sampler = None if sampling.greedy else Sampler(seed, torch.device(device))
     out = _Output(max_new_tokens, eos, stream)
     last = comm.first_token(lambda: _choose(model.prefill(prompt)[None], sampling, sampler))
-    out.accept([last])
+    # an error of this rank's own between collectives (its `stream`) is raised inside the next step's work, so the
+    # others learn of it there instead of waiting for this rank at that step's all-gather
+    failure = _accept(out, [last])
     loop = _LookaheadLoop(lookahead, prompt, last, sampling, sampler, static=False)
     sync = _KVSync(model, comm, kv_sync)
     max_tokens = step_capacity(lookahead)[0]
@@ -119,6 +121,8 @@ def decode_parallel(
             sub = split.sub_step(layout, comm.rank, sync.pending, min(-(-real // BUCKET) * BUCKET, max_tokens))
         plan = MessagePlan.of(layout, split, sampler is not None)
         work = partial(_run_sub_step, model, layout, sub, plan, comm.rank, sampling, sampler is not None, static_step)
+        if failure is not None:
+            work = partial(_reraise, failure)
         output, row, gathered = comm.run_step(work, plan)
         argmax, topk, probs = plan.unpack(gathered)
         full = StepOutput(torch.empty(0), [argmax[i] for i in layout.rows],
@@ -127,8 +131,22 @@ def decode_parallel(
         verdict = loop.finish(layout, full, targets)
         sync.commit(layout, split, sub, layout.commit_indices(verdict.candidate, verdict.run))
         last = verdict.tokens[-1]
-        out.accept(verdict.tokens)
+        failure = _accept(out, verdict.tokens)
+    if failure is not None:
+        raise failure
     return out.result
+
+
+def _accept(out: _Output, tokens: list[int]) -> Exception | None:
+    try:
+        out.accept(tokens)
+    except Exception as e:  # re-raised at the next collective (or at the end), see decode_parallel
+        return e
+    return None
+
+
+def _reraise(failure: Exception):
+    raise failure
 
 
 def _run_sub_step(model: StepModel, layout: StepLayout, sub: SubStep, plan: MessagePlan, rank: int,

@@ -17,7 +17,8 @@ import torch.distributed as dist
 def run_cases(rank: int, world: int, store: str, folder: str, cases: list, results, timeout: float) -> None:
     """Run `cases` [(name, kwargs for Llama.generate, {rank: overrides}, fail_at)] on this rank and put
     (rank, {name: (tokens, steps) or ("error", type, message)}) on `results`. fail_at: (rank, step): that rank's
-    model raises at that forward step of the case. kwargs may name "attn_backend" (the model's) and "kv_sync"."""
+    model raises at that forward step of the case; (rank, "stream"): its stream raises. kwargs may name
+    "attn_backend" (the model's) and "kv_sync"."""
     torch.set_num_threads(1)
     from lookahead.models import Llama
     from lookahead.models.generation import generate
@@ -38,6 +39,8 @@ def run_cases(rank: int, world: int, store: str, folder: str, cases: list, resul
             return original(self, *args, **kw)
 
         CachedRunner.step_batch = failing
+        if fail_at is not None and fail_at == (rank, "stream"):
+            kwargs = {**kwargs, "stream": _failing_stream(rank)}
         start = time.perf_counter()
         try:
             args = {**kwargs, **overrides.get(rank, {})}
@@ -61,6 +64,13 @@ def run_cases(rank: int, world: int, store: str, folder: str, cases: list, resul
         dist.destroy_process_group()
     except Exception:
         pass
+
+
+def _failing_stream(rank: int):
+    def stream(tokens):
+        raise RuntimeError(f"stream failed on rank {rank}")
+
+    return stream
 
 
 def spawn(world: int, store: str, folder: str, cases: list, timeout: float = 20.0, wait: float = 120.0) -> list[dict]:

@@ -112,6 +112,7 @@ def _cases(folder):
     add("fails", lookahead=configs["tree"], fail_at=(1, 3), expect=fail)
     add("differ", lookahead=configs["tree"], overrides={1: {"max_new_tokens": TOKENS - 1}}, expect=fail)
     add("auto", lookahead="auto", expect=("per world",))  # the defaults scaled with K: checked per K below
+    add("stream-fails", lookahead=configs["chains"], fail_at=(1, "stream"), expect=fail)
     add("narrow", lookahead=LookaheadConfig(2, 4, 2))  # W = 2: too few columns for 3 ranks
     add("after-failures", lookahead=configs["chains"])  # the group still works
     return cases, reference
@@ -160,6 +161,15 @@ def test_a_failing_rank_makes_every_rank_raise(runs, world):
     errors = [out["fails"] for out in results[world]]
     assert all(e[0] == "error" for e in errors), errors
     assert "injected failure on rank 1" in errors[1][2]
+    for rank in (0, *range(2, world)):
+        assert errors[rank][1] == "RuntimeError" and "rank(s) [1] failed" in errors[rank][2], errors[rank]
+
+
+@pytest.mark.parametrize("world", [2, 3], ids=lambda k: f"K{k}")
+def test_a_rank_whose_stream_raises_makes_every_rank_raise(runs, world):
+    results, _ = runs
+    errors = [out["stream-fails"] for out in results[world]]
+    assert errors[1][:3] == ("error", "RuntimeError", "stream failed on rank 1"), errors[1]
     for rank in (0, *range(2, world)):
         assert errors[rank][1] == "RuntimeError" and "rank(s) [1] failed" in errors[rank][2], errors[rank]
 
