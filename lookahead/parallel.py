@@ -92,17 +92,17 @@ def decode_parallel(
     caller makes from the model, is all-gathered first). static_step: pad each rank's sub-step to a multiple of
     8 tokens (a few shapes for the whole generation). kv_sync: "broadcast" or "refeed" (module docstring).
     """
+    comm = _Comm(group, torch.device(device))
+    eos = frozenset(eos_token_ids)
+    arguments = (list(prompt), max_new_tokens, sampling, lookahead, sorted(eos), seed, static_step, kv_sync,
+                 fingerprint)
+    seed = comm.agree(repr(arguments), seed)  # first, so that the checks below fail on every rank or on none
     if kv_sync not in KV_SYNCS:
         raise ValueError(f"kv_sync must be one of {', '.join(KV_SYNCS)}, got {kv_sync!r}")
-    comm = _Comm(group, torch.device(device))
     if lookahead.window < comm.ranks:
         raise ValueError(f"lookahead parallelism over {comm.ranks} ranks needs a window of at least one column per "
                          f"rank, got W={lookahead.window}; use W >= {comm.ranks} (scaled_lookahead(config, K) scales "
                          "W and G with K)")
-    eos = frozenset(eos_token_ids)
-    arguments = (list(prompt), max_new_tokens, sampling, lookahead, sorted(eos), seed, static_step, kv_sync,
-                 fingerprint)
-    seed = comm.agree(repr(arguments), seed)
     sampler = None if sampling.greedy else Sampler(seed, torch.device(device))
     out = _Output(max_new_tokens, eos, stream)
     last = comm.first_token(lambda: _choose(model.prefill(prompt)[None], sampling, sampler))
