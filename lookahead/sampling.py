@@ -58,13 +58,30 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1:
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        sorted_probs, order = _descending_head(probs, params.top_p)
         # keep the smallest head whose mass reaches top_p: drop a token once the mass before it does
         drop = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+CPU_HEAD = 1024  # tokens a CPU sorts first for top-p; a whole vocabulary only when their mass falls short
+
+
+def _descending_head(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The probabilities in descending order and their token ids, at least as far as the mass reaches top_p.
+
+    On a CPU, sorting every row of a 50k-128k vocabulary costs as much as a small model's step, and top-p
+    keeps a short head: the top CPU_HEAD tokens suffice when their mass reaches top_p in every row (every token
+    after them is dropped anyway), checked on the host, which costs a CPU nothing. Elsewhere the full sort,
+    which a GPU does fast and with no device sync."""
+    if probs.device.type == "cpu" and probs.shape[-1] > CPU_HEAD:
+        head, order = torch.topk(probs, CPU_HEAD, dim=-1)
+        if bool((head.cumsum(-1)[..., -1] >= top_p).all()):
+            return head, order
+    return torch.sort(probs, dim=-1, descending=True)
 
 
 def race(weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import lookahead.engine as engine
+import lookahead.sampling as sampling
 from helpers import MockStepModel, context_logits
 from lookahead import LookaheadConfig, SamplingParams, decode
 from lookahead.models import Llama
@@ -249,3 +250,20 @@ def test_the_loop_reads_nothing_of_the_device_but_the_fetched_outputs(form):
     for lookahead in (None, cfg):
         args = (PROMPT, 12, params, lookahead, (), None, 11)
         assert (decode(_DeviceBlindModel(VOCAB), *args).tokens == decode(MockStepModel(VOCAB), *args).tokens)
+
+
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.99])
+@pytest.mark.parametrize("flat_row", [False, True], ids=["peaked", "with-a-flat-row"])
+def test_top_p_from_a_cpu_head_equals_the_full_sort(monkeypatch, top_p, flat_row):
+    """A CPU sorts only the top CPU_HEAD tokens when their mass reaches top_p in every row: the same distribution
+    as sorting the whole vocabulary. A flat row, whose head falls short, makes it sort everything."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 5000) * 4
+    if flat_row:
+        logits[2] *= 0.02
+    params = SamplingParams(1.0, top_p=top_p)
+    probs = torch.softmax(logits, dim=-1)
+    assert sampling._descending_head(probs, top_p)[0].shape[-1] == (5000 if flat_row else sampling.CPU_HEAD)
+    head = target_probs(logits, params)
+    monkeypatch.setattr(sampling, "CPU_HEAD", 10**9)
+    assert torch.equal(head, target_probs(logits, params))
