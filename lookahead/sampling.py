@@ -177,11 +177,16 @@ def pair_tensor(requests: Sequence[SampleRequest], size: int, device: torch.devi
 
 def sample_on_device(logits: torch.Tensor, params: SamplingParams, first_draft_row: int, pairs: torch.Tensor,
                      keys: torch.Tensor) -> torch.Tensor:
-    """[b, R, V] logits of a step's output rows, [b, 2, P] (slot, token) pairs (`pair_tensor`'s padding), [b, V]
-    race keys -> [b, S + P] int64: per verified slot (S = 1 + R - first_draft_row) the race's winner without
-    that slot's pair tokens (the full target where removing them leaves nothing: only round-off can), then
-    each pair's target probability as float64 bits. No device sync: it rides in the step's one copy."""
-    verified = torch.cat([logits[:, :1], logits[:, first_draft_row:]], dim=1)  # [b, S, V]
+    """[b, R, V] logits of a step's output rows -> `sample_rows` of its verified rows (row 0, then rows
+    first_draft_row..: S = 1 + R - first_draft_row slots). No device sync: it rides in the step's one copy."""
+    return sample_rows(torch.cat([logits[:, :1], logits[:, first_draft_row:]], dim=1), params, pairs, keys)
+
+
+def sample_rows(verified: torch.Tensor, params: SamplingParams, pairs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """[b, S, V] logits of the verified slots, [b, 2, P] (slot, token) pairs (`padded_pairs`: padding names slot S),
+    [b, V] race keys -> [b, S + P] int64: per slot the race's winner without that slot's pair tokens (the full
+    target where removing them leaves nothing: only round-off can), then each pair's target probability as
+    float64 bits."""
     probs = target_probs(verified, params)
     probs = torch.cat([probs, probs.new_zeros(probs.shape[0], 1, probs.shape[2])], dim=1)  # + padding's row
     batch = torch.arange(probs.shape[0], device=probs.device)[:, None]
