@@ -182,7 +182,8 @@ def sample_on_device(logits: torch.Tensor, params: SamplingParams, first_draft_r
     return sample_rows(torch.cat([logits[:, :1], logits[:, first_draft_row:]], dim=1), params, pairs, keys)
 
 
-def sample_rows(verified: torch.Tensor, params: SamplingParams, pairs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+def sample_rows(verified: torch.Tensor, params: SamplingParams, pairs: torch.Tensor,
+                keys: torch.Tensor) -> torch.Tensor:
     """[b, S, V] logits of the verified slots, [b, 2, P] (slot, token) pairs (`padded_pairs`: padding names slot S),
     [b, V] race keys -> [b, S + P] int64: per slot the race's winner without that slot's pair tokens (the full
     target where removing them leaves nothing: only round-off can), then each pair's target probability as
