@@ -5,7 +5,7 @@
 2. An 8B-shaped LLaMA with random bf16 weights: the time of one step of T = 1, 18, 56, 120 tokens
    ((W, N, G) = plain, (3,4,3), (7,5,7), (15,5,15)) at L = 1k, 4k, 16k cached positions, and the
    projected speedup S x t(1) / t(T) with the S measured in part 1.
-3. Host time and op count per step (torch profiler), eager vs graphs.
+3. Host time and op count per step (torch profiler), eager vs graphs, greedy vs sampling.
 
     python bench/gpu_step.py              # GPU: writes bench/results/gpu-step-cuda.{json,png}
     python bench/gpu_step.py --quick      # CPU: a small random model stands in for the 8B one
@@ -35,11 +35,11 @@ from common import (
     timed,
 )
 from lookahead import LookaheadConfig
-from lookahead.engine import PLAIN_STEP, _LookaheadLoop
+from lookahead.engine import GREEDY, PLAIN_STEP, _LookaheadLoop
 from lookahead.kernels import StepPattern
 from lookahead.models import Llama, LlamaConfig
 from lookahead.models.generation import runner_for
-from lookahead.sampling import SamplingParams
+from lookahead.sampling import Sampler, SampleRequest, SamplingParams
 
 GPU = torch.cuda.is_available()
 STEP_CONFIGS = {1: None, 18: LookaheadConfig(3, 4, 3), 56: LookaheadConfig(7, 5, 7), 120: LookaheadConfig(15, 5, 15)}
@@ -109,24 +109,27 @@ def random_llama(shape: dict, dtype: torch.dtype, device: str) -> Llama:
     return model.eval().requires_grad_(False)
 
 
-def full_step(cfg: LookaheadConfig | None) -> tuple[StepPattern, list[int], list[int], int]:
-    """(pattern, tokens, rows, top-k) of a full static step of `cfg`, packed by the decode loop itself."""
+def full_step(cfg: LookaheadConfig | None, sampling: SamplingParams = GREEDY,
+              device: str = "cpu") -> tuple[StepPattern, list[int], list[int], dict]:
+    """(pattern, tokens, rows, the step's optional requests: top-k, sampling) of a full static step of `cfg`,
+    packed by the decode loop itself."""
+    sampler = None if sampling.greedy else Sampler(0, torch.device(device))
     if cfg is None:
-        return PLAIN_STEP, [1], [0], 0
-    loop = _LookaheadLoop(cfg, list(range(1, 33)), 1, SamplingParams(), None, static=True)
+        return PLAIN_STEP, [1], [0], {} if sampler is None else {"sample": SampleRequest(sampling, sampler, 1)}
+    loop = _LookaheadLoop(cfg, list(range(1, 33)), 1, sampling, sampler, static=True)
     layout = loop.plan(1)
-    return layout.pattern, layout.tokens, layout.rows, layout.topk
+    return layout.pattern, layout.tokens, layout.rows, loop.step_requests(layout)
 
 
 def step_seconds(model: Llama, cfg: LookaheadConfig | None, prefix_len: int, repeats: int) -> float:
     """Median seconds of one step of `cfg`'s full shape at L = prefix_len (graphed on GPU)."""
-    pattern, tokens, rows, topk = full_step(cfg)
+    pattern, tokens, rows, requests = full_step(cfg)
     runner = runner_for(model, prefix_len + 64, cfg, cuda_graph=True)
     runner.lengths = [prefix_len]  # the cache content does not change the step's cost
     times = []
     with torch.inference_mode():
         for i in range(repeats + 3):
-            _, seconds = timed(lambda: runner.step(tokens, pattern, rows, topk))  # noqa: B023
+            _, seconds = timed(lambda: runner.step(tokens, pattern, rows, **requests))  # noqa: B023
             if i >= 3:
                 times.append(seconds)
     return statistics.median(times)
@@ -158,37 +161,39 @@ def part_step_time(args, s_by_config: dict[str, float]) -> dict:
 
 
 def part_host(args) -> dict:
-    """Host time and profiler op count of one lookahead step, eager vs graphs."""
+    """Host time and profiler op count of one lookahead step, eager vs graphs, greedy vs sampling."""
     from torch.profiler import ProfilerActivity, profile
 
     _, model, _ = load_model()
     cfg = LookaheadConfig(7, 5, 7)
-    pattern, tokens, rows_idx, topk = full_step(cfg)
     rows = []
     for mode in (["eager", "graphs"] if GPU else ["eager"]):
-        runner = runner_for(model, 1024, cfg, cuda_graph=mode == "graphs")
-        runner.lengths = [512]
-        with torch.inference_mode():
-            for _ in range(3):
-                runner.step(tokens, pattern, rows_idx, topk)
-            walls = [timed(lambda: runner.step(tokens, pattern, rows_idx, topk))[1]  # noqa: B023
-                     for _ in range(args.repeats)]
-            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if GPU else [])
-            with profile(activities=activities) as prof:
-                for _ in range(args.repeats):
-                    runner.step(tokens, pattern, rows_idx, topk)
-                sync()
-        events = prof.key_averages()
-        ops = sum(e.count for e in events if e.key.startswith("aten::")) / args.repeats
-        device_us = sum(getattr(e, "self_device_time_total", 0) for e in events) / args.repeats if GPU else 0.0
-        wall_ms = statistics.median(walls) * 1e3
-        host_ms = wall_ms - device_us / 1e3 if GPU else float("nan")
-        rows.append({"mode": mode, "config": label(cfg), "wall_ms": wall_ms, "device_ms": device_us / 1e3,
-                     "host_exposed_ms": host_ms, "aten_ops": ops})
+        for sampling in (SamplingParams(), SamplingParams(0.8, top_p=0.95)):
+            pattern, tokens, rows_idx, requests = full_step(cfg, sampling, str(model.device))
+            runner = runner_for(model, 1024, cfg, cuda_graph=mode == "graphs")
+            runner.lengths = [512]
+            with torch.inference_mode():
+                for _ in range(3):
+                    runner.step(tokens, pattern, rows_idx, **requests)
+                walls = [timed(lambda: runner.step(tokens, pattern, rows_idx, **requests))[1]  # noqa: B023
+                         for _ in range(args.repeats)]
+                activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if GPU else [])
+                with profile(activities=activities) as prof:
+                    for _ in range(args.repeats):
+                        runner.step(tokens, pattern, rows_idx, **requests)
+                    sync()
+            events = prof.key_averages()
+            ops = sum(e.count for e in events if e.key.startswith("aten::")) / args.repeats
+            device_us = sum(getattr(e, "self_device_time_total", 0) for e in events) / args.repeats if GPU else 0.0
+            wall_ms = statistics.median(walls) * 1e3
+            host_ms = wall_ms - device_us / 1e3 if GPU else float("nan")
+            rows.append({"mode": mode, "sampling": "greedy" if sampling.greedy else "T0.8 top-p 0.95",
+                         "config": label(cfg), "wall_ms": wall_ms, "device_ms": device_us / 1e3,
+                         "host_exposed_ms": host_ms, "aten_ops": ops})
     print(f"\nhost cost of one {label(cfg)} step (T = {pattern.num_tokens}), SmolLM2, L = 512")
-    print_table(["mode", "wall ms", "GPU busy ms", "wall - GPU ms", "aten ops/step"],
-                [[r["mode"], f"{r['wall_ms']:.2f}", f"{r['device_ms']:.2f}", f"{r['host_exposed_ms']:.2f}",
-                  f"{r['aten_ops']:.0f}"] for r in rows])
+    print_table(["mode", "sampling", "wall ms", "GPU busy ms", "wall - GPU ms", "aten ops/step"],
+                [[r["mode"], r["sampling"], f"{r['wall_ms']:.2f}", f"{r['device_ms']:.2f}",
+                  f"{r['host_exposed_ms']:.2f}", f"{r['aten_ops']:.0f}"] for r in rows])
     return {"rows": rows}
 
 

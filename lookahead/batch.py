@@ -24,7 +24,7 @@ from lookahead.kernels import StepPattern
 from .config import LookaheadConfig
 from .engine import GREEDY, PLAIN_STEP, GenerationResult, StepOutput, _choose, _LookaheadLoop, _Output
 from .layout import StepLayout
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SampleRequest, SamplingParams
 
 SEED_SPAN = 2**64  # Sampler's seed range
 
@@ -47,7 +47,7 @@ class BatchStepModel(Protocol):
     step_batch: run row b's `tokens[b]` laid out as `pattern` (one for every row, or one per row of a
         single shape: tree forms differ per row) at positions L_b + relative position; return one
         `StepOutput` per row, of its step indices `rows[b]` (the same count in every row), with topk > 0
-        also every step index's top-k tokens.
+        also every step index's top-k tokens, and with `sample` (one `SampleRequest` per row) their answers.
     commit_batch: keep row b's entries `step_indices[b]` at L_b, L_b + 1, ... (may be deferred to the
         next step, as `StepModel.commit`).
     keep_rows: continue with rows `order` only: row i becomes what row order[i] was.
@@ -56,7 +56,8 @@ class BatchStepModel(Protocol):
     def prefill_batch(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor: ...
 
     def step_batch(self, tokens: Sequence[Sequence[int]], pattern: StepPattern | Sequence[StepPattern],
-                   rows: Sequence[Sequence[int]], topk: int = 0) -> list[StepOutput]: ...
+                   rows: Sequence[Sequence[int]], topk: int = 0,
+                   sample: Sequence[SampleRequest] | None = None) -> list[StepOutput]: ...
 
     def commit_batch(self, step_indices: Sequence[Sequence[int]]) -> None: ...
 
@@ -144,24 +145,29 @@ def decode_batch(
 
 
 def _plain_step(model, live, last, outs, sampling, samplers) -> None:
-    outputs = model.step_batch([[last[i]] for i in live], PLAIN_STEP, [[0]] * len(live))
+    sample = {} if samplers[live[0]] is None else {
+        "sample": [SampleRequest(sampling, samplers[i], first_draft_row=1) for i in live]}
+    outputs = model.step_batch([[last[i]] for i in live], PLAIN_STEP, [[0]] * len(live), **sample)
     model.commit_batch([[0]] * len(live))
     for i, output in zip(live, outputs, strict=True):
         if outs[i].done:
             continue  # padding (drop_finished=False)
-        sampler = samplers[i]
-        last[i] = output.argmax[0] if sampler is None else _choose(output.logits, sampling, sampler)
+        last[i] = output.argmax[0] if samplers[i] is None else output.sampled.draws[0]
         outs[i].accept([last[i]])
 
 
 def _lookahead_step(model, live, last, outs, loops, padding) -> None:
     layouts: list[StepLayout | None] = [None if outs[i].done else loops[i].plan(last[i]) for i in live]
-    steps = [padding[i] if layout is None else (layout.tokens, layout.rows, layout.pattern)
+    steps = [padding[i] if layout is None else (layout, layout.tokens, layout.rows, layout.pattern)
              for i, layout in zip(live, layouts, strict=True)]
-    topk = next(layout.topk for layout in layouts if layout is not None)  # one configuration: one top-k
+    # one configuration: the same optional requests (top-k, sampling) in every row, padding rows included
+    requests = [loops[i].step_requests(layout) for i, (layout, *_) in zip(live, steps, strict=True)]
+    optional = {"topk": requests[0]["topk"]} if "topk" in requests[0] else {}
+    if "sample" in requests[0]:
+        optional["sample"] = [request["sample"] for request in requests]
     # one shape for every row (static steps), but a tree form's pattern differs from row to row
-    outputs = model.step_batch([tokens for tokens, _, _ in steps], [pattern for _, _, pattern in steps],
-                               [rows for _, rows, _ in steps], topk)
+    outputs = model.step_batch([tokens for _, tokens, _, _ in steps], [pattern for *_, pattern in steps],
+                               [rows for _, _, rows, _ in steps], **optional)
     commits = []
     for i, layout, output, step in zip(live, layouts, outputs, steps, strict=True):
         if layout is None:

@@ -17,8 +17,7 @@ from .config import LookaheadConfig
 from .drafts import DraftBuilder
 from .layout import StepLayout, full_pattern, pack_step
 from .pool import CONTEXT, NGramPool
-from .sampling import Sampler, SamplingParams, target_probs
-from .targets import LocalTargets, Targets
+from .sampling import Sampler, SampleReads, SampleRequest, SamplingParams, target_probs
 from .verify import Verdict, greedy_verify, greedy_verify_tree, sample_verify, sample_verify_tree
 from .window import LookaheadWindow
 
@@ -29,11 +28,13 @@ GREEDY = SamplingParams()
 @dataclass
 class StepOutput:
     """What a step returns: the logits of the requested rows (on the model's device) and their argmax; when asked
-    for, the top-k next tokens of every step row (the model's predictions after each token, for recycling)."""
+    for, the top-k next tokens of every step row (the model's predictions after each token, for recycling) and
+    what sampling verification reads."""
 
     logits: torch.Tensor  # [R, V]
     argmax: list[int]  # [R], fetched in the step's one device-to-host copy
     topk: torch.Tensor | None = None  # [T, k] int64 on the host, fetched in the same copy
+    sampled: SampleReads | None = None  # the `SampleRequest`'s answer, fetched in the same copy
 
 
 class StepModel(Protocol):
@@ -41,16 +42,19 @@ class StepModel(Protocol):
 
     prefill: run the prompt into the cache; return the logits [V] of its last token.
     step: run `tokens` laid out as `pattern` describes, at positions L + relative position, writing
-        their KV entries after the cache prefix; return the outputs of step indices `rows`, and with
-        topk > 0 the top-k tokens of every step index's output (the loop passes topk only when it needs it).
-        A tree pattern changes every step: its tree is data, not a new shape to compile.
+        their KV entries after the cache prefix; return the outputs of step indices `rows`, with
+        topk > 0 the top-k tokens of every step index's output, and with a `sample` request its answer
+        (`SampleRequest.fetch(logits)` does it; a device model folds it into its step's one copy). The
+        loop passes topk and sample only when it needs them. A tree pattern changes every step: its
+        tree is data, not a new shape to compile.
     commit: keep the KV entries of these step indices (at positions L, L+1, ...) and grow L by their
         number. A model may defer the copy to its next step, so a commit costs no launch of its own.
     """
 
     def prefill(self, tokens: Sequence[int]) -> torch.Tensor: ...
 
-    def step(self, tokens: Sequence[int], pattern: StepPattern, rows: Sequence[int], topk: int = 0) -> StepOutput:
+    def step(self, tokens: Sequence[int], pattern: StepPattern, rows: Sequence[int], topk: int = 0,
+             sample: SampleRequest | None = None) -> StepOutput:
         ...
 
     def commit(self, step_indices: Sequence[int]) -> None: ...
@@ -118,10 +122,11 @@ def decode(
     last = _choose(model.prefill(prompt)[None], sampling, sampler)
     out.accept([last])
     if lookahead is None:
+        sample = {} if sampler is None else {"sample": SampleRequest(sampling, sampler, first_draft_row=1)}
         while not out.done:
-            step = model.step([last], PLAIN_STEP, [0])
+            step = model.step([last], PLAIN_STEP, [0], **sample)
             model.commit([0])
-            last = step.argmax[0] if sampler is None else _choose(step.logits, sampling, sampler)
+            last = step.argmax[0] if sampler is None else step.sampled.draws[0]
             out.accept([last])
     else:
         loop = _LookaheadLoop(lookahead, prompt, last, sampling, sampler, static_step)
@@ -133,6 +138,7 @@ def decode(
 
 
 def _choose(logits: torch.Tensor, sampling: SamplingParams, sampler: Sampler | None) -> int:
+    """The first token, from the prefill's logits [1, V]."""
     if sampler is None:
         return int(logits[0].argmax())
     return sampler.draw(target_probs(logits[:1], sampling)[0])
@@ -159,8 +165,7 @@ class _LookaheadLoop:
     def step(self, model: StepModel, input_token: int) -> Verdict:
         """One forward pass: lookahead branch + verification branch; commits the accepted KV entries."""
         layout = self.plan(input_token)
-        topk = {"topk": layout.topk} if layout.topk else {}
-        output = model.step(layout.tokens, layout.pattern, layout.rows, **topk)
+        output = model.step(layout.tokens, layout.pattern, layout.rows, **self.step_requests(layout))
         verdict = self.finish(layout, output)
         model.commit(layout.commit_indices(verdict.candidate, verdict.run))
         return verdict
@@ -175,13 +180,19 @@ class _LookaheadLoop:
         levels = len(self.window.levels)
         return pack_step(self.window.levels, self._candidates(input_token, levels), self.full, self.static)
 
-    def finish(self, layout: StepLayout, output: StepOutput, targets: Targets | None = None) -> Verdict:
+    def step_requests(self, layout: StepLayout) -> dict:
+        """The optional arguments of the model's step for `layout`: `topk` (recycling), `sample` (sampling)."""
+        requests: dict = {"topk": layout.topk} if layout.topk else {}
+        if self.sampler is not None:
+            requests["sample"] = SampleRequest(self.sampling, self.sampler, layout.first_draft_row,
+                                               layout.draft_pairs)
+        return requests
+
+    def finish(self, layout: StepLayout, output: StepOutput) -> Verdict:
         """Verify the step's outputs, let the draft sources learn from them, and move the window and the pool on;
-        the caller commits the verdict. targets: where sampling reads its probabilities (default: `output.logits`)."""
+        the caller commits the verdict."""
         predicted = {index: output.argmax[r] for index, r in layout.row_of.items()}
-        if self.sampler is not None and targets is None:
-            targets = LocalTargets(layout, output.logits, self.sampling)
-        verdict = self._verify(layout, predicted, targets)
+        verdict = self._verify(layout, output, predicted)
         if self.drafts is not None:
             self._learn(layout, output, predicted, verdict)
         self._advance(verdict.tokens, [predicted[i] for i in layout.last_level])
@@ -210,16 +221,26 @@ class _LookaheadLoop:
         self.drafts.recycle.update([before[i] for i in rows], [tokens[i] for i in rows],
                                    output.topk.numpy()[rows])
 
-    def _verify(self, layout: StepLayout, predicted: dict[int, int], targets: Targets | None) -> Verdict:
+    def _verify(self, layout: StepLayout, output: StepOutput, predicted: dict[int, int]) -> Verdict:
+        tree = layout.tree
         if self.sampler is None:
-            if layout.tree is not None:
-                return greedy_verify_tree(layout.tree, predicted, layout.pattern.lookahead_len)
+            if tree is not None:
+                return greedy_verify_tree(tree, predicted, layout.pattern.lookahead_len)
             return greedy_verify(layout.candidates, predicted, layout.pattern)
-        if layout.tree is not None:
-            return sample_verify_tree(layout.tree, targets.probs, targets.prob_of, layout.pattern.lookahead_len,
-                                      self.sampler.uniform, self.sampler.draw)
-        return sample_verify(layout.candidates, targets.probs, targets.prob_of, layout.pattern,
-                             self.sampler.uniform, self.sampler.draw)
+        if output.sampled is None:
+            raise TypeError("the step asked for sampling's reads (a SampleRequest), but the model's step returned "
+                            "StepOutput.sampled None: a StepModel must honour `sample`")
+        reads, slot = output.sampled, layout.slot
+
+        def prob_of(index: int, token: int) -> float:
+            return reads.probs[(slot(index), token)]
+
+        def draw(index: int) -> int:
+            return reads.draws[slot(index)]
+
+        if tree is not None:
+            return sample_verify_tree(tree, prob_of, layout.pattern.lookahead_len, self.sampler.uniform, draw)
+        return sample_verify(layout.candidates, prob_of, layout.pattern, self.sampler.uniform, draw)
 
     def _advance(self, accepted: list[int], outputs: list[int]) -> None:
         if self.window.full:

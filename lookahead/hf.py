@@ -27,7 +27,7 @@ from lookahead.kernels import StepPattern, commit_accepted, lookahead_attention,
 from .config import LookaheadConfig
 from .engine import GenerationResult, StepOutput, decode
 from .inputs import eos_ids, prompt_tokens
-from .sampling import SamplingParams
+from .sampling import SampleRequest, SamplingParams
 
 MIN_TRANSFORMERS = "4.56"  # AttentionInterface, DynamicCache layers, callable custom_generate
 ATTENTION_NAME = "lookahead"
@@ -173,7 +173,8 @@ class HFStepModel:
         return out.logits[0, -1]
 
     @torch.no_grad()
-    def step(self, tokens: Sequence[int], pattern: StepPattern, rows: Sequence[int], topk: int = 0) -> StepOutput:
+    def step(self, tokens: Sequence[int], pattern: StepPattern, rows: Sequence[int], topk: int = 0,
+             sample: SampleRequest | None = None) -> StepOutput:
         ids = torch.tensor([list(tokens)], device=self.device)
         positions = (self.length + pattern.relative_positions).to(self.device)[None]
         mask = None if self.kernel else pattern.materialize(self.length, device=self.device)
@@ -184,12 +185,17 @@ class HFStepModel:
             out = self.model(input_ids=ids, position_ids=positions, past_key_values=self.cache, use_cache=True,
                              logits_to_keep=0 if topk else rows, **{_STEP_KWARG: step})
         logits = out.logits[0]
-        if not topk:
-            return StepOutput(logits, logits.argmax(-1).tolist())
-        top = logits.topk(min(topk, logits.shape[-1]), dim=-1).indices
-        logits = logits[rows]
-        fetched = torch.cat([logits.argmax(-1), top.flatten()]).cpu()  # one device-to-host copy
-        return StepOutput(logits, fetched[: len(rows)].tolist(), fetched[len(rows) :].view(-1, top.shape[1]))
+        top = logits.topk(min(topk, logits.shape[-1]), dim=-1).indices if topk else None
+        if topk:
+            logits = logits[rows]
+        parts = [logits.argmax(-1)]
+        parts += [] if top is None else [top.flatten()]
+        parts += [] if sample is None else [sample.compute(logits)]
+        fetched = torch.cat(parts).cpu()  # the step's one device-to-host copy
+        argmax, rest = fetched[: logits.shape[0]].tolist(), fetched[logits.shape[0] :]
+        top_k = 0 if top is None else top.numel()
+        return StepOutput(logits, argmax, None if top is None else rest[:top_k].view(top.shape),
+                          None if sample is None else sample.unpack(rest[top_k:], sample.slots(logits.shape[0])))
 
     def commit(self, step_indices: Sequence[int]) -> None:
         keep = self.length + len(step_indices)

@@ -108,6 +108,38 @@ class StepLayout:
         tokens = self.tokens
         return [before if p < 0 else tokens[p] for p in self.parents]
 
+    @property
+    def first_draft_row(self) -> int:
+        """The output row of the first draft slot: `rows` is the input token, the last level's W columns, then
+        one row per draft slot (step indices lookahead_len.., padding included)."""
+        return 1 + self.pattern.window
+
+    def slot(self, step_index: int) -> int:
+        """The verified slot of a step index whose output sampling reads: 0 for the input token, 1 + j for
+        draft slot j (`SampleRequest`'s numbering)."""
+        return 0 if step_index == 0 else 1 + step_index - self.pattern.lookahead_len
+
+    def slot_index(self, slot: int) -> int:
+        """The step index of verified slot `slot` (the inverse of `slot`)."""
+        return 0 if slot == 0 else self.pattern.lookahead_len + slot - 1
+
+    @cached_property
+    def draft_pairs(self) -> tuple[tuple[int, int], ...]:
+        """(slot of the parent, token) for every edge of the drafts as a trie: what sampling verification
+        reads. Chains: candidates that share a prefix share its node, whose step index is that of the first
+        candidate holding it (the one verification follows)."""
+        if self.tree is not None:
+            return tuple((self.slot(self.node_index(parent)), token)
+                         for parent, token in zip(self.tree.parents, self.tree.tokens, strict=True))
+        pairs: dict[tuple[int, int], None] = {}
+        first: dict[tuple[int, ...], int] = {}  # prefix -> the first candidate holding it
+        for c, candidate in enumerate(self.candidates):
+            for k, token in enumerate(candidate):
+                owner = first.setdefault(candidate[:k], c)
+                parent = 0 if k == 0 else self.pattern.candidate_index(owner, k)
+                pairs.setdefault((self.slot(parent), token))
+        return tuple(pairs)
+
     def node_index(self, node: int) -> int:
         """Tree form: the step index of node `node` (ROOT: the input token, step index 0)."""
         return 0 if node == ROOT else self.pattern.lookahead_len + node

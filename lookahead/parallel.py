@@ -13,8 +13,9 @@ accepted entries' KV reach every rank's cache:
   their next sub-step, as a chain above the input token.
 
 `bench/distributed.py` measures both (docs/DESIGN.md, "Lookahead parallelism"). Sampling stays exactly
-distributed: all ranks draw with one seed in the same order; the one full distribution a walk draws from
-comes from the rank that owns its row (one more broadcast, sampling only). A rank whose step raises
+distributed: all ranks draw with one seed in the same order (the host's uniforms, one race's keys a step);
+the rank that owns a verified slot computes its race winner and the probabilities of the drafts offered
+there, which travel in the same all-gather. A rank whose step raises
 tells the others in its message, so they raise too; a rank that dies or hangs is left to the process
 group's timeout (`init_process_group(timeout=...)`).
 """
@@ -34,9 +35,8 @@ from .config import LookaheadConfig
 from .engine import GenerationResult, StepModel, StepOutput, _choose, _LookaheadLoop, _Output
 from .exchange import MessagePlan, failed_ranks
 from .layout import StepLayout, full_pattern
-from .sampling import Sampler, SamplingParams, target_probs
+from .sampling import Sampler, SamplingParams, sample_rows
 from .substep import StepSplit, SubStep, split_step
-from .targets import verified_rows
 
 KV_SYNCS = ("broadcast", "refeed")
 BUCKET = 8  # static sub-steps are padded to a multiple of this: a few shapes (CUDA graphs), little padding
@@ -120,15 +120,15 @@ def decode_parallel(
             real = len(sub.tokens)
             sub = split.sub_step(layout, comm.rank, sync.pending, min(-(-real // BUCKET) * BUCKET, max_tokens))
         plan = MessagePlan.of(layout, split, sampler is not None)
-        work = partial(_run_sub_step, model, layout, sub, plan, comm.rank, sampling, sampler is not None, static_step)
+        work = partial(_run_sub_step, model, layout, sub, plan, comm.rank, sampling, sampler, static_step)
         if failure is not None:
             work = partial(_reraise, failure)
-        output, row, gathered = comm.run_step(work, plan)
-        argmax, topk, probs = plan.unpack(gathered)
+        gathered = comm.run_step(work, plan)
+        argmax, topk, sampled = plan.unpack(layout, gathered)
         full = StepOutput(torch.empty(0), [argmax[i] for i in layout.rows],
-                          torch.tensor([topk[i] for i in range(len(layout.tokens))]) if layout.topk else None)
-        targets = None if sampler is None else _GatheredTargets(probs, split, sub, output, row, sampling, comm)
-        verdict = loop.finish(layout, full, targets)
+                          torch.tensor([topk[i] for i in range(len(layout.tokens))]) if layout.topk else None,
+                          sampled)
+        verdict = loop.finish(layout, full)
         sync.commit(layout, split, sub, layout.commit_indices(verdict.candidate, verdict.run))
         last = verdict.tokens[-1]
         failure = _accept(out, verdict.tokens)
@@ -150,9 +150,8 @@ def _reraise(failure: Exception):
 
 
 def _run_sub_step(model: StepModel, layout: StepLayout, sub: SubStep, plan: MessagePlan, rank: int,
-                  sampling: SamplingParams, sample: bool,
-                  static: bool) -> tuple[StepOutput, dict[int, int], torch.Tensor]:
-    """This rank's forward pass, which output row holds each sub-step index it asked for, and its message."""
+                  sampling: SamplingParams, sampler: Sampler | None, static: bool) -> torch.Tensor:
+    """This rank's forward pass, and its message."""
     if static:
         rows = list(range(len(sub.tokens)))
     else:
@@ -163,37 +162,23 @@ def _run_sub_step(model: StepModel, layout: StepLayout, sub: SubStep, plan: Mess
     row = {local: r for r, local in enumerate(rows)}
     argmax = {i: output.argmax[row[sub.local[i]]] for i in plan.argmax[rank]}
     top = {i: output.topk[sub.local[i]] for i in plan.topk[rank]}
+    draws: dict[int, int] = {}
     probs: dict[tuple[int, int], float] = {}
-    if sample and plan.probs[rank]:
-        pairs = plan.probs[rank]
-        verified = [i for i in verified_rows(layout) if i in sub.owned]
-        at = {i: r for r, i in enumerate(verified)}
-        table = target_probs(output.logits[[row[sub.local[i]] for i in verified]], sampling)
-        values = table[[at[s] for s, _ in pairs], [t for _, t in pairs]].tolist()
-        probs = dict(zip(pairs, values, strict=True))
-    return output, row, plan.pack(rank, argmax, top, probs)
-
-
-class _GatheredTargets:
-    """Sampling's targets in a parallel step: the read entries from the gathered messages, and the one full
-    distribution a walk draws from, broadcast by the rank that owns its row."""
-
-    def __init__(self, probs: dict[tuple[int, int], float], split: StepSplit, sub: SubStep, output: StepOutput,
-                 row: dict[int, int], sampling: SamplingParams, comm: _Comm) -> None:
-        self._lookup, self._split, self._sub, self._output, self._row = probs, split, sub, output, row
-        self._sampling, self._comm = sampling, comm
-
-    def prob_of(self, index: int, token: int) -> float:
-        return self._lookup[(index, token)]
-
-    def probs(self, index: int) -> torch.Tensor:
-        owner = self._split.owner[index]
-        if owner == self._comm.rank:
-            logits = self._output.logits[self._row[self._sub.local[index]]]
-            target = target_probs(logits[None], self._sampling)[0]
-        else:
-            target = torch.empty(self._output.logits.shape[-1], dtype=torch.float32, device=self._output.logits.device)
-        return self._comm.broadcast(target, owner)
+    if sampler is not None:
+        # one race's keys a step on every rank, as a single process draws them: the generators stay in step, and
+        # each slot's winner is the one a single process picks
+        keys = sampler.keys(output.logits.shape[-1])
+        verified = plan.draws[rank]
+        if verified:
+            slot = {layout.slot(i): n for n, i in enumerate(verified)}
+            pairs = plan.probs[rank]
+            pair_rows = torch.tensor([[slot[s] for s, _ in pairs], [t for _, t in pairs]], dtype=torch.int64)
+            logits = output.logits[[row[sub.local[i]] for i in verified]]
+            fetched = sample_rows(logits[None], sampling, pair_rows.view(1, 2, -1).to(logits.device), keys[None])
+            fetched = fetched[0].cpu()
+            draws = dict(zip(verified, fetched[: len(verified)].tolist(), strict=True))
+            probs = dict(zip(pairs, fetched[len(verified) :].view(torch.float64).tolist(), strict=True))
+    return plan.pack(rank, argmax, top, draws, probs)
 
 
 class _KVSync:
@@ -256,17 +241,17 @@ class _Comm:
         _raise_failed([rank for rank, (s, _) in enumerate(every) if s != 1])
         return every[0][1]
 
-    def run_step(self, work: Callable[[], tuple[StepOutput, dict[int, int], torch.Tensor]],
-                 plan: MessagePlan) -> tuple[StepOutput, dict[int, int], torch.Tensor]:
-        """Run this rank's sub-step and all-gather the messages; a failure anywhere raises on every rank."""
+    def run_step(self, work: Callable[[], torch.Tensor], plan: MessagePlan) -> torch.Tensor:
+        """Run this rank's sub-step (`work` returns its message) and all-gather the messages [K, size]; a failure
+        anywhere raises on every rank."""
         try:
-            output, row, message = work()
+            message = work()
         except Exception:
             self._all_gather(plan.failed().to(self.device))
             raise
         gathered = self._all_gather(message.to(self.device)).cpu()
         _raise_failed(failed_ranks(gathered))
-        return output, row, gathered
+        return gathered
 
     def broadcast(self, tensor: torch.Tensor, source: int) -> torch.Tensor:
         """`tensor` from rank `source` (a group rank) on every rank; returns it on the caller's device."""

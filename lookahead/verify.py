@@ -11,8 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import torch
-
 from lookahead.kernels import StepPattern
 
 from .tree import ROOT, DraftTree
@@ -49,18 +47,19 @@ def greedy_verify(candidates: Sequence[Sequence[int]], predicted: dict[int, int]
 
 def sample_verify(
     candidates: Sequence[Sequence[int]],
-    probs: Callable[[int], torch.Tensor],
     prob_of: Callable[[int, int], float],
     pattern: StepPattern,
     uniform: Callable[[], float],
-    draw: Callable[[torch.Tensor], int],
+    draw: Callable[[int], int],
 ) -> Verdict:
     """Algorithm 4: accept a candidate token with its (residual) target probability, else try the next.
 
-    probs(step_index) -> [V] target distribution of that output; prob_of(step_index, token) -> one entry.
-    A rejected token is removed from the distribution and the rest renormalised before the next
-    candidate is tried; when all are rejected the token is drawn from that residual. Candidates were
-    made greedily by the lookahead branch, so (Appendix B) the output keeps the target distribution.
+    prob_of(step_index, token) -> the target probability of token at that output. A rejected token is
+    removed from the distribution and the rest renormalised before the next candidate is tried; when all
+    are rejected the token is drawn from that residual: draw(step_index) -> a token from the target at
+    that output without the tokens the candidates offer there (with none offered, the target itself).
+    Candidates were made greedily by the lookahead branch, so (Appendix B) the output keeps the target
+    distribution.
     """
     alive = list(range(len(candidates)))
     tokens: list[int] = []
@@ -68,21 +67,21 @@ def sample_verify(
     depth = len(candidates[0]) if candidates else 0  # warm-up candidates are shorter than N - 1
     for position in range(depth):
         options = [candidates[c][position] for c in alive]
-        chosen, rejected = _accept_one(options, source, prob_of, uniform)
+        chosen = _accept_one(options, source, prob_of, uniform)
         if chosen is None:
-            return Verdict(tokens + [draw(_residual(probs(source), rejected))], alive[0] if tokens else -1)
+            return Verdict(tokens + [draw(source)], alive[0] if tokens else -1)
         token = options[chosen]
         tokens.append(token)
         alive = [c for c in alive if candidates[c][position] == token]
         source = pattern.candidate_index(alive[0], position + 1)
-    return Verdict(tokens + [draw(probs(source))], alive[0] if tokens else -1)
+    return Verdict(tokens + [draw(source)], alive[0] if tokens else -1)
 
 
 def _accept_one(tokens: Sequence[int], source: int, prob_of: Callable[[int, int], float],
-                uniform: Callable[[], float]) -> tuple[int | None, list[int]]:
+                uniform: Callable[[], float]) -> int | None:
     """Algorithm 4 at one position: try `tokens` in turn, accepting one with its residual target probability;
     a rejected token leaves the distribution and the rest is renormalised. Returns the index of the accepted
-    one (None if all were rejected) and the rejected tokens."""
+    one, None when all were rejected (then the residual is the target without every one of `tokens`)."""
     rejected: list[int] = []
     rejected_mass = 0.0
     for i, token in enumerate(tokens):
@@ -90,19 +89,10 @@ def _accept_one(tokens: Sequence[int], source: int, prob_of: Callable[[int, int]
             continue  # already removed from the residual: probability 0
         p = prob_of(source, token)
         if uniform() * (1.0 - rejected_mass) < p:
-            return i, rejected
+            return i
         rejected.append(token)
         rejected_mass += p
-    return None, rejected
-
-
-def _residual(target: torch.Tensor, rejected: list[int]) -> torch.Tensor:
-    """The target with the rejected tokens removed, to draw from (unnormalised)."""
-    if not rejected:
-        return target
-    residual = target.clone()
-    residual[rejected] = 0.0
-    return residual if residual.sum() > 0 else target  # only float round-off can empty it: fall back
+    return None
 
 
 def _source(pattern: StepPattern, candidate: int, run: int) -> int:
@@ -127,24 +117,24 @@ def greedy_verify_tree(tree: DraftTree, predicted: dict[int, int], base: int) ->
 
 def sample_verify_tree(
     tree: DraftTree,
-    probs: Callable[[int], torch.Tensor],
     prob_of: Callable[[int, int], float],
     base: int,
     uniform: Callable[[], float],
-    draw: Callable[[torch.Tensor], int],
+    draw: Callable[[int], int],
 ) -> Verdict:
     """Algorithm 4 at each node over its children: accept a child with its residual target probability, else
     remove its token and renormalise before the next; when all are rejected, draw from that residual and stop.
     The drafts do not depend on this step's random draws, so the output keeps the target distribution.
 
-    probs(step_index) -> [V] target distribution there; prob_of(step_index, token) -> one entry.
+    prob_of(step_index, token) -> the target probability of token there; draw(step_index) -> a token from the
+    target there without its children's tokens (a leaf: the target itself).
     """
     node, source, tokens = ROOT, 0, []
     while True:
         children = list(tree.children(node))
-        chosen, rejected = _accept_one([tree.tokens[child] for child in children], source, prob_of, uniform)
+        chosen = _accept_one([tree.tokens[child] for child in children], source, prob_of, uniform)
         if chosen is None:
-            return Verdict(tokens + [draw(_residual(probs(source), rejected))], node)
+            return Verdict(tokens + [draw(source)], node)
         chosen = children[chosen]
         tokens.append(tree.tokens[chosen])
         node, source = chosen, base + chosen

@@ -1,9 +1,10 @@
 """`CachedRunner`: a `Llama` with its KV cache, speaking the decode loop's `StepModel` protocol.
 
 A step reads everything that changes from one step to the next (token ids, output rows, L, the
-relative positions, a tree's `tree_end`, the previous verdict's commit) from one device buffer, filled
-by one host-to-device copy; it returns the requested rows' logits and their argmax (and, when asked,
-every row's top-k tokens), fetched by one device-to-host copy. A program is keyed by the step's shape
+relative positions, a tree's `tree_end`, the previous verdict's commit, sampling's draft pairs) from
+one device buffer, filled by one host-to-device copy; it returns the requested rows' logits and their
+argmax (and, when asked, every row's top-k tokens and what sampling verification reads), fetched by
+one device-to-host copy. A program is keyed by the step's shape
 only (W, N, the verification branch's size and form, the rows, the batch size): a tree that changes
 every step is data, so on CUDA each shape is captured once as a CUDA graph and replayed.
 
@@ -14,6 +15,7 @@ stepping together in one forward pass. The one-sequence protocol is the batch of
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -21,6 +23,7 @@ import torch
 
 from lookahead.engine import StepOutput
 from lookahead.kernels import StepPattern
+from lookahead.sampling import SampleRequest, padded_pairs, sample_on_device
 
 from .attention import TorchBackend, TritonBackend, cached, prefill_attention
 from .kv_cache import KVCache
@@ -58,7 +61,7 @@ class CachedRunner:
         self.can_graph = self.device.type == "cuda" and self.backend.graphable
         self.cuda_graphs = cuda_graphs and self.can_graph  # may be switched between generations
         self._graph_pool = torch.cuda.graph_pool_handle() if self.can_graph else None
-        self._programs: dict[tuple, _StepProgram] = {}  # (pattern shape, rows R, batch b, top-k)
+        self._programs: dict[tuple, _StepProgram] = {}  # (pattern shape, rows R, batch b, top-k, sampling)
         self.reset()
 
     def reset(self, batch: int = 1) -> None:
@@ -85,8 +88,9 @@ class CachedRunner:
     def prefill(self, tokens: Sequence[int]) -> torch.Tensor:
         return self.prefill_batch([tokens])[0]
 
-    def step(self, tokens: Sequence[int], pattern: StepPattern, rows: Sequence[int], topk: int = 0) -> StepOutput:
-        return self.step_batch([tokens], pattern, [rows], topk)[0]
+    def step(self, tokens: Sequence[int], pattern: StepPattern, rows: Sequence[int], topk: int = 0,
+             sample: SampleRequest | None = None) -> StepOutput:
+        return self.step_batch([tokens], pattern, [rows], topk, None if sample is None else [sample])[0]
 
     def commit(self, step_indices: Sequence[int]) -> None:
         self.commit_batch([step_indices])
@@ -112,23 +116,26 @@ class CachedRunner:
         return torch.stack(last)
 
     def step_batch(self, tokens: Sequence[Sequence[int]], pattern: StepPattern | Sequence[StepPattern],
-                   rows: Sequence[Sequence[int]], topk: int = 0) -> list[StepOutput]:
+                   rows: Sequence[Sequence[int]], topk: int = 0,
+                   sample: Sequence[SampleRequest] | None = None) -> list[StepOutput]:
         """Row b's `tokens[b]` laid out as `pattern` (one for every row, or one per row of a single shape: trees
         differ from row to row) at positions L_b + relative position; the outputs of its step indices
-        `rows[b]` (the same count in every row), with topk > 0 also every step index's top-k tokens."""
+        `rows[b]` (the same count in every row), with topk > 0 also every step index's top-k tokens, and
+        with `sample` (one request per row, one sampling setting) what sampling verification reads."""
         patterns = [pattern] * len(tokens) if isinstance(pattern, StepPattern) else list(pattern)
         shape = patterns[0].shape
         if any(p.shape != shape for p in patterns):
             shapes = sorted({p.shape for p in patterns})
             raise ValueError(f"a batch step needs one step shape for every row, got {shapes}")
         self._check_room(patterns[0].num_tokens)
-        key = (shape, len(rows[0]), len(tokens), topk)
+        first_draft_row = None if sample is None else sample[0].first_draft_row
+        key = (shape, len(rows[0]), len(tokens), topk, first_draft_row)
         if key not in self._programs:
-            self._programs[key] = _StepProgram(self, patterns[0], len(rows[0]), len(tokens), topk)
+            self._programs[key] = _StepProgram(self, patterns[0], len(rows[0]), len(tokens), topk, first_draft_row)
         program = self._programs[key]
         src, dst = self._commit if self._commit is not None else self._no_commit()
         self._commit = None
-        return program.run(tokens, patterns, rows, self.lengths, src, dst)
+        return program.run(tokens, patterns, rows, self.lengths, src, dst, sample)
 
     def commit_batch(self, step_indices: Sequence[Sequence[int]]) -> None:
         """Keep row b's entries `step_indices[b]` (a different count in each row) at L_b, L_b + 1, ..."""
@@ -197,47 +204,63 @@ class CachedRunner:
 
 
 class _StepProgram:
-    """One step shape (pattern shape, output rows R, batch b, top-k): its device input buffer, the forward that
-    reads only that buffer, its graph."""
+    """One step shape (pattern shape, output rows R, batch b, top-k, sampling): its device input buffer, the
+    forward that reads only that buffer, its graph."""
 
-    def __init__(self, runner: CachedRunner, pattern: StepPattern, num_rows: int, batch: int, topk: int) -> None:
+    def __init__(self, runner: CachedRunner, pattern: StepPattern, num_rows: int, batch: int, topk: int,
+                 first_draft_row: int | None = None) -> None:
         self.runner, self.pattern, self.batch = runner, pattern, batch  # a tree pattern stands for its shape only
         self.num_rows, self.topk = num_rows, min(topk, runner.model.config.vocab_size)
+        self.first_draft_row = first_draft_row  # sampling: where the draft rows start; None: greedy
+        self.draft_slots = 0 if first_draft_row is None else num_rows - first_draft_row
         device = runner.device
         t, k, v = pattern.num_tokens, runner.max_commit, pattern.verify_len if pattern.is_tree else 0
         # inputs, row-major: token ids [b, T] | output rows [b, R] | L [b] | relative positions [b, T]
         #                    | tree_end [b, V] (tree form) | commit sources [b, K] | commit destinations [b, K]
-        self._shapes = ((batch, t), (batch, num_rows), (batch,), (batch, t), (batch, v), (batch, k), (batch, k))
-        self._splits = tuple(batch * (shape[1] if len(shape) > 1 else 1) for shape in self._shapes)
+        #                    | sampling's draft pairs [b, 2, P] (P = R - first_draft_row, the draft slots)
+        self._shapes = ((batch, t), (batch, num_rows), (batch,), (batch, t), (batch, v), (batch, k), (batch, k),
+                        (batch, 2, self.draft_slots))
+        self._splits = tuple(math.prod(shape) for shape in self._shapes)
         size = sum(self._splits)
         self.inputs = torch.zeros(size, dtype=torch.int64, device=device)
         self.staging = torch.zeros(size, dtype=torch.int64, pin_memory=device.type == "cuda")
         self._host = self.staging.numpy()  # writes through to the (pinned) staging buffer
+        self.pairs = self.inputs.split(self._splits)[-1].view(self._shapes[-1])  # sampling's, read after the graph
         self.offsets = torch.arange(t, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def run(self, tokens, patterns: list[StepPattern], rows, prefix_lens: list[int], src, dst) -> list[StepOutput]:
+    def run(self, tokens, patterns: list[StepPattern], rows, prefix_lens: list[int], src, dst,
+            sample: Sequence[SampleRequest] | None) -> list[StepOutput]:
         graphed = self.runner.cuda_graphs
         if graphed and self.graph is None:
             # capture with a no-op commit: apply this call's commit first, outside the graph, so the
             # warm-up runs (which compile kernels) change nothing real
             self.runner.cache.move(*(torch.tensor(x, device=self.runner.device) for x in (src, dst)))
             src = dst = self.runner._no_commit()[0]
-            self._stage(tokens, patterns, rows, prefix_lens, src, dst)
+            self._stage(tokens, patterns, rows, prefix_lens, src, dst, sample)
             self._capture(prefix_lens)
-        self._stage(tokens, patterns, rows, prefix_lens, src, dst)
+        self._stage(tokens, patterns, rows, prefix_lens, src, dst, sample)
         if graphed:
             self.graph.replay()
             logits, fetched = self.outputs
         else:
             logits, fetched = self.forward(prefix_lens)
-        fetched = fetched.cpu()  # the step's one device-to-host copy: argmax [b, R], then top-k [b, T, k]
+        if sample is not None:
+            # after the graph: the race keys come from each row's own generator, drawn eagerly
+            keys = torch.stack([request.sampler.keys(logits.shape[-1]) for request in sample])
+            reads = sample_on_device(logits, sample[0].params, self.first_draft_row, self.pairs, keys)
+            fetched = torch.cat([fetched, reads], dim=1)
+        fetched = fetched.cpu()  # the step's one device-to-host copy: argmax [b, R], top-k [b, T, k], sampling
         argmax = fetched[:, : self.num_rows].tolist()
-        topk = fetched[:, self.num_rows :].view(self.batch, -1, self.topk) if self.topk else [None] * self.batch
-        return [StepOutput(*row) for row in zip(logits, argmax, topk, strict=True)]
+        end = self.num_rows + self.pattern.num_tokens * self.topk
+        topk = fetched[:, self.num_rows : end].view(self.batch, -1, self.topk) if self.topk else [None] * self.batch
+        sampled = [None] * self.batch if sample is None else [
+            request.unpack(row[end:], 1 + self.draft_slots) for request, row in zip(sample, fetched, strict=True)]
+        return [StepOutput(*row) for row in zip(logits, argmax, topk, sampled, strict=True)]
 
-    def _stage(self, tokens, patterns: list[StepPattern], rows, prefix_lens: list[int], src, dst) -> None:
+    def _stage(self, tokens, patterns: list[StepPattern], rows, prefix_lens: list[int], src, dst,
+               sample: Sequence[SampleRequest] | None) -> None:
         """The step's one host-to-device copy (from pinned memory on CUDA)."""
         flat = [t for row in tokens for t in row]
         flat += [r for row in rows for r in row]
@@ -248,6 +271,8 @@ class _StepProgram:
             flat += pattern.tree_end or ()
         flat += [p for row in src for p in row]
         flat += [p for row in dst for p in row]
+        for request in sample if self.draft_slots else ():
+            flat += padded_pairs(request, self.draft_slots)
         self._host[:] = flat
         self.inputs.copy_(self.staging, non_blocking=True)
 
@@ -256,7 +281,7 @@ class _StepProgram:
         logits [b, R, V], and the int64 [b, ...] tensor the host fetches (each row's argmax, then every step
         index's top-k if asked)."""
         runner = self.runner
-        tokens, rows, lengths, positions, tree_end, src, dst = (
+        tokens, rows, lengths, positions, tree_end, src, dst, _ = (
             x.view(shape) for x, shape in zip(self.inputs.split(self._splits), self._shapes, strict=True))
         runner.cache.move(src, dst)
         slots = lengths[:, None] + self.offsets  # [b, T]: the step's KV entries go right after each row's prefix

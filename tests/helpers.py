@@ -66,7 +66,7 @@ class MockStepModel:
         self.committed = list(tokens)
         return self.logits_fn(self.committed).float()
 
-    def step(self, tokens, pattern: StepPattern, rows, topk: int = 0):
+    def step(self, tokens, pattern: StepPattern, rows, topk: int = 0, sample=None):
         self.calls += 1
         self.patterns.append(pattern)
         assert len(tokens) == pattern.num_tokens
@@ -81,7 +81,7 @@ class MockStepModel:
             out[r] = self.logits_fn(self.committed + [tokens[j] for j in by_position])
         logits = torch.stack([out[r] for r in rows]).float()
         top = torch.stack(list(out.values())).float().topk(min(topk, self.vocab)).indices if topk else None
-        return StepOutput(logits, logits.argmax(-1).tolist(), top)
+        return StepOutput(logits, logits.argmax(-1).tolist(), top, sample and sample.fetch(logits))
 
     def commit(self, step_indices):
         assert step_indices[0] == 0
@@ -103,13 +103,15 @@ class MockBatchStepModel:
         self.rows = [MockStepModel(self.vocab, self.logits_fn) for _ in prompts]
         return torch.stack([row.prefill(prompt) for row, prompt in zip(self.rows, prompts, strict=True)])
 
-    def step_batch(self, tokens, pattern, rows, topk: int = 0):
+    def step_batch(self, tokens, pattern, rows, topk: int = 0, sample=None):
         assert len(tokens) == len(rows) == len(self.rows) and len({len(r) for r in rows}) == 1
         patterns = [pattern] * len(tokens) if isinstance(pattern, StepPattern) else list(pattern)
         assert len({p.shape for p in patterns}) == 1, "a batch step has one shape"
         self.batch_sizes.append(len(tokens))
         self.patterns.extend({p.shape: p for p in patterns}.values())
-        return [row.step(t, p, r, topk) for row, t, p, r in zip(self.rows, tokens, patterns, rows, strict=True)]
+        sample = sample or [None] * len(tokens)
+        return [row.step(t, p, r, topk, s)
+                for row, t, p, r, s in zip(self.rows, tokens, patterns, rows, sample, strict=True)]
 
     def commit_batch(self, step_indices):
         for row, indices in zip(self.rows, step_indices, strict=True):

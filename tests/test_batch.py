@@ -102,7 +102,7 @@ def test_tiny_llama_batch_equals_each_prompt_alone(tiny_checkpoint, config):
     assert [r.steps for r in batch] == [r.steps for r in alone]
     assert len(batch[0].tokens) == length and max(len(r.tokens) for r in batch) > length
     runner = model.__dict__["_runner"]
-    shapes = {(shape, size) for shape, _, size, _ in runner._programs}  # programs: (shape, rows, batch, top-k)
+    shapes = {(key[0], key[2]) for key in runner._programs}  # programs: (shape, rows, batch, top-k, sampling)
     full = PLAIN if lookahead is None else full_pattern(lookahead)
     assert {shape for shape, _ in shapes} == {full.shape} and 4 in {size for _, size in shapes}
     # a batch of one, tensors as rows, and the model's runner reused for a single prompt afterwards
@@ -189,7 +189,7 @@ def test_auto_lookahead_on_cpu_is_plain(tiny_checkpoint):
     one = model.generate([5, 6, 7], max_new_tokens=6, lookahead="auto", eos_token_id=[])
     assert one.tokens == model.generate([5, 6, 7], max_new_tokens=6, eos_token_id=[]).tokens and one.steps == 6
     model.generate([[5, 6, 7], [8, 9]], max_new_tokens=6, lookahead="auto", eos_token_id=[])
-    assert {shape for shape, _, _, _ in model.__dict__["_runner"]._programs} == {PLAIN.shape}
+    assert {key[0] for key in model.__dict__["_runner"]._programs} == {PLAIN.shape}
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")

@@ -196,10 +196,10 @@ def test_sampling_matches_exact_distribution(hf_model):
 def test_a_wrong_acceptance_rule_fails_the_same_check(hf_model, monkeypatch):
     """Negative control: always accepting the first candidate (chains form) must be caught with the same model."""
 
-    def accept_first_candidate(candidates, probs, prob_of, pattern, uniform, draw):
+    def accept_first_candidate(candidates, prob_of, pattern, uniform, draw):
         if not candidates:
-            return Verdict([draw(probs(0))], -1)
-        return Verdict(list(candidates[0]) + [draw(probs(pattern.candidate_index(0, len(candidates[0]))))], 0)
+            return Verdict([draw(0)], -1)
+        return Verdict(list(candidates[0]) + [draw(pattern.candidate_index(0, len(candidates[0])))], 0)
 
     monkeypatch.setattr(engine, "sample_verify", accept_first_candidate)
     model = vocab6_model(hf_model)

@@ -6,10 +6,11 @@ import pytest
 import torch
 
 import lookahead.engine as engine
+import lookahead.sampling as sampling
 from helpers import MockStepModel, context_logits
 from lookahead import LookaheadConfig, SamplingParams, decode
 from lookahead.models import Llama
-from lookahead.sampling import target_probs
+from lookahead.sampling import Sampler, SampleRequest, pair_tensor, target_probs
 from lookahead.tree import ROOT
 from lookahead.verify import Verdict
 
@@ -132,17 +133,17 @@ def test_lookahead_sampling_matches_exact_distribution(params, cfg):
 def test_a_wrong_acceptance_rule_fails_the_same_test(monkeypatch, form):
     """Negative control: always accepting the first candidate's tokens (the tree's first path) must be caught."""
 
-    def accept_first_candidate(candidates, probs, prob_of, pattern, uniform, draw):
+    def accept_first_candidate(candidates, prob_of, pattern, uniform, draw):
         if not candidates:
-            return Verdict([draw(probs(0))], -1)
-        return Verdict(list(candidates[0]) + [draw(probs(pattern.candidate_index(0, len(candidates[0]))))], 0)
+            return Verdict([draw(0)], -1)
+        return Verdict(list(candidates[0]) + [draw(pattern.candidate_index(0, len(candidates[0])))], 0)
 
-    def accept_first_path(tree, probs, prob_of, base, uniform, draw):
+    def accept_first_path(tree, prob_of, base, uniform, draw):
         node, tokens = ROOT, []
         while (child := next(tree.children(node), None)) is not None:
             node = child
             tokens.append(tree.tokens[child])
-        return Verdict(tokens + [draw(probs(0 if node == ROOT else base + node))], node)
+        return Verdict(tokens + [draw(0 if node == ROOT else base + node)], node)
 
     if form == "chains":
         monkeypatch.setattr(engine, "sample_verify", accept_first_candidate)
@@ -204,3 +205,65 @@ def test_target_probs_filters_like_top_k_and_top_p():
 def test_invalid_sampling_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**{"temperature": 1.0, **kwargs})
+
+
+def test_race_draws_the_residual_on_the_device():
+    """`sample_on_device` against the definition: each pair's target probability, and at every slot a draw from
+    the target without that slot's draft tokens (chi-square), never one of them; a padding pair changes nothing."""
+    torch.manual_seed(0)
+    params = SamplingParams(0.9, top_k=5)
+    logits = torch.randn(6, VOCAB)  # rows: input, one lookahead row (not read), four draft slots
+    request = SampleRequest(params, Sampler(3, torch.device("cpu")), first_draft_row=2,
+                            pairs=((0, 1), (0, 4), (2, 0)))  # three pairs in four draft slots: one padding pair
+    verified = target_probs(logits[[0, 2, 3, 4, 5]], params)
+    n, counts = 4000, [{} for _ in range(5)]
+    for _ in range(n):
+        reads = request.unpack(request.compute(logits), 5)
+        for slot, token in enumerate(reads.draws):
+            counts[slot][token] = counts[slot].get(token, 0) + 1
+    assert reads.probs == pytest.approx({(0, 1): verified[0, 1].item(), (0, 4): verified[0, 4].item(),
+                                         (2, 0): verified[2, 0].item()})
+    for slot, removed in enumerate([{1, 4}, set(), {0}, set(), set()]):
+        residual = verified[slot].clone()
+        residual[list(removed)] = 0
+        assert not removed & set(counts[slot])
+        expected = {t: (residual[t] / residual.sum()).item() for t in range(VOCAB)}
+        assert chi_square_p(counts[slot], expected, n) > P_FLOOR, (slot, counts[slot], expected)
+    with pytest.raises(ValueError, match="do not fit"):
+        pair_tensor([request], 2, "cpu")
+
+
+class _DeviceBlindModel(MockStepModel):
+    """A mock whose step logits cannot be read (meta tensors): the loop must take everything it needs from the
+    step's one fetched output (argmax, top-k, sampling's reads), as with a model on a GPU."""
+
+    def step(self, tokens, pattern, rows, topk=0, sample=None):
+        output = super().step(tokens, pattern, rows, topk, sample)
+        output.logits = output.logits.to("meta")
+        return output
+
+
+@pytest.mark.parametrize("form", ["chains", "tree"])
+def test_the_loop_reads_nothing_of_the_device_but_the_fetched_outputs(form):
+    params = SamplingParams(0.8, top_p=0.9)
+    cfg = LookaheadConfig(3, 3, 3, form=form)
+    for lookahead in (None, cfg):
+        args = (PROMPT, 12, params, lookahead, (), None, 11)
+        assert (decode(_DeviceBlindModel(VOCAB), *args).tokens == decode(MockStepModel(VOCAB), *args).tokens)
+
+
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.99])
+@pytest.mark.parametrize("flat_row", [False, True], ids=["peaked", "with-a-flat-row"])
+def test_top_p_from_a_cpu_head_equals_the_full_sort(monkeypatch, top_p, flat_row):
+    """A CPU sorts only the top CPU_HEAD tokens when their mass reaches top_p in every row: the same distribution
+    as sorting the whole vocabulary. A flat row, whose head falls short, makes it sort everything."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 5000) * 4
+    if flat_row:
+        logits[2] *= 0.02
+    params = SamplingParams(1.0, top_p=top_p)
+    probs = torch.softmax(logits, dim=-1)
+    assert sampling._descending_head(probs, top_p)[0].shape[-1] == (5000 if flat_row else sampling.CPU_HEAD)
+    head = target_probs(logits, params)
+    monkeypatch.setattr(sampling, "CPU_HEAD", 10**9)
+    assert torch.equal(head, target_probs(logits, params))

@@ -198,6 +198,19 @@ def test_cuda_graphs_replay_the_eager_step(tiny_checkpoint, lookahead):
     assert graphed.tokens == cpu.generate(prompt, max_new_tokens=48, eos_token_id=[]).tokens
 
 
+@cuda
+@pytest.mark.parametrize("lookahead", [None, LookaheadConfig(3, 4, 3), LookaheadConfig(3, 4, 3, form="chains")],
+                         ids=["plain", "W3-N4-G3", "W3-N4-G3-chains"])
+def test_cuda_graphs_sample_as_the_eager_step(tiny_checkpoint, lookahead):
+    """Sampling reads the graph's logits after the replay (the race keys are drawn eagerly): same seed, same tokens."""
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"), device="cuda", dtype=torch.float32)
+    kwargs = dict(max_new_tokens=48, eos_token_id=[], lookahead=lookahead, static_step=True, temperature=0.8,
+                  top_p=0.95, seed=3)
+    eager = model.generate([3, 17, 22, 3, 17, 5, 9], cuda_graph=False, **kwargs)
+    graphed = model.generate([3, 17, 22, 3, 17, 5, 9], cuda_graph=True, **kwargs)
+    assert graphed.tokens == eager.tokens and graphed.steps == eager.steps
+
+
 class KernelLaunches:
     """Wraps a Triton kernel global and records the compile-time (keyword) arguments of every launch."""
 
