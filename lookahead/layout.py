@@ -84,21 +84,29 @@ class StepLayout:
         """Step indices of every real token (the real levels, then the real drafts); padding is left out."""
         return [*range(self.pattern.window * self.levels), *self.candidate_rows]
 
-    def predecessors(self, before: int) -> list[int]:
-        """[T] the token before each step token in its own context (`before`: the one before the input token):
-        level 0 column i follows column i - 1, level l column i follows level l - 1 column i, a draft token its
-        parent or the input token. Padding gets some token too; nothing reads its rows."""
-        tokens, window, la = self.tokens, self.pattern.window, self.pattern.lookahead_len
-        out = [before, *tokens[: window - 1], *tokens[: la - window]]
+    @cached_property
+    def parents(self) -> list[int]:
+        """[T] the step index of each step token's predecessor in its own context (-1 for the input token): level 0
+        column i follows column i - 1, level l column i follows level l - 1 column i, a draft token its parent or
+        the input token; padding follows the input token. The step is this tree: a token sees exactly its
+        ancestors and itself (`StepPattern.visible`, pinned by tests), at relative position = its depth."""
+        window, la = self.pattern.window, self.pattern.lookahead_len
+        out = [-1, *range(window - 1), *range(la - window)]
         if self.tree is not None:
-            out += [tokens[0] if parent == ROOT else tokens[la + parent] for parent in self.tree.parents]
+            out += [0 if parent == ROOT else la + parent for parent in self.tree.parents]
         else:
             span = self.pattern.ngram - 1
             for c in range(self.pattern.candidates):
                 start = la + c * span
-                out += [tokens[0], *tokens[start : start + span - 1]]
-        out += [tokens[0]] * (len(tokens) - len(out))  # padding nodes: children of the input token
+                out += [0, *range(start, start + span - 1)]
+        out += [0] * (len(self.tokens) - len(out))  # padding nodes: children of the input token
         return out
+
+    def predecessors(self, before: int) -> list[int]:
+        """[T] the token before each step token in its own context (`before`: the one before the input token), by
+        `parents`. Padding gets some token too; nothing reads its rows."""
+        tokens = self.tokens
+        return [before if p < 0 else tokens[p] for p in self.parents]
 
     def node_index(self, node: int) -> int:
         """Tree form: the step index of node `node` (ROOT: the input token, step index 0)."""
