@@ -175,12 +175,12 @@ class _LookaheadLoop:
         return pack_step(self.window.levels, self._candidates(input_token, levels), self.full, self.static)
 
     def finish(self, layout: StepLayout, output: StepOutput) -> Verdict:
-        """Verify the step's outputs, let the draft sources learn from them, and move the window and the pool on;
-        the caller commits the verdict."""
+        """Verify the step's outputs, record them in the draft sources, and move the window and the pool on; the
+        caller commits the verdict."""
         predicted = {index: output.argmax[r] for index, r in layout.row_of.items()}
         verdict = self._verify(layout, output.logits, predicted)
         if self.drafts is not None:
-            self._learn(layout, output, predicted, verdict)
+            self._learn(layout, output, verdict)
         self._advance(verdict.tokens, [predicted[i] for i in layout.last_level])
         return verdict
 
@@ -191,8 +191,8 @@ class _LookaheadLoop:
         # warm-up: the window has fewer levels, so verify the candidates' first `levels` tokens
         return list(dict.fromkeys(candidate[:levels] for candidate in found))
 
-    def _learn(self, layout: StepLayout, output: StepOutput, predicted: dict[int, int], verdict: Verdict) -> None:
-        """Every real row's top-k refills the recycling tables."""
+    def _learn(self, layout: StepLayout, output: StepOutput, verdict: Verdict) -> None:
+        """Every real row's top-k refills the recycling tables (the tree form's one lesson from a step)."""
         if not layout.topk:
             return
         if output.topk is None:
