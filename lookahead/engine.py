@@ -175,12 +175,12 @@ class _LookaheadLoop:
         return pack_step(self.window.levels, self._candidates(input_token, levels), self.full, self.static)
 
     def finish(self, layout: StepLayout, output: StepOutput) -> Verdict:
-        """Verify the step's outputs, record them in the draft sources, and move the window and the pool on; the
-        caller commits the verdict."""
+        """Verify the step's outputs, let the draft sources learn from them, and move the window and the pool on;
+        the caller commits the verdict."""
         predicted = {index: output.argmax[r] for index, r in layout.row_of.items()}
         verdict = self._verify(layout, output.logits, predicted)
         if self.drafts is not None:
-            self._learn(layout, output, verdict)
+            self._learn(layout, output, predicted, verdict)
         self._advance(verdict.tokens, [predicted[i] for i in layout.last_level])
         return verdict
 
@@ -191,8 +191,9 @@ class _LookaheadLoop:
         # warm-up: the window has fewer levels, so verify the candidates' first `levels` tokens
         return list(dict.fromkeys(candidate[:levels] for candidate in found))
 
-    def _learn(self, layout: StepLayout, output: StepOutput, verdict: Verdict) -> None:
-        """Every real row's top-k refills the recycling tables (the tree form's one lesson from a step)."""
+    def _learn(self, layout: StepLayout, output: StepOutput, predicted: dict[int, int], verdict: Verdict) -> None:
+        """Every real row's top-k refills the recycling tables (`predicted` is unused now that the edge weights are
+        fixed)."""
         if not layout.topk:
             return
         if output.topk is None:
@@ -201,11 +202,12 @@ class _LookaheadLoop:
         # the accepted path's rows come last: their context was the true one, so their predictions win
         rows = layout.real_indices + layout.commit_indices(verdict.candidate, verdict.run)
         sequence, tokens, topk = self.sequence, layout.tokens, output.topk.tolist()
-        # the two tokens before each row's token in its context; before the step: the sequence's
-        before = layout.parents
+        # each row's two tokens before it in its context: step indices, or -1 / -2 for the sequence's last two
+        # before the input token
+        parent = layout.parents
         outside = {-1: sequence[-2] if len(sequence) > 1 else -1, -2: sequence[-3] if len(sequence) > 2 else -1}
-        first = [before[i] for i in rows]
-        second = [before[p] if p >= 0 else -2 for p in first]
+        first = [parent[i] for i in rows]
+        second = [parent[p] if p >= 0 else -2 for p in first]
         self.drafts.recycle.update([tokens[p] if p >= 0 else outside[p] for p in second],
                                    [tokens[p] if p >= 0 else outside[p] for p in first],
                                    [tokens[i] for i in rows], [topk[i] for i in rows])
