@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -114,3 +115,21 @@ def load_model(folder: str | None = None):
     folder = Path(folder) if folder else default_model_dir()
     model = Llama.from_pretrained(folder, device="cuda" if torch.cuda.is_available() else "cpu")
     return folder, model, AutoTokenizer.from_pretrained(str(folder))
+
+
+REFERENCES = Path.home() / ".cache" / "lookahead" / "greedy-references.json"
+
+
+def greedy_reference(model, folder, ids: list[int], max_new_tokens: int) -> list[int]:
+    """Plain greedy's tokens for `ids`, computed once per (checkpoint, prompt, length, device) and kept in
+    ~/.cache/lookahead: greedy is deterministic, and recomputing it costs a tuning run as much as one setting."""
+    key = hashlib.sha256(json.dumps([str(Path(folder).resolve()), ids, max_new_tokens, device_slug(),
+                                     str(model.dtype)]).encode()).hexdigest()
+    cache = json.loads(REFERENCES.read_text()) if REFERENCES.is_file() else {}
+    if key not in cache:
+        cache[key] = model.generate(ids, max_new_tokens=max_new_tokens).tokens
+        REFERENCES.parent.mkdir(parents=True, exist_ok=True)
+        tmp = REFERENCES.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache), encoding="utf-8")
+        os.replace(tmp, REFERENCES)
+    return cache[key]

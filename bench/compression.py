@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from common import chat_ids, load_model, load_prompts, machine, print_table, save_json
+from common import chat_ids, greedy_reference, load_model, load_prompts, machine, print_table, save_json
 from lookahead import LookaheadConfig
 
 SOURCES = ("pool", "suffix", "recycle")
@@ -55,7 +55,7 @@ def main() -> None:
     with torch.inference_mode():
         for row in rows:
             ids = chat_ids(tokenizer, row["prompt"])
-            reference = model.generate(ids, max_new_tokens=args.max_new_tokens).tokens
+            reference = greedy_reference(model, folder, ids, args.max_new_tokens)
             for spec, output_pool in variants:
                 start = time.perf_counter()
                 result = model.generate(ids, max_new_tokens=args.max_new_tokens, static_step=args.static,

@@ -25,16 +25,17 @@ import torch
 
 
 def check_tree_end(tree_end: Sequence[int], name: str = "tree_end") -> None:
-    """ValueError unless tree_end describes a forest in pre-order: tree_end[j] in (j, V], subtrees nested."""
+    """ValueError unless tree_end describes a forest in pre-order: tree_end[j] in (j, V], subtrees nested.
+
+    One pass (a tree is a new pattern every step, so this runs every step): a stack of the open subtrees' ends."""
     size = len(tree_end)
+    open_ends: list[int] = []
     for j, end in enumerate(tree_end):
         if not j < end <= size:
             raise ValueError(f"{name}[{j}] must be in ({j}, {size}], got {end} (tree_end={list(tree_end)})")
-    # laminar intervals: a node that starts inside i's subtree must also end inside it
-    open_ends: list[int] = []
-    for j, end in enumerate(tree_end):
         while open_ends and open_ends[-1] <= j:
             open_ends.pop()
+        # laminar intervals: a node that starts inside i's subtree must also end inside it
         if open_ends and end > open_ends[-1]:
             raise ValueError(f"{name}[{j}] = {end} leaves its parent's subtree, which ends at {open_ends[-1]} "
                              f"(tree_end={list(tree_end)})")
@@ -66,7 +67,8 @@ class StepPattern:
             ends = self.tree_end.tolist() if isinstance(self.tree_end, torch.Tensor) else self.tree_end
             if isinstance(ends, (str, bytes)) or not isinstance(ends, Sequence):
                 raise TypeError(f"tree_end must be a sequence of ints or None, got {type(self.tree_end).__name__}")
-            if any(isinstance(e, bool) or not isinstance(e, int) for e in ends):
+            exact = all(type(e) is int for e in ends)  # the common case, checked fast
+            if not exact and any(isinstance(e, bool) or not isinstance(e, int) for e in ends):
                 raise TypeError(f"tree_end must hold ints, got {list(ends)!r}")
             check_tree_end(ends)
             object.__setattr__(self, "tree_end", tuple(ends))

@@ -25,7 +25,7 @@ from pathlib import Path
 
 # LookaheadConfig()'s defaults, repeated here so that --help needs no import of the package
 # (tests/test_cli.py pins them equal)
-DEFAULT_WINDOW, DEFAULT_NGRAM, DEFAULT_GUESSES = 3, 4, 3
+DEFAULT_WINDOW, DEFAULT_NGRAM, DEFAULT_GUESSES = 1, 4, 5
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 

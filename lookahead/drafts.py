@@ -2,13 +2,13 @@
 
 Three sources propose tokens under the step's input token and under every node of the tree:
   recycle  the model's own top-k next tokens recorded at every row of every step ("token recycling"), per
-           (previous token, token) and, where that pair was never seen, per token;
+           (two previous tokens, token), else per (previous token, token), else per token;
   suffix   earlier occurrences of the sequence's last 1..4 tokens in prompt + output, and what followed them
            (continuations of any length up to the node budget);
   pool     the lookahead branch's n-grams (and the prompt's and output's, per `pool_from_*`), those whose
            stored preceding tokens match the tokens before the input first.
-Each offered edge (a token under a parent) is scored by `EdgeModel`: the probability that it is the model's
-argmax there given that its parent is accepted, from what each source says about it (its rank in the recycled
+Each offered edge (a token under a parent) is scored by `edges.EDGE_PROBABILITY`: the probability that it is the
+model's argmax there given that its parent is accepted, from what each source says about it (its rank in the recycled
 top-k, the match length behind a suffix continuation, ...). A node's score is the product down its path, the
 chance that a step accepts it, so growing the tree best-first by score to the node budget maximises the
 expected accepted tokens and splits the budget between the sources by what they are worth on this text.
@@ -19,7 +19,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-from .edges import NO_RECYCLE, EdgeModel, pool_state, recycle_state, suffix_state
+from .edges import EDGE_PROBABILITY, NO_RECYCLE, pool_state, recycle_state, stronger, suffix_state
 from .pool import NGramPool
 from .recycle import RecycleTables
 from .suffix import SuffixIndex
@@ -31,7 +31,7 @@ SUFFIX_LIMIT = 4  # continuations taken from the suffix index per step
 
 
 class DraftBuilder:
-    """The sources and the edge model of one generation, and the best-first tree builder."""
+    """The draft sources of one generation, and the best-first tree builder."""
 
     def __init__(self, sequence: Sequence[int], pool: bool = True, suffix: bool = True, recycle: bool = True,
                  pool_limit: int = 0) -> None:
@@ -40,7 +40,6 @@ class DraftBuilder:
         self.suffix = SuffixIndex(SUFFIX_MATCH)
         self.suffix.extend(sequence)
         self.recycle = RecycleTables()
-        self.edges = EdgeModel()
 
     @property
     def topk(self) -> int:
@@ -62,51 +61,49 @@ class DraftBuilder:
         if self.use_pool:
             for continuation, match in pool.ranked(sequence[-1], self.pool_limit, sequence[-3:-1]):
                 _insert(proposals, continuation, 2, pool_state(match, False), pool_state(match, True))
-        self._ranked = [[self.edges.table[code] for code in codes] for codes in _RANKED]
         previous = sequence[-2] if len(sequence) > 1 else -1
-        return self._grow(previous, sequence[-1], proposals, budget)
+        second = sequence[-3] if len(sequence) > 2 else -1
+        return self._grow(second, previous, sequence[-1], proposals, budget)
 
-    def _grow(self, previous: int, root_token: int, proposals: dict, budget: int) -> DraftTree:
+    def _grow(self, second: int, previous: int, root_token: int, proposals: dict, budget: int) -> DraftTree:
         """Best-first growth. Children of a node are sorted by edge probability, so a child is offered only
         when its elder sibling is taken: two heap pushes per node instead of one per candidate."""
         tokens: list[int] = []
         parents: list[int] = []
-        origins: list[int] = []
         kids: list[list[int]] = [[]]  # kids[j + 1]: the children of node j (kids[0]: of the input token)
         heap: list = []
-        offered = self._children(previous, root_token, proposals)
+        offered = self._children(second, previous, root_token, proposals)
         if offered:
-            heap.append((-offered[0][0], 0, ROOT, root_token, 1.0, offered, 0))
+            heap.append((-offered[0][0], 0, ROOT, root_token, previous, 1.0, offered, 0))
         order = 1
         while heap and len(tokens) < budget:
-            neg, _, parent, parent_token, parent_score, siblings, i = heapq.heappop(heap)
-            _, token, below, state = siblings[i]
+            neg, _, parent, parent_token, grand_token, parent_score, siblings, i = heapq.heappop(heap)
+            _, token, below = siblings[i]
             node = len(tokens)
             tokens.append(token)
             parents.append(parent)
-            origins.append(state)
             kids[parent + 1].append(node)
             kids.append([])
             if i + 1 < len(siblings):
-                heapq.heappush(heap, (-parent_score * siblings[i + 1][0], order, parent, parent_token, parent_score,
-                                      siblings, i + 1))
+                heapq.heappush(heap, (-parent_score * siblings[i + 1][0], order, parent, parent_token, grand_token,
+                                      parent_score, siblings, i + 1))
                 order += 1
-            offered = self._children(parent_token, token, below)
+            offered = self._children(grand_token, parent_token, token, below)
             if offered:
-                heapq.heappush(heap, (neg * offered[0][0], order, node, token, -neg, offered, 0))
+                heapq.heappush(heap, (neg * offered[0][0], order, node, token, parent_token, -neg, offered, 0))
                 order += 1
-        return _preorder(tokens, parents, origins, kids)
+        return _preorder(tokens, parents, kids)
 
-    def _children(self, previous: int, token: int, proposed: dict | None) -> list:
-        """(probability, child token, proposals below it, evidence state) of every child offered under `token`
-        (whose own previous token is `previous`), best first."""
-        pair, single = self.recycle.lookup(previous, token) if self.use_recycle else (None, ())
-        listed, kind = (pair, 0) if pair is not None else (single, 1)
+    def _children(self, second: int, previous: int, token: int, proposed: dict | None) -> list:
+        """(probability, child token, proposals below it) of every child offered under `token` (whose own previous
+        tokens are `second`, `previous`), best first."""
+        context, single = self.recycle.lookup(second, previous, token) if self.use_recycle else (None, ())
+        listed, kind = (context, 0) if context is not None else (single, 1)
         if not proposed:  # most nodes: recycled tokens only, their probabilities tabulated by rank
-            out = list(zip(self._ranked[kind], listed, _NONE, _RANKED[kind], strict=False))  # listed: <= k
+            out = list(zip(_RANKED_PROBABILITY[kind], listed, _NONE, strict=False))  # listed: <= k
         else:
             offered = {child: [None, code] for child, code in zip(listed, _RANKED[kind], strict=False)}
-            missing = recycle_state(pair is not None, None) if listed else NO_RECYCLE
+            missing = recycle_state(context is not None, None) if listed else NO_RECYCLE
             for child, (below, suffix, pool) in proposed.items():
                 entry = offered.get(child)
                 if entry is None:
@@ -114,29 +111,14 @@ class DraftBuilder:
                 else:
                     entry[0] = below
                     entry[1] += suffix + pool
-            table = self.edges.table
-            out = [(table[code], child, below, code) for child, (below, code) in offered.items()]
+            out = [(EDGE_PROBABILITY[code], child, below) for child, (below, code) in offered.items()]
         out.sort(reverse=True)  # siblings are distinct tokens: ties stop at the token
         return out
 
-    def observe(self, tree: DraftTree, predicted: Sequence[int]) -> None:
-        """Learn from a verified step: an edge whose parent was accepted was right iff its token is the model's
-        argmax at the parent. predicted: [1 + V] the argmax at the input token, then at each node."""
-        if len(tree.origins) != len(tree):
-            return  # a tree this builder did not grow: no evidence states to learn from
-        accepted = [False] * len(tree)
-        states, rights = [], []
-        for j, (token, parent) in enumerate(zip(tree.tokens, tree.parents, strict=True)):
-            if parent == ROOT or accepted[parent]:
-                right = token == predicted[parent + 1]
-                accepted[j] = right
-                states.append(tree.origins[j])
-                rights.append(right)
-        self.edges.learn(states, rights)
 
-
-# the states of ranks 0..k-1 in a pair's recycled list and in a token's
-_RANKED = [[recycle_state(pair, rank) for rank in range(RECYCLE_K)] for pair in (True, False)]
+# the states of ranks 0..k-1 in a context's recycled list and in a token's, and their probabilities
+_RANKED = [[recycle_state(context, rank) for rank in range(RECYCLE_K)] for context in (True, False)]
+_RANKED_PROBABILITY = [[EDGE_PROBABILITY[state] for state in states] for states in _RANKED]
 _NONE = [None] * RECYCLE_K
 
 
@@ -150,12 +132,12 @@ def _insert(trie: dict, path: Sequence[int], slot: int, first_state: int, later_
         if entry is None:
             entry = level[token] = [{}, 0, 0]
             entry[slot] = state
-        elif EdgeModel.stronger(slot, state, entry[slot]):
+        elif stronger(slot, state, entry[slot]):
             entry[slot] = state
         level = entry[0]
 
 
-def _preorder(tokens: list[int], parents: list[int], origins: list, kids: list[list[int]]) -> DraftTree:
+def _preorder(tokens: list[int], parents: list[int], kids: list[list[int]]) -> DraftTree:
     """Renumber the grown nodes in depth-first pre-order (children in the order they were taken: best first)."""
     size = len(tokens)
     if size == 0:
@@ -173,4 +155,4 @@ def _preorder(tokens: list[int], parents: list[int], origins: list, kids: list[l
         children = kids[order[position] + 1]
         ends[position] = ends[new_of[children[-1]]] if children else position + 1
     return DraftTree([tokens[n] for n in order], [ROOT if parents[n] == ROOT else new_of[parents[n]] for n in order],
-                     ends, [origins[n] for n in order])
+                     ends)

@@ -206,9 +206,8 @@ class _LookaheadLoop:
         return list(dict.fromkeys(candidate[:levels] for candidate in found))
 
     def _learn(self, layout: StepLayout, output: StepOutput, predicted: dict[int, int], verdict: Verdict) -> None:
-        """The tree's edges teach the sources their worth; every real row's top-k refills the recycling table."""
-        tree, base = layout.tree, layout.pattern.lookahead_len
-        self.drafts.observe(tree, [predicted[0], *(predicted[base + j] for j in range(len(tree)))])
+        """Every real row's top-k refills the recycling tables (`predicted` is unused now that the edge weights are
+        fixed)."""
         if not layout.topk:
             return
         if output.topk is None:
@@ -216,10 +215,16 @@ class _LookaheadLoop:
                             "model's step returned StepOutput.topk None: a StepModel must honour `topk`")
         # the accepted path's rows come last: their context was the true one, so their predictions win
         rows = layout.real_indices + layout.commit_indices(verdict.candidate, verdict.run)
-        before = layout.predecessors(self.sequence[-2] if len(self.sequence) > 1 else -1)
-        tokens = layout.tokens
-        self.drafts.recycle.update([before[i] for i in rows], [tokens[i] for i in rows],
-                                   output.topk.numpy()[rows])
+        sequence, tokens, topk = self.sequence, layout.tokens, output.topk.tolist()
+        # each row's two tokens before it in its context: step indices, or -1 / -2 for the sequence's last two
+        # before the input token
+        parent = layout.parents
+        outside = {-1: sequence[-2] if len(sequence) > 1 else -1, -2: sequence[-3] if len(sequence) > 2 else -1}
+        first = [parent[i] for i in rows]
+        second = [parent[p] if p >= 0 else -2 for p in first]
+        self.drafts.recycle.update([tokens[p] if p >= 0 else outside[p] for p in second],
+                                   [tokens[p] if p >= 0 else outside[p] for p in first],
+                                   [tokens[i] for i in rows], [topk[i] for i in rows])
 
     def _verify(self, layout: StepLayout, output: StepOutput, predicted: dict[int, int]) -> Verdict:
         tree = layout.tree

@@ -219,7 +219,7 @@ def generate(hf_model, input_ids, max_new_tokens: int = 256, lookahead: Lookahea
     """Run this package's decode loop on a transformers causal LM; returns a `lookahead.GenerationResult`.
 
     input_ids: the prompt, a [1, T] or [T] integer tensor, a list of ints, or a tokenizer's BatchEncoding.
-    lookahead: a `LookaheadConfig` (default W=3, N=4, G=3), or None for plain decoding by the same loop.
+    lookahead: a `LookaheadConfig` (default W=1, N=4, G=5), or None for plain decoding by the same loop.
     temperature 0 is greedy (token for token what `hf_model.generate(do_sample=False)` gives, in float32);
     otherwise sampling with top_k (0 = off) and top_p, with the target distribution unchanged.
     eos_token_id: an int or a list (default: the model's generation_config; [] never stops early).

@@ -9,23 +9,18 @@ it picks at most one child per step.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 ROOT = -1  # the parent of the input token's children
 
 
 @dataclass(frozen=True)
 class DraftTree:
-    """tokens, parents (ROOT for a child of the input token) and tree_end, all [V] in pre-order.
-
-    `origins` is free for the builder (what proposed each node, to learn from the verdict); packing and
-    verification ignore it.
-    """
+    """tokens, parents (ROOT for a child of the input token) and tree_end, all [V] in pre-order."""
 
     tokens: list[int]
     parents: list[int]
     tree_end: list[int]
-    origins: list = field(default_factory=list, compare=False)
 
     @classmethod
     def from_parents(cls, tokens: Sequence[int], parents: Sequence[int]) -> DraftTree:

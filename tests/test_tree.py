@@ -62,14 +62,17 @@ def test_pool_prefers_ngrams_whose_context_matches():
     assert pool.candidates(1, 3) == [(6, 7), (4, 5), (2, 3)]  # the chains form keeps recency order
 
 
-def test_recycle_tables_pair_first_last_row_wins():
+def test_recycle_tables_longest_context_first_last_row_wins():
     tables = RecycleTables()
-    assert tables.lookup(0, 5) == (None, ())
+    assert tables.lookup(0, 0, 5) == (None, ())
     topk = np.array([[1, 2], [3, 4], [5, 6]])
-    tables.update([9, 8, 9], [5, 5, 7], topk)
-    assert tables.lookup(9, 5) == ([1, 2], ()) and tables.lookup(8, 5) == ([3, 4], ())
-    assert tables.lookup(0, 5) == (None, [3, 4])  # no such pair: the token's last row
-    assert tables.lookup(0, 7) == (None, [5, 6]) and tables.lookup(0, 6) == (None, ())
+    tables.update([0, 0, 0], [9, 8, 9], [5, 5, 7], topk)
+    assert tables.lookup(0, 9, 5) == ([1, 2], ()) and tables.lookup(0, 8, 5) == ([3, 4], ())
+    assert tables.lookup(0, 0, 5) == (None, [3, 4])  # no such pair: the token's last row
+    assert tables.lookup(0, 0, 7) == (None, [5, 6]) and tables.lookup(0, 0, 6) == (None, ())
+    tables.update([3], [9], [5], np.array([[7, 8]]))  # the same pair after another token: a triple of its own
+    assert tables.lookup(3, 9, 5) == ([7, 8], ()) and tables.lookup(0, 9, 5) == ([1, 2], ())
+    assert tables.lookup(4, 9, 5) == ([7, 8], ())  # an unseen triple falls back to the pair (its last row)
 
 
 @pytest.mark.parametrize("budget", [0, 1, 5, 12, 60])
@@ -81,8 +84,8 @@ def test_builder_grows_a_trie_within_budget(budget):
     pool.add_sequence(sequence)
     for _ in range(5):  # recycled predictions under every token and pair
         tokens = [rng.randrange(12) for _ in range(20)]
-        builder.recycle.update([rng.randrange(12) for _ in tokens], tokens, np.array(
-            [rng.sample(range(12), 8) for _ in tokens]))
+        before = [[rng.randrange(12) for _ in tokens] for _ in range(2)]
+        builder.recycle.update(*before, tokens, np.array([rng.sample(range(12), 8) for _ in tokens]))
     tree = builder.build(sequence, pool, budget)
     assert len(tree) == budget  # every source has plenty: the budget is filled
     assert StepPattern(1, 2, tree_end=tree.tree_end).num_tokens == 1 + budget  # a valid pre-order forest
@@ -90,8 +93,6 @@ def test_builder_grows_a_trie_within_budget(budget):
     for node in [ROOT, *range(len(tree))]:
         siblings = [tree.tokens[c] for c in tree.children(node)]
         assert len(siblings) == len(set(siblings))  # a trie
-    predicted = [rng.randrange(12) for _ in range(1 + budget)]
-    builder.observe(tree, predicted)  # learns without error
 
 
 def test_static_tree_layout_pads_with_invisible_leaves():
