@@ -194,7 +194,7 @@ class _LookaheadLoop:
         predicted = {index: output.argmax[r] for index, r in layout.row_of.items()}
         verdict = self._verify(layout, output, predicted)
         if self.drafts is not None:
-            self._learn(layout, output, predicted, verdict)
+            self._learn(layout, output, verdict)
         self._advance(verdict.tokens, [predicted[i] for i in layout.last_level])
         return verdict
 
@@ -205,9 +205,8 @@ class _LookaheadLoop:
         # warm-up: the window has fewer levels, so verify the candidates' first `levels` tokens
         return list(dict.fromkeys(candidate[:levels] for candidate in found))
 
-    def _learn(self, layout: StepLayout, output: StepOutput, predicted: dict[int, int], verdict: Verdict) -> None:
-        """Every real row's top-k refills the recycling tables (`predicted` is unused now that the edge weights are
-        fixed)."""
+    def _learn(self, layout: StepLayout, output: StepOutput, verdict: Verdict) -> None:
+        """Every real row's top-k refills the recycling tables."""
         if not layout.topk:
             return
         if output.topk is None:
