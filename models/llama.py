@@ -236,8 +236,8 @@ class Llama(nn.Module):
             divided among the ranks (each computes its share plus the input and the level-0 tokens its
             columns read), one all-gather per step exchanges what verification reads, and the accepted
             entries' KV are broadcast from the rank that computed them. Every rank returns the same result,
-            the one a single process gives (tokens and steps). "auto" scales the defaults with K (W = 3K,
-            G = 3K). One prompt only; gloo on CPU, NCCL on CUDA; set a timeout in `init_process_group` so a
+            the one a single process gives (tokens and steps). "auto" scales the defaults with K (W = K,
+            G = 5K). One prompt only; gloo on CPU, NCCL on CUDA; set a timeout in `init_process_group` so a
             rank that dies makes the others raise. `stream` is each rank's own (pass one on rank 0 to print once).
 
         Returns a `lookahead.GenerationResult` with `tokens`, `steps` (forward passes, prefill included)
