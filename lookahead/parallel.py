@@ -35,7 +35,7 @@ from .config import LookaheadConfig
 from .engine import GenerationResult, StepModel, StepOutput, _choose, _LookaheadLoop, _Output
 from .exchange import MessagePlan, failed_ranks
 from .layout import StepLayout, full_pattern
-from .sampling import Sampler, SamplingParams, sample_rows
+from .sampling import Sampler, SamplingParams, sample_rows, split_sampled
 from .substep import StepSplit, SubStep, split_step
 
 KV_SYNCS = ("broadcast", "refeed")
@@ -175,9 +175,9 @@ def _run_sub_step(model: StepModel, layout: StepLayout, sub: SubStep, plan: Mess
             pair_rows = torch.tensor([[slot[s] for s, _ in pairs], [t for _, t in pairs]], dtype=torch.int64)
             logits = output.logits[[row[sub.local[i]] for i in verified]]
             fetched = sample_rows(logits[None], sampling, pair_rows.view(1, 2, -1).to(logits.device), keys[None])
-            fetched = fetched[0].cpu()
-            draws = dict(zip(verified, fetched[: len(verified)].tolist(), strict=True))
-            probs = dict(zip(pairs, fetched[len(verified) :].view(torch.float64).tolist(), strict=True))
+            slot_draws, pair_probs = split_sampled(fetched[0].cpu(), len(verified), len(pairs))
+            draws = dict(zip(verified, slot_draws, strict=True))
+            probs = dict(zip(pairs, pair_probs, strict=True))
     return plan.pack(rank, argmax, top, draws, probs)
 
 

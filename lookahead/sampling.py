@@ -145,8 +145,7 @@ class SampleRequest:
 
     def unpack(self, fetched: torch.Tensor, slots: int) -> SampleReads:
         """The host side of `sample_on_device`'s int64 row [slots + P]."""
-        draws = fetched[:slots].tolist()
-        probs = fetched[slots : slots + len(self.pairs)].view(torch.float64).tolist()
+        draws, probs = split_sampled(fetched, slots, len(self.pairs))
         return SampleReads(draws, dict(zip(self.pairs, probs, strict=True)))
 
 
@@ -157,6 +156,12 @@ class SampleReads:
 
     draws: list[int]
     probs: dict[tuple[int, int], float]
+
+
+def split_sampled(fetched: torch.Tensor, slots: int, pairs: int) -> tuple[list[int], list[float]]:
+    """A host copy of `sample_rows`' int64 row -> the `slots` draws and the first `pairs` pairs' probabilities (the
+    rest is padding)."""
+    return fetched[:slots].tolist(), fetched[slots : slots + pairs].view(torch.float64).tolist()
 
 
 def padded_pairs(request: SampleRequest, size: int) -> list[int]:
