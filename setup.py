@@ -1,8 +1,9 @@
-"""Installs the three top-level folders as `lookahead`, `lookahead.kernels` and `lookahead.models`, and the
-`lookahead` command."""
+"""Installs the three top-level folders as `lookahead` (with its sub-packages), `lookahead.kernels` and
+`lookahead.models`, and the `lookahead` command."""
 
 from setuptools import setup
 
+ROOMS = ("loop", "drafts", "parallel", "hf", "cli")  # lookahead's sub-packages
 TRITON = "triton>=3.0; platform_system == 'Linux' and platform_machine == 'x86_64'"
 
 setup(
@@ -12,7 +13,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=["lookahead", "lookahead.kernels", "lookahead.models"],
+    packages=["lookahead", *(f"lookahead.{room}" for room in ROOMS), "lookahead.kernels", "lookahead.models"],
     package_dir={"lookahead": "lookahead", "lookahead.kernels": "kernels", "lookahead.models": "models"},
     install_requires=[
         "torch>=2.4",  # CUDA builds of torch bring triton with them; the CPU path never runs it

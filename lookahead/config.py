@@ -1,10 +1,22 @@
-"""`LookaheadConfig`: the (W, N, G) of lookahead decoding and its options, validated on construction."""
+"""`LookaheadConfig`: the (W, N, G) of lookahead decoding and its options, validated on construction; the one home
+of the defaults and of the rules that derive a configuration ("auto" for a batch, scaling over K processes).
+
+Importing it loads no torch, so the CLI reads its defaults before torch is imported.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 FORMS = ("tree", "chains")
+
+# `lookahead="auto"` for a batch: per-row configurations from the largest step down, each taken while the batch's
+# tokens per forward pass, b * (W + G)(N - 1), stay within the device's budget of tokens that cost about one
+# token's forward pass; plain decoding when none fits. CPU: 0 (plain), since bench/batch.py found no batch size at
+# which a lookahead step paid (bench/results/batch-cpu.json). CUDA: 256, not measured yet (docs/results.md).
+AUTO_LADDER = ((15, 5, 15), (7, 5, 7), (5, 4, 5), (3, 4, 3), (2, 3, 2))
+AUTO_TOKEN_BUDGET = {"cpu": 0, "cuda": 256}
 
 
 @dataclass(frozen=True)
@@ -13,29 +25,25 @@ class LookaheadConfig:
 
     window (W): columns of the 2D window, how far ahead the lookahead branch decodes.
     ngram (N): n-gram size; the window keeps N - 1 levels of the Jacobi trajectory. N = 2 is Jacobi decoding.
-    guesses (G): the most candidate n-grams verified per step (and kept per first token in the pool).
-    pool_from_prompt: seed the pool with the prompt's n-grams (the paper's "prompt as reference").
+    guesses (G): the verification budget: a step verifies a token tree of at most G(N - 1) nodes
+        (`tree_nodes`), the tokens G candidate n-grams take.
+    pool_from_prompt: seed the n-gram pool with the prompt's n-grams (the paper's "prompt as reference").
     pool_from_output: also add the n-grams of the accepted output as it grows.
-    form: the verification branch. "chains": the paper's, G candidate n-grams from the pool. "tree": one token
-        tree of at most G(N - 1) nodes (the same tokens a step) merged from the draft sources below, verified
-        down the tree, so shared prefixes are stored once and continuations can be longer than N - 1.
+    form: how the verification tree is drafted. "tree" (the default): merged from the draft sources below, best
+        expected nodes first, so shared prefixes are stored once and continuations can be longer than N - 1.
+        "chains": the paper's G candidate n-grams from the pool, as a trie (one path per candidate); it accepts
+        exactly what the paper's separate candidates accept.
     draft_pool, draft_suffix, draft_recycle (tree form): the sources that feed the tree: the n-gram pool;
         earlier occurrences of the last tokens in prompt + output and what followed them; and the model's
-        own top-k next tokens recorded at every row of every step, per token id ("token recycling").
+        own top-k next tokens recorded at every row of every step, per context ("token recycling").
 
     Exactness: with temperature 0 in float32 the tokens are those of plain greedy decoding; in
     float16/bfloat16 a multi-token pass rounds differently from a one-token pass, so near-ties can flip.
 
-    The defaults (W=1, N=4, G=5: 18 tokens a step, 3 of them the lookahead branch and a tree of 15 nodes) measured
-    the best tokens/s for the default model on a 2-core CPU (README, "The token tree": 1.36x our plain greedy and
-    1.37x transformers' greedy on 8 dev prompts, against 1.30x for W=3, N=4, G=3, the former default, and 1.25-1.29x
-    for the 8- and 12-token settings 1-3-3 and 1-4-3; N = 2 settings, with no Jacobi iteration, tied within noise
-    at S 1.6-2.0; S 2.85 against 2.71 on all 35 dev prompts). A forward pass
-    of 18 tokens costs a CPU about twice one of a single token, so the budget stays at 18 and goes mostly to the
-    tree, which accepts more per token spent than the lookahead branch. On a GPU a forward pass of a few hundred
-    tokens costs about as much as one, so use larger settings such as the paper's A100 ones (G = W): 7B W=15,
-    N=5; 13B W=10, N=5; 33B W=7, N=5 (in tree form, moving part of that budget from W to G measured higher S on
-    the CPU: S 4.15 for 10-5-20 against 4.03 for 15-5-15 on all 35 dev prompts).
+    The defaults (1, 4, 5) give 18 tokens a step, 3 in the lookahead branch and a tree of 15 nodes: the best
+    tokens/s measured for the default model on a 2-core CPU (docs/results.md, "Re-tuning the CPU default"). On a
+    GPU, where a forward pass of a few hundred tokens costs about one of a single token, larger settings pay: the
+    paper's A100 ones are G = W with N = 5 and W = 15 (7B), 10 (13B), 7 (33B).
     """
 
     window: int = 1
@@ -61,3 +69,28 @@ class LookaheadConfig:
         if self.form not in FORMS:
             raise ValueError(f"LookaheadConfig.form must be one of {', '.join(FORMS)}, got {self.form!r}")
 
+    @property
+    def tree_nodes(self) -> int:
+        """The verification tree's node budget, G(N - 1): the tokens G candidate n-grams of N - 1 tokens take."""
+        return self.guesses * (self.ngram - 1)
+
+    @property
+    def step_tokens(self) -> int:
+        """Tokens of a full step: the lookahead branch's W(N - 1) plus the tree's G(N - 1)."""
+        return (self.window + self.guesses) * (self.ngram - 1)
+
+    def scaled(self, ranks: int) -> LookaheadConfig:
+        """The paper's strong scaling for lookahead parallelism: K ranks hold K times the window and the
+        verification budget of one (the CLI under torchrun and `lookahead="auto"` with a process group)."""
+        return dataclasses.replace(self, window=self.window * ranks, guesses=self.guesses * ranks)
+
+    @staticmethod
+    def for_batch(batch: int, device_type: str) -> LookaheadConfig | None:
+        """`lookahead="auto"` for `batch` prompts on `device_type` ("cpu", "cuda"): the largest of `AUTO_LADDER`
+        whose b * (W + G)(N - 1) fits `AUTO_TOKEN_BUDGET[device_type]`, or None (plain decoding)."""
+        budget = AUTO_TOKEN_BUDGET.get(device_type, 0)
+        for window, ngram, guesses in AUTO_LADDER:
+            config = LookaheadConfig(window, ngram, guesses)
+            if batch * config.step_tokens <= budget:
+                return config
+        return None

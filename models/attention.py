@@ -23,8 +23,6 @@ from lookahead.kernels import StepAttentionPlan, StepPattern, masked_attention
 
 from .kv_cache import KVCache
 
-BACKENDS = ("auto", "torch", "triton")
-
 # layer, q [B, Hq, T, D], k and v [B, Hkv, T, D] (this layer's new entries) -> [B, Hq, T, D]
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # layer, q, that layer's whole cache buffers k_all and v_all [B, Hkv, capacity, D] -> [B, Hq, T, D]

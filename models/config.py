@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lookahead.inputs import token_ids
+from lookahead.request import token_ids
 
 _ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -89,11 +89,6 @@ class LlamaConfig:
                               f"num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-
-    @property
-    def kv_group(self) -> int:
-        """Query heads per KV head."""
-        return self.num_attention_heads // self.num_key_value_heads
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> LlamaConfig:

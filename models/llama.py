@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import warnings
 from pathlib import Path
 
@@ -11,15 +12,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lookahead.backends import choose_backend
 from lookahead.config import LookaheadConfig
-from lookahead.engine import GenerationResult
 from lookahead.kernels import interpreting
+from lookahead.loop import GenerationResult
 
-from .attention import BACKENDS, Attend, causal
+from .attention import Attend, causal
 from .config import LlamaConfig
 from .generation import generate, warmup
 from .loading import load_weights, tensor_names
 from .rope import apply_rotary, inverse_frequencies, rotary_cos_sin
+from .runner import CachedRunner
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -103,7 +106,8 @@ class Llama(nn.Module):
         self._tie_weights()
         self.register_buffer("rope_inv_freq", inverse_frequencies(config.head_dim, config.rope), persistent=False)
         self.attn_backend = attn_backend
-        self.checkpoint_dir: Path | None = None
+        self.runner: CachedRunner | None = None  # the KV cache, plans and graphs generations reuse (`generate`)
+        self.lock = threading.RLock()  # generations on one model share its runner: they take turns
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype | str | None = None,
@@ -154,7 +158,6 @@ class Llama(nn.Module):
                 warnings.warn(f"{path / 'config.json'} sets tie_word_embeddings, but the checkpoint holds an "
                               f"lm_head.weight that differs from embed_tokens: keeping both, untied, as transformers "
                               "does (set tie_word_embeddings to false to silence this)", stacklevel=2)
-        model.checkpoint_dir = path
         return model.eval().requires_grad_(False)
 
     def _apply(self, fn, recurse=True):
@@ -212,9 +215,9 @@ class Llama(nn.Module):
             prompt would give alone. A batch decodes all rows in one forward pass per step, always with
             static steps; a row that finishes (EOS, token limit) leaves the batch.
         lookahead: None for plain decoding, a `lookahead.LookaheadConfig` for lookahead decoding (per row), or
-            "auto": by batch size and device (`lookahead.batch.auto_lookahead`): smaller W and G per row as
-            the batch grows, plain decoding above 32 rows on CUDA; plain decoding on a CPU, where
-            bench/batch.py measured no batch size at which lookahead paid.
+            "auto": by batch size and device (`LookaheadConfig.for_batch`): smaller W and G per row as the
+            batch grows, plain decoding above 32 rows on CUDA; plain decoding on a CPU, where no batch size
+            measured faster with lookahead (docs/results.md).
         Exact: with temperature 0 the output is plain greedy decoding's, token for token, in float32 (in
         16-bit types a multi-token pass rounds differently from a one-token pass, so near-ties can
         flip); with sampling the output distribution is unchanged.
@@ -242,6 +245,9 @@ class Llama(nn.Module):
 
         Returns a `lookahead.GenerationResult` with `tokens`, `steps` (forward passes, prefill included)
         and `compression` (tokens / steps).
+
+        Threads: calls on one model take turns (a lock): they share its KV cache (`runner`). For concurrent
+        generations, batch the prompts into one call, or load one model per thread.
         """
         return generate(self, prompt_ids, max_new_tokens=max_new_tokens, lookahead=lookahead,
                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
@@ -254,6 +260,12 @@ class Llama(nn.Module):
         (prompt + output) with `lookahead` will use, so that the first generation does not pay for them.
         Without it the first generation of each configuration warms up on its own."""
         warmup(self, lookahead, max_tokens, cuda_graph)
+
+    def release(self) -> None:
+        """Free the KV cache, kernel plans and CUDA graphs kept between generations (`runner`); the next generation
+        builds them again. The cache grows to the largest request met (a large batch, a long prompt) and stays."""
+        with self.lock:
+            self.runner = None
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -289,11 +301,4 @@ def resolve_device(device: torch.device | str) -> torch.device:
 
 def resolve_backend(attn_backend: str, device: torch.device) -> str:
     """"auto" -> "triton" on CUDA, "torch" elsewhere; "triton" on CPU needs the Triton interpreter."""
-    if attn_backend not in BACKENDS:
-        raise ValueError(f"attn_backend must be one of {', '.join(BACKENDS)}; got {attn_backend!r}")
-    if attn_backend == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    if attn_backend == "triton" and device.type == "cpu" and not interpreting():
-        raise ValueError("attn_backend='triton' on CPU needs Triton's interpreter (set TRITON_INTERPRET=1 before "
-                         "importing lookahead); use attn_backend='torch' (or 'auto') on CPU")
-    return attn_backend
+    return choose_backend(attn_backend, device.type, interpreting())

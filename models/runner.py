@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lookahead.engine import StepOutput
+from lookahead.loop import StepOutput
 from lookahead.kernels import StepPattern
-from lookahead.sampling import SampleRequest, padded_pairs, sample_on_device
+from lookahead.loop.sampling import SampleRequest, padded_pairs, sample_on_device
 
 from .attention import TorchBackend, TritonBackend, cached, prefill_attention
 from .kv_cache import KVCache
@@ -70,6 +70,12 @@ class CachedRunner:
             raise ValueError(f"batch must be in 1..{self.cache.batch} (the cache's rows), got {batch}")
         self.lengths = [0] * batch
         self._commit: tuple[list[list[int]], list[list[int]]] | None = None
+
+    @property
+    def step_shapes(self) -> list[tuple]:
+        """The step shapes prepared so far, one program (one CUDA graph on CUDA) each: (pattern shape, output rows,
+        batch size, top-k, sampling's first draft row)."""
+        return list(self._programs)
 
     @property
     def length(self) -> int:

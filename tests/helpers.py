@@ -8,8 +8,24 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from lookahead import StepOutput
+from lookahead import GenerationResult, Request, SamplingParams, StepOutput, decode, decode_batch
 from lookahead.kernels import StepPattern
+from lookahead.request import GREEDY
+
+
+def decode_one(model, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams = GREEDY, lookahead=None,
+               *, stop: Sequence[int] = (), seed: int | None = None, static_step: bool = False,
+               stream=None) -> GenerationResult:
+    """`decode` of one prompt, the request spelled out."""
+    return decode(model, Request([prompt], max_new_tokens, sampling, lookahead, frozenset(stop), seed, static_step),
+                  stream)
+
+
+def decode_rows(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: SamplingParams = GREEDY,
+                lookahead=None, *, stop: Sequence[int] = (), seeds=None, stream=None) -> list[GenerationResult]:
+    """`decode_batch` of several prompts, the request spelled out (a batch always runs static steps)."""
+    return decode_batch(model, Request(prompts, max_new_tokens, sampling, lookahead, frozenset(stop), seeds, True,
+                                       batch=True), stream)
 
 
 def save_tiny_checkpoint(folder, seed: int = 0, max_shard_size=None, **overrides):
@@ -53,6 +69,8 @@ class MockStepModel:
     asserts that the visible tokens fill positions 0..p exactly once, so a wrong layout fails loudly.
     """
 
+    device = torch.device("cpu")
+
     def __init__(self, vocab: int, logits_fn: Callable[[Sequence[int]], torch.Tensor] | None = None) -> None:
         self.vocab = vocab
         self.logits_fn = logits_fn or (lambda ctx: context_logits(ctx, vocab))
@@ -92,6 +110,8 @@ class MockBatchStepModel:
     """A `BatchStepModel` of one `MockStepModel` per row: each row's logits depend on that row's tokens only, so
     a loop that mixes rows up, or packs a row's step wrongly, changes tokens. Records every step's batch size
     and pattern."""
+
+    device = torch.device("cpu")
 
     def __init__(self, vocab: int, logits_fn: Callable[[Sequence[int]], torch.Tensor] | None = None) -> None:
         self.vocab, self.logits_fn = vocab, logits_fn

@@ -4,13 +4,12 @@ both backends, the default model), finished rows leaving the batch, per-row seed
 import pytest
 import torch
 
-from helpers import MockBatchStepModel, MockStepModel, context_logits
-from lookahead import LookaheadConfig, decode
-from lookahead.batch import auto_lookahead, decode_batch, row_seeds
+from helpers import MockBatchStepModel, MockStepModel, context_logits, decode_one, decode_rows
+from lookahead import LookaheadConfig
 from lookahead.kernels import StepPattern
-from lookahead.layout import full_pattern
+from lookahead.loop import full_pattern
 from lookahead.models import Llama
-from lookahead.sampling import SamplingParams
+from lookahead.request import SamplingParams, row_seeds
 
 CONFIGS = [None, (1, 2, 0), (3, 4, 3), (5, 4, 5), (2, 5, 3)]
 IDS = ["plain" if c is None else "W{}-N{}-G{}".format(*c) for c in CONFIGS]
@@ -41,12 +40,12 @@ def test_mock_batch_equals_each_prompt_alone(config, known):
     if known:  # rows that follow the known text (many tokens a step) beside rows that do not
         prompts[1], prompts[3] = [1, 2] + TARGET[:6], [1, 2] + TARGET[:13]
     lookahead = LookaheadConfig(*config) if config else None
-    plain = [decode(MockStepModel(vocab, fn), p, 40).tokens for p in prompts]
+    plain = [decode_one(MockStepModel(vocab, fn), p, 40).tokens for p in prompts]
     token, length = early_eos(plain)
     eos = [token]
-    alone = [decode(MockStepModel(vocab, fn), p, 40, lookahead=lookahead, eos_token_ids=eos) for p in prompts]
+    alone = [decode_one(MockStepModel(vocab, fn), p, 40, lookahead=lookahead, stop=eos) for p in prompts]
     model = MockBatchStepModel(vocab, fn)
-    batch = decode_batch(model, prompts, 40, lookahead=lookahead, eos_token_ids=eos)
+    batch = decode_rows(model, prompts, 40, lookahead=lookahead, stop=eos)
     assert [r.tokens for r in batch] == [r.tokens for r in alone]
     assert [r.step_tokens for r in batch] == [r.step_tokens for r in alone]
     assert len(batch[0].tokens) == length and batch[0].tokens[-1] == token
@@ -60,31 +59,45 @@ def test_mock_batch_equals_each_prompt_alone(config, known):
 
 
 
-def test_finished_rows_leave_the_batch_or_stay_as_padding():
+def test_finished_rows_leave_the_batch():
     vocab = 32
     prompts = ragged_prompts(4, vocab, seed=3)
-    plain = [decode(MockStepModel(vocab), p, 30).tokens for p in prompts]
+    plain = [decode_one(MockStepModel(vocab), p, 30).tokens for p in prompts]
     eos = [plain[2][1]]  # row 2 ends after its second token; rows whose output lacks it run to the limit
     cfg = LookaheadConfig(3, 4, 3)
-    dropped, padded = MockBatchStepModel(vocab), MockBatchStepModel(vocab)
-    kept = decode_batch(dropped, prompts, 30, lookahead=cfg, eos_token_ids=eos)
-    stayed = decode_batch(padded, prompts, 30, lookahead=cfg, eos_token_ids=eos, drop_finished=False)
-    assert [r.tokens for r in kept] == [r.tokens for r in stayed]
-    assert len(kept[2].tokens) == 2 and dropped.batch_sizes[1] < 4  # gone from the second step on
-    assert set(padded.batch_sizes) == {4} and sum(dropped.batch_sizes) < sum(padded.batch_sizes)
+    model = MockBatchStepModel(vocab)
+    batch = decode_rows(model, prompts, 30, lookahead=cfg, stop=eos)
+    assert [r.tokens for r in batch] == [decode_one(MockStepModel(vocab), p, 30, lookahead=cfg, stop=eos).tokens
+                                         for p in prompts]
+    assert len(batch[2].tokens) == 2 and model.batch_sizes[1] < 4  # gone from the second step on
+
+
+def test_two_rows_leave_at_once_and_rows_of_different_lengths_move_into_their_places(tiny_checkpoint):
+    """Rows 0 and 1 finish at the same step; rows 2 and 3, whose caches hold different lengths, move down into their
+    places (one copy of each mover's cache, up to its own L). Every row must still decode as it does alone."""
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    prompts = [[49, 97, 53], [5, 33, 65, 62], [51, 100, 38, 61, 45, 74, 27, 64, 17, 36, 17, 96, 12, 79], [32, 68]]
+    plain = [model.generate(p, max_new_tokens=20, eos_token_id=[]).tokens for p in prompts]
+    end = next(k for k in range(2, 12)  # a step k at which rows 0 and 1 can both stop, and nothing else stops
+               if plain[0][k] not in plain[0][:k] and plain[1][k] not in plain[1][:k]
+               and not {plain[0][k], plain[1][k]} & {*plain[0][:k], *plain[1][:k], *plain[2], *plain[3]})
+    eos = [plain[0][end], plain[1][end]]
+    batch = model.generate(prompts, max_new_tokens=20, eos_token_id=eos)
+    assert [len(r.tokens) for r in batch] == [end + 1, end + 1, 20, 20]
+    assert [r.tokens for r in batch] == [p[: len(r.tokens)] for p, r in zip(plain, batch, strict=True)]
 
 
 def test_rows_done_at_prefill_never_step():
     prompts = ragged_prompts(3, 16)
     model = MockBatchStepModel(16)
-    results = decode_batch(model, prompts, 1, lookahead=LookaheadConfig())
+    results = decode_rows(model, prompts, 1, lookahead=LookaheadConfig())
     assert [len(r.tokens) for r in results] == [1, 1, 1] and model.batch_sizes == []
 
 
 def test_stream_gets_each_rows_tokens():
     prompts = ragged_prompts(3, 16)
     seen: dict[int, list[int]] = {0: [], 1: [], 2: []}
-    results = decode_batch(MockBatchStepModel(16), prompts, 12, lookahead=LookaheadConfig(),
+    results = decode_rows(MockBatchStepModel(16), prompts, 12, lookahead=LookaheadConfig(),
                            stream=lambda row, tokens: seen[row].extend(tokens))
     assert [seen[i] for i in range(3)] == [r.tokens for r in results]
 
@@ -101,8 +114,8 @@ def test_tiny_llama_batch_equals_each_prompt_alone(tiny_checkpoint, config):
     assert isinstance(batch, list) and [r.tokens for r in batch] == [r.tokens for r in alone]
     assert [r.steps for r in batch] == [r.steps for r in alone]
     assert len(batch[0].tokens) == length and max(len(r.tokens) for r in batch) > length
-    runner = model.__dict__["_runner"]
-    shapes = {(key[0], key[2]) for key in runner._programs}  # programs: (shape, rows, batch, top-k, sampling)
+    runner = model.runner
+    shapes = {(key[0], key[2]) for key in runner.step_shapes}  # programs: (shape, rows, batch, top-k, sampling)
     full = PLAIN if lookahead is None else full_pattern(lookahead)
     assert {shape for shape, _ in shapes} == {full.shape} and 4 in {size for _, size in shapes}
     # a batch of one, tensors as rows, and the model's runner reused for a single prompt afterwards
@@ -145,17 +158,17 @@ def test_mock_sampling_rows_do_not_touch_each_other():
     prompts = ragged_prompts(3, vocab)
     sampling = SamplingParams(temperature=1.0)
     cfg = LookaheadConfig(3, 4, 3)
-    batch = decode_batch(MockBatchStepModel(vocab), prompts, 30, sampling, cfg, seeds=[5, 6, 7])
+    batch = decode_rows(MockBatchStepModel(vocab), prompts, 30, sampling, cfg, seeds=[5, 6, 7])
     for prompt, seed, row in zip(prompts, [5, 6, 7], batch, strict=True):
-        assert decode(MockStepModel(vocab), prompt, 30, sampling, cfg, seed=seed).tokens == row.tokens
+        assert decode_one(MockStepModel(vocab), prompt, 30, sampling, cfg, seed=seed).tokens == row.tokens
 
 
 def test_row_seeds_and_auto_rule():
-    assert row_seeds(None, 2) == [None, None] and row_seeds(7, 3) == [7, 8, 9] and row_seeds([4, 1], 2) == [4, 1]
-    assert row_seeds(2**64 - 1, 2) == [2**64 - 1, 0]
-    assert [auto_lookahead(b, "cpu") for b in (1, 2, 16)] == [None] * 3  # measured: lookahead did not pay on a CPU
+    assert row_seeds(None, 2) == (None, None) and row_seeds(7, 3) == (7, 8, 9) and row_seeds([4, 1], 2) == (4, 1)
+    assert row_seeds(2**64 - 1, 2) == (2**64 - 1, 0)
+    assert [LookaheadConfig.for_batch(b, "cpu") for b in (1, 2, 16)] == [None] * 3  # measured: no gain on a CPU
     sizes = (1, 2, 3, 8, 9, 32, 33)
-    configs = [auto_lookahead(b, "cuda") for b in sizes]
+    configs = [LookaheadConfig.for_batch(b, "cuda") for b in sizes]
     assert [c and (c.window, c.ngram, c.guesses) for c in configs] == [
         (15, 5, 15), (15, 5, 15), (7, 5, 7), (5, 4, 5), (3, 4, 3), (2, 3, 2), None]
     assert all(b * full_pattern(c).num_tokens <= 256 for b, c in zip(sizes, configs, strict=True) if c)
@@ -189,7 +202,7 @@ def test_auto_lookahead_on_cpu_is_plain(tiny_checkpoint):
     one = model.generate([5, 6, 7], max_new_tokens=6, lookahead="auto", eos_token_id=[])
     assert one.tokens == model.generate([5, 6, 7], max_new_tokens=6, eos_token_id=[]).tokens and one.steps == 6
     model.generate([[5, 6, 7], [8, 9]], max_new_tokens=6, lookahead="auto", eos_token_id=[])
-    assert {key[0] for key in model.__dict__["_runner"]._programs} == {PLAIN.shape}
+    assert {key[0] for key in model.runner.step_shapes} == {PLAIN.shape}
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")

@@ -3,13 +3,14 @@
 import pytest
 import torch
 
-from helpers import MockStepModel, context_logits
-from lookahead import LookaheadConfig, decode
-from lookahead.kernels import StepPattern
+import random
+
+from helpers import MockStepModel, context_logits, decode_one
+from lookahead import LookaheadConfig
+from lookahead.drafts import ROOT, NGramPool, chain_trie
+from lookahead.loop.verify import greedy_verify, sample_verify
+from lookahead.loop.window import LookaheadWindow
 from lookahead.models import Llama
-from lookahead.pool import NGramPool
-from lookahead.verify import greedy_verify
-from lookahead.window import LookaheadWindow
 
 CONFIGS = [(1, 2, 0), (1, 2, 3), (3, 2, 3), (4, 3, 0), (3, 3, 3), (5, 4, 5), (2, 5, 12), (7, 5, 7), (15, 5, 15)]
 IDS = [f"W{w}-N{n}-G{g}" for w, n, g in CONFIGS]
@@ -21,9 +22,9 @@ def test_mock_model_lookahead_equals_greedy(W, N, G):
     """The mock rebuilds each token's context from the pattern, so a wrong layout or commit changes tokens."""
     for seed in range(4):
         prompt = torch.randint(0, 16, (5 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
-        plain = decode(MockStepModel(16), prompt, 40)
+        plain = decode_one(MockStepModel(16), prompt, 40)
         model = MockStepModel(16)
-        result = decode(model, prompt, 40, lookahead=LookaheadConfig(W, N, G))
+        result = decode_one(model, prompt, 40, lookahead=LookaheadConfig(W, N, G))
         assert result.tokens == plain.tokens
         assert result.steps == model.calls
 
@@ -33,9 +34,9 @@ def test_mock_model_lookahead_equals_greedy(W, N, G):
 def test_model_that_knows_a_text_accepts_many_tokens(W, N, G, form):
     vocab = 16
     fn = lambda ctx: context_logits(ctx, vocab, target=[1, 2] + TARGET)  # noqa: E731
-    plain = decode(MockStepModel(vocab, fn), [1, 2], 60)
+    plain = decode_one(MockStepModel(vocab, fn), [1, 2], 60)
     assert plain.tokens[:40] == TARGET[:40]
-    result = decode(MockStepModel(vocab, fn), [1, 2], 60, lookahead=LookaheadConfig(W, N, G, form=form))
+    result = decode_one(MockStepModel(vocab, fn), [1, 2], 60, lookahead=LookaheadConfig(W, N, G, form=form))
     assert result.tokens == plain.tokens
     assert result.compression > 1 + 0.4 * (N - 1), result.compression
     longest = max(len(s) for s in result.step_tokens)
@@ -53,10 +54,10 @@ def test_lookahead_branch_alone_feeds_the_pool(W, N, G, form):
     reaches it."""
     vocab = 16
     fn = lambda ctx: context_logits(ctx, vocab, target=[1, 2] + TARGET)  # noqa: E731
-    plain = decode(MockStepModel(vocab, fn), [1, 2], 60)
+    plain = decode_one(MockStepModel(vocab, fn), [1, 2], 60)
     cfg = LookaheadConfig(W, N, G, pool_from_prompt=False, pool_from_output=False, form=form, draft_suffix=False,
                           draft_recycle=False)
-    result = decode(MockStepModel(vocab, fn), [1, 2], 60, lookahead=cfg)
+    result = decode_one(MockStepModel(vocab, fn), [1, 2], 60, lookahead=cfg)
     assert result.tokens == plain.tokens
     assert result.compression > 1.3, result.compression
 
@@ -91,10 +92,10 @@ def test_eos_inside_an_accepted_ngram_stops_there():
     vocab = 16
     fn = lambda ctx: context_logits(ctx, vocab, target=[1, 2] + TARGET)  # noqa: E731
     eos = 12
-    plain = decode(MockStepModel(vocab, fn), [1, 2], 60, eos_token_ids=[eos])
+    plain = decode_one(MockStepModel(vocab, fn), [1, 2], 60, stop=[eos])
     assert plain.tokens == TARGET[: TARGET.index(eos) + 1]
     streamed = []
-    result = decode(MockStepModel(vocab, fn), [1, 2] + TARGET[:6], 60, eos_token_ids=[eos],
+    result = decode_one(MockStepModel(vocab, fn), [1, 2] + TARGET[:6], 60, stop=[eos],
                     lookahead=LookaheadConfig(4, 4, 4), stream=streamed.append)
     expected = TARGET[6:][: TARGET[6:].index(eos) + 1]
     assert result.tokens == expected
@@ -106,26 +107,26 @@ def test_eos_inside_an_accepted_ngram_stops_there():
 def test_max_new_tokens_is_exact_inside_an_ngram(limit):
     vocab = 16
     fn = lambda ctx: context_logits(ctx, vocab, target=[1, 2] + TARGET)  # noqa: E731
-    result = decode(MockStepModel(vocab, fn), [1, 2] + TARGET[:8], limit, lookahead=LookaheadConfig(4, 5, 4))
+    result = decode_one(MockStepModel(vocab, fn), [1, 2] + TARGET[:8], limit, lookahead=LookaheadConfig(4, 5, 4))
     assert result.tokens == TARGET[8 : 8 + limit]
 
 
 def test_prompt_shorter_than_window():
-    plain = decode(MockStepModel(16), [3], 30)
-    result = decode(MockStepModel(16), [3], 30, lookahead=LookaheadConfig(15, 5, 15))
+    plain = decode_one(MockStepModel(16), [3], 30)
+    result = decode_one(MockStepModel(16), [3], 30, lookahead=LookaheadConfig(15, 5, 15))
     assert result.tokens == plain.tokens
 
 
 def test_steps_count_every_forward_pass_including_prefill():
     model = MockStepModel(16)
-    result = decode(model, [1, 2, 3], 25, lookahead=LookaheadConfig(3, 3, 3))
+    result = decode_one(model, [1, 2, 3], 25, lookahead=LookaheadConfig(3, 3, 3))
     assert result.steps == model.calls == len(result.step_tokens)
     assert sum(len(s) for s in result.step_tokens) == len(result.tokens) == 25
 
 
 def test_warm_up_grows_the_window_one_level_per_step():
     model = MockStepModel(16)
-    decode(model, [1, 2, 3, 4], 12, lookahead=LookaheadConfig(4, 5, 0))
+    decode_one(model, [1, 2, 3, 4], 12, lookahead=LookaheadConfig(4, 5, 0))
     assert [p.ngram for p in model.patterns[:4]] == [2, 3, 4, 5]
 
 
@@ -160,18 +161,77 @@ def test_window_trajectory_update():
     assert window.levels == [[13, 50, 50], [32, 33, 50], [41, 42, 43]]
 
 
-def test_greedy_verify_takes_the_longest_prefix_and_the_next_token():
-    p = StepPattern(1, 4, 3)
-    candidates = [(5, 6, 7), (5, 8, 9), (4, 4, 4)]
-    predicted = {0: 5, p.candidate_index(0, 1): 6, p.candidate_index(0, 2): 0, p.candidate_index(0, 3): 1,
-                 p.candidate_index(1, 1): 6, p.candidate_index(1, 2): 2, p.candidate_index(1, 3): 3,
-                 p.candidate_index(2, 1): 1, p.candidate_index(2, 2): 1, p.candidate_index(2, 3): 1}
-    verdict = greedy_verify(candidates, predicted, p)
-    assert verdict.tokens == [5, 6, 0] and verdict.candidate == 0
-    assert verdict.run == 2 and verdict.candidate == 0
-    predicted[p.candidate_index(0, 2)] = 7
-    assert greedy_verify(candidates, predicted, p).tokens == [5, 6, 7, 1]  # all N-1 accepted, plus one: N
-    assert greedy_verify([], {0: 9}, StepPattern(1, 4, 0)).tokens == [9]
+def _paper_greedy(candidates, argmax_after):
+    """The paper's Algorithm 3 over separate candidates: the longest prefix equal to the model's argmax (the first
+    candidate holding it), then the argmax after it. argmax_after(prefix) -> the argmax after input + prefix."""
+    best = ()
+    for candidate in candidates:
+        run = 0
+        while run < len(candidate) and candidate[run] == argmax_after(tuple(candidate[:run])):
+            run += 1
+        if run > len(best):
+            best = tuple(candidate[:run])
+    return [*best, argmax_after(best)]
+
+
+def _paper_sampling(candidates, prob, uniform, draw):
+    """The paper's Algorithm 4 over separate candidates: at each position try the still-matching candidates' tokens
+    in order (a token already rejected there is skipped), accepting one with its residual probability."""
+    alive, tokens = list(candidates), []
+    for position in range(max(map(len, candidates), default=0)):
+        rejected, mass, chosen = [], 0.0, None
+        for candidate in alive:
+            if len(candidate) <= position or candidate[position] in rejected:
+                continue
+            token = candidate[position]
+            p = prob(tuple(tokens), token)
+            if uniform() * (1.0 - mass) < p:
+                chosen = token
+                break
+            rejected.append(token)
+            mass += p
+        if chosen is None:
+            break
+        tokens.append(chosen)
+        alive = [c for c in alive if len(c) > position and c[position] == chosen]
+    return [*tokens, draw(tuple(tokens))]
+
+
+def _paths(tree):
+    """Each slot's prefix: () for the input token, node j's path tokens for slot 1 + j."""
+    return [()] + [tuple(tree.tokens[n] for n in tree.path(j)) for j in range(len(tree))]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_chains_as_a_trie_accept_what_the_papers_candidates_accept(seed):
+    """The chains form drafts the pool's candidates as a trie; verifying the trie must accept exactly what the
+    paper's algorithms accept over the separate candidates, greedy and sampling (same uniforms, same draws)."""
+    rng = random.Random(seed)
+    vocab, span = 4, rng.randint(1, 4)  # a small vocabulary: candidates share prefixes and tokens often
+    candidates = [tuple(rng.randrange(vocab) for _ in range(span)) for _ in range(rng.randint(0, 6))]
+    table = {}
+
+    def argmax_after(prefix):  # a model: the argmax after each context, fixed per context
+        return table.setdefault(prefix, rng.randrange(vocab))
+
+    tree = chain_trie(candidates)
+    assert len(tree) == len({c[:k] for c in candidates for k in range(1, span + 1)})  # shared prefixes stored once
+    paths = _paths(tree)
+    verdict = greedy_verify(tree, [argmax_after(path) for path in paths])
+    assert verdict.tokens == _paper_greedy(candidates, argmax_after)
+    assert verdict.node == ROOT or paths[verdict.node + 1] == tuple(verdict.tokens[:-1])
+
+    probs = {}
+
+    def prob(prefix, token):
+        return probs.setdefault((prefix, token), rng.random() / 2)
+
+    for _ in range(5):
+        uniforms = [rng.random() for _ in range(64)]
+        mine, theirs = iter(uniforms), iter(uniforms)
+        got = sample_verify(tree, lambda slot, token: prob(paths[slot], token), mine.__next__,
+                            lambda slot: hash(paths[slot]) % 97)
+        assert got.tokens == _paper_sampling(candidates, prob, theirs.__next__, lambda prefix: hash(prefix) % 97)
 
 
 @pytest.mark.parametrize("kwargs, message", [

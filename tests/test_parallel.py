@@ -8,14 +8,12 @@ import pytest
 import torch
 from parallel_worker import spawn
 
-from helpers import MockStepModel
-from lookahead import LookaheadConfig, decode
-from lookahead.layout import full_pattern, pack_step
+from helpers import MockStepModel, decode_one
+from lookahead import LookaheadConfig
+from lookahead.drafts import DraftTree
+from lookahead.loop import full_pattern, pack_step
 from lookahead.models import Llama
-from lookahead.models.generation import generate as generate_with
-from lookahead.parallel import scaled_lookahead
-from lookahead.substep import split_step
-from lookahead.tree import DraftTree
+from lookahead.parallel.substep import split_step
 
 PROMPT = [5, 9, 2, 7, 3, 5, 9, 2, 11, 4, 5, 9]
 TOKENS = 40
@@ -77,7 +75,7 @@ def test_mock_model_runs_a_sub_step():
     for rank in range(3):
         sub = split_step(layout, 3).sub_step(layout, rank)
         model.step(list(sub.tokens), sub.pattern, list(range(len(sub.tokens))))
-    assert decode(MockStepModel(16), [1, 2], 4).tokens  # the mock itself still decodes
+    assert decode_one(MockStepModel(16), [1, 2], 4).tokens  # the mock itself still decodes
 
 
 def _cases(folder):

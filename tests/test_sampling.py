@@ -5,14 +5,14 @@ import itertools
 import pytest
 import torch
 
-import lookahead.engine as engine
-import lookahead.sampling as sampling
-from helpers import MockStepModel, context_logits
-from lookahead import LookaheadConfig, SamplingParams, decode
+import lookahead.loop.core as engine
+import lookahead.loop.sampling as sampling
+from helpers import MockStepModel, context_logits, decode_one
+from lookahead import LookaheadConfig, SamplingParams
+from lookahead.drafts import ROOT
+from lookahead.loop.sampling import Sampler, SampleRequest, pair_tensor, target_probs
+from lookahead.loop.verify import Verdict
 from lookahead.models import Llama
-from lookahead.sampling import Sampler, SampleRequest, pair_tensor, target_probs
-from lookahead.tree import ROOT
-from lookahead.verify import Verdict
 
 VOCAB = 6
 PROMPT = [0, 1, 2, 3, 4, 5, 0, 2, 4, 1, 3, 5, 0, 3, 1, 4, 2, 5, 1, 0, 5, 2, 3, 4, 0]  # every token starts n-grams
@@ -90,7 +90,7 @@ def sample_many(make_model, params, n, cfg=None):
     counts: dict = {}
     multi_token_runs = 0
     for seed in range(n):
-        result = decode(make_model(), PROMPT, DEPTH, params, lookahead=cfg, eos_token_ids=(), seed=seed)
+        result = decode_one(make_model(), PROMPT, DEPTH, params, lookahead=cfg, stop=(), seed=seed)
         seq = tuple(result.tokens)
         counts[seq] = counts.get(seq, 0) + 1
         multi_token_runs += any(len(s) > 1 for s in result.step_tokens)
@@ -249,7 +249,7 @@ def test_the_loop_reads_nothing_of_the_device_but_the_fetched_outputs(form):
     cfg = LookaheadConfig(3, 3, 3, form=form)
     for lookahead in (None, cfg):
         args = (PROMPT, 12, params, lookahead, (), None, 11)
-        assert (decode(_DeviceBlindModel(VOCAB), *args).tokens == decode(MockStepModel(VOCAB), *args).tokens)
+        assert (decode_one(_DeviceBlindModel(VOCAB), *args).tokens == decode_one(MockStepModel(VOCAB), *args).tokens)
 
 
 @pytest.mark.parametrize("top_p", [0.5, 0.9, 0.99])

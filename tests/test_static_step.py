@@ -9,13 +9,13 @@ import pytest
 import torch
 from test_pattern import random_parents
 
-from helpers import MockStepModel, context_logits
-from lookahead import LookaheadConfig, decode
-from lookahead.drafts import DraftBuilder
+from helpers import MockStepModel, context_logits, decode_one
+from lookahead import LookaheadConfig
+from lookahead.drafts import DraftBuilder, DraftTree, chain_trie
 from lookahead.kernels import StepPattern
-from lookahead.layout import full_pattern, pack_step
+from lookahead.loop import full_pattern, pack_step
+from lookahead.loop.verify import Verdict
 from lookahead.models import Llama
-from lookahead.tree import DraftTree
 
 CONFIGS = [(1, 2, 0), (1, 2, 3), (3, 2, 3), (4, 3, 0), (1, 4, 2), (3, 4, 3), (5, 4, 5), (15, 5, 15)]
 IDS = [f"W{w}-N{n}-G{g}" for w, n, g in CONFIGS]
@@ -23,38 +23,40 @@ TARGET = [7, 3, 9, 12, 4, 8, 1, 11, 5, 14, 6, 10, 13] * 6
 
 
 def test_static_layout_pads_where_no_real_token_looks():
-    full = StepPattern(3, 4, 2)
+    full = full_pattern(LookaheadConfig(3, 4, 2))
     levels = [[10, 11, 12], [20, 21, 22]]  # warm-up: 2 of 3 levels
-    layout = pack_step(levels, [(5, 6)], full, static=True)
-    assert layout.pattern == full and len(layout.tokens) == full.num_tokens == 15
+    tree = chain_trie([(5, 6)])  # a warm-up candidate of 2 tokens
+    layout = pack_step(levels, tree, full, static=True)
+    assert layout.pattern.shape == full.shape and len(layout.tokens) == full.num_tokens == 15
     assert layout.tokens[:6] == [10, 11, 12, 20, 21, 22]
-    assert layout.tokens[9:12] == [5, 6, 10]  # the warm-up candidate, padded to N - 1 tokens
-    assert list(layout.last_level) == [3, 4, 5]
+    assert layout.tokens[9:11] == [5, 6]  # the candidate's path, then padding leaves
+    assert [layout.rows[r] for r in layout.last_level_rows] == [3, 4, 5]
     assert len(layout.rows) == 1 + 3 + 2 * 3  # the same row count at every step of a static generation
-    padding = [*range(6, 9), 11, *range(12, 15)]
+    padding = [*range(6, 9), *range(11, 15)]
     real = [i for i in range(full.num_tokens) if i not in padding]
-    mask = full.materialize(0)
+    mask = layout.pattern.materialize(0)
     assert not mask[real][:, padding].any()  # no real token sees a padding token
-    exact = pack_step(levels, [(5, 6)], full, static=False)
-    assert exact.pattern == StepPattern(3, 3, 1) and exact.tokens == [10, 11, 12, 20, 21, 22, 5, 6]
-    assert layout.commit_indices(0, 2) == [0, 9, 10] and exact.commit_indices(0, 2) == [0, 6, 7]
+    exact = pack_step(levels, tree, full, static=False)
+    assert exact.pattern == StepPattern(3, 3, tree_end=(2, 2)) and exact.tokens == [10, 11, 12, 20, 21, 22, 5, 6]
+    verdict = Verdict([5, 6, 9], 1)
+    assert layout.commit_indices(verdict) == [0, 9, 10] and exact.commit_indices(verdict) == [0, 6, 7]
 
 
 @pytest.mark.parametrize("W, N, G", CONFIGS, ids=IDS)
 def test_mock_static_equals_exact_size(W, N, G):
     for seed in range(3):
         prompt = torch.randint(0, 16, (4 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
-        exact = decode(MockStepModel(16), prompt, 40, lookahead=LookaheadConfig(W, N, G))
+        exact = decode_one(MockStepModel(16), prompt, 40, lookahead=LookaheadConfig(W, N, G))
         model = MockStepModel(16)
-        static = decode(model, prompt, 40, lookahead=LookaheadConfig(W, N, G), static_step=True)
+        static = decode_one(model, prompt, 40, lookahead=LookaheadConfig(W, N, G), static_step=True)
         assert static.tokens == exact.tokens and static.step_tokens == exact.step_tokens
         # one shape, warm-up included (a tree's structure is data, not shape)
         assert {p.shape for p in model.patterns} == {full_pattern(LookaheadConfig(W, N, G)).shape}
         model = MockStepModel(16)
         chains = LookaheadConfig(W, N, G, form="chains")
-        static = decode(model, prompt, 40, lookahead=chains, static_step=True)
+        static = decode_one(model, prompt, 40, lookahead=chains, static_step=True)
         assert static.tokens == exact.tokens
-        assert {p for p in model.patterns} == {StepPattern(W, N, G)}
+        assert {p.shape for p in model.patterns} == {full_pattern(chains).shape}  # the same shape as the tree's
 
 
 @pytest.mark.parametrize("limit", [1, 5, 9])
@@ -63,12 +65,12 @@ def test_static_steps_stop_at_eos_and_limit_inside_a_step(limit):
     fn = lambda ctx: context_logits(ctx, vocab, target=[1, 2] + TARGET)  # noqa: E731
     cfg = LookaheadConfig(4, 5, 4)
     prompt = [1, 2] + TARGET[:8]
-    exact = decode(MockStepModel(vocab, fn), prompt, limit, lookahead=cfg)
-    static = decode(MockStepModel(vocab, fn), prompt, limit, lookahead=cfg, static_step=True)
+    exact = decode_one(MockStepModel(vocab, fn), prompt, limit, lookahead=cfg)
+    static = decode_one(MockStepModel(vocab, fn), prompt, limit, lookahead=cfg, static_step=True)
     assert static.tokens == exact.tokens == TARGET[8 : 8 + limit]
     eos = 12
-    exact = decode(MockStepModel(vocab, fn), prompt, 60, eos_token_ids=[eos], lookahead=cfg)
-    static = decode(MockStepModel(vocab, fn), prompt, 60, eos_token_ids=[eos], lookahead=cfg, static_step=True)
+    exact = decode_one(MockStepModel(vocab, fn), prompt, 60, stop=[eos], lookahead=cfg)
+    static = decode_one(MockStepModel(vocab, fn), prompt, 60, stop=[eos], lookahead=cfg, static_step=True)
     assert static.tokens == exact.tokens and static.tokens[-1] == eos and len(static.step_tokens[-1]) > 1
 
 
@@ -114,13 +116,13 @@ def test_runner_is_reused_across_generations(tiny_checkpoint):
     model = Llama.from_pretrained(tiny_checkpoint("gqa"))
     cfg = LookaheadConfig(3, 4, 3)
     first = model.generate([1, 2, 3], max_new_tokens=10, lookahead=cfg, eos_token_id=[])
-    runner = model.__dict__["_runner"]
+    runner = model.runner
     again = model.generate([1, 2, 3], max_new_tokens=10, lookahead=cfg, eos_token_id=[])
     plain = model.generate([4, 5], max_new_tokens=10, eos_token_id=[])
-    assert model.__dict__["_runner"] is runner and again.tokens == first.tokens
+    assert model.runner is runner and again.tokens == first.tokens
     assert plain.tokens == model.generate([4, 5], max_new_tokens=10, eos_token_id=[], static_step=True).tokens
     model.generate([1, 2, 3], max_new_tokens=400, lookahead=cfg, eos_token_id=[])  # needs a larger cache
-    assert model.__dict__["_runner"] is not runner and model.__dict__["_runner"].cache.capacity == 512
+    assert model.runner is not runner and model.runner.cache.capacity == 512
 
 
 def test_full_pattern_is_the_configured_budget():
@@ -192,7 +194,7 @@ def test_cuda_graphs_replay_the_eager_step(tiny_checkpoint, lookahead):
     graphed = model.generate(prompt, cuda_graph=True, **kwargs)
     again = model.generate(prompt, cuda_graph=True, **kwargs)  # replays the graphs captured above
     assert graphed.tokens == eager.tokens == again.tokens
-    runner = model.__dict__["_runner"]
+    runner = model.runner
     assert runner.cuda_graphs and all(p.graph is not None for p in runner._programs.values())
     cpu = Llama.from_pretrained(tiny_checkpoint("gqa"))
     assert graphed.tokens == cpu.generate(prompt, max_new_tokens=48, eos_token_id=[]).tokens
@@ -255,10 +257,10 @@ def test_warmup_prepares_the_runner_the_generation_uses(tiny_checkpoint):
     model = Llama.from_pretrained(tiny_checkpoint("gqa"))
     cfg = LookaheadConfig(3, 4, 3)
     model.warmup(cfg, max_tokens=300)
-    runner = model.__dict__["_runner"]
-    assert runner.cache.capacity >= 300 and [key[0] for key in runner._programs] == [full_pattern(cfg).shape]
+    runner = model.runner
+    assert runner.cache.capacity >= 300 and [key[0] for key in runner.step_shapes] == [full_pattern(cfg).shape]
     result = model.generate(list(range(1, 40)), max_new_tokens=200, lookahead=cfg, eos_token_id=[], static_step=True)
-    assert model.__dict__["_runner"] is runner and len(runner._programs) == 1
+    assert model.runner is runner and len(runner.step_shapes) == 1
     assert result.tokens == model.generate(list(range(1, 40)), max_new_tokens=200, eos_token_id=[]).tokens
     with pytest.raises(ValueError, match="max_tokens must be an int >= 2"):
         model.warmup(cfg, max_tokens=1)

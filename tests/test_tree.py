@@ -8,17 +8,13 @@ import pytest
 import torch
 from test_pattern import TREES
 
-from helpers import MockStepModel, context_logits
-from lookahead import LookaheadConfig, decode
-from lookahead.drafts import DraftBuilder
+from helpers import MockStepModel, context_logits, decode_one
+from lookahead import LookaheadConfig
+from lookahead.drafts import EMPTY, ROOT, DraftBuilder, DraftTree, NGramPool, RecycleTables, SuffixIndex
 from lookahead.kernels import StepPattern
-from lookahead.layout import full_pattern, pack_step
+from lookahead.loop import full_pattern, pack_step
+from lookahead.loop.verify import Verdict, greedy_verify
 from lookahead.models import Llama
-from lookahead.pool import NGramPool
-from lookahead.recycle import RecycleTables
-from lookahead.suffix import SuffixIndex
-from lookahead.tree import EMPTY, ROOT, DraftTree
-from lookahead.verify import greedy_verify_tree
 
 SOURCES = ("pool", "suffix", "recycle")
 SOURCE_SETS = [frozenset(s for i, s in enumerate(SOURCES) if mask >> i & 1) for mask in range(8)]
@@ -30,12 +26,16 @@ def tree_config(W, N, G, sources=SOURCES, **kwargs):
     return LookaheadConfig(W, N, G, form="tree", **{f"draft_{s}": s in sources for s in SOURCES}, **kwargs)
 
 
+def depths(tree: DraftTree) -> list[int]:
+    return [len(tree.path(j)) for j in range(len(tree))]
+
+
 def test_draft_tree_from_parents():
     tree = DraftTree.from_parents([5, 6, 7, 8, 9], [ROOT, 0, 1, 0, ROOT])
     assert tree.tree_end == [4, 3, 3, 4, 5]
     assert list(tree.children(ROOT)) == [0, 4] and list(tree.children(0)) == [1, 3] and list(tree.children(2)) == []
-    assert tree.path(2) == [0, 1, 2] and tree.path(ROOT) == [] and tree.depths() == [1, 2, 3, 2, 1]
-    assert StepPattern(2, 3, tree_end=tree.tree_end).relative_positions.tolist()[4:] == tree.depths()
+    assert tree.path(2) == [0, 1, 2] and tree.path(ROOT) == [] and depths(tree) == [1, 2, 3, 2, 1]
+    assert StepPattern(2, 3, tree_end=tree.tree_end).relative_positions.tolist()[4:] == depths(tree)
     with pytest.raises(ValueError, match="not a pre-order forest"):
         DraftTree.from_parents([1, 2, 3], [ROOT, ROOT, 0])
 
@@ -104,27 +104,29 @@ def test_static_tree_layout_pads_with_invisible_leaves():
     layout = pack_step(levels, tree, full, static=True)
     assert layout.pattern.shape == full.shape and layout.tokens[9:12] == [5, 6, 7]
     assert layout.pattern.tree_end == (11 - 9, 11 - 9, 3, 4, 5, 6)
-    assert len(layout.rows) == 1 + 3 + 6 and layout.candidate_rows == [9, 10, 11]
+    assert len(layout.rows) == 1 + 3 + 6 and list(layout.node_indices) == [9, 10, 11]
     padding = [6, 7, 8, 12, 13, 14]
     real = [i for i in range(15) if i not in padding]
     assert not layout.pattern.materialize(0)[real][:, padding].any()  # no real token sees a padding token
-    assert layout.commit_indices(1, 2) == [0, 9, 10] and layout.commit_indices(ROOT, 0) == [0]
-    assert layout.predecessors(99)[:6] == [99, 10, 11, 10, 11, 12] and layout.predecessors(99)[9:12] == [10, 5, 10]
+    assert layout.commit_indices(Verdict([6, 7, 1], 1)) == [0, 9, 10] and layout.commit_indices(Verdict([4], ROOT)) == [0]
+    assert layout.parents[:6] == [-1, 0, 1, 0, 1, 2] and layout.parents[9:12] == [0, 9, 0]
+    assert layout.slot_rows == [0, 4, 5, 6] and layout.draft_pairs == ((0, 5), (1, 6), (0, 7))
+    assert [layout.index_of_slot(s) for s in range(4)] == [0, 9, 10, 11]
+    assert [layout.slot_of_index(i) for i in (0, 9, 10, 11)] == [0, 1, 2, 3]
     exact = pack_step(levels, tree, full, static=False)
     assert exact.pattern == StepPattern(3, 3, tree_end=(2, 2, 3)) and exact.tokens == [10, 11, 12, 20, 21, 22, 5, 6, 7]
-    assert exact.commit_indices(1, 2) == [0, 6, 7]
+    assert exact.commit_indices(Verdict([6, 7, 1], 1)) == [0, 6, 7]
     with pytest.raises(ValueError, match="does not fit"):
         pack_step(levels, DraftTree.from_parents(list(range(7)), [ROOT] * 7), full, static=True)
 
 
-def test_greedy_verify_tree_takes_the_matching_path():
+def test_greedy_verify_takes_the_matching_path():
     tree = DraftTree.from_parents([5, 6, 7, 8, 6], [ROOT, 0, 1, 0, ROOT])
-    base = 10
-    predicted = {0: 5, base: 8, base + 1: 7, base + 2: 1, base + 3: 2, base + 4: 3}
-    verdict = greedy_verify_tree(tree, predicted, base)
-    assert verdict.tokens == [5, 8, 2] and verdict.candidate == 3 and verdict.run == 2
-    assert greedy_verify_tree(tree, {**predicted, 0: 9}, base).tokens == [9]
-    assert greedy_verify_tree(EMPTY, {0: 4}, base).tokens == [4]
+    argmax = [5, 8, 7, 1, 2, 3]  # by slot: the input token, then node j at slot 1 + j
+    verdict = greedy_verify(tree, argmax)
+    assert verdict.tokens == [5, 8, 2] and verdict.node == 3 and verdict.run == 2
+    assert greedy_verify(tree, [9, *argmax[1:]]).tokens == [9]
+    assert greedy_verify(EMPTY, [4]).tokens == [4]
 
 
 class ShapeDrafts:
@@ -135,7 +137,7 @@ class ShapeDrafts:
         self.parents, self.offset, self.reference, self.vocab = parents, len(prompt), reference, vocab
         self.rng = random.Random(seed)
 
-    def build(self, sequence, pool, budget):  # patched over DraftBuilder.build (a bound method: no builder arg)
+    def build(self, sequence, pool, budget, levels=0):  # patched over DraftBuilder.build (a bound method: no builder arg)
         assert len(self.parents) <= budget
         done = len(sequence) - self.offset  # tokens generated so far: the input token is reference[done - 1]
         tokens, depth = [], []
@@ -155,13 +157,13 @@ def test_mock_tree_shapes_equal_greedy(monkeypatch, shape, static):
     vocab = 16
     for seed in range(3):
         prompt = torch.randint(0, vocab, (4 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
-        plain = decode(MockStepModel(vocab), prompt, 40)
+        plain = decode_one(MockStepModel(vocab), prompt, 40)
         monkeypatch.setattr(DraftBuilder, "build", ShapeDrafts(TREES[shape], prompt, plain.tokens, vocab, seed).build)
         model = MockStepModel(vocab)
-        result = decode(model, prompt, 40, lookahead=tree_config(3, 5, 4), static_step=static)
+        result = decode_one(model, prompt, 40, lookahead=tree_config(3, 5, 4), static_step=static)
         assert result.tokens == plain.tokens and result.steps == model.calls
-        deepest, depth = max(len(s) for s in result.step_tokens), max(DraftTree.from_parents(
-            TREES[shape], TREES[shape]).depths(), default=0)
+        deepest, depth = max(len(s) for s in result.step_tokens), max(depths(DraftTree.from_parents(
+            TREES[shape], TREES[shape])), default=0)
         assert deepest == 1 + depth if shape in ("empty", "star") else deepest > 2  # paths accepted deep
         shapes = {p.shape for p in model.patterns}
         assert len(shapes) == 1 if static else len(shapes) > 1
@@ -186,8 +188,8 @@ def test_mock_sources_on_off_equal_greedy(sources, static):
     for W, N, G in [(3, 4, 3), (1, 2, 5), (5, 3, 4)]:
         for seed in range(2):
             prompt = torch.randint(0, 16, (5 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
-            plain = decode(MockStepModel(16), prompt, 40)
-            result = decode(MockStepModel(16), prompt, 40, lookahead=tree_config(W, N, G, sources),
+            plain = decode_one(MockStepModel(16), prompt, 40)
+            result = decode_one(MockStepModel(16), prompt, 40, lookahead=tree_config(W, N, G, sources),
                             static_step=static)
             assert result.tokens == plain.tokens
 
@@ -214,10 +216,10 @@ def test_every_source_feeds_the_tree(source):
     so a source that is silently cut off (not queried, not fed, its table never filled) fails here."""
     vocab = 16
     fn = lambda ctx: context_logits(ctx, vocab, target=[1, 2] + TARGET)  # noqa: E731
-    plain = decode(MockStepModel(vocab, fn), [1, 2], 60)
+    plain = decode_one(MockStepModel(vocab, fn), [1, 2], 60)
     for static in (False, True):
         cfg = tree_config(3, 4, 3, () if source is None else (source,))
-        result = decode(MockStepModel(vocab, fn), [1, 2], 60, lookahead=cfg, static_step=static)
+        result = decode_one(MockStepModel(vocab, fn), [1, 2], 60, lookahead=cfg, static_step=static)
         assert result.tokens == plain.tokens
         if source is None:
             assert result.compression == 1.0
@@ -243,8 +245,8 @@ def test_static_tree_generation_has_one_shape(tiny_checkpoint):
     cfg = tree_config(7, 5, 7)
     result = model.generate(list(range(3, 40)) * 2, max_new_tokens=40, eos_token_id=[], lookahead=cfg,
                             static_step=True)
-    runner = model.__dict__["_runner"]
-    assert result.steps < 40 and [key[0] for key in runner._programs] == [full_pattern(cfg).shape]
+    runner = model.runner
+    assert result.steps < 40 and [key[0] for key in runner.step_shapes] == [full_pattern(cfg).shape]
     mock = MockStepModel(16)
-    decode(mock, [1, 2, 3, 1, 2], 40, lookahead=cfg, static_step=True)
+    decode_one(mock, [1, 2, 3, 1, 2], 40, lookahead=cfg, static_step=True)
     assert len({p.shape for p in mock.patterns}) == 1 and len({p.tree_end for p in mock.patterns}) > 1

@@ -15,35 +15,13 @@ probabilities, not on the race's keys: so one key vector per step serves every r
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """temperature 0 means greedy; top_k 0 means off; top_p in (0, 1]."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-
-    def __post_init__(self) -> None:
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
-        p = self.top_p
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {p!r}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+from lookahead.request import SamplingParams
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

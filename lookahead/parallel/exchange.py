@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .layout import StepLayout
-from .sampling import SampleReads
+from lookahead.loop import StepLayout
+from lookahead.loop.sampling import SampleReads
+
 from .substep import StepSplit
 
 OK, FAILED = 1.0, -1.0
@@ -42,13 +43,13 @@ class MessagePlan:
         argmax = tuple(tuple(i for i in owned if i in row_of) for owned in split.owned)
         k = layout.topk
         topk = split.owned if k else tuple(() for _ in ranks)
-        verified = [0, *layout.candidate_rows] if sampling else []
+        verified = [0, *layout.node_indices] if sampling else []
         draws = tuple(tuple(i for i in verified if split.owner[i] == rank) for rank in ranks)
         pairs = layout.draft_pairs if sampling else ()
-        probs = tuple(tuple(p for p in pairs if split.owner[layout.slot_index(p[0])] == rank) for rank in ranks)
+        probs = tuple(tuple(p for p in pairs if split.owner[layout.index_of_slot(p[0])] == rank) for rank in ranks)
         size = max(1 + len(a) + k * len(t) + len(d) + len(p) for a, t, d, p in zip(argmax, topk, draws, probs,
                                                                                      strict=True))
-        slots = 1 + layout.pattern.verify_len
+        slots = layout.num_slots
         return cls(argmax, topk, draws, probs, k, slots, size)
 
     def pack(self, rank: int, argmax: dict[int, int], topk: dict[int, torch.Tensor], draws: dict[int, int],
@@ -86,7 +87,7 @@ class MessagePlan:
                 topk[i] = [int(t) for t in row[at : at + self.k]]
                 at += self.k
             for i in self.draws[rank]:
-                draws[layout.slot(i)] = int(row[at])
+                draws[layout.slot_of_index(i)] = int(row[at])
                 at += 1
             for pair in self.probs[rank]:
                 probs[pair] = row[at]

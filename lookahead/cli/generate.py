@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Mapping
 
-from lookahead.cli import DEFAULT_GUESSES, DEFAULT_WINDOW
+from lookahead.config import LookaheadConfig
 
 _COLORS = ("\033[38;5;39m", "\033[38;5;208m")  # alternate per multi-token step, like the authors' demo
 _RESET = "\033[0m"
@@ -49,12 +49,12 @@ def _run(args: argparse.Namespace, parallel, say) -> int:
     start = time.perf_counter()
     import torch
 
-    from lookahead import LookaheadConfig
     from lookahead.models import Llama, default_model_dir
 
     ranks = 1 if parallel is None else parallel[1]
-    window = args.window if args.window is not None else DEFAULT_WINDOW * ranks  # strong scaling (README)
-    guesses = args.guesses if args.guesses is not None else DEFAULT_GUESSES * ranks
+    scaled = LookaheadConfig().scaled(ranks)  # strong scaling over the ranks (docs/parallelism.md)
+    window = args.window if args.window is not None else scaled.window
+    guesses = args.guesses if args.guesses is not None else scaled.guesses
     lookahead = None if args.no_lookahead else LookaheadConfig(window, args.ngram, guesses)
     device = _device(torch, args.device) if parallel is None else parallel[3]
     backend = _backend(args.attn_backend, device)
@@ -100,16 +100,14 @@ def _device(torch, requested: str | None) -> str:
 
 
 def _backend(requested: str, device: str) -> str:
+    from lookahead.backends import choose_backend
     from lookahead.kernels import interpreting
 
-    wants_triton = requested == "triton" or (requested == "auto" and device.startswith("cuda"))
-    if wants_triton and importlib.util.find_spec("triton") is None:
+    chosen = choose_backend(requested, device.split(":")[0], interpreting())
+    if chosen == "triton" and importlib.util.find_spec("triton") is None:
         raise ValueError(f"--attn-backend {requested} on {device} needs the triton package (pip install triton, "
                          "or pip install -e '.[triton]'); or pass --attn-backend torch")
-    if requested == "triton" and device == "cpu" and not interpreting():
-        raise ValueError("--attn-backend triton needs a CUDA GPU (on CPU it runs only under Triton's interpreter, "
-                         "TRITON_INTERPRET=1); use --attn-backend torch or auto")
-    return requested
+    return chosen
 
 
 def _tokenizer(folder):

@@ -1,4 +1,5 @@
-"""The decode loop: plain and lookahead decoding over any model that implements `StepModel`.
+"""The decode loop's shared parts, used by every driver (one prompt, a batch, lookahead parallelism, the transformers
+adapter): the model protocol, what a step returns, the result, the output collector and the lookahead state.
 
 It knows nothing of tokenizers or of the model's internals, so tests drive it with a mock model.
 """
@@ -11,18 +12,18 @@ from typing import Protocol
 
 import torch
 
+from lookahead.config import LookaheadConfig
+from lookahead.drafts import CONTEXT, ChainDrafts, DraftBuilder, NGramPool
 from lookahead.kernels import StepPattern
+from lookahead.request import Request, SamplingParams
 
-from .config import LookaheadConfig
-from .drafts import DraftBuilder
 from .layout import StepLayout, full_pattern, pack_step
-from .pool import CONTEXT, NGramPool
-from .sampling import Sampler, SampleReads, SampleRequest, SamplingParams, target_probs
-from .verify import Verdict, greedy_verify, greedy_verify_tree, sample_verify, sample_verify_tree
+from .sampling import Sampler, SampleReads, SampleRequest, target_probs
+from .verify import Verdict, greedy_verify, sample_verify
 from .window import LookaheadWindow
 
 PLAIN_STEP = StepPattern(1, 2, 0)  # one token that sees the whole cache
-GREEDY = SamplingParams()
+Stream = Callable[[list[int]], None]
 
 
 @dataclass
@@ -40,6 +41,7 @@ class StepOutput:
 class StepModel(Protocol):
     """What the decode loop needs of a model with a KV cache.
 
+    device: where the model runs (sampling's random keys are drawn there).
     prefill: run the prompt into the cache; return the logits [V] of its last token.
     step: run `tokens` laid out as `pattern` describes, at positions L + relative position, writing
         their KV entries after the cache prefix; return the outputs of step indices `rows`, with
@@ -50,6 +52,8 @@ class StepModel(Protocol):
     commit: keep the KV entries of these step indices (at positions L, L+1, ...) and grow L by their
         number. A model may defer the copy to its next step, so a commit costs no launch of its own.
     """
+
+    device: torch.device
 
     def prefill(self, tokens: Sequence[int]) -> torch.Tensor: ...
 
@@ -74,12 +78,12 @@ class GenerationResult:
         return len(self.tokens) / self.steps if self.steps else 0.0
 
 
-class _Output:
-    """Collects accepted tokens, stopping exactly at the first EOS or at the token limit."""
+class Output:
+    """Collects accepted tokens, stopping exactly at the first stop token or at the token limit."""
 
-    def __init__(self, limit: int, eos: Iterable[int], stream: Callable[[list[int]], None] | None) -> None:
+    def __init__(self, limit: int, stop: Iterable[int], stream: Stream | None) -> None:
         self.result = GenerationResult()
-        self.limit, self.eos, self.stream = limit, frozenset(eos), stream
+        self.limit, self.stop, self.stream = limit, frozenset(stop), stream
         self.done = False
 
     def accept(self, tokens: Sequence[int]) -> None:
@@ -89,7 +93,7 @@ class _Output:
             if len(self.result.tokens) + len(taken) == self.limit:
                 break
             taken.append(token)
-            if token in self.eos:
+            if token in self.stop:
                 self.done = True
                 break
         self.result.tokens.extend(taken)
@@ -99,53 +103,22 @@ class _Output:
             self.stream(taken)
 
 
-def decode(
-    model: StepModel,
-    prompt: Sequence[int],
-    max_new_tokens: int,
-    sampling: SamplingParams = GREEDY,
-    lookahead: LookaheadConfig | None = None,
-    eos_token_ids: Iterable[int] = (),
-    stream: Callable[[list[int]], None] | None = None,
-    seed: int | None = None,
-    device: torch.device | str = "cpu",
-    static_step: bool = False,
-) -> GenerationResult:
-    """Generate up to `max_new_tokens` after `prompt`; lookahead None means plain decoding.
-
-    static_step: feed every lookahead step at the configuration's full size (W + G)(N - 1), missing
-    levels and candidates padded (one shape for the whole generation); otherwise each step has the
-    exact size of what it holds. The tokens are the same either way.
-    """
-    sampler = None if sampling.greedy else Sampler(seed, torch.device(device))
-    out = _Output(max_new_tokens, eos_token_ids, stream)
-    last = _choose(model.prefill(prompt)[None], sampling, sampler)
-    out.accept([last])
-    if lookahead is None:
-        sample = {} if sampler is None else {"sample": SampleRequest(sampling, sampler, first_draft_row=1)}
-        while not out.done:
-            step = model.step([last], PLAIN_STEP, [0], **sample)
-            model.commit([0])
-            last = step.argmax[0] if sampler is None else step.sampled.draws[0]
-            out.accept([last])
-    else:
-        loop = _LookaheadLoop(lookahead, prompt, last, sampling, sampler, static_step)
-        while not out.done:
-            verdict = loop.step(model, last)
-            last = verdict.tokens[-1]
-            out.accept(verdict.tokens)
-    return out.result
-
-
-def _choose(logits: torch.Tensor, sampling: SamplingParams, sampler: Sampler | None) -> int:
-    """The first token, from the prefill's logits [1, V]."""
+def first_token(logits: torch.Tensor, sampling: SamplingParams, sampler: Sampler | None) -> int:
+    """The first new token, from the prefill's logits [V]."""
     if sampler is None:
-        return int(logits[0].argmax())
-    return sampler.draw(target_probs(logits[:1], sampling)[0])
+        return int(logits.argmax())
+    return sampler.draw(target_probs(logits[None], sampling)[0])
 
 
-class _LookaheadLoop:
-    """State of lookahead decoding between steps: the 2D window, the n-gram pool, the draft sources, the sequence."""
+def make_sampler(request: Request, row: int, device: torch.device | str) -> Sampler | None:
+    """Row `row`'s random source (None when greedy)."""
+    return None if request.sampling.greedy else Sampler(request.seeds[row], torch.device(device))
+
+
+class LookaheadLoop:
+    """The state of lookahead decoding between steps for one sequence: the 2D window, the n-gram pool, the draft
+    policy (the tree's sources, or the paper's chains as a trie), the sequence. A driver calls `plan` for the
+    next step's layout, runs it, and `finish` with the step's outputs for the verdict; the driver commits."""
 
     def __init__(self, cfg: LookaheadConfig, prompt: Sequence[int], first: int, sampling: SamplingParams,
                  sampler: Sampler | None, static: bool) -> None:
@@ -157,28 +130,25 @@ class _LookaheadLoop:
             self.pool.add_sequence(self.sequence)
         self.pooled_upto = len(self.sequence)  # n-grams starting before this index are in the pool
         self.window = LookaheadWindow(cfg.window, cfg.ngram, first, prompt)
-        self.drafts = None
         if cfg.form == "tree":
             self.drafts = DraftBuilder(self.sequence, cfg.draft_pool, cfg.draft_suffix, cfg.draft_recycle,
                                        pool_limit=cfg.guesses)
+        else:
+            self.drafts = ChainDrafts(cfg.ngram, cfg.guesses)
 
-    def step(self, model: StepModel, input_token: int) -> Verdict:
-        """One forward pass: lookahead branch + verification branch; commits the accepted KV entries."""
-        layout = self.plan(input_token)
+    def step(self, model: StepModel) -> Verdict:
+        """One forward pass: lookahead branch + verification tree; commits the accepted KV entries."""
+        layout = self.plan()
         output = model.step(layout.tokens, layout.pattern, layout.rows, **self.step_requests(layout))
         verdict = self.finish(layout, output)
-        model.commit(layout.commit_indices(verdict.candidate, verdict.run))
+        model.commit(layout.commit_indices(verdict))
         return verdict
 
-    def plan(self, input_token: int) -> StepLayout:
-        """The next step's layout: the window's levels and the drafts for `input_token` (the pool's candidates,
-        or the tree of the draft sources)."""
-        if self.drafts is not None:
-            budget = self.cfg.guesses * (self.cfg.ngram - 1)
-            tree = self.drafts.build(self.sequence, self.pool, budget)
-            return pack_step(self.window.levels, tree, self.full, self.static, self.drafts.topk)
-        levels = len(self.window.levels)
-        return pack_step(self.window.levels, self._candidates(input_token, levels), self.full, self.static)
+    def plan(self) -> StepLayout:
+        """The next step's layout: the window's levels and the draft tree under the input token (the last token
+        of the sequence)."""
+        tree = self.drafts.build(self.sequence, self.pool, self.cfg.tree_nodes, len(self.window.levels))
+        return pack_step(self.window.levels, tree, self.full, self.static, self.drafts.topk)
 
     def step_requests(self, layout: StepLayout) -> dict:
         """The optional arguments of the model's step for `layout`: `topk` (recycling), `sample` (sampling)."""
@@ -191,29 +161,19 @@ class _LookaheadLoop:
     def finish(self, layout: StepLayout, output: StepOutput) -> Verdict:
         """Verify the step's outputs, let the draft sources learn from them, and move the window and the pool on;
         the caller commits the verdict."""
-        predicted = {index: output.argmax[r] for index, r in layout.row_of.items()}
-        verdict = self._verify(layout, output, predicted)
-        if self.drafts is not None:
+        verdict = self._verify(layout, output)
+        if layout.topk:
             self._learn(layout, output, verdict)
-        self._advance(verdict.tokens, [predicted[i] for i in layout.last_level])
+        self._advance(verdict.tokens, [output.argmax[r] for r in layout.last_level_rows])
         return verdict
 
-    def _candidates(self, input_token: int, levels: int) -> list[tuple[int, ...]]:
-        found = self.pool.candidates(input_token, self.cfg.guesses)
-        if levels == self.cfg.ngram - 1:
-            return found
-        # warm-up: the window has fewer levels, so verify the candidates' first `levels` tokens
-        return list(dict.fromkeys(candidate[:levels] for candidate in found))
-
     def _learn(self, layout: StepLayout, output: StepOutput, verdict: Verdict) -> None:
-        """Every real row's top-k refills the recycling tables."""
-        if not layout.topk:
-            return
+        """Every real row's top-k refills the recycling tables, keyed by that row's own context."""
         if output.topk is None:
             raise TypeError(f"the step asked for the top-{layout.topk} tokens of every row (draft_recycle), but the "
                             "model's step returned StepOutput.topk None: a StepModel must honour `topk`")
         # the accepted path's rows come last: their context was the true one, so their predictions win
-        rows = layout.real_indices + layout.commit_indices(verdict.candidate, verdict.run)
+        rows = layout.real_indices + layout.commit_indices(verdict)
         sequence, tokens, topk = self.sequence, layout.tokens, output.topk.tolist()
         # each row's two tokens before it in its context: step indices, or -1 / -2 for the sequence's last two
         # before the input token
@@ -225,26 +185,16 @@ class _LookaheadLoop:
                                    [tokens[p] if p >= 0 else outside[p] for p in first],
                                    [tokens[i] for i in rows], [topk[i] for i in rows])
 
-    def _verify(self, layout: StepLayout, output: StepOutput, predicted: dict[int, int]) -> Verdict:
-        tree = layout.tree
+    def _verify(self, layout: StepLayout, output: StepOutput) -> Verdict:
+        slots = layout.slot_rows
         if self.sampler is None:
-            if tree is not None:
-                return greedy_verify_tree(tree, predicted, layout.pattern.lookahead_len)
-            return greedy_verify(layout.candidates, predicted, layout.pattern)
+            return greedy_verify(layout.tree, [output.argmax[r] for r in slots])
         if output.sampled is None:
             raise TypeError("the step asked for sampling's reads (a SampleRequest), but the model's step returned "
                             "StepOutput.sampled None: a StepModel must honour `sample`")
-        reads, slot = output.sampled, layout.slot
-
-        def prob_of(index: int, token: int) -> float:
-            return reads.probs[(slot(index), token)]
-
-        def draw(index: int) -> int:
-            return reads.draws[slot(index)]
-
-        if tree is not None:
-            return sample_verify_tree(tree, prob_of, layout.pattern.lookahead_len, self.sampler.uniform, draw)
-        return sample_verify(layout.candidates, prob_of, layout.pattern, self.sampler.uniform, draw)
+        reads = output.sampled
+        return sample_verify(layout.tree, lambda slot, token: reads.probs[(slot, token)], self.sampler.uniform,
+                             reads.draws.__getitem__)
 
     def _advance(self, accepted: list[int], outputs: list[int]) -> None:
         if self.window.full:
@@ -254,8 +204,7 @@ class _LookaheadLoop:
             for i, gram in enumerate(self.window.columns(outputs)):
                 self.pool.add(gram, tuple(before[: len(prior) + i][-CONTEXT:]))
         self.sequence.extend(accepted)
-        if self.drafts is not None:
-            self.drafts.extend(accepted)
+        self.drafts.extend(accepted)
         if self.cfg.pool_from_output:
             self.pool.add_sequence(self.sequence, start=self.pooled_upto - self.cfg.ngram + 1)
         self.pooled_upto = len(self.sequence)

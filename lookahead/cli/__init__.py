@@ -5,7 +5,7 @@ Importing the `lookahead` package loads no torch, so two things happen here befo
 torch loads OpenMP (spinning OpenMP threads make multi-token forward passes several times slower on a
 CPU shared with other work). The library itself changes no environment; this entry point does, for
 its own process only, unless the user set it. The work itself (loading, generating, streaming) is
-`lookahead.cli_generate.run`.
+`lookahead.cli.generate.run`.
 
 Under `torchrun --nproc-per-node K -m lookahead generate ...` (torchrun's WORLD_SIZE > 1) the K processes
 run one generation with lookahead parallelism (`Llama.generate(process_group=...)`); rank 0 prints.
@@ -23,9 +23,10 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-# LookaheadConfig()'s defaults, repeated here so that --help needs no import of the package
-# (tests/test_cli.py pins them equal)
-DEFAULT_WINDOW, DEFAULT_NGRAM, DEFAULT_GUESSES = 1, 4, 5
+from lookahead.config import LookaheadConfig
+from lookahead.backends import BACKENDS
+
+DEFAULTS = LookaheadConfig()  # the defaults' one home; neither import loads torch
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
@@ -60,19 +61,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling, in [0, 2**64)")
     gen.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
     gen.add_argument("--window", "-W", type=int, default=None,
-                     help=f"lookahead window W (default: {DEFAULT_WINDOW}; under torchrun with K processes, "
-                          f"{DEFAULT_WINDOW}K: the whole step's W, divided among them)")
-    gen.add_argument("--ngram", "-N", type=int, default=DEFAULT_NGRAM, help="n-gram size N")
+                     help=f"lookahead window W (default: {DEFAULTS.window}; under torchrun with K processes, "
+                          f"{DEFAULTS.window}K: the whole step's W, divided among them)")
+    gen.add_argument("--ngram", "-N", type=int, default=DEFAULTS.ngram, help="n-gram size N")
     gen.add_argument("--guesses", "-G", type=int, default=None,
-                     help=f"verified candidates per step G (default: {DEFAULT_GUESSES}; under torchrun with K "
-                          f"processes, {DEFAULT_GUESSES}K)")
+                     help=f"verified candidates per step G (default: {DEFAULTS.guesses}; under torchrun with K "
+                          f"processes, {DEFAULTS.guesses}K)")
     gen.add_argument("--no-lookahead", action="store_true", help="plain autoregressive decoding")
     gen.add_argument("--show-steps", action="store_true", help="mark tokens that arrived in the same step")
     gen.add_argument("--dtype", default=None, choices=("float32", "float16", "bfloat16"),
                      help="model dtype (default: bfloat16 on CUDA, float32 on CPU; float32 is token-exact, "
                           "16-bit may flip near-ties)")
     gen.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
-    gen.add_argument("--attn-backend", default="auto", choices=("auto", "torch", "triton"),
+    gen.add_argument("--attn-backend", default="auto", choices=BACKENDS,
                      help="attention implementation (auto: Triton on CUDA, torch on CPU)")
     gen.add_argument("--debug", action="store_true", help="on an error, show the full traceback")
     return parser
@@ -131,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     restore = _exit_on_sigterm()
     try:
-        from lookahead.cli_generate import run
+        from lookahead.cli.generate import run
 
         return run(args)
     except KeyboardInterrupt:

@@ -9,9 +9,6 @@ sub-step is its units plus their ancestors, the input token and the level-0 toke
 several ranks compute and one owns. Restricted to those tokens the step's visibility is still "ancestors
 and itself", so a sub-step is a tree-form `StepPattern(1, 2, tree_end)` (the input token, then its
 pre-order subtree): no kernel or mask change, and no communication inside the forward pass.
-
-A rank that lacks the KV entries of earlier accepted tokens (the authors' re-feed, `prefix`) runs them
-first, as a chain above the input token: every token sees them, at positions counted from the first.
 """
 
 from __future__ import annotations
@@ -20,31 +17,29 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
+from lookahead.drafts import preorder
 from lookahead.kernels import StepPattern
-
-from .layout import StepLayout
+from lookahead.loop import StepLayout
 
 
 @dataclass(frozen=True)
 class SubStep:
     """One rank's share of a step.
 
-    indices: the step index of each sub-step token after the re-fed prefix (pre-order, the input token first).
-    prefix: re-fed tokens before the input token (their step index is -1: they belong to no step).
+    indices: the step index of each sub-step token (pre-order, the input token first).
     pattern: the tree pattern the rank's model runs, with `size` tokens (padding leaves past the real ones).
     tokens: [size] token ids in pattern order. owned: the step indices whose outputs this rank reports.
     """
 
     indices: tuple[int, ...]
-    prefix: int
     pattern: StepPattern
     tokens: tuple[int, ...]
     owned: tuple[int, ...]
 
     @cached_property
     def local(self) -> dict[int, int]:
-        """Step index -> its index in the sub-step (the prefix comes first)."""
-        return {index: self.prefix + j for j, index in enumerate(self.indices)}
+        """Step index -> its index in the sub-step."""
+        return {index: j for j, index in enumerate(self.indices)}
 
 
 @dataclass(frozen=True)
@@ -54,9 +49,9 @@ class StepSplit:
     owner: tuple[int, ...]
     owned: tuple[tuple[int, ...], ...]
 
-    def sub_step(self, layout: StepLayout, rank: int, prefix: Sequence[int] = (), size: int = 0) -> SubStep:
-        """Rank `rank`'s sub-step: its owned tokens and their ancestors in pre-order, after the re-fed `prefix`
-        tokens; padded with leaves to `size` tokens when that is more."""
+    def sub_step(self, layout: StepLayout, rank: int, size: int = 0) -> SubStep:
+        """Rank `rank`'s sub-step: its owned tokens and their ancestors in pre-order, padded with leaves to `size`
+        tokens when that is more."""
         parents = layout.parents
         keep = set()
         for index in self.owned[rank]:
@@ -67,18 +62,15 @@ class StepSplit:
         for index in sorted(keep):
             if index:
                 children.setdefault(parents[index], []).append(index)
-        order, ends = _preorder(children)
-        m = len(prefix)
-        real = m + len(order)
-        # pattern nodes are the tokens after its root (the first re-fed token, else the input token): the rest of
-        # the prefix and the input token, each holding every real node below it, then the input token's subtree
-        tree_end = [real - 1] * m + [m - 1 + end for end in ends[1:]]
+        order, ends = preorder(children, 0)  # the input token's subtree; the input token itself goes first
+        real = 1 + len(order)
+        # pattern nodes are the tokens after the root, the input token: its subtree, then padding leaves
         total = max(size, real)
-        tree_end += range(real, total)  # padding leaves after the real tree: no real token sees them
-        tokens = [*prefix, *(layout.tokens[i] for i in order)]
+        tree_end = ends + list(range(real, total))
+        tokens = [layout.tokens[0], *(layout.tokens[i] for i in order)]
         tokens += [layout.tokens[0]] * (total - real)
         pattern = StepPattern(1, 2, tree_end=tuple(tree_end))
-        return SubStep(tuple(order), m, pattern, tuple(tokens), self.owned[rank])
+        return SubStep((0, *order), pattern, tuple(tokens), self.owned[rank])
 
 
 def split_step(layout: StepLayout, ranks: int) -> StepSplit:
@@ -119,22 +111,3 @@ def split_step(layout: StepLayout, ranks: int) -> StepSplit:
         loads[rank] += len(branches[root])
     owned = tuple(tuple(i for i in real if owner[i] == rank) for rank in range(ranks))
     return StepSplit(tuple(owner), owned)
-
-
-def _preorder(children: dict[int, list[int]]) -> tuple[list[int], list[int]]:
-    """The tree under step index 0 in pre-order, and for each node one past the position of its subtree's last."""
-    order: list[int] = []
-    ends: list[int] = []
-    position: dict[int, int] = {}
-    stack = [(0, False)]
-    while stack:
-        index, closing = stack.pop()
-        if closing:
-            ends[position[index]] = len(order)
-            continue
-        position[index] = len(order)
-        order.append(index)
-        ends.append(0)
-        stack.append((index, True))
-        stack.extend((child, False) for child in reversed(children.get(index, ())))
-    return order, ends

@@ -31,7 +31,7 @@ SUFFIX_LIMIT = 4  # continuations taken from the suffix index per step
 
 
 class DraftBuilder:
-    """The draft sources of one generation, and the best-first tree builder."""
+    """The tree form's draft policy: the draft sources of one generation, and the best-first tree builder."""
 
     def __init__(self, sequence: Sequence[int], pool: bool = True, suffix: bool = True, recycle: bool = True,
                  pool_limit: int = 0) -> None:
@@ -50,8 +50,9 @@ class DraftBuilder:
         """Accepted tokens join the sequence the suffix source searches."""
         self.suffix.extend(tokens)
 
-    def build(self, sequence: Sequence[int], pool: NGramPool, budget: int) -> DraftTree:
-        """The tree of at most `budget` nodes under the input token `sequence[-1]`, best expected nodes first."""
+    def build(self, sequence: Sequence[int], pool: NGramPool, budget: int, levels: int = 0) -> DraftTree:
+        """The tree of at most `budget` nodes under the input token `sequence[-1]`, best expected nodes first
+        (`levels`, the window's, does not limit it: a tree's paths may be longer than N - 1)."""
         if budget <= 0:
             return EMPTY
         proposals: dict = {}  # token -> [children, suffix state, pool state]: the paths proposed whole
@@ -70,7 +71,6 @@ class DraftBuilder:
         when its elder sibling is taken: two heap pushes per node instead of one per candidate."""
         tokens: list[int] = []
         parents: list[int] = []
-        kids: list[list[int]] = [[]]  # kids[j + 1]: the children of node j (kids[0]: of the input token)
         heap: list = []
         offered = self._children(second, previous, root_token, proposals)
         if offered:
@@ -82,8 +82,6 @@ class DraftBuilder:
             node = len(tokens)
             tokens.append(token)
             parents.append(parent)
-            kids[parent + 1].append(node)
-            kids.append([])
             if i + 1 < len(siblings):
                 heapq.heappush(heap, (-parent_score * siblings[i + 1][0], order, parent, parent_token, grand_token,
                                       parent_score, siblings, i + 1))
@@ -92,7 +90,7 @@ class DraftBuilder:
             if offered:
                 heapq.heappush(heap, (neg * offered[0][0], order, node, token, parent_token, -neg, offered, 0))
                 order += 1
-        return _preorder(tokens, parents, kids)
+        return DraftTree.grown(tokens, parents)  # siblings best first: they were taken in that order
 
     def _children(self, second: int, previous: int, token: int, proposed: dict | None) -> list:
         """(probability, child token, proposals below it) of every child offered under `token` (whose own previous
@@ -135,24 +133,3 @@ def _insert(trie: dict, path: Sequence[int], slot: int, first_state: int, later_
         elif stronger(slot, state, entry[slot]):
             entry[slot] = state
         level = entry[0]
-
-
-def _preorder(tokens: list[int], parents: list[int], kids: list[list[int]]) -> DraftTree:
-    """Renumber the grown nodes in depth-first pre-order (children in the order they were taken: best first)."""
-    size = len(tokens)
-    if size == 0:
-        return EMPTY
-    new_of = [0] * size
-    order: list[int] = []
-    stack = kids[0][::-1]
-    while stack:
-        node = stack.pop()
-        new_of[node] = len(order)
-        order.append(node)
-        stack.extend(kids[node + 1][::-1])
-    ends = [0] * size
-    for position in range(size - 1, -1, -1):  # a subtree ends where its last child's does (already known)
-        children = kids[order[position] + 1]
-        ends[position] = ends[new_of[children[-1]]] if children else position + 1
-    return DraftTree([tokens[n] for n in order], [ROOT if parents[n] == ROOT else new_of[parents[n]] for n in order],
-                     ends)

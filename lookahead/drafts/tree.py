@@ -1,0 +1,88 @@
+"""`DraftTree`: the verification branch's draft tokens as a forest under the step's input token.
+
+Nodes are in depth-first pre-order (a node before its descendants, a subtree contiguous), the order the
+step feeds them in; `tree_end[j]` is one past the last node of j's subtree, which is all the attention
+rule needs (docs/DESIGN.md, the step layout). Siblings hold distinct tokens (it is a trie), so a walk down
+it picks at most one child per step. `preorder` is the one place that numbers a tree in pre-order: the
+draft builders and lookahead parallelism's sub-steps all go through it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+ROOT = -1  # the parent of the input token's children
+
+
+def preorder(children: Mapping[int, Sequence[int]], root: int) -> tuple[list[int], list[int]]:
+    """The nodes under `root` (root excluded) in depth-first pre-order, children in the order given, and for each
+    position one past the position of its subtree's last node."""
+    order: list[int] = []
+    ends: list[int] = []
+    stack: list[tuple[int, int]] = [(child, -1) for child in reversed(children.get(root, ()))]
+    while stack:
+        node, opened = stack.pop()
+        if opened >= 0:  # its subtree is done
+            ends[opened] = len(order)
+            continue
+        stack.append((node, len(order)))
+        order.append(node)
+        ends.append(0)
+        stack.extend((child, -1) for child in reversed(children.get(node, ())))
+    return order, ends
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """tokens, parents (ROOT for a child of the input token) and tree_end, all [V] in pre-order."""
+
+    tokens: list[int]
+    parents: list[int]
+    tree_end: list[int]
+
+    @classmethod
+    def grown(cls, tokens: Sequence[int], parents: Sequence[int]) -> DraftTree:
+        """A tree from nodes numbered in any order in which a parent comes before its children (ROOT: the input
+        token); renumbered in pre-order, siblings in the order of their numbers."""
+        children: dict[int, list[int]] = {}
+        for node, parent in enumerate(parents):
+            if not ROOT <= parent < node:
+                raise ValueError(f"parents[{node}] = {parent}: a parent must be ROOT or an earlier node")
+            children.setdefault(parent, []).append(node)
+        order, ends = preorder(children, ROOT)
+        new = {old: j for j, old in enumerate(order)}
+        new[ROOT] = ROOT
+        return cls([tokens[n] for n in order], [new[parents[n]] for n in order], ends)
+
+    @classmethod
+    def from_parents(cls, tokens: Sequence[int], parents: Sequence[int]) -> DraftTree:
+        """A tree from pre-order tokens and parent indices; ValueError unless the parents are a pre-order forest."""
+        if len(tokens) != len(parents):
+            raise ValueError(f"tokens and parents must have one entry per node, got {len(tokens)} and {len(parents)}")
+        tree = cls.grown(tokens, parents)
+        if tree.parents != list(parents):
+            raise ValueError(f"parents={list(parents)} is not a pre-order forest (a node's parent must be an ancestor "
+                             "of the node before it, or that node)")
+        return tree
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def children(self, node: int) -> Iterator[int]:
+        """The children of `node` (ROOT: the input token) in order, by hopping over their subtrees."""
+        child, end = (0, len(self.tokens)) if node == ROOT else (node + 1, self.tree_end[node])
+        while child < end:
+            yield child
+            child = self.tree_end[child]
+
+    def path(self, node: int) -> list[int]:
+        """The nodes from a child of the input token down to `node` (empty for ROOT)."""
+        out = []
+        while node != ROOT:
+            out.append(node)
+            node = self.parents[node]
+        return out[::-1]
+
+
+EMPTY = DraftTree([], [], [])

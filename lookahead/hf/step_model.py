@@ -1,0 +1,198 @@
+"""`HFStepModel`: a transformers causal LM and its `DynamicCache` as the loop's `StepModel`, through the two hooks
+transformers supports: an attention function registered with `AttentionInterface` (it receives q, k, v after RoPE
+and after the cache update; the step's pattern reaches it as a forward keyword argument), selected only for the
+duration of a step and restored after, so the model is left as it was. transformers is imported on first use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lookahead.backends import choose_backend
+from lookahead.kernels import StepPattern, commit_accepted, interpreting, lookahead_attention, masked_attention
+from lookahead.loop import StepOutput
+from lookahead.loop.sampling import SampleRequest
+
+MIN_TRANSFORMERS = "4.56"  # AttentionInterface, DynamicCache layers, callable custom_generate
+ATTENTION_NAME = "lookahead"
+# attention with q/k/v projections, RoPE by position_ids and the generic attention dispatch
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# RoPE that does not depend on how many tokens one forward pass holds ("dynamic", "longrope" do)
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+_STEP_KWARG = "lookahead_step"
+
+
+def require_transformers() -> Any:
+    """transformers, checked for the hooks this module uses; registers the step attention once."""
+    try:
+        import transformers
+    except ImportError as missing:
+        raise ImportError(f"lookahead.hf needs transformers >= {MIN_TRANSFORMERS}: pip install "
+                          f"'transformers>={MIN_TRANSFORMERS}' ({missing})") from None
+    from transformers import cache_utils, modeling_utils
+    from transformers.generation import utils as generation_utils
+
+    mixin = getattr(generation_utils, "GenerationMixin", None)
+    missing = [name for name, ok in (
+        ("AttentionInterface", hasattr(modeling_utils, "AttentionInterface")),
+        ("cache_utils.DynamicLayer", hasattr(cache_utils, "DynamicLayer")),
+        ("generate(custom_generate=<callable>)", mixin is not None
+         and "custom_generate" in inspect.signature(mixin.generate).parameters
+         and hasattr(mixin, "_extract_generation_mode_kwargs")),
+    ) if not ok]
+    if missing:
+        raise ImportError(f"lookahead.hf needs transformers >= {MIN_TRANSFORMERS} (tested with 5.23); found "
+                          f"transformers {transformers.__version__}, which lacks {', '.join(missing)}")
+    interface = modeling_utils.AttentionInterface
+    if interface().get(ATTENTION_NAME) is not _step_attention:
+        interface.register(ATTENTION_NAME, _step_attention)
+    return transformers
+
+
+@dataclass(frozen=True)
+class _Step:
+    """What every layer's attention needs for one step: the pattern, L, and the dense mask (torch only)."""
+
+    pattern: StepPattern
+    prefix_len: int
+    mask: torch.Tensor | None  # [T, L + T] bool for the torch backend; None for the kernel
+
+
+def _step_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The registered attention: q [B, Hq, T, D] after RoPE, k/v [B, Hkv, L + T, D] after the cache update."""
+    step: _Step | None = kwargs.get(_STEP_KWARG)
+    if step is None:
+        raise RuntimeError(f"attention {ATTENTION_NAME!r} runs only inside lookahead.hf steps")
+    if step.mask is None:
+        p = step.pattern
+        tree_end = torch.tensor(p.tree_end, dtype=torch.int64, device=query.device) if p.is_tree else None
+        out = lookahead_attention(query, key, value, step.prefix_len, p.window, p.ngram, p.candidates, scaling,
+                                  tree_end=tree_end)
+    else:
+        out = masked_attention(query, key, value, step.prefix_len, step.mask, scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def _attention_implementation(model, name: str) -> Iterator[None]:
+    """Select attention `name` for the calls inside, then restore the model's own (also on error)."""
+    config = model.config
+    own = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = own
+
+
+def check_model(model) -> None:
+    """Refuse, naming it, a model this adapter cannot drive exactly."""
+    transformers = require_transformers()
+    if (not isinstance(model, transformers.PreTrainedModel) or not model.can_generate()
+            or model.config.is_encoder_decoder or model.get_output_embeddings() is None):
+        raise TypeError(f"hf_model must be a transformers decoder-only causal LM (e.g. LlamaForCausalLM), "
+                        f"got {type(model).__name__}")
+    config = model.config
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"hf_model architecture {config.model_type!r} ({type(model).__name__}) is not supported; "
+                         f"lookahead.hf drives the attention of {', '.join(SUPPORTED_MODEL_TYPES)}")
+    window = getattr(config, "sliding_window", None)
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if layer_types != {"full_attention"} or window is not None and getattr(config, "use_sliding_window", True):
+        raise ValueError(f"hf_model uses sliding-window attention (sliding_window={window}, layer_types "
+                         f"{sorted(layer_types)}), which lookahead.hf does not drive")
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    ropes = [r for r in rope.values() if isinstance(r, dict)] or [rope]  # flat, or one dict per layer type
+    for params in ropes:
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind not in STATIC_ROPE_TYPES:
+            raise ValueError(f"hf_model's RoPE type {kind!r} depends on the forward pass's length, so a lookahead "
+                             f"step would not match plain decoding; supported: {', '.join(STATIC_ROPE_TYPES)}")
+
+
+class HFStepModel:
+    """A transformers causal LM and its `DynamicCache` as a `StepModel` (batch 1).
+
+    prefill runs the prompt under the model's own attention; a step feeds its T tokens at positions
+    L + pattern.relative_positions through the registered step attention (the Triton kernel on CUDA,
+    the SDPA reference with the pattern's mask elsewhere); commit moves the accepted entries to
+    L, L+1, ... in every layer and crops the rest, with no recomputation.
+
+    attn_backend: "auto" (triton on CUDA, torch elsewhere), "torch" or "triton".
+    """
+
+    def __init__(self, model, cache=None, attn_backend: str = "auto") -> None:
+        transformers = require_transformers()
+        check_model(model)
+        self.model, self.device = model, model.device
+        self.kernel = choose_backend(attn_backend, self.device.type, interpreting()) == "triton"
+        cache_utils = transformers.cache_utils
+        if cache is None:
+            cache = cache_utils.DynamicCache(config=model.config)
+        offloading = getattr(cache, "offloading", False)
+        if type(cache) is not cache_utils.DynamicCache or offloading:
+            kind = type(cache).__name__ + (" (offloading)" if offloading else "")
+            raise ValueError(f"lookahead.hf needs a DynamicCache without offloading; got a {kind} "
+                             "(cache_implementation other than 'dynamic' is not supported)")
+        layer_types = {type(layer).__name__ for layer in cache.layers}
+        if (cache.layers and layer_types != {"DynamicLayer"}) or cache.layer_class_to_replicate not in (
+                None, cache_utils.DynamicLayer):
+            raise ValueError(f"lookahead.hf needs a DynamicCache of full-attention layers, got {sorted(layer_types)}")
+        if cache.get_seq_length() > 0:
+            raise ValueError(f"the cache already holds {cache.get_seq_length()} positions; start from an empty one")
+        self.cache = cache
+        self.length = 0  # L: committed positions
+
+    @torch.no_grad()
+    def prefill(self, tokens: Sequence[int]) -> torch.Tensor:
+        ids = torch.tensor([list(tokens)], device=self.device)
+        positions = torch.arange(self.length, self.length + len(tokens), device=self.device)[None]
+        out = self.model(input_ids=ids, position_ids=positions, past_key_values=self.cache, use_cache=True,
+                         logits_to_keep=1)
+        self.length += len(tokens)
+        return out.logits[0, -1]
+
+    @torch.no_grad()
+    def step(self, tokens: Sequence[int], pattern: StepPattern, rows: Sequence[int], topk: int = 0,
+             sample: SampleRequest | None = None) -> StepOutput:
+        ids = torch.tensor([list(tokens)], device=self.device)
+        positions = (self.length + pattern.relative_positions).to(self.device)[None]
+        mask = None if self.kernel else pattern.materialize(self.length, device=self.device)
+        step = _Step(pattern, self.length, mask)
+        rows = torch.tensor(list(rows), device=self.device)
+        with _attention_implementation(self.model, ATTENTION_NAME):
+            # top-k of every row needs the head on every row (logits_to_keep=0: all of them)
+            out = self.model(input_ids=ids, position_ids=positions, past_key_values=self.cache, use_cache=True,
+                             logits_to_keep=0 if topk else rows, **{_STEP_KWARG: step})
+        logits = out.logits[0]
+        top = logits.topk(min(topk, logits.shape[-1]), dim=-1).indices if topk else None
+        if topk:
+            logits = logits[rows]
+        parts = [logits.argmax(-1)]
+        parts += [] if top is None else [top.flatten()]
+        parts += [] if sample is None else [sample.compute(logits)]
+        fetched = torch.cat(parts).cpu()  # the step's one device-to-host copy
+        argmax, rest = fetched[: logits.shape[0]].tolist(), fetched[logits.shape[0] :]
+        top_k = 0 if top is None else top.numel()
+        return StepOutput(logits, argmax, None if top is None else rest[:top_k].view(top.shape),
+                          None if sample is None else sample.unpack(rest[top_k:], sample.slots(logits.shape[0])))
+
+    def commit(self, step_indices: Sequence[int]) -> None:
+        keep = self.length + len(step_indices)
+        for layer in self.cache.layers:
+            commit_accepted(layer.keys, layer.values, self.length, step_indices)
+            layer.crop(keep - layer.get_seq_length())
+        self.length = keep
+
+    def trim(self, length: int) -> None:
+        """Crop the cache to its first `length` positions (after a generation: prompt + output - 1)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"length must be in [0, {self.length}], got {length}")
+        self.cache.crop(length - self.length)
+        self.length = length

@@ -1,0 +1,35 @@
+"""`decode`: one prompt, plain or lookahead decoding, over any model that implements `StepModel`."""
+
+from __future__ import annotations
+
+from lookahead.request import Request
+
+from .core import PLAIN_STEP, GenerationResult, LookaheadLoop, Output, StepModel, Stream, first_token, make_sampler
+from .sampling import SampleRequest
+
+
+def decode(model: StepModel, request: Request, stream: Stream | None = None) -> GenerationResult:
+    """Generate for the request's one prompt; `request.lookahead` None means plain decoding.
+
+    request.static_step: feed every lookahead step at the configuration's full size (W + G)(N - 1), missing levels
+    and nodes padded (one shape for the whole generation); otherwise each step has the exact size of what it holds.
+    The tokens are the same either way. stream: called with each step's accepted tokens.
+    """
+    (prompt,) = request.prompts
+    sampling = request.sampling
+    sampler = make_sampler(request, 0, model.device)
+    out = Output(request.max_new_tokens, request.stop, stream)
+    last = first_token(model.prefill(prompt), sampling, sampler)
+    out.accept([last])
+    if request.lookahead is None:
+        sample = {} if sampler is None else {"sample": SampleRequest(sampling, sampler, first_draft_row=1)}
+        while not out.done:
+            step = model.step([last], PLAIN_STEP, [0], **sample)
+            model.commit([0])
+            last = step.argmax[0] if sampler is None else step.sampled.draws[0]
+            out.accept([last])
+    else:
+        loop = LookaheadLoop(request.lookahead, prompt, last, sampling, sampler, request.static_step)
+        while not out.done:
+            out.accept(loop.step(model).tokens)
+    return out.result
