@@ -131,24 +131,17 @@ def test_lookahead_sampling_matches_exact_distribution(params, cfg):
 
 @pytest.mark.parametrize("form", ["chains", "tree"])
 def test_a_wrong_acceptance_rule_fails_the_same_test(monkeypatch, form):
-    """Negative control: always accepting the first candidate's tokens (the tree's first path) must be caught."""
+    """Negative control: always accepting the first candidate's tokens (the trie's or tree's first path) must be
+    caught."""
 
-    def accept_first_candidate(candidates, prob_of, pattern, uniform, draw):
-        if not candidates:
-            return Verdict([draw(0)], -1)
-        return Verdict(list(candidates[0]) + [draw(pattern.candidate_index(0, len(candidates[0])))], 0)
-
-    def accept_first_path(tree, prob_of, base, uniform, draw):
+    def accept_first_path(tree, prob_of, uniform, draw):
         node, tokens = ROOT, []
         while (child := next(tree.children(node), None)) is not None:
             node = child
             tokens.append(tree.tokens[child])
-        return Verdict(tokens + [draw(0 if node == ROOT else base + node)], node)
+        return Verdict(tokens + [draw(node + 1)], node)
 
-    if form == "chains":
-        monkeypatch.setattr(engine, "sample_verify", accept_first_candidate)
-    else:
-        monkeypatch.setattr(engine, "sample_verify_tree", accept_first_path)
+    monkeypatch.setattr(engine, "sample_verify", accept_first_path)
     params = SamplingParams(1.0)
     fn = lambda ctx: context_logits(ctx, VOCAB)  # noqa: E731
     n = 2000
@@ -248,8 +241,8 @@ def test_the_loop_reads_nothing_of_the_device_but_the_fetched_outputs(form):
     params = SamplingParams(0.8, top_p=0.9)
     cfg = LookaheadConfig(3, 3, 3, form=form)
     for lookahead in (None, cfg):
-        args = (PROMPT, 12, params, lookahead, (), None, 11)
-        assert (decode_one(_DeviceBlindModel(VOCAB), *args).tokens == decode_one(MockStepModel(VOCAB), *args).tokens)
+        args = dict(prompt=PROMPT, max_new_tokens=12, sampling=params, lookahead=lookahead, seed=11)
+        assert decode_one(_DeviceBlindModel(VOCAB), **args).tokens == decode_one(MockStepModel(VOCAB), **args).tokens
 
 
 @pytest.mark.parametrize("top_p", [0.5, 0.9, 0.99])
