@@ -10,20 +10,29 @@ that runner and its cache.
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 
 from lookahead.config import LookaheadConfig
 from lookahead.loop import PLAIN_STEP, GenerationResult, decode, decode_batch, full_pattern
 from lookahead.parallel import agree, decode_parallel
 from lookahead.request import Request, check_stream, parse_request
 
-from .runner import CachedRunner
+from .runner import CachedRunner, StepForward
 
-if TYPE_CHECKING:
-    from .llama import Llama
+
+class Llama(StepForward, Protocol):
+    """What generation needs of the model (`llama.Llama`) beyond what its runner does."""
+
+    runner: CachedRunner | None
+    lock: threading.RLock
+    lm_head: nn.Linear
+
+    def release(self) -> None: ...
 
 MIN_CAPACITY = 256
 

@@ -17,19 +17,33 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from lookahead.loop import StepOutput
 from lookahead.kernels import StepPattern
+from lookahead.loop import StepOutput
 from lookahead.loop.sampling import SampleRequest, padded_pairs, sample_on_device
 
-from .attention import TorchBackend, TritonBackend, cached, prefill_attention
+from .attention import Attend, TorchBackend, TritonBackend, cached, prefill_attention
+from .config import LlamaConfig
 from .kv_cache import KVCache
 
-if TYPE_CHECKING:
-    from .llama import Llama
+
+class StepForward(Protocol):
+    """What a runner needs of its model (a `Llama`): its config, backend, device and dtype, and its forward."""
+
+    config: LlamaConfig
+    attn_backend: str
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                 attention: Attend | None = None, rows: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 class CachedRunner:
@@ -43,7 +57,7 @@ class CachedRunner:
     replay it (CUDA and the Triton backend only; elsewhere steps run eagerly, the same code).
     """
 
-    def __init__(self, model: Llama, capacity: int, max_step_tokens: int = 1, max_commit: int = 1,
+    def __init__(self, model: StepForward, capacity: int, max_step_tokens: int = 1, max_commit: int = 1,
                  cuda_graphs: bool = False, batch: int = 1) -> None:
         cfg = model.config
         if max_commit > max_step_tokens:

@@ -133,53 +133,6 @@ def test_full_pattern_is_the_configured_budget():
     assert full_pattern(LookaheadConfig(3, 4, 3, form="tree")).max_commit == 10  # a path may use all 9 nodes
 
 
-LAYERING = """
-import sys, importlib
-importlib.import_module({module!r})
-print(' '.join(sorted(m for m in sys.modules if m.startswith('lookahead'))))
-"""
-
-
-@pytest.mark.parametrize("module, forbidden", [
-    ("lookahead.kernels", ("lookahead.engine", "lookahead.models", "lookahead.layout", "lookahead.sampling")),
-    ("lookahead.engine", ("lookahead.models", "lookahead.cli")),
-    ("lookahead", ("lookahead.engine", "lookahead.models", "torch")),
-])
-def test_imports_point_one_way(module, forbidden):
-    """A fresh interpreter: importing a layer loads nothing above it."""
-    out = subprocess.run([sys.executable, "-c", LAYERING.format(module=module)], capture_output=True, text=True,
-                         check=True).stdout.split()
-    assert not [m for m in out if m.startswith(forbidden)], out
-    if "torch" in forbidden:
-        probe = subprocess.run([sys.executable, "-c", "import sys, lookahead; print('torch' in sys.modules)"],
-                               capture_output=True, text=True, check=True).stdout.strip()
-        assert probe == "False"
-
-
-def test_no_module_imports_upwards():
-    """Read every module's imports: kernels import neither the loop nor models; the loop does not import models."""
-    import ast
-    import pathlib
-
-    root = pathlib.Path(__file__).resolve().parents[1]
-    rules = {"kernels": ("lookahead.engine", "lookahead.models", "lookahead.config", "lookahead.layout"),
-             "lookahead": ("lookahead.models",)}
-    for folder, forbidden in rules.items():
-        for path in (root / folder).glob("*.py"):
-            if path.name.startswith("cli"):  # the CLI sits on top of everything
-                continue
-            for node in ast.walk(ast.parse(path.read_text())):
-                names = []
-                if isinstance(node, ast.ImportFrom) and node.module:
-                    names = [node.module] if node.level == 0 else []
-                    if node.level == 1 and folder == "lookahead" and node.module.startswith("models"):
-                        names = ["lookahead.models"]
-                elif isinstance(node, ast.Import):
-                    names = [a.name for a in node.names]
-                bad = [n for n in names if n.startswith(forbidden)]
-                assert not bad, f"{path.name} imports {bad}"
-
-
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
 
 

@@ -32,9 +32,12 @@ from .verify import Verdict
 def full_pattern(config: LookaheadConfig) -> StepPattern:
     """The configuration's full step: N - 1 levels and a tree of G(N - 1) nodes, T = (W + G)(N - 1) tokens.
 
-    Each step brings its own tree of that size, so this one stands for the shape only: it is a single path, the
-    deepest tree the budget allows, so that `max_commit` is the most any step of the generation can commit."""
-    nodes = config.tree_nodes
+    Each step brings its own tree of that size, so this one stands for the shape only, as the deepest tree the
+    form's drafts can be, so that `max_commit` is the most any step of the generation commits: for the tree form a
+    single path of G(N - 1) nodes, for chains G paths of N - 1 (the paper's candidates)."""
+    nodes, span = config.tree_nodes, config.ngram - 1
+    if config.form == "chains":
+        return StepPattern(config.window, config.ngram, tree_end=tuple((j // span + 1) * span for j in range(nodes)))
     return StepPattern(config.window, config.ngram, tree_end=(nodes,) * nodes)
 
 
