@@ -80,7 +80,7 @@ def test_cached_decoding_equals_full_forward(tiny_checkpoint):
     runner = CachedRunner(model, capacity=48)
     prefill = runner.prefill(ids[0, :25].tolist())
     assert (prefill - full[24]).abs().max().item() < 1e-4
-    from lookahead.engine import PLAIN_STEP
+    from lookahead.loop import PLAIN_STEP
 
     for t in range(25, 40):
         logits = runner.step([int(ids[0, t])], PLAIN_STEP, [0]).logits

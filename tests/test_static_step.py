@@ -192,7 +192,7 @@ def test_a_static_generation_compiles_the_kernel_once(tiny_checkpoint, monkeypat
     if form == "tree":  # another random tree every step, of any size up to the budget
         rng = random.Random(0)
 
-        def random_tree(sequence, pool, budget):
+        def random_tree(sequence, pool, budget, levels=0):
             size = rng.randint(0, budget)
             return DraftTree.from_parents([rng.randrange(101) for _ in range(size)], random_parents(size, rng))
 
