@@ -18,10 +18,9 @@ def run_cases(rank: int, world: int, store: str, folder: str, cases: list, resul
     """Run `cases` [(name, kwargs for Llama.generate, {rank: overrides}, fail_at)] on this rank and put
     (rank, {name: (tokens, steps) or ("error", type, message)}) on `results`. fail_at: (rank, step): that rank's
     model raises at that forward step of the case; (rank, "stream"): its stream raises. kwargs may name
-    "attn_backend" (the model's) and "kv_sync"."""
+    "attn_backend" (the model's)."""
     torch.set_num_threads(1)
     from lookahead.models import Llama
-    from lookahead.models.generation import generate
     from lookahead.models.runner import CachedRunner
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
@@ -48,12 +47,7 @@ def run_cases(rank: int, world: int, store: str, folder: str, cases: list, resul
             if backend not in models:
                 models[backend] = Llama.from_pretrained(folder, attn_backend=backend)
             model = models[backend]
-            if "kv_sync" in args:  # not a Llama.generate argument: the function behind it
-                defaults = dict(max_new_tokens=256, lookahead=None, temperature=0.0, top_k=0, top_p=1.0, seed=None,
-                                eos_token_id=None, stream=None, static_step=None, cuda_graph=True)
-                result = generate(model, **{**defaults, **args}, process_group=dist.group.WORLD)
-            else:
-                result = model.generate(**args, process_group=dist.group.WORLD)
+            result = model.generate(**args, process_group=dist.group.WORLD)
             out[name] = (result.tokens, result.steps)
         except Exception as e:  # reported to the test, which asserts on it
             out[name] = ("error", type(e).__name__, str(e), traceback.format_exc(limit=3))

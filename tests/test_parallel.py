@@ -10,7 +10,7 @@ from parallel_worker import spawn
 
 from helpers import MockStepModel, decode_one
 from lookahead import LookaheadConfig
-from lookahead.drafts import DraftTree
+from lookahead.drafts import DraftTree, chain_trie
 from lookahead.loop import full_pattern, pack_step
 from lookahead.models import Llama
 from lookahead.parallel.substep import split_step
@@ -24,18 +24,17 @@ def layouts():
     levels = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3], [5, 8, 9, 7, 9]]
     chains = full_pattern(LookaheadConfig(5, 4, 3, form="chains"))
     tree = DraftTree.from_parents([1, 2, 3, 4, 5, 6, 7], [-1, 0, 0, -1, 3, -1, 5])
-    yield "chains", pack_step(levels, [(1, 2, 3), (1, 4, 5), (9, 9, 9)], chains, False)
-    yield "chains-warmup", pack_step(levels[:2], [(1, 2), (1, 4)], chains, False)
-    yield "chains-none", pack_step(levels, [], chains, False)
+    yield "chains", pack_step(levels, chain_trie([(1, 2, 3), (1, 4, 5), (9, 9, 9)]), chains, False)
+    yield "chains-warmup", pack_step(levels[:2], chain_trie([(1, 2), (1, 4)]), chains, False)
+    yield "chains-none", pack_step(levels, chain_trie([]), chains, False)
     yield "tree", pack_step(levels, tree, full_pattern(LookaheadConfig(5, 4, 3)), False)
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3, 5], ids=lambda k: f"K{k}")
-@pytest.mark.parametrize("prefix", [(), (7,), (7, 8, 9)], ids=lambda p: f"prefix{len(p)}")
-def test_sub_steps_see_what_the_full_step_sees(ranks, prefix):
+def test_sub_steps_see_what_the_full_step_sees(ranks):
     """Each rank's sub-step, a tree pattern, gives its tokens the full step's visibility restricted to them and the
-    full step's relative positions (after the re-fed prefix, which all see); padding is seen by no real token; every
-    real step index is owned by exactly one rank, inside its sub-step."""
+    full step's relative positions; padding is seen by no real token; every real step index is owned by exactly one
+    rank, inside its sub-step."""
     for name, layout in layouts():
         full = layout.pattern
         idx = torch.arange(full.num_tokens)
@@ -43,17 +42,16 @@ def test_sub_steps_see_what_the_full_step_sees(ranks, prefix):
         split = split_step(layout, ranks)
         assert sorted(itertools.chain(*split.owned)) == layout.real_indices, name
         for rank in range(ranks):
-            sub = split.sub_step(layout, rank, prefix, size=40)
-            m, n = sub.prefix, len(sub.indices)
+            sub = split.sub_step(layout, rank, size=40)
+            n = len(sub.indices)
             local = torch.arange(sub.pattern.num_tokens)
             seen = sub.pattern.visible(local[:, None], local[None, :])
             g = torch.tensor(sub.indices)
-            assert torch.equal(seen[m : m + n, m : m + n], visible[g][:, g]), (name, rank)
-            assert seen[: m + n, :m].tril().equal(torch.ones(m + n, m, dtype=torch.bool).tril()), (name, rank)
-            assert not seen[: m + n, m + n :].any(), (name, rank)  # padding leaves
-            assert torch.equal(sub.pattern.relative_positions[m : m + n], full.relative_positions[g] + m)
-            assert list(sub.tokens[:m]) == list(prefix) and sub.indices[0] == 0
-            assert list(sub.tokens[m : m + n]) == [layout.tokens[i] for i in sub.indices]
+            assert torch.equal(seen[:n, :n], visible[g][:, g]), (name, rank)
+            assert not seen[:n, n:].any(), (name, rank)  # padding leaves
+            assert torch.equal(sub.pattern.relative_positions[:n], full.relative_positions[g])
+            assert sub.indices[0] == 0 and sub.pattern.num_tokens == max(40, n)
+            assert list(sub.tokens[:n]) == [layout.tokens[i] for i in sub.indices]
             assert set(sub.owned) <= set(sub.indices)
             if ranks > 1 and name == "chains":
                 assert n < len(layout.real_indices)  # a share, not the whole step
@@ -88,7 +86,7 @@ def _cases(folder):
         kwargs = {"prompt_ids": PROMPT, "max_new_tokens": TOKENS, "eos_token_id": [], **kwargs}
         cases.append((name, kwargs, overrides or {}, fail_at))
         if expect is None:
-            plain = {k: v for k, v in kwargs.items() if k not in ("kv_sync", "attn_backend")}
+            plain = {k: v for k, v in kwargs.items() if k != "attn_backend"}
             result = model.generate(**plain)
             expect = (result.tokens, result.steps, result.step_tokens)
         reference[name] = expect
@@ -96,9 +94,7 @@ def _cases(folder):
     for form, config in configs.items():
         add(f"{form}-greedy", lookahead=config)
         add(f"{form}-sampling", lookahead=config, temperature=0.9, top_k=20, seed=7)
-        add(f"{form}-refeed", lookahead=config, temperature=0.9, seed=8, kv_sync="refeed")
     add("tree-static", lookahead=configs["tree"], static_step=True)
-    add("chains-greedy-refeed", lookahead=configs["chains"], kv_sync="refeed")
     # the Triton kernel (interpreted on CPU) on padded sub-steps: the tree pattern (1, 2) of a few shapes
     add("triton-static", lookahead=configs["tree"], max_new_tokens=12, static_step=True, attn_backend="triton")
     # an EOS that arrives inside a multi-token step, not at its end
@@ -109,6 +105,7 @@ def _cases(folder):
     fail = ("error",)
     add("fails", lookahead=configs["tree"], fail_at=(1, 3), expect=fail)
     add("differ", lookahead=configs["tree"], overrides={1: {"max_new_tokens": TOKENS - 1}}, expect=fail)
+    add("refused", lookahead=configs["tree"], overrides={1: {"top_p": 2.0}}, expect=fail)  # bad on one rank only
     add("auto", lookahead="auto", expect=("per world",))  # the defaults scaled with K: checked per K below
     add("stream-fails", lookahead=configs["chains"], fail_at=(1, "stream"), expect=fail)
     add("narrow", lookahead=LookaheadConfig(2, 4, 2))  # W = 2: too few columns for 3 ranks
@@ -135,9 +132,8 @@ def test_the_triton_kernel_runs_padded_sub_steps(runs):
 
 
 @pytest.mark.parametrize("world", [2, 3], ids=lambda k: f"K{k}")
-@pytest.mark.parametrize("name", ["chains-greedy", "chains-sampling", "chains-refeed", "chains-greedy-refeed",
-                                  "tree-greedy", "tree-sampling", "tree-refeed", "tree-static", "tree-eos",
-                                  "after-failures"])
+@pytest.mark.parametrize("name", ["chains-greedy", "chains-sampling", "tree-greedy", "tree-sampling", "tree-static",
+                                  "tree-eos", "after-failures"])
 def test_ranks_give_one_process_tokens_and_steps(runs, world, name):
     results, reference = runs
     tokens, steps, _ = reference[name]
@@ -146,9 +142,9 @@ def test_ranks_give_one_process_tokens_and_steps(runs, world, name):
 
 
 def test_the_references_take_multi_token_steps(runs):
-    """So the accepted entries' KV really travel (broadcast) or are re-fed."""
+    """So the accepted entries' KV really travel (broadcast)."""
     _, reference = runs
-    for name in ("chains-greedy", "tree-greedy", "tree-sampling", "chains-greedy-refeed"):
+    for name in ("chains-greedy", "tree-greedy", "tree-sampling"):
         tokens, steps, _ = reference[name]
         assert len(tokens) > steps, name
 
@@ -181,11 +177,22 @@ def test_ranks_with_different_arguments_are_refused(runs, world):
 
 
 @pytest.mark.parametrize("world", [2, 3], ids=lambda k: f"K{k}")
+def test_a_rank_given_a_bad_argument_makes_every_rank_raise_at_once(runs, world):
+    """The ranks agree on the request before any of them acts on it: a bad argument on rank 1 alone makes every rank
+    raise the same ValueError, within seconds (not the group's timeout, 30 s here)."""
+    results, _ = runs
+    for out in results[world]:
+        assert out["refused"][:2] == ("error", "ValueError") and "rank(s) [1] refused" in out["refused"][2] \
+            and "top_p must be in (0, 1]" in out["refused"][2], out["refused"]
+        assert out["refused:seconds"] < 10
+
+
+@pytest.mark.parametrize("world", [2, 3], ids=lambda k: f"K{k}")
 def test_auto_scales_the_defaults_with_the_ranks(runs, tiny_checkpoint, world):
     """lookahead="auto" with a group is the default configuration with W and G times K (strong scaling)."""
     results, _ = runs
     model = Llama.from_pretrained(tiny_checkpoint("gqa"))
-    alone = model.generate(PROMPT, TOKENS, lookahead=scaled_lookahead(LookaheadConfig(), world), eos_token_id=[])
+    alone = model.generate(PROMPT, TOKENS, lookahead=LookaheadConfig().scaled(world), eos_token_id=[])
     for out in results[world]:
         assert out["auto"] == (alone.tokens, alone.steps)
 
@@ -201,11 +208,8 @@ def test_refusals_without_a_group(tiny_checkpoint):
     model = Llama.from_pretrained(tiny_checkpoint("gqa"))
     with pytest.raises(ValueError, match="torch.distributed is not initialized"):
         model.generate(PROMPT, 4, lookahead=LookaheadConfig(), process_group=object())
-    kwargs = dict(max_new_tokens=4, lookahead=None, temperature=0.0, top_k=0, top_p=1.0, seed=None,
-                  eos_token_id=None, stream=None, static_step=None, cuda_graph=False)
-    assert generate_with(model, PROMPT, **kwargs).tokens  # no group: the ordinary path
 
 
-def test_scaled_lookahead_is_the_papers_strong_scaling():
+def test_scaled_is_the_papers_strong_scaling():
     config = LookaheadConfig(3, 4, 3, form="chains")
-    assert scaled_lookahead(config, 4) == LookaheadConfig(12, 4, 12, form="chains")
+    assert config.scaled(4) == LookaheadConfig(12, 4, 12, form="chains")
