@@ -7,9 +7,10 @@ S (tokens / the forward passes each row took part in, prefill included), tokens/
 wall time), the ratio to plain decoding at the same b, and the count of rows identical to plain greedy
 alone. Batch size 1 also runs the one-prompt path (`generate(ids)`, exact-size steps on a CPU).
 
-Two side measurements decide the batch loop's rules: the prefill of a batch one row at a time against
-one padded forward pass of all rows (`prefill`), and finished rows dropped from the batch against kept
-as padding (`drop`). Saves JSON and a PNG in bench/results/.
+A side measurement decides the batch loop's prefill: one row at a time against one padded forward pass of all
+rows (`prefill`). (Finished rows dropped from the batch against kept as padding was measured before, the
+`drop` records of bench/results/batch-cpu.json; the library keeps only the faster rule.) Saves JSON and a PNG in
+bench/results/.
 
     python bench/batch.py --quick              # a few minutes: 4 prompts, 32 tokens, b = 1, 2, 4
     python bench/batch.py                      # 16 prompts, 128 tokens, b = 1, 2, 4, 8, 16
@@ -38,19 +39,13 @@ from common import (  # noqa: E402
     timed,
 )
 from lookahead import LookaheadConfig  # noqa: E402
-from lookahead.batch import decode_batch  # noqa: E402
-from lookahead.models.generation import runner_for  # noqa: E402
-from lookahead.sampling import SamplingParams  # noqa: E402
 
 PLAIN = "plain"
 
 
-def decode_rows(model, prompts, max_new_tokens, lookahead, drop_finished=True):
-    """decode_batch on the model's runner, as Llama.generate does (drop_finished exposed for the measurement)."""
-    runner = runner_for(model, max(map(len, prompts)) + max_new_tokens, lookahead, True, len(prompts))
-    eos = model.config.eos_token_id
-    return decode_batch(runner, prompts, max_new_tokens, SamplingParams(), lookahead, eos, None, None, model.device,
-                        drop_finished=drop_finished)
+def decode_rows(model, prompts, max_new_tokens, lookahead):
+    """A batch through `Llama.generate` (a list of prompts)."""
+    return model.generate(prompts, max_new_tokens=max_new_tokens, lookahead=lookahead)
 
 
 def run_sizes(model, prompts, references, sizes, configs, max_new_tokens) -> list[dict]:
@@ -97,25 +92,6 @@ def prefill_costs(model, prompts, sizes, repeats: int = 3) -> list[dict]:
             out.append({"batch": b, "tokens": sum(map(len, rows)), "padded_tokens": b * width,
                         "per_row_s": per_row, "padded_s": batched})
     return out
-
-
-def drop_costs(model, prompts, b, configs, max_new_tokens) -> list[dict]:
-    """At batch size b: finished rows dropped (the default) against kept as padding, interleaved."""
-    out = []
-    for i in range(0, len(prompts) - b + 1, b):
-        rows = prompts[i : i + b]
-        for lookahead in (None, LookaheadConfig(*configs[0])):
-            for drop in (True, False) if i // b % 2 == 0 else (False, True):
-                result, seconds = timed(lambda: decode_rows(model, rows, max_new_tokens, lookahead, drop))  # noqa: B023
-                out.append({"batch": b, "lookahead": lookahead is not None, "drop": drop, "seconds": seconds,
-                            "tokens": sum(len(r.tokens) for r in result),
-                            "row_tokens": [len(r.tokens) for r in result]})
-    return out
-
-
-def rate(drop: list[dict], lookahead: bool, dropped: bool) -> float:
-    mine = [r for r in drop if r["lookahead"] == lookahead and r["drop"] == dropped]
-    return sum(r["tokens"] for r in mine) / sum(r["seconds"] for r in mine)
 
 
 def summarize(result: dict) -> list[dict]:
@@ -168,13 +144,12 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--sizes", type=int, nargs="*", default=[1, 2, 4, 8, 16])
     parser.add_argument("--configs", nargs="*", default=["3-4-3", "2-3-2"], help="lookahead configs as W-N-G")
-    parser.add_argument("--drop-batch", type=int, default=8, help="batch size of the drop/pad measurement (0: skip)")
     parser.add_argument("--quick", action="store_true", help="1 prompt per kind, 32 tokens, b = 1, 2, 4")
     parser.add_argument("--name", default="batch", help="results file stem")
     parser.add_argument("--replot", action="store_true", help="only redraw the PNG from the saved JSON")
     args = parser.parse_args()
     if args.quick:
-        args.per_kind, args.max_new_tokens, args.sizes, args.drop_batch = 1, 32, [1, 2, 4], 2
+        args.per_kind, args.max_new_tokens, args.sizes = 1, 32, [1, 2, 4]
     if args.replot:
         path = RESULTS / f"{args.name}-{device_slug()}.json"
         plot(json.loads(path.read_text())["summary"], path.with_suffix(".png"))
@@ -187,9 +162,8 @@ def main() -> None:
         references = [model.generate(ids, max_new_tokens=args.max_new_tokens).tokens for ids in prompts]
         records = run_sizes(model, prompts, references, args.sizes, configs, args.max_new_tokens)
         prefill = prefill_costs(model, prompts, args.sizes)
-        drop = drop_costs(model, prompts, args.drop_batch, configs, args.max_new_tokens) if args.drop_batch else []
     result = {"machine": machine(), "max_new_tokens": args.max_new_tokens, "prompts": len(prompts),
-              "sizes": args.sizes, "configs": args.configs, "records": records, "prefill": prefill, "drop": drop}
+              "sizes": args.sizes, "configs": args.configs, "records": records, "prefill": prefill}
     result["summary"] = table = summarize(result)
     print(f"\n{len(prompts)} prompts, {args.max_new_tokens} new tokens, {result['machine']['device']}, "
           f"{result['machine']['cpu_threads']} threads")
@@ -204,13 +178,6 @@ def main() -> None:
                       f"{sum(p['per_row_s'] for p in prefill if p['batch'] == b):.2f}",
                       f"{sum(p['padded_s'] for p in prefill if p['batch'] == b):.2f}"]
                      for b in dict.fromkeys(p["batch"] for p in prefill)])
-    if drop:
-        print(f"\nfinished rows at b={args.drop_batch}: dropped from the batch vs kept as padding")
-        print_table(["decoding", "tokens", "dropped tok/s", "padding tok/s", "dropped / padding"],
-                    [[name, sum(r["tokens"] for r in drop if r["lookahead"] == la and r["drop"]),
-                      f"{rate(drop, la, True):.1f}", f"{rate(drop, la, False):.1f}",
-                      f"{rate(drop, la, True) / rate(drop, la, False):.2f}x"]
-                     for name, la in ((PLAIN, False), (f"lookahead {args.configs[0]}", True))])
     path = save_json(args.name, result)
     plot(table, path.with_suffix(".png"))
     print(f"\nsaved {path} and {path.with_suffix('.png')}")

@@ -2,9 +2,10 @@
 
 For each K the script spawns K ranks that each load the default model, join one process group (gloo on a
 CPU, NCCL with one GPU per rank) and decode the same prompts from bench/data/dev.jsonl with
-`Llama.generate(process_group=...)`, for each whole-step configuration (W-N-G: the step all ranks share)
-and both ways of bringing the accepted entries' KV to every rank ("broadcast" from the rank that computed
-them, "refeed" as the authors' code does); K = 1 also decodes plainly, the baseline. Rank 0 reports tokens/s
+`Llama.generate(process_group=...)`, for each whole-step configuration (W-N-G: the step all ranks share);
+K = 1 also decodes plainly, the baseline. The accepted entries' KV reach every rank by a broadcast from the rank
+that computed them; what the authors' re-feed would cost instead (a sub-step n tokens longer) is measured beside
+it per step (`kv_sync_costs`). Rank 0 reports tokens/s
 (wall time of the whole generation), S and whether the tokens equal K = 1's.
 
 On a CPU the ranks share its cores: each rank gets cores // K threads, so K = 2 on two cores is two
@@ -41,10 +42,11 @@ def kv_sync_costs(model, group, prompt: list[int], tokens: int, repeats: int = 1
     """What each KV sync costs per step, measured on every rank at once (as in a generation): "broadcast" sends
     n entries [2, layers, Hkv, n, D] from rank 0; "refeed" runs n more tokens in a sub-step of `tokens` tokens.
     Medians in ms, rank 0's."""
+    from lookahead import Request
     from lookahead.kernels import StepPattern
     from lookahead.models.generation import runner_for
 
-    runner = runner_for(model, len(prompt) + tokens + 8, LookaheadConfig(), True, 1, tokens + 8, 8)
+    runner = runner_for(model, Request([prompt], tokens + 8, lookahead=LookaheadConfig(2, 4, 5)))  # 21-token steps
     runner.prefill(prompt)
     costs = {"broadcast_ms": {}, "forward_ms": {}}
     for n in (1, 2, 3):
@@ -73,7 +75,6 @@ def rank_main(rank: int, world: int, store: str, folder: str, prompts: list, met
               threads: int, results, sub_tokens: int = 12) -> None:
     """One rank: join the group, warm up, decode every prompt with every method; rank 0 puts its records."""
     from lookahead.models import Llama
-    from lookahead.models.generation import generate
 
     torch.set_num_threads(threads)
     cuda = torch.cuda.is_available()
@@ -86,22 +87,20 @@ def rank_main(rank: int, world: int, store: str, folder: str, prompts: list, met
     group = dist.group.WORLD
     records = []
 
-    def run(ids, config, kv_sync, tokens=max_new_tokens):
-        plain = config is None
-        return generate(model, ids, max_new_tokens=tokens, lookahead=config, temperature=0.0, top_k=0,
-                        top_p=1.0, seed=None, eos_token_id=None, stream=None, static_step=None, cuda_graph=True,
-                        process_group=None if plain else group, kv_sync=kv_sync)
+    def run(ids, config, tokens=max_new_tokens):
+        return model.generate(ids, max_new_tokens=tokens, lookahead=config,
+                              process_group=None if config is None else group)
 
     with torch.inference_mode():
-        for _, config, kv_sync in methods:  # warm-up: allocations, kernels, the first collectives
-            run(prompts[0], config, kv_sync, tokens=8)
+        for _, config in methods:  # warm-up: allocations, kernels, the first collectives
+            run(prompts[0], config, tokens=8)
         for p, ids in enumerate(prompts):
-            for name, config, kv_sync in methods:
+            for name, config in methods:
                 dist.barrier()  # every rank starts the generation together
                 if cuda:
                     torch.cuda.synchronize()
                 start = time.perf_counter()
-                result = run(ids, config, kv_sync)
+                result = run(ids, config)
                 if cuda:
                     torch.cuda.synchronize()
                 seconds = time.perf_counter() - start
@@ -197,12 +196,8 @@ def main() -> None:
     configs = [LookaheadConfig(*map(int, c.split("-"))) for c in args.configs]
     records = []
     for world in ranks:
-        methods = [(PLAIN, None, "broadcast")] if world == 1 else []
-        for c, config in zip(args.configs, configs, strict=True):
-            if config.window < world:
-                continue
-            for kv_sync in ("broadcast", "refeed") if world > 1 else ("broadcast",):
-                methods.append((f"{c} {kv_sync}" if world > 1 else c, config, kv_sync))
+        methods = [(PLAIN, None)] if world == 1 else []
+        methods += [(c, config) for c, config in zip(args.configs, configs, strict=True) if config.window >= world]
         threads = 1 if gpus else max(1, cores // world)
         print(f"K={world}: {len(methods)} methods, {threads} thread(s) per rank ...", flush=True)
         records += run_world(world, folder, prompts, methods, max_new_tokens, threads)
@@ -210,7 +205,7 @@ def main() -> None:
     costs = [r for r in records if "kv_sync_costs" in r]
     info = machine()
     print(f"\n{len(prompts)} prompts, {max_new_tokens} new tokens, {info['device']}, {cores} cores")
-    print_table(["K", "method (whole step W-N-G, KV sync)", "S", "tokens/s", "vs plain K=1", "same as K=1 plain"],
+    print_table(["K", "method (whole step W-N-G)", "S", "tokens/s", "vs plain K=1", "same as K=1 plain"],
                 [[r["K"], r["method"], f"{r['S']:.2f}", f"{r['tok_s']:.2f}", f"{r['vs_plain']:.2f}x",
                   f"{r['exact']}/{r['n']}"] for r in table])
     for cost in costs:

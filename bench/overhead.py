@@ -17,9 +17,9 @@ import torch
 from compression import parse_setting
 
 from common import chat_ids, load_model, load_prompts, machine, print_table, save_json, sync
-from lookahead import decode
+from lookahead import Request, decode
 from lookahead.drafts import DraftBuilder
-from lookahead.engine import _LookaheadLoop
+from lookahead.loop import LookaheadLoop
 from lookahead.models.generation import runner_for
 
 
@@ -28,6 +28,7 @@ class TimedModel:
 
     def __init__(self, inner) -> None:
         self.inner, self.seconds, self.step_seconds = inner, 0.0, []
+        self.device = inner.device
         self.marks: list[tuple[float, float]] = []  # (wall clock, model seconds so far) at each step's start
 
     def loop_us(self, part: slice) -> float:
@@ -100,13 +101,13 @@ def main() -> None:
     with torch.inference_mode():
         for spec in args.configs:
             cfg = parse_setting(spec)
-            timed = TimedModel(runner_for(model, len(ids) + args.max_new_tokens, cfg, cuda_graph=True))
-            watch = Stopwatch({"plan": (_LookaheadLoop, "plan"), "draft": (DraftBuilder, "build"),
-                               "finish": (_LookaheadLoop, "finish"), "learn": (_LookaheadLoop, "_learn")})
+            request = Request([ids], args.max_new_tokens, lookahead=cfg, static_step=model.device.type == "cuda")
+            timed = TimedModel(runner_for(model, request))
+            watch = Stopwatch({"plan": (LookaheadLoop, "plan"), "draft": (DraftBuilder, "build"),
+                               "finish": (LookaheadLoop, "finish"), "learn": (LookaheadLoop, "_learn")})
             start = time.perf_counter()
             try:
-                result = decode(timed, ids, args.max_new_tokens, lookahead=cfg, eos_token_ids=(),
-                                device=model.device, static_step=model.device.type == "cuda")
+                result = decode(timed, request)
             finally:
                 watch.restore()
             total = time.perf_counter() - start

@@ -81,7 +81,8 @@ class Request:
         if not all(_is_int(t) and t >= 0 for p in prompts for t in p):
             raise TypeError("prompts must hold token ids (ints >= 0)")
         object.__setattr__(self, "prompts", prompts)
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
+        limit = self.max_new_tokens
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
             raise ValueError(f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
         if not isinstance(self.sampling, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}")

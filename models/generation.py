@@ -55,13 +55,9 @@ def generate(model: Llama, prompt_ids: Any, *, stream: Callable | None = None, c
         if process_group is not None:
             ranks = _world_size(process_group)
             request = agree(process_group, lambda: build(ranks), fingerprint(model))
-            full = full_pattern(request.lookahead)
-            runner = runner_for(model, request.longest, full.num_tokens, full.max_commit, cuda_graph, 1)
-            return decode_parallel(runner, request, process_group, stream)
+            return decode_parallel(runner_for(model, request, cuda_graph), request, process_group, stream)
         request = build()
-        full = full_pattern(request.lookahead) if request.lookahead is not None else PLAIN_STEP
-        runner = runner_for(model, request.longest, full.num_tokens, full.max_commit, cuda_graph,
-                            len(request.prompts))
+        runner = runner_for(model, request, cuda_graph)
         if request.batch:
             return decode_batch(runner, request, stream)
         return decode(runner, request, stream)
@@ -77,20 +73,19 @@ def warmup(model: Llama, lookahead: LookaheadConfig | str | None, max_tokens: in
     if isinstance(lookahead, str) and lookahead == "auto":
         lookahead = LookaheadConfig.for_batch(1, model.device.type)
     with model.lock:
-        full = full_pattern(lookahead) if isinstance(lookahead, LookaheadConfig) else PLAIN_STEP
         with torch.inference_mode():
-            runner_for(model, max_tokens, full.num_tokens, full.max_commit, cuda_graph, 1)
+            runner_for(model, Request([[0]], max_tokens - 1, lookahead=lookahead), cuda_graph)
         # the prefill gives one token, so two make exactly one step, of the one shape static steps have
         generate(model, [0], max_new_tokens=2, lookahead=lookahead, eos_token_id=[], static_step=True,
                  cuda_graph=cuda_graph)
 
 
-def runner_for(model: Llama, tokens: int, step_tokens: int, max_commit: int, cuda_graph: bool,
-               batch: int = 1) -> CachedRunner:
-    """The model's runner for `batch` sequences of up to `tokens` tokens, steps of up to `step_tokens` tokens and
-    commits of up to `max_commit` entries, rebuilt (capacity rounded up to a power of two) only when it cannot serve
-    this; reset for a new generation."""
-    capacity = tokens + step_tokens
+def runner_for(model: Llama, request: Request, cuda_graph: bool = True) -> CachedRunner:
+    """The model's runner for the request (its prompts, their length, the full step of its lookahead configuration),
+    rebuilt (capacity rounded up to a power of two) only when it cannot serve it; reset for a new generation."""
+    full = full_pattern(request.lookahead) if request.lookahead is not None else PLAIN_STEP
+    step_tokens, max_commit, batch = full.num_tokens, full.max_commit, len(request.prompts)
+    capacity = request.longest + step_tokens
     runner = model.runner
     if runner is None or not runner.fits(capacity, step_tokens, max_commit, batch):
         capacity = max(MIN_CAPACITY, 1 << (capacity - 1).bit_length())

@@ -1,9 +1,9 @@
 """Lookahead decoding with temperature 0 gives plain greedy's tokens exactly; pool, window, verifier units."""
 
+import random
+
 import pytest
 import torch
-
-import random
 
 from helpers import MockStepModel, context_logits, decode_one
 from lookahead import LookaheadConfig

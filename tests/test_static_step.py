@@ -2,8 +2,6 @@
 owner packs them; imports point one way; CUDA graphs (GPU only) replay the eager step exactly."""
 
 import random
-import subprocess
-import sys
 
 import pytest
 import torch

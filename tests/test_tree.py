@@ -108,7 +108,8 @@ def test_static_tree_layout_pads_with_invisible_leaves():
     padding = [6, 7, 8, 12, 13, 14]
     real = [i for i in range(15) if i not in padding]
     assert not layout.pattern.materialize(0)[real][:, padding].any()  # no real token sees a padding token
-    assert layout.commit_indices(Verdict([6, 7, 1], 1)) == [0, 9, 10] and layout.commit_indices(Verdict([4], ROOT)) == [0]
+    assert layout.commit_indices(Verdict([6, 7, 1], 1)) == [0, 9, 10]
+    assert layout.commit_indices(Verdict([4], ROOT)) == [0]
     assert layout.parents[:6] == [-1, 0, 1, 0, 1, 2] and layout.parents[9:12] == [0, 9, 0]
     assert layout.slot_rows == [0, 4, 5, 6] and layout.draft_pairs == ((0, 5), (1, 6), (0, 7))
     assert [layout.index_of_slot(s) for s in range(4)] == [0, 9, 10, 11]
@@ -137,7 +138,7 @@ class ShapeDrafts:
         self.parents, self.offset, self.reference, self.vocab = parents, len(prompt), reference, vocab
         self.rng = random.Random(seed)
 
-    def build(self, sequence, pool, budget, levels=0):  # patched over DraftBuilder.build (a bound method: no builder arg)
+    def build(self, sequence, pool, budget, levels=0):  # patched over DraftBuilder.build (bound: no builder arg)
         assert len(self.parents) <= budget
         done = len(sequence) - self.offset  # tokens generated so far: the input token is reference[done - 1]
         tokens, depth = [], []

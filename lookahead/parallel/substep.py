@@ -13,7 +13,6 @@ pre-order subtree): no kernel or mask change, and no communication inside the fo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
