@@ -30,12 +30,17 @@ class RopeConfig:
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any]) -> RopeConfig:
-        """Read both spellings: `rope_theta` + `rope_scaling` (older) and `rope_parameters` (newer)."""
-        where = "rope_parameters"
-        params = raw.get("rope_parameters")
+        """Read both spellings: `rope_theta` + `rope_scaling` (older) and `rope_parameters` (newer).
+
+        With both present, transformers uses a non-empty `rope_scaling` whole and ignores `rope_parameters`
+        (theta then comes from `rope_scaling`, else the top-level `rope_theta`, else 10000); so does this.
+        """
+        scaling = raw.get("rope_scaling")
+        if scaling is not None and not isinstance(scaling, dict):
+            raise ConfigError(f"config field 'rope_scaling' must be an object or null, got {scaling!r}")
+        where, params = ("rope_scaling", scaling) if scaling else ("rope_parameters", raw.get("rope_parameters"))
         if params is None:
-            where = "rope_scaling"
-            params = raw.get("rope_scaling") or {}
+            params = {}
         if not isinstance(params, dict):
             raise ConfigError(f"config field {where!r} must be an object or null, got {params!r}")
         rope_type = params.get("rope_type", params.get("type", "default"))

@@ -65,6 +65,40 @@ def test_old_rope_spelling_reads_like_new(tiny_checkpoint, tmp_path):
     assert (Llama.from_pretrained(old)(ids) - expected).abs().max().item() < 1e-4
 
 
+BOTH_ROPE_SPELLINGS = {
+    "scaling-no-theta": ({"rope_type": "default", "rope_theta": 5000.0}, {"rope_type": "linear", "factor": 2.0}, None),
+    "scaling-own-theta": ({"rope_type": "linear", "factor": 4.0, "rope_theta": 5000.0},
+                          {"type": "linear", "factor": 2.0, "rope_theta": 3000.0}, None),
+    "scaling-top-theta": ({"rope_type": "default", "rope_theta": 5000.0}, {"type": "llama3", **LLAMA3_ROPE}, 7000.0),
+    "empty-scaling": ({"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0}, {}, None),
+}
+
+
+@pytest.mark.parametrize("case", list(BOTH_ROPE_SPELLINGS))
+def test_rope_scaling_beside_rope_parameters_reads_like_transformers(tiny_checkpoint, tmp_path, case):
+    """Both spellings in one config.json: transformers takes a non-empty rope_scaling whole (theta from it, else
+    the top-level rope_theta, else 10000); it used to be ignored here."""
+    parameters, scaling, theta = BOTH_ROPE_SPELLINGS[case]
+
+    def both(raw):
+        raw.update(rope_parameters=parameters, rope_scaling=scaling)
+        if theta is not None:
+            raw["rope_theta"] = theta
+
+    folder = rewrite_config(tiny_checkpoint("gqa"), tmp_path, both)
+    ids = torch.randint(0, 101, (1, 120), generator=torch.Generator().manual_seed(12))
+    expected, _ = hf_logits(folder, ids)
+    assert (Llama.from_pretrained(folder)(ids) - expected).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("rope_type", ["yarn", "dynamic"])
+def test_unsupported_rope_scaling_beside_rope_parameters_is_refused(tiny_checkpoint, tmp_path, rope_type):
+    folder = rewrite_config(tiny_checkpoint("gqa"), tmp_path, lambda raw: raw.update(
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4}, rope_scaling={"type": rope_type, "factor": 2.0}))
+    with pytest.raises(ConfigError, match=rf"rope type '{rope_type}' \(rope_scaling\) is not supported"):
+        Llama.from_pretrained(folder)
+
+
 def test_sharded_checkpoint(tiny_checkpoint):
     folder = tiny_checkpoint("sharded", max_shard_size="60KB")
     assert (folder / "model.safetensors.index.json").is_file()
