@@ -49,6 +49,8 @@ CONFIG_CASES = {
     "max-pos-negative": (lambda raw: raw.update(max_position_embeddings=-1),
                          "'max_position_embeddings' must be a positive int"),
     "missing-layers": (lambda raw: raw.pop("num_hidden_layers"), "'num_hidden_layers' is required"),
+    "vocab-2**31": (lambda raw: raw.update(vocab_size=2**31), "'vocab_size' is 2147483648, larger than any model's"),
+    "intermediate-2**40": (lambda raw: raw.update(intermediate_size=2**40), "'intermediate_size' is 1099511627776"),
     "eps-negative": (lambda raw: raw.update(rms_norm_eps=-1), "'rms_norm_eps' must be a finite number > 0"),
     "eps-zero": (lambda raw: raw.update(rms_norm_eps=0), "'rms_norm_eps' must be a finite number > 0"),
     "eps-string": (lambda raw: raw.update(rms_norm_eps="1e-6"), "'rms_norm_eps' must be a finite number > 0"),

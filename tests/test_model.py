@@ -230,7 +230,7 @@ def test_half_precision_loads_and_runs(tiny_checkpoint):
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda raw: raw.update(model_type="mistral"), "model_type 'mistral'"),
+    (lambda raw: raw.update(model_type="gemma"), r"model_type 'gemma' is not supported natively.*lookahead\.hf"),
     (lambda raw: raw.update(rope_parameters={"rope_type": "yarn", "factor": 2.0}), "rope type 'yarn'"),
     (lambda raw: raw.update(hidden_act="gelu"), "hidden_act 'gelu'"),
     (lambda raw: raw.update(num_key_value_heads=3), "multiple of num_key_value_heads"),
