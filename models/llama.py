@@ -18,7 +18,7 @@ from lookahead.kernels import interpreting
 from .attention import BACKENDS, Attend, causal
 from .config import LlamaConfig
 from .generation import generate, warmup
-from .loading import load_weights, tensor_names
+from .loading import check_shapes, load_weights, tensor_names
 from .rope import apply_rotary, inverse_frequencies, rotary_cos_sin
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -144,6 +144,7 @@ class Llama(nn.Module):
             config = dataclasses.replace(config, tie_word_embeddings=False)
         with torch.device("meta"):
             model = cls(config, attn_backend=backend)
+        check_shapes(model, path)  # before allocating: a config.json's absurd size is refused, not allocated
         model.to_empty(device=device)
         model.to(dtype)
         model._tie_weights()  # to_empty gives each module its own new tensor

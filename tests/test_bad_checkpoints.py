@@ -231,3 +231,24 @@ def test_cuda_device_without_cuda_is_one_clear_error(tiny_checkpoint):
         Llama.from_pretrained(tiny_checkpoint("gqa"), device="cuda")
     with pytest.raises(ValueError, match="device 'gpu' is not a torch device"):
         Llama.from_pretrained(tiny_checkpoint("gqa"), device="gpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int8, torch.bool], ids=str)
+def test_integer_or_bool_weights_are_refused_naming_the_tensor(tiny_checkpoint, tmp_path, dtype):
+    """copy_ into a float parameter would convert them silently (a bool norm weight becomes 0.0 and 1.0)."""
+    def to_integer(weights):
+        weights["model.layers.0.post_attention_layernorm.weight"] = torch.ones(64, dtype=dtype)
+
+    folder = rewrite_weights(tiny_checkpoint("gqa"), tmp_path, "integer", to_integer)
+    with pytest.raises(CheckpointError, match=rf"'model.layers.0.post_attention_layernorm.weight' .* holds "
+                                              rf"{dtype} values, not floating point"):
+        Llama.from_pretrained(folder)
+
+
+def test_config_sizes_that_disagree_with_the_weights_are_refused_before_allocating(tiny_checkpoint, tmp_path):
+    """vocab_size 2**30 with a 101-token file would allocate 2 x 256 GiB before the shapes were compared."""
+    folder = edit_json(copy_checkpoint(tiny_checkpoint("gqa"), tmp_path), "config.json",
+                       lambda raw: raw.update(vocab_size=2**30))
+    with pytest.raises(CheckpointError, match=r"'lm_head.weight' has shape \(101, 64\), the model expects "
+                                              r"\(1073741824, 64\) \(does config.json match the weights\?\)"):
+        Llama.from_pretrained(folder)
