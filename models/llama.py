@@ -190,8 +190,13 @@ class Llama(nn.Module):
 
         positions: [T] absolute positions, or [B, T] per row (default 0..T-1). attention: how each layer
         attends, `attention(layer, q, k, v)` (default: plain causal over these tokens, no cache).
+        Without `attention` (a caller's own forward) the ids are checked: an integer tensor on the model's device,
+        every id in [0, vocab_size), else `TypeError`/`ValueError`. With it (the runner's steps) they are not,
+        so a step reads nothing back from the device.
         """
-        if input_ids.ndim != 2:
+        if attention is None:  # a caller's own forward (the runner always passes its attention): check the ids
+            self._check_input_ids(input_ids)
+        elif input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device)
@@ -204,6 +209,25 @@ class Llama(nn.Module):
         if rows is not None:
             x = x[:, rows] if rows.ndim == 1 else x.gather(1, rows[..., None].expand(-1, -1, x.shape[-1]))
         return self.lm_head(self.model.norm(x))
+
+    def _check_input_ids(self, input_ids: torch.Tensor) -> None:
+        """Ids a caller hands to `model(ids)`: an integer [B, T] tensor on the model's device, inside the vocabulary.
+        Reads the ids' range on the host (one sync), so the runner's per-step forward does not come here."""
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"input_ids must be a torch.Tensor [B, T] of token ids, got {type(input_ids).__name__}")
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+            raise TypeError(f"input_ids must hold integer token ids, got {input_ids.dtype}")
+        if input_ids.device != self.device:
+            raise ValueError(f"input_ids are on {input_ids.device}, the model on {self.device}: move them with "
+                             f".to({str(self.device)!r})")
+        if input_ids.numel():
+            low, high = (int(v) for v in torch.aminmax(input_ids))
+            vocab = self.config.vocab_size
+            if low < 0 or high >= vocab:
+                bad = low if low < 0 else high
+                raise ValueError(f"input_ids holds token id {bad}, outside the vocabulary [0, {vocab})")
 
     def generate(self, prompt_ids, max_new_tokens: int = 256, lookahead: LookaheadConfig | str | None = None,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | list[int] | None = None,
@@ -277,11 +301,14 @@ def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 
 def resolve_device(device: torch.device | str) -> torch.device:
-    """A torch device that exists here; "cuda" without a usable CUDA build or GPU is refused."""
+    """A CPU or CUDA torch device that exists here; "cuda" without a usable CUDA build or GPU is refused, and so
+    is any other device type ("meta", "mps", ...)."""
     try:
         resolved = torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise ValueError(f"device {device!r} is not a torch device ({e})") from None
+    if resolved.type not in ("cpu", "cuda"):  # meta holds no weights; mps, xpu, ... are not run here
+        raise ValueError(f"device {str(device)!r} is not supported: the model runs on 'cpu' or 'cuda'")
     if resolved.type == "cuda":
         if not torch.cuda.is_available():
             why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"

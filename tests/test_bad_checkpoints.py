@@ -224,6 +224,12 @@ def test_empty_or_missing_path_is_refused(path, error, message):
         Llama.from_pretrained(path)
 
 
+@pytest.mark.parametrize("device", ["meta", "mps", "xpu", torch.device("meta")], ids=["meta", "mps", "xpu", "meta-dev"])
+def test_devices_other_than_cpu_and_cuda_are_refused(tiny_checkpoint, device):
+    with pytest.raises(ValueError, match=f"device '{device}' is not supported: the model runs on 'cpu' or 'cuda'"):
+        Llama.from_pretrained(tiny_checkpoint("gqa"), device=device)
+
+
 def test_cuda_device_without_cuda_is_one_clear_error(tiny_checkpoint):
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here")

@@ -191,6 +191,35 @@ def test_generate_rejects_bad_input(tiny_checkpoint, kwargs, error, message):
         model.generate(**args)
 
 
+@pytest.mark.parametrize("ids, error, message", [
+    (torch.tensor([[1, 2, 101]]), ValueError, r"token id 101, outside the vocabulary \[0, 101\)"),
+    (torch.tensor([[1, -1, 2]]), ValueError, r"token id -1, outside the vocabulary \[0, 101\)"),
+    (torch.tensor([[1.0, 2.0]]), TypeError, "input_ids must hold integer token ids, got torch.float32"),
+    (torch.tensor([[True]]), TypeError, "input_ids must hold integer token ids, got torch.bool"),
+    ([[1, 2]], TypeError, "input_ids must be a torch.Tensor"),
+    (torch.tensor([1, 2]), ValueError, r"input_ids must be \[B, T\], got shape \(2,\)"),
+    (torch.tensor([[1, 2]], device="meta"), ValueError, "input_ids are on meta, the model on cpu"),
+], ids=["over-vocab", "negative", "float", "bool", "list", "1-D", "other-device"])
+def test_forward_refuses_bad_ids(tiny_checkpoint, ids, error, message):
+    """`model(ids)` is a public entry: one clear error instead of an index error deep in torch."""
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    with pytest.raises(error, match=message):
+        model(ids)
+
+
+def test_generation_steps_skip_the_ids_check(tiny_checkpoint, monkeypatch):
+    """The check reads the ids on the host; the runner's per-step forward (which passes its attention) must not."""
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    assert model(torch.tensor([[0, 100]])).shape == (1, 2, 101)  # the vocabulary's ends are fine
+
+    def sync(self, ids):
+        raise AssertionError("the ids check ran inside generate")
+
+    monkeypatch.setattr(Llama, "_check_input_ids", sync)
+    result = model.generate([1, 2, 3], max_new_tokens=6, lookahead=LookaheadConfig(), eos_token_id=[])
+    assert len(result.tokens) == 6
+
+
 def test_generate_accepts_what_transformers_hands_over(tiny_checkpoint):
     """A list, a 1-D tensor, apply_chat_template's [1, T] tensor, a BatchEncoding: the same prompt. A list holding
     the list is a batch of one (a list of results)."""
