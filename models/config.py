@@ -142,8 +142,8 @@ class LlamaConfig:
         family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
         if family is None:
             raise ConfigError(f"model_type {model_type!r} is not supported natively (supported: "
-                              f"{', '.join(sorted(FAMILIES))}); load it with transformers and decode it with "
-                              "lookahead.hf.generate(hf_model, input_ids, ...), which runs more architectures")
+                              f"{', '.join(sorted(FAMILIES))}); to decode a model loaded with transformers instead, "
+                              "use lookahead.hf.generate(hf_model, input_ids, ...) (see the architectures it drives)")
         act = raw.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"hidden_act {act!r} is not supported (only 'silu')")

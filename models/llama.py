@@ -98,7 +98,8 @@ class Backbone(nn.Module):
 
 
 class Llama(nn.Module):
-    """A LLaMA-family causal LM. Build with `Llama.from_pretrained(folder)`; decode with `generate`."""
+    """A LLaMA-shaped causal LM (LLaMA, Mistral, Qwen2/Qwen2.5, Qwen3 dense: `LlamaConfig`'s fields tell them
+    apart). Build with `Llama.from_pretrained(folder)`; decode with `generate`."""
 
     def __init__(self, config: LlamaConfig, attn_backend: str = "torch") -> None:
         super().__init__()
@@ -113,7 +114,8 @@ class Llama(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype | str | None = None,
                         device: torch.device | str = "cpu", attn_backend: str = "auto") -> Llama:
-        """Load a Hugging Face LLaMA checkpoint folder (config.json + model.safetensors, sharded or not).
+        """Load a Hugging Face checkpoint folder (config.json + model.safetensors, sharded or not) of model_type
+        llama, mistral, qwen2 or qwen3; other architectures are refused (`lookahead.hf` decodes transformers models).
 
         dtype: float32, float16 or bfloat16; None means bfloat16 on CUDA and float32 elsewhere. Lookahead
         decoding is token for token plain greedy in float32; in 16-bit a multi-token pass rounds differently
@@ -121,8 +123,12 @@ class Llama(nn.Module):
         attn_backend: "auto" (Triton on CUDA, torch on CPU), "torch", or "triton" (on CPU only under
         TRITON_INTERPRET=1).
 
+        device: "cpu" or "cuda" (others, "meta" or "mps" say, are refused).
+
         Refused with an error naming the field, tensor or file: config fields of the wrong type or out of
-        range, NaN/inf weights, index entries outside the folder or tensors in the wrong shard. With
+        range, sliding windows shorter than max_position_embeddings, tensor shapes that differ from config.json's
+        (checked from the file headers before anything is allocated), integer, bool, NaN or inf weights, index
+        entries outside the folder or tensors in the wrong shard. With
         tie_word_embeddings and both embed_tokens and lm_head in the file, does what transformers does:
         ties them if they are equal, else keeps the file's lm_head and warns.
         """
