@@ -33,7 +33,7 @@ def save_tiny_checkpoint(folder, seed: int = 0, max_shard_size=None, family: str
             if p.ndim == 2:
                 p.mul_(4.0)
             elif family != "llama":  # (LLaMA's checkpoints stay as the other suites know them)
-                p.add_(torch.randn_like(p) * 0.5)
+                p.add_(torch.randn_like(p) * 0.1)  # (larger, and greedy output collapses to one repeated token)
     save = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(folder, **save)
     return folder
