@@ -18,7 +18,7 @@ from lookahead.kernels import interpreting
 from .attention import BACKENDS, Attend, causal
 from .config import LlamaConfig
 from .generation import generate, warmup
-from .loading import check_shapes, load_weights, tensor_names
+from .loading import check_layer_count, check_shapes, load_weights, tensor_names
 from .rope import apply_rotary, inverse_frequencies, rotary_cos_sin
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -144,6 +144,7 @@ class Llama(nn.Module):
         backend = resolve_backend(attn_backend, device)
         config = LlamaConfig.from_file(path)
         names = tensor_names(path)
+        check_layer_count(names, config.num_hidden_layers, path)  # before building: a damaged count takes hours
         head, embed = "lm_head.weight", "model.embed_tokens.weight"
         both_in_file = config.tie_word_embeddings and head in names and embed in names
         if both_in_file:  # load both; tied again below only if they are equal (transformers' rule)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
@@ -12,6 +13,7 @@ from torch import nn
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
 
 
 class CheckpointError(ValueError):
@@ -46,6 +48,15 @@ def checkpoint_files(folder: Path) -> dict[str, list[str]]:
 def tensor_names(folder: Path) -> set[str]:
     """Names of the checkpoint's tensors, read from the file headers only."""
     return {name for name, _ in _iter_files(folder, read=False)}
+
+
+def check_layer_count(names: set[str], layers: int, folder: Path) -> None:
+    """Before the model is built: config.json's num_hidden_layers must not exceed the layers the checkpoint holds
+    (`model.layers.<i>.*` names). Building a model of a damaged count (2**30 layers) would take hours and memory."""
+    held = {int(m.group(1)) for m in map(_LAYER_NAME.match, names) if m}
+    if layers > len(held):
+        raise CheckpointError(f"config.json sets num_hidden_layers {layers}, but the checkpoint in {folder} holds "
+                              f"{len(held)} layer(s) (does config.json match the weights?)")
 
 
 def check_shapes(module: nn.Module, folder: Path) -> None:
