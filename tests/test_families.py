@@ -122,3 +122,33 @@ def test_qwen_window_off_or_below_max_window_layers_runs():
     as_shipped = raw_config("qwen2", use_sliding_window=False, sliding_window=128, max_window_layers=21)
     assert LlamaConfig.from_dict(as_shipped).qkv_bias
     LlamaConfig.from_dict(raw_config("qwen2", use_sliding_window=True, sliding_window=128, max_window_layers=2))
+
+
+# the fields of released config.json files that matter here (Qwen2.5-0.5B-Instruct, Qwen3-0.6B, Mistral-7B v0.3, v0.1)
+QWEN25 = dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+              num_key_value_heads=2, max_position_embeddings=32768, max_window_layers=21, rope_theta=1e6,
+              rope_scaling=None, sliding_window=32768, use_sliding_window=False, tie_word_embeddings=True,
+              vocab_size=151936, rms_norm_eps=1e-6, hidden_act="silu")
+QWEN3 = dict(model_type="qwen3", attention_bias=False, head_dim=128, hidden_size=1024, intermediate_size=3072,
+             num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=40960,
+             max_window_layers=28, rope_scaling=None, rope_theta=1e6, sliding_window=None, use_sliding_window=False,
+             tie_word_embeddings=True, vocab_size=151936, rms_norm_eps=1e-6, hidden_act="silu")
+MISTRAL_V03 = dict(model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                   num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768, rope_theta=1e6,
+                   sliding_window=None, vocab_size=32768, rms_norm_eps=1e-5, hidden_act="silu")
+
+
+@pytest.mark.parametrize("raw, expected", [
+    (QWEN25, dict(head_dim=64, qkv_bias=True, o_bias=False, qk_norm=False, tie_word_embeddings=True)),
+    (QWEN3, dict(head_dim=128, qkv_bias=False, o_bias=False, qk_norm=True, tie_word_embeddings=True)),
+    (MISTRAL_V03, dict(head_dim=128, qkv_bias=False, o_bias=False, qk_norm=False, tie_word_embeddings=False)),
+], ids=["qwen2.5", "qwen3", "mistral-v0.3"])
+def test_released_configs_read_as_their_architecture(raw, expected):
+    config = LlamaConfig.from_dict(raw)
+    assert {name: getattr(config, name) for name in expected} == expected
+    assert config.rope.theta == 1e6 and config.max_position_embeddings == raw["max_position_embeddings"]
+
+
+def test_mistral_v01_window_is_refused():
+    with pytest.raises(ConfigError, match="sliding_window 4096 is smaller than max_position_embeddings 32768"):
+        LlamaConfig.from_dict({**MISTRAL_V03, "sliding_window": 4096})
