@@ -230,7 +230,7 @@ class Llama(nn.Module):
             raise ValueError(f"input_ids are on {input_ids.device}, the model on {self.device}: move them with "
                              f".to({str(self.device)!r})")
         if input_ids.numel():
-            low, high = (int(v) for v in torch.aminmax(input_ids))
+            low, high = torch.stack(torch.aminmax(input_ids)).tolist()  # one device-to-host copy
             vocab = self.config.vocab_size
             if low < 0 or high >= vocab:
                 bad = low if low < 0 else high
