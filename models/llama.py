@@ -20,7 +20,7 @@ from lookahead.loop import GenerationResult
 from .attention import Attend, causal
 from .config import LlamaConfig
 from .generation import generate, warmup
-from .loading import load_weights, tensor_names
+from .loading import check_layer_count, check_shapes, load_weights, tensor_names
 from .rope import apply_rotary, inverse_frequencies, rotary_cos_sin
 from .runner import CachedRunner
 
@@ -42,11 +42,14 @@ class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:  # Qwen3: each head's q and k normalised over head_dim, before RoPE
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
                 attend: Attend) -> torch.Tensor:
@@ -54,6 +57,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, t, self.heads, self.head_dim)
         k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         # rotate q and k together: one set of rotary ops per layer instead of two
         q, k = apply_rotary(torch.cat((q, k), dim=2), cos, sin).split((self.heads, self.kv_heads), dim=2)
         # [B, Hq, T, D]; the kernel's is a view of [B, T, Hq, D], so the reshape below copies nothing
@@ -96,7 +101,8 @@ class Backbone(nn.Module):
 
 
 class Llama(nn.Module):
-    """A LLaMA-family causal LM. Build with `Llama.from_pretrained(folder)`; decode with `generate`."""
+    """A LLaMA-shaped causal LM (LLaMA, Mistral, Qwen2/Qwen2.5, Qwen3 dense: `LlamaConfig`'s fields tell them
+    apart). Build with `Llama.from_pretrained(folder)`; decode with `generate`."""
 
     def __init__(self, config: LlamaConfig, attn_backend: str = "torch") -> None:
         super().__init__()
@@ -112,7 +118,8 @@ class Llama(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype | str | None = None,
                         device: torch.device | str = "cpu", attn_backend: str = "auto") -> Llama:
-        """Load a Hugging Face LLaMA checkpoint folder (config.json + model.safetensors, sharded or not).
+        """Load a Hugging Face checkpoint folder (config.json + model.safetensors, sharded or not) of model_type
+        llama, mistral, qwen2 or qwen3; other architectures are refused (`lookahead.hf` decodes transformers models).
 
         dtype: float32, float16 or bfloat16; None means bfloat16 on CUDA and float32 elsewhere. Lookahead
         decoding is token for token plain greedy in float32; in 16-bit a multi-token pass rounds differently
@@ -120,8 +127,12 @@ class Llama(nn.Module):
         attn_backend: "auto" (Triton on CUDA, torch on CPU), "torch", or "triton" (on CPU only under
         TRITON_INTERPRET=1).
 
+        device: "cpu" or "cuda" (others, "meta" or "mps" say, are refused).
+
         Refused with an error naming the field, tensor or file: config fields of the wrong type or out of
-        range, NaN/inf weights, index entries outside the folder or tensors in the wrong shard. With
+        range, sliding windows shorter than max_position_embeddings, tensor shapes that differ from config.json's
+        (checked from the file headers before anything is allocated), integer, bool, NaN or inf weights, index
+        entries outside the folder or tensors in the wrong shard. With
         tie_word_embeddings and both embed_tokens and lm_head in the file, does what transformers does:
         ties them if they are equal, else keeps the file's lm_head and warns.
         """
@@ -137,12 +148,14 @@ class Llama(nn.Module):
         backend = resolve_backend(attn_backend, device)
         config = LlamaConfig.from_file(path)
         names = tensor_names(path)
+        check_layer_count(names, config.num_hidden_layers, path)  # before building: a damaged count takes hours
         head, embed = "lm_head.weight", "model.embed_tokens.weight"
         both_in_file = config.tie_word_embeddings and head in names and embed in names
         if both_in_file:  # load both; tied again below only if they are equal (transformers' rule)
             config = dataclasses.replace(config, tie_word_embeddings=False)
         with torch.device("meta"):
             model = cls(config, attn_backend=backend)
+        check_shapes(model, path)  # before allocating: a config.json's absurd size is refused, not allocated
         model.to_empty(device=device)
         model.to(dtype)
         model._tie_weights()  # to_empty gives each module its own new tensor
@@ -187,8 +200,13 @@ class Llama(nn.Module):
 
         positions: [T] absolute positions, or [B, T] per row (default 0..T-1). attention: how each layer
         attends, `attention(layer, q, k, v)` (default: plain causal over these tokens, no cache).
+        Without `attention` (a caller's own forward) the ids are checked: an integer tensor on the model's device,
+        every id in [0, vocab_size), else `TypeError`/`ValueError`. With it (the runner's steps) they are not,
+        so a step reads nothing back from the device.
         """
-        if input_ids.ndim != 2:
+        if attention is None:  # a caller's own forward (the runner always passes its attention): check the ids
+            self._check_input_ids(input_ids)
+        elif input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device)
@@ -201,6 +219,25 @@ class Llama(nn.Module):
         if rows is not None:
             x = x[:, rows] if rows.ndim == 1 else x.gather(1, rows[..., None].expand(-1, -1, x.shape[-1]))
         return self.lm_head(self.model.norm(x))
+
+    def _check_input_ids(self, input_ids: torch.Tensor) -> None:
+        """Ids a caller hands to `model(ids)`: an integer [B, T] tensor on the model's device, inside the vocabulary.
+        Reads the ids' range on the host (one sync), so the runner's per-step forward does not come here."""
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"input_ids must be a torch.Tensor [B, T] of token ids, got {type(input_ids).__name__}")
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+            raise TypeError(f"input_ids must hold integer token ids, got {input_ids.dtype}")
+        if input_ids.device != self.device:
+            raise ValueError(f"input_ids are on {input_ids.device}, the model on {self.device}: move them with "
+                             f".to({str(self.device)!r})")
+        if input_ids.numel():
+            low, high = torch.stack(torch.aminmax(input_ids)).tolist()  # one device-to-host copy
+            vocab = self.config.vocab_size
+            if low < 0 or high >= vocab:
+                bad = low if low < 0 else high
+                raise ValueError(f"input_ids holds token id {bad}, outside the vocabulary [0, {vocab})")
 
     def generate(self, prompt_ids, max_new_tokens: int = 256, lookahead: LookaheadConfig | str | None = None,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | list[int] | None = None,
@@ -283,11 +320,14 @@ def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 
 def resolve_device(device: torch.device | str) -> torch.device:
-    """A torch device that exists here; "cuda" without a usable CUDA build or GPU is refused."""
+    """A CPU or CUDA torch device that exists here; "cuda" without a usable CUDA build or GPU is refused, and so
+    is any other device type ("meta", "mps", ...)."""
     try:
         resolved = torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise ValueError(f"device {device!r} is not a torch device ({e})") from None
+    if resolved.type not in ("cpu", "cuda"):  # meta holds no weights; mps, xpu, ... are not run here
+        raise ValueError(f"device {str(device)!r} is not supported: the model runs on 'cpu' or 'cuda'")
     if resolved.type == "cuda":
         if not torch.cuda.is_available():
             why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
@@ -12,6 +13,7 @@ from torch import nn
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
 
 
 class CheckpointError(ValueError):
@@ -48,6 +50,30 @@ def tensor_names(folder: Path) -> set[str]:
     return {name for name, _ in _iter_files(folder, read=False)}
 
 
+def check_layer_count(names: set[str], layers: int, folder: Path) -> None:
+    """Before the model is built: config.json's num_hidden_layers must not exceed the layers the checkpoint holds
+    (`model.layers.<i>.*` names). Building a model of a damaged count (2**30 layers) would take hours and memory."""
+    held = {int(m.group(1)) for m in map(_LAYER_NAME.match, names) if m}
+    if layers > len(held):
+        raise CheckpointError(f"config.json sets num_hidden_layers {layers}, but the checkpoint in {folder} holds "
+                              f"{len(held)} layer(s) (does config.json match the weights?)")
+
+
+def check_shapes(module: nn.Module, folder: Path) -> None:
+    """Before any weight is allocated: every checkpoint tensor that names a parameter of `module` (built on the
+    meta device, say) has that parameter's shape, read from the file headers only. A config.json whose sizes
+    disagree with the weights (a vocab_size of 2**30, say) is refused here rather than allocated."""
+    params = dict(module.named_parameters(remove_duplicate=False))
+    for name, shape in _iter_files(folder, read=False):
+        if name in params and shape != tuple(params[name].shape):
+            raise _shape_error(name, shape, params[name])
+
+
+def _shape_error(name: str, shape: tuple[int, ...], target: torch.Tensor) -> CheckpointError:
+    return CheckpointError(f"tensor {name!r} has shape {shape}, the model expects {tuple(target.shape)} "
+                           "(does config.json match the weights?)")
+
+
 def iter_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) for every tensor of the checkpoint in `folder`, one file open at a time.
 
@@ -56,7 +82,8 @@ def iter_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     yield from _iter_files(folder, read=True)
 
 
-def _iter_files(folder: Path, read: bool) -> Iterator[tuple[str, torch.Tensor | None]]:
+def _iter_files(folder: Path, read: bool) -> Iterator[tuple[str, torch.Tensor | tuple[int, ...]]]:
+    """(name, tensor) for every tensor, or (name, shape) from the headers only when not `read`."""
     files = checkpoint_files(folder)
     sharded = (folder / INDEX_FILE).is_file()
     for file, indexed_names in files.items():
@@ -75,7 +102,7 @@ def _iter_files(folder: Path, read: bool) -> Iterator[tuple[str, torch.Tensor | 
                         raise CheckpointError(f"tensor {stray[0]!r} is in {file}, but {INDEX_FILE} does not assign it "
                                               f"to that file ({len(stray)} such tensor(s))")
                 for name in sorted(names):
-                    yield name, (f.get_tensor(name) if read else None)
+                    yield name, (f.get_tensor(name) if read else tuple(f.get_slice(name).get_shape()))
         except SafetensorError as e:
             raise CheckpointError(f"cannot read {path}: {e} (is the file complete and a safetensors file?)") from None
 
@@ -89,9 +116,9 @@ def _inside(file: str) -> bool:
 def load_weights(module: nn.Module, folder: Path, optional: frozenset[str] = frozenset()) -> None:
     """Copy the checkpoint's tensors into `module`'s parameters (converting dtype), all or nothing checked.
 
-    Every parameter must be present with its exact shape and only finite values; names in `optional` may
-    be absent or extra (a tied head, say). Unexpected, misshapen or non-finite tensors raise
-    `CheckpointError` naming them.
+    Every parameter must be present, floating point, with its exact shape and only finite values; names in
+    `optional` may be absent or extra (a tied head, say). Unexpected, misshapen, integer, bool or non-finite
+    tensors raise `CheckpointError` naming them.
     """
     params = dict(module.named_parameters(remove_duplicate=False))
     seen: set[str] = set()
@@ -101,10 +128,12 @@ def load_weights(module: nn.Module, folder: Path, optional: frozenset[str] = fro
                 continue
             raise CheckpointError(f"unexpected tensor {name!r} in {folder}: not a parameter of this LLaMA model")
         target = params[name]
+        if not tensor.is_floating_point():  # copy_ would convert ints and bools silently
+            raise CheckpointError(f"tensor {name!r} in {folder} holds {tensor.dtype} values, not floating point: "
+                                  "the checkpoint is damaged or quantized in a format this loader does not read")
         if tuple(tensor.shape) != tuple(target.shape):
-            raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                  f"the model expects {tuple(target.shape)} (does config.json match the weights?)")
-        if tensor.is_floating_point() and not _all_finite(tensor):
+            raise _shape_error(name, tuple(tensor.shape), target)
+        if not _all_finite(tensor):
             raise CheckpointError(f"tensor {name!r} in {folder} holds NaN or inf values: the checkpoint is damaged")
         with torch.no_grad():
             target.copy_(tensor)

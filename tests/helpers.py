@@ -28,19 +28,28 @@ def decode_rows(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, sa
                                        batch=True), stream)
 
 
-def save_tiny_checkpoint(folder, seed: int = 0, max_shard_size=None, **overrides):
-    """Write a random transformers LlamaForCausalLM (2 layers, GQA 4/2 by default) to `folder`."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def save_tiny_checkpoint(folder, seed: int = 0, max_shard_size=None, family: str = "llama", **overrides):
+    """Write a random transformers causal LM of `family` (2 layers, GQA 4/2 by default) to `folder`.
 
+    family: "llama" (LlamaForCausalLM), "qwen2", "qwen3" or "mistral", each made by transformers' own class. For
+    the other families the 1-D weights (biases, norms) are random too, so a bias or norm applied wrongly shows.
+    """
+    import transformers
+
+    classes = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
+    prefix = classes[family]
     kwargs = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
     kwargs.update(overrides)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**kwargs)).eval()
+    config = getattr(transformers, f"{prefix}Config")(**kwargs)
+    model = getattr(transformers, f"{prefix}ForCausalLM")(config).eval()
     with torch.no_grad():  # larger weights than the default init so outputs depend strongly on context
         for p in model.parameters():
             if p.ndim == 2:
                 p.mul_(4.0)
+            elif family != "llama":  # (LLaMA's checkpoints stay as the other suites know them)
+                p.add_(torch.randn_like(p) * 0.1)  # (larger, and greedy output collapses to one repeated token)
     save = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(folder, **save)
     return folder

@@ -49,6 +49,8 @@ CONFIG_CASES = {
     "max-pos-negative": (lambda raw: raw.update(max_position_embeddings=-1),
                          "'max_position_embeddings' must be a positive int"),
     "missing-layers": (lambda raw: raw.pop("num_hidden_layers"), "'num_hidden_layers' is required"),
+    "vocab-2**31": (lambda raw: raw.update(vocab_size=2**31), "'vocab_size' is 2147483648, larger than any model's"),
+    "intermediate-2**40": (lambda raw: raw.update(intermediate_size=2**40), "'intermediate_size' is 1099511627776"),
     "eps-negative": (lambda raw: raw.update(rms_norm_eps=-1), "'rms_norm_eps' must be a finite number > 0"),
     "eps-zero": (lambda raw: raw.update(rms_norm_eps=0), "'rms_norm_eps' must be a finite number > 0"),
     "eps-string": (lambda raw: raw.update(rms_norm_eps="1e-6"), "'rms_norm_eps' must be a finite number > 0"),
@@ -222,6 +224,12 @@ def test_empty_or_missing_path_is_refused(path, error, message):
         Llama.from_pretrained(path)
 
 
+@pytest.mark.parametrize("device", ["meta", "mps", "xpu", torch.device("meta")], ids=["meta", "mps", "xpu", "meta-dev"])
+def test_devices_other_than_cpu_and_cuda_are_refused(tiny_checkpoint, device):
+    with pytest.raises(ValueError, match=f"device '{device}' is not supported: the model runs on 'cpu' or 'cuda'"):
+        Llama.from_pretrained(tiny_checkpoint("gqa"), device=device)
+
+
 def test_cuda_device_without_cuda_is_one_clear_error(tiny_checkpoint):
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here")
@@ -229,3 +237,33 @@ def test_cuda_device_without_cuda_is_one_clear_error(tiny_checkpoint):
         Llama.from_pretrained(tiny_checkpoint("gqa"), device="cuda")
     with pytest.raises(ValueError, match="device 'gpu' is not a torch device"):
         Llama.from_pretrained(tiny_checkpoint("gqa"), device="gpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int8, torch.bool], ids=str)
+def test_integer_or_bool_weights_are_refused_naming_the_tensor(tiny_checkpoint, tmp_path, dtype):
+    """copy_ into a float parameter would convert them silently (a bool norm weight becomes 0.0 and 1.0)."""
+    def to_integer(weights):
+        weights["model.layers.0.post_attention_layernorm.weight"] = torch.ones(64, dtype=dtype)
+
+    folder = rewrite_weights(tiny_checkpoint("gqa"), tmp_path, "integer", to_integer)
+    with pytest.raises(CheckpointError, match=rf"'model.layers.0.post_attention_layernorm.weight' .* holds "
+                                              rf"{dtype} values, not floating point"):
+        Llama.from_pretrained(folder)
+
+
+def test_config_sizes_that_disagree_with_the_weights_are_refused_before_allocating(tiny_checkpoint, tmp_path):
+    """vocab_size 2**30 with a 101-token file would allocate 2 x 256 GiB before the shapes were compared."""
+    folder = edit_json(copy_checkpoint(tiny_checkpoint("gqa"), tmp_path), "config.json",
+                       lambda raw: raw.update(vocab_size=2**30))
+    with pytest.raises(CheckpointError, match=r"'lm_head.weight' has shape \(101, 64\), the model expects "
+                                              r"\(1073741824, 64\) \(does config.json match the weights\?\)"):
+        Llama.from_pretrained(folder)
+
+
+def test_more_layers_in_config_than_in_the_checkpoint_are_refused_before_building(tiny_checkpoint, tmp_path):
+    """Building 2**30 layers (even on the meta device) would take hours: the count is checked against the names."""
+    folder = edit_json(copy_checkpoint(tiny_checkpoint("gqa"), tmp_path), "config.json",
+                       lambda raw: raw.update(num_hidden_layers=2**30))
+    with pytest.raises(CheckpointError, match="config.json sets num_hidden_layers 1073741824, but the checkpoint in "
+                                              ".* holds 2 layer"):
+        Llama.from_pretrained(folder)

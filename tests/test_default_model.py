@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -71,6 +72,11 @@ def test_fp32_lookahead_equals_greedy_on_the_default_model(default_model_dir):
     assert sum(compressions) / len(compressions) > 1.2
 
 
+def entries(cache):
+    """What a cache folder holds besides the conversion lock file (empty, kept: deleting it would race)."""
+    return sorted(p for p in cache.iterdir() if p.name != dm.LOCK_FILE)
+
+
 def test_failed_conversion_leaves_nothing_behind(tmp_path, monkeypatch):
     def broken(gguf_path, out_dir, progress=True):
         (out_dir / "model.safetensors").write_bytes(b"half written")
@@ -80,7 +86,7 @@ def test_failed_conversion_leaves_nothing_behind(tmp_path, monkeypatch):
     monkeypatch.setattr(dm, "convert_gguf", broken)
     with pytest.raises(RuntimeError, match="disk full"):
         dm.default_model_dir(tmp_path / "cache", progress=False)
-    assert list((tmp_path / "cache").iterdir()) == []
+    assert entries(tmp_path / "cache") == []
 
 
 def test_missing_package_says_how_to_install(monkeypatch):
@@ -131,7 +137,78 @@ def test_damaged_cached_model_is_converted_again_with_a_message(tmp_path, fake_c
     assert len(fake_conversion) == 2, err
     assert f"the cached default model in {folder} is damaged" in err and "converting it again" in err
     assert weights.read_bytes() == original and dm.verify_checksums(folder) is None
-    assert list(cache.iterdir()) == [folder]  # the damaged copy is gone too
+    assert entries(cache) == [folder]  # the damaged copy is gone too
+
+
+def test_callers_that_find_the_same_damaged_model_convert_it_once(tmp_path, fake_conversion, monkeypatch):
+    """Threads (or processes) that all see the damage before any acts on it: one converts, the others wait for the
+    lock and take its copy. Without the lock the losers failed with FileNotFoundError moving the folder aside."""
+    cache = tmp_path / "cache"
+    folder = dm.default_model_dir(cache, progress=False)
+    (folder / "model.safetensors").write_bytes(b"damaged")
+    callers = 3
+    barrier = threading.Barrier(callers)
+    verify, seen = dm.verify_checksums, threading.local()
+
+    def verify_together(path):
+        problem = verify(path)
+        if not getattr(seen, "once", False):  # each caller's first look waits for the others' first look
+            seen.once = True
+            barrier.wait(timeout=30)
+        return problem
+
+    monkeypatch.setattr(dm, "verify_checksums", verify_together)
+    results, errors = [], []
+
+    def call():
+        try:
+            results.append(dm.default_model_dir(cache, progress=False))
+        except Exception as e:  # collected, and asserted empty below
+            errors.append(e)
+
+    threads = [threading.Thread(target=call) for _ in range(callers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert errors == [] and results == [folder] * callers
+    assert len(fake_conversion) == 2  # the first conversion and one reconversion
+    assert verify(folder) is None and entries(cache) == [folder]
+
+
+def test_a_process_waits_for_another_process_converting(tmp_path, fake_conversion, capsys):
+    """Across processes: while one converts (holding the lock), another waits, then returns the first one's copy."""
+    cache, go = tmp_path / "cache", tmp_path / "go"
+    folder = dm.default_model_dir(cache, progress=False)
+    (folder / "model.safetensors").write_bytes(b"damaged")
+    script = f"""
+import time
+from pathlib import Path
+import lookahead.models.default_model as dm
+
+def slow(gguf_path, out_dir, progress=True):
+    (out_dir / "model.safetensors").write_bytes(bytes(1000))
+    while not Path({str(go)!r}).exists():
+        time.sleep(0.02)
+
+dm.find_gguf = lambda: Path("fake.gguf")
+dm.convert_gguf = slow
+dm.default_model_dir({str(cache)!r}, progress=False)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        deadline = time.monotonic() + 120
+        while not list(cache.glob(".*/model.safetensors")):  # the other process holds the lock, converting
+            assert proc.poll() is None and time.monotonic() < deadline, "the conversion did not start"
+            time.sleep(0.02)
+        threading.Timer(0.5, go.touch).start()  # it finishes while this process waits
+        assert dm.default_model_dir(cache) == folder
+        assert proc.wait(60) == 0
+    finally:
+        proc.kill()
+    assert len(fake_conversion) == 1  # this process converted only the first time
+    assert (folder / "model.safetensors").read_bytes() == bytes(1000) and dm.verify_checksums(folder) is None
+    assert "waiting for another process converting the default model" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
@@ -160,9 +237,9 @@ dm.default_model_dir({str(cache)!r}, progress=False)
         proc.wait(60)
     finally:
         proc.kill()
-    assert len(list(cache.iterdir())) == 1  # the killed conversion's scratch folder
+    assert len(entries(cache)) == 1  # the killed conversion's scratch folder
     folder = dm.default_model_dir(cache)
-    assert list(cache.iterdir()) == [folder]
+    assert entries(cache) == [folder]
     assert "left by an interrupted conversion" in capsys.readouterr().err
 
 

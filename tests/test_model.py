@@ -65,6 +65,40 @@ def test_old_rope_spelling_reads_like_new(tiny_checkpoint, tmp_path):
     assert (Llama.from_pretrained(old)(ids) - expected).abs().max().item() < 1e-4
 
 
+BOTH_ROPE_SPELLINGS = {
+    "scaling-no-theta": ({"rope_type": "default", "rope_theta": 5000.0}, {"rope_type": "linear", "factor": 2.0}, None),
+    "scaling-own-theta": ({"rope_type": "linear", "factor": 4.0, "rope_theta": 5000.0},
+                          {"type": "linear", "factor": 2.0, "rope_theta": 3000.0}, None),
+    "scaling-top-theta": ({"rope_type": "default", "rope_theta": 5000.0}, {"type": "llama3", **LLAMA3_ROPE}, 7000.0),
+    "empty-scaling": ({"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0}, {}, None),
+}
+
+
+@pytest.mark.parametrize("case", list(BOTH_ROPE_SPELLINGS))
+def test_rope_scaling_beside_rope_parameters_reads_like_transformers(tiny_checkpoint, tmp_path, case):
+    """Both spellings in one config.json: transformers takes a non-empty rope_scaling whole (theta from it, else
+    the top-level rope_theta, else 10000); it used to be ignored here."""
+    parameters, scaling, theta = BOTH_ROPE_SPELLINGS[case]
+
+    def both(raw):
+        raw.update(rope_parameters=parameters, rope_scaling=scaling)
+        if theta is not None:
+            raw["rope_theta"] = theta
+
+    folder = rewrite_config(tiny_checkpoint("gqa"), tmp_path, both)
+    ids = torch.randint(0, 101, (1, 120), generator=torch.Generator().manual_seed(12))
+    expected, _ = hf_logits(folder, ids)
+    assert (Llama.from_pretrained(folder)(ids) - expected).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("rope_type", ["yarn", "dynamic"])
+def test_unsupported_rope_scaling_beside_rope_parameters_is_refused(tiny_checkpoint, tmp_path, rope_type):
+    folder = rewrite_config(tiny_checkpoint("gqa"), tmp_path, lambda raw: raw.update(
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4}, rope_scaling={"type": rope_type, "factor": 2.0}))
+    with pytest.raises(ConfigError, match=rf"rope type '{rope_type}' \(rope_scaling\) is not supported"):
+        Llama.from_pretrained(folder)
+
+
 def test_sharded_checkpoint(tiny_checkpoint):
     folder = tiny_checkpoint("sharded", max_shard_size="60KB")
     assert (folder / "model.safetensors.index.json").is_file()
@@ -157,6 +191,35 @@ def test_generate_rejects_bad_input(tiny_checkpoint, kwargs, error, message):
         model.generate(**args)
 
 
+@pytest.mark.parametrize("ids, error, message", [
+    (torch.tensor([[1, 2, 101]]), ValueError, r"token id 101, outside the vocabulary \[0, 101\)"),
+    (torch.tensor([[1, -1, 2]]), ValueError, r"token id -1, outside the vocabulary \[0, 101\)"),
+    (torch.tensor([[1.0, 2.0]]), TypeError, "input_ids must hold integer token ids, got torch.float32"),
+    (torch.tensor([[True]]), TypeError, "input_ids must hold integer token ids, got torch.bool"),
+    ([[1, 2]], TypeError, "input_ids must be a torch.Tensor"),
+    (torch.tensor([1, 2]), ValueError, r"input_ids must be \[B, T\], got shape \(2,\)"),
+    (torch.tensor([[1, 2]], device="meta"), ValueError, "input_ids are on meta, the model on cpu"),
+], ids=["over-vocab", "negative", "float", "bool", "list", "1-D", "other-device"])
+def test_forward_refuses_bad_ids(tiny_checkpoint, ids, error, message):
+    """`model(ids)` is a public entry: one clear error instead of an index error deep in torch."""
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    with pytest.raises(error, match=message):
+        model(ids)
+
+
+def test_generation_steps_skip_the_ids_check(tiny_checkpoint, monkeypatch):
+    """The check reads the ids on the host; the runner's per-step forward (which passes its attention) must not."""
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    assert model(torch.tensor([[0, 100]])).shape == (1, 2, 101)  # the vocabulary's ends are fine
+
+    def sync(self, ids):
+        raise AssertionError("the ids check ran inside generate")
+
+    monkeypatch.setattr(Llama, "_check_input_ids", sync)
+    result = model.generate([1, 2, 3], max_new_tokens=6, lookahead=LookaheadConfig(), eos_token_id=[])
+    assert len(result.tokens) == 6
+
+
 def test_generate_accepts_what_transformers_hands_over(tiny_checkpoint):
     """A list, a 1-D tensor, apply_chat_template's [1, T] tensor, a BatchEncoding: the same prompt. A list holding
     the list is a batch of one (a list of results)."""
@@ -196,7 +259,7 @@ def test_half_precision_loads_and_runs(tiny_checkpoint):
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda raw: raw.update(model_type="mistral"), "model_type 'mistral'"),
+    (lambda raw: raw.update(model_type="gemma"), r"model_type 'gemma' is not supported natively.*lookahead\.hf"),
     (lambda raw: raw.update(rope_parameters={"rope_type": "yarn", "factor": 2.0}), "rope type 'yarn'"),
     (lambda raw: raw.update(hidden_act="gelu"), "hidden_act 'gelu'"),
     (lambda raw: raw.update(num_key_value_heads=3), "multiple of num_key_value_heads"),
