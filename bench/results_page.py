@@ -334,10 +334,10 @@ def section_gpu() -> list[str]:
             "No GPU has been lent to a session yet, so there are no GPU figures: the kernel against the HBM "
             "floor, bf16 accuracy, the graphed step's host time and lookahead's tokens/s on a GPU are unmeasured. "
             "`python bench/gpu_step.py` measures them in one command on a GPU. The only run is its `--quick` "
-            "smoke test on a CPU, with a small random model, which shows that the script runs, not what a GPU "
-            "does:", "",
+            "smoke test on a CPU, which shows that the script runs, not what a GPU does. The default model, "
+            f"fp32, {data['tokens_per_second']['prompts']} dev prompts (chat, code), 16 new tokens:", "",
             *table(["method", "mode", "S", "tokens/s", "vs plain", "exact"], tps), "",
-            f"Step time of the stand-in model ({data['step_time']['model']}):", "",
+            f"One step's time on a {data['step_time']['model']} model in place of the 8B-shaped one:", "",
             *table(["L", "T", "setting", "ms", "vs T = 1", "projected speedup"], steps), "",
             *source("gpu-step-cpu"), "", *plot("gpu-step-cpu")]
 
