@@ -4,9 +4,10 @@
     python bench/results_page.py --check  # exit 1 if either is stale (tests/test_docs.py checks the same)
 
 Reads JSON only (no torch, no model), so it runs in milliseconds. A result file records its machine and commit
-but not its command line: RUNS gives, per file, the command that reproduces its settings (prompts, tokens and
-settings read from the file itself) and the drafting form the code had at that commit. A new result file shows
-up in the page's index as soon as the page is regenerated; give it a RUNS entry and, if it deserves one, a section.
+but (so far) not its command line: RUNS gives, per file, the command that reproduces its settings (prompts, tokens
+and settings read from the file itself) and the drafting form the code had at that commit; a "command" field in a
+file, at its top level or in its "machine", takes precedence. A new result file shows up in the page's index as
+soon as the page is regenerated; give it a RUNS entry and, if it deserves one, a section.
 """
 
 from __future__ import annotations
@@ -69,6 +70,12 @@ METHOD_NAMES = {"greedy (ours)": "greedy (ours)", "hf greedy": "transformers gre
                 "hf prompt lookup": "transformers prompt lookup (10 tokens)"}
 
 
+def command_of(stem: str) -> str:
+    """The file's own record of its command line if it has one, else RUNS' reconstruction."""
+    data = load(stem)
+    return data.get("command") or data["machine"].get("command") or RUNS.get(stem, ("not recorded",))[0]
+
+
 @cache
 def load(stem: str) -> dict:
     return json.loads((RESULTS / f"{stem}.json").read_text(encoding="utf-8"))
@@ -84,7 +91,7 @@ def source(*stems: str, link: str = "../") -> list[str]:
     lines = []
     for stem in stems:
         m = load(stem)["machine"]
-        command, form = RUNS.get(stem, ("not recorded", "not recorded"))
+        command, form = command_of(stem), RUNS.get(stem, ("", "not recorded"))[1]
         lines.append(f"- [`{stem}.json`]({link}bench/results/{stem}.json): {m['device']}, {m['cpu_threads']} "
                      f"threads, torch {m['torch']}, commit `{m['commit']}`, {m['date']}; form: {form}; "
                      f"`{command}`")
@@ -142,7 +149,7 @@ def section_index() -> list[str]:
     for path in sorted(RESULTS.glob("*.json")):
         m, stem = load(path.stem)["machine"], path.stem
         rows.append([f"[`{stem}`](../bench/results/{path.name})", m["device"], m["commit"], m["date"],
-                     f"`{RUNS.get(stem, ('not recorded',))[0]}`"])
+                     f"`{command_of(stem)}`"])
     return ["## Result files", "", *table(["file", "machine", "commit", "date", "command"], rows)]
 
 
