@@ -119,8 +119,8 @@ class CachedRunner:
         """Each row's prompt after its L, one row at a time; the logits [b, V] of each prompt's last token.
 
         No padding is computed, and each row's prefill is exactly its prefill alone. One right-padded forward
-        of all rows measured slower on ragged prompts (bench/batch.py, CPU: 11.3 s against 47.8 s for 16 dev
-        prompts at b = 16, the same at b = 2)."""
+        of all rows measured slower on ragged prompts (bench/batch.py: the `prefill` records of
+        bench/results/batch-cpu.json)."""
         if len(prompts) != len(self.lengths):
             raise ValueError(f"{len(prompts)} prompts for {len(self.lengths)} sequences")
         self._check_room([len(p) for p in prompts])

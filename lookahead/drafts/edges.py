@@ -6,8 +6,7 @@ the parent's previous tokens and token, else by the parent token alone), whether
 context match, or later). The probability is a logistic model additive in those states, given that the parent
 is accepted, with weights fitted on the edges of the dev prompts' steps (bench/data, the default model, both
 budgets). The weights are fixed: moving them by a gradient step after every verified step changed S by noise
-only (on 8 dev prompts at the 18-token budget S was 0.04-0.08 higher without it, with the triple-context
-recycling added) and cost host time every step.
+only (bench/results/tri18-cpu.json against split18-old-cpu.json) and cost host time every step.
 """
 
 from __future__ import annotations

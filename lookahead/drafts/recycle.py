@@ -4,10 +4,10 @@ Token recycling: a step computes the model's top-k next tokens at all its rows (
 tree's nodes, the input token), right or wrong drafts alike; each row's list is kept under the row's token,
 under the pair (the token before it in the row's context, its token) and under the triple (the two tokens
 before it, its token), so a later step can draft from what the model predicted after the same tokens last
-time. The longest context seen is the sharpest (on the dev prompts the pair table's first choice was the
-argmax about 3/4 of the time against 1/2 for the token table, and drafting from the triple table where it has
-an entry raised S at the 18-token budget by 0.04-0.08 on 8 dev prompts); the shorter ones are the fallback for
-contexts never seen.
+time. The longest context seen is the sharpest (the pair table's first choice is the argmax more often than the
+token table's, and drafting from the triple table where it has an entry raised S: docs/results.md, the budget
+split with triple-context recycling, bench/results/tri18-cpu.json); the shorter ones are the fallback for contexts
+never seen.
 
 All live on the host, not on the model's device: the next step's tree is built on the host before that step
 is launched, so reading a device table would add a device-to-host sync per step, whereas the top-k of all
