@@ -251,3 +251,32 @@ def test_static_tree_generation_has_one_shape(tiny_checkpoint):
     mock = MockStepModel(16)
     decode_one(mock, [1, 2, 3, 1, 2], 40, lookahead=cfg, static_step=True)
     assert len({p.shape for p in mock.patterns}) == 1 and len({p.tree_end for p in mock.patterns}) > 1
+
+
+def order2_text(vocab: int, seed: int):
+    """A model of an order-2 text: the next token is a fixed function of the two before it (peaked logits), so a
+    token's successor depends on the token before it too."""
+    rng = random.Random(seed)
+    table = {(a, b): rng.randrange(vocab) for a in range(vocab) for b in range(vocab)}
+
+    def logits(context):
+        out = context_logits(context[-3:], vocab)
+        out[table[(context[-2], context[-1])]] += 30.0
+        return out
+
+    return logits
+
+
+def test_recycled_top_k_is_kept_under_each_rows_own_context():
+    """Every row's top-k is recorded under that row's own previous tokens (its ancestors in the step), not the input
+    token's: on an order-2 text the pair and triple tables then hold what follows each context. Keying every row by
+    the input token's context still decodes exactly, but drafts the wrong successors, and S falls under the floor."""
+    vocab = 16
+    cfg = LookaheadConfig(1, 4, 5, draft_pool=False, draft_suffix=False)  # recycling alone feeds the tree
+    rates = []
+    for seed in range(6):
+        fn = order2_text(vocab, seed)
+        result = decode_one(MockStepModel(vocab, fn), [1, 2, 3], 120, lookahead=cfg)
+        assert result.tokens == decode_one(MockStepModel(vocab, fn), [1, 2, 3], 120).tokens
+        rates.append(result.compression)
+    assert sum(rates) / len(rates) > 3.5, rates
