@@ -115,11 +115,6 @@ class StepPattern:
             raise ValueError("candidate_index is for the chains form; in tree form node j is at lookahead_len + j")
         return self.lookahead_len + candidate * (self.ngram - 1) + token - 1
 
-    def last_level_indices(self) -> range:
-        """Step indices of the last level, whose outputs close the lookahead n-grams."""
-        start = self.level_index(self.ngram - 2, 0)
-        return range(start, start + self.window)
-
     @cached_property
     def _depths(self) -> tuple[int, ...]:
         """Tree form: depth of each node = the nodes whose subtree holds it (itself included). One pass with a
