@@ -1,0 +1,157 @@
+"""The region a CUDA graph captures (`_StepProgram.forward`), run through the CPU emulator: nothing capture forbids,
+and a replay on new inputs written into the static buffers gives the eager step, for plain, chains, tree, sampling,
+top-k, batch and lookahead-parallel sub-step shapes. Each kind of violation has a negative control."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+from graph_emulator import CaptureViolation, GraphEmulator, reachable_tensors, triton_launches
+
+from lookahead.kernels import StepPattern
+from lookahead.models import Llama
+from lookahead.models.runner import CachedRunner, StepShape
+
+CAPACITY, MAX_COMMIT = 96, 6
+
+
+@dataclass
+class Inputs:
+    """One step's host inputs, as `_StepProgram._stage` takes them."""
+
+    tokens: list
+    patterns: list
+    rows: list
+    lengths: list
+    src: list
+    dst: list
+    pairs: list
+
+
+def random_tree(size: int, rng: random.Random) -> tuple[int, ...]:
+    """A random pre-order forest of `size` nodes, as tree_end."""
+    parents = [-1] + [rng.randrange(-1, j) for j in range(1, size)] if size else []
+    ends = list(range(1, size + 1))
+    for j in reversed(range(size)):  # a node's subtree ends where its last descendant's does
+        p = parents[j]
+        while p >= 0 and ends[p] < ends[j]:
+            ends[p] = ends[j]
+            p = parents[p]
+    # pre-order needs each parent's subtree to be contiguous: parents chosen among the open path keep it so
+    return tuple(ends) if _laminar(ends) else tuple(range(1, size + 1))
+
+
+def _laminar(ends) -> bool:
+    try:
+        StepPattern(1, 2, tree_end=tuple(ends))
+        return True
+    except ValueError:
+        return False
+
+
+def inputs_for(shape: StepShape, seed: int, model: Llama) -> Inputs:
+    rng = random.Random(seed)
+    pattern, t = shape.pattern, shape.pattern.num_tokens
+    patterns = [pattern if not pattern.is_tree else
+                StepPattern(pattern.window, pattern.ngram, tree_end=random_tree(pattern.verify_len, rng))
+                for _ in range(shape.batch)]
+    lengths = [rng.randrange(1, CAPACITY - t - MAX_COMMIT) for _ in range(shape.batch)]
+    src, dst = [], []
+    for length in lengths:  # a commit of the previous step's entries: a path of increasing step indices
+        count = rng.randint(1, MAX_COMMIT)
+        picked = sorted(rng.sample(range(1, t + MAX_COMMIT), count - 1))
+        start = length - count
+        src.append([start] + [start + i for i in picked] + [length + j for j in range(MAX_COMMIT - count)])
+        dst.append([start + j for j in range(count)] + [length + j for j in range(MAX_COMMIT - count)])
+    slots = 2 * (shape.rows - shape.first_draft_row) if shape.first_draft_row is not None else 0
+    return Inputs(tokens=[[rng.randrange(model.config.vocab_size) for _ in range(t)] for _ in range(shape.batch)],
+                  patterns=patterns, rows=[[rng.randrange(t) for _ in range(shape.rows)] for _ in range(shape.batch)],
+                  lengths=lengths, src=src, dst=dst,
+                  pairs=[[rng.randrange(t) for _ in range(slots)] for _ in range(shape.batch if slots else 0)])
+
+
+def emulate(runner: CachedRunner, shape: StepShape, seed: int = 0) -> GraphEmulator:
+    """Record the step region on inputs A, replay it on inputs B written into the static buffers; compare the
+    replay's outputs and cache with the eager step on B."""
+    runner.capture([shape])
+    program = runner._programs[(shape.pattern.shape, shape.rows, shape.batch, shape.topk, shape.first_draft_row)]
+    a, b = inputs_for(shape, seed, runner.model), inputs_for(shape, seed + 1, runner.model)
+    program._stage(a.tokens, a.patterns, a.rows, a.lengths, a.src, a.dst, a.pairs)
+    program.forward(runner, a.lengths)  # the warm-up runs before a capture
+    static = reachable_tensors(runner.model, runner.cache, runner.backend, program)
+    with GraphEmulator(static) as graph:
+        outputs = program.forward(runner, a.lengths)
+    captured = [o.clone() for o in outputs]
+    program._stage(b.tokens, b.patterns, b.rows, b.lengths, b.src, b.dst, b.pairs)
+    cache = runner.cache.k.clone(), runner.cache.v.clone()
+    graph.replay()
+    replayed = [o.clone() for o in outputs] + [runner.cache.k.clone(), runner.cache.v.clone()]
+    runner.cache.k.copy_(cache[0])
+    runner.cache.v.copy_(cache[1])
+    eager = list(program.forward(runner, b.lengths)) + [runner.cache.k, runner.cache.v]
+    assert not torch.equal(captured[0], eager[0])  # the inputs matter: a replay that did nothing would fail below
+    for got, want in zip(replayed, eager, strict=True):
+        assert torch.equal(got, want), (got - want).abs().max()
+    return graph
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_checkpoint):
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"), attn_backend="triton")
+    return CachedRunner(model, CAPACITY, max_step_tokens=24, max_commit=MAX_COMMIT, batch=2)
+
+
+TREE = StepPattern(2, 3, tree_end=(3, 2, 3, 5, 5))
+SHAPES = {
+    "plain": StepShape(StepPattern(1, 2, 0), 1),
+    "chains": StepShape(StepPattern(2, 3, 2), 5),
+    "tree": StepShape(TREE, 4),
+    "tree-topk": StepShape(TREE, 4, topk=3),
+    "sampling": StepShape(TREE, 6, first_draft_row=3),
+    "batch": StepShape(TREE, 4, batch=2),
+    "batch-plain": StepShape(StepPattern(1, 2, 0), 1, batch=2),
+    "substep": StepShape(StepPattern(1, 2, tree_end=(7, 3, 3, 7, 6, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)), 8),
+}
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_step_region_is_capturable_and_replays_as_eager(runner, monkeypatch, name):
+    triton_launches(monkeypatch)
+    graph = emulate(runner, SHAPES[name])
+    layers = runner.model.config.num_hidden_layers
+    assert graph.ops.count("triton._lookahead_attn_split") == layers  # the kernel ran inside the region
+
+
+def test_the_torch_backend_bakes_host_values(tiny_checkpoint):
+    """Negative control, a region that reads per-step host values (the torch backend slices its mask at L on the
+    host, so it is not graphable): the replay at another L differs from the eager step."""
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    runner = CachedRunner(model, CAPACITY, max_step_tokens=24, max_commit=MAX_COMMIT)
+    assert not runner.backend.graphable
+    with pytest.raises(AssertionError) as failure:
+        emulate(runner, SHAPES["chains"])
+    assert not isinstance(failure.value, CaptureViolation)  # nothing forbidden: the replay is what differs
+
+
+@pytest.mark.parametrize("kind, region, message", [
+    ("host sync", lambda x, tmp: x.sum().item(), "host sync"),
+    ("tolist", lambda x, tmp: x.tolist(), "host sync"),
+    ("data-dependent shape", lambda x, tmp: x[x > 0], "data-dependent output shape"),
+    ("nonzero", lambda x, tmp: torch.nonzero(x), "data-dependent output shape"),
+    ("random", lambda x, tmp: x + torch.rand(3), "random numbers"),
+    ("dropout", lambda x, tmp: torch.nn.functional.scaled_dot_product_attention(
+        *(x.view(1, 1, 3, 1),) * 3, dropout_p=0.5), "random numbers"),
+    ("host data", lambda x, tmp: x + torch.tensor([1.0, 2.0, 3.0]), "host data"),
+    ("unheld tensor", lambda x, tmp: x + tmp, "made outside the region"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_each_violation_fails(kind, region, message):
+    static = torch.arange(3.0)
+    temporary = torch.ones(3)  # made before the region, but held by nothing the graph keeps alive
+    with pytest.raises(CaptureViolation, match=message), GraphEmulator([static]):
+        region(static, temporary)
+    with GraphEmulator([static, temporary]) as graph:  # the same reads of held tensors are fine
+        (static * 2 + temporary).sum(0)
+    assert graph.ops and not any("lift_fresh" in op for op in graph.ops)
