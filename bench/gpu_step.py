@@ -95,7 +95,7 @@ def random_llama(shape: dict, dtype: torch.dtype, device: str) -> Llama:
     config = LlamaConfig(**shape)
     with torch.device("meta"):
         model = Llama(config, attn_backend="triton" if device == "cuda" else "torch")
-    model.to_empty(device=device).to(dtype)
+    model.to(dtype).to_empty(device=device)  # the dtype on meta first: no fp32 copy of 8B parameters
     model._tie_weights()
     gen = torch.Generator(device=device).manual_seed(0)
     for name, p in model.named_parameters():
