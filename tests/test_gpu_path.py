@@ -230,3 +230,37 @@ def test_tile_table_reads_kv_once_where_it_fits(name, pattern, table):
     assert pattern.num_tokens == {"default-1-4-5": 18, "3-4-3": 18, "15-5-15": 120, "substep-64": 64}.get(name, 1)
     assert tile_plan(pattern, **EIGHT_B) == table
     assert table.kv_passes == -(-table.rows // table.rows_per_tile)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_folded_sdpa_gives_the_bool_mask_step(tiny_checkpoint, monkeypatch, batch):
+    """The torch backend's CUDA form (GQA folded into the query rows, an additive float mask: SDPA's efficient
+    kernel can run) gives the CPU form's step, and hands SDPA no GQA and no bool mask."""
+    from lookahead.models.attention import TorchBackend
+
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    tree = StepPattern(2, 3, tree_end=(3, 2, 3, 5, 5))
+    prompts = [[3, 17, 22, 3, 17], [5, 9, 5, 9, 1, 2, 3]][:batch]
+    tokens = [[7, 8, 9, 10, 11, 12, 13, 14, 15], [1, 2, 3, 4, 5, 6, 7, 8, 9]][:batch]
+    rows = [[0, 4, 5, 6]] * batch
+    outputs, calls = [], []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kwargs):
+        calls.append((q.shape[1] == k.shape[1], None if attn_mask is None else attn_mask.dtype,
+                      kwargs.get("enable_gqa", False)))
+        return real(q, k, v, attn_mask=attn_mask, **kwargs)
+
+    for fold in (False, True):
+        runner = CachedRunner(model, 64, max_step_tokens=18, max_commit=4, batch=2)
+        runner.backend = TorchBackend(64, 18, model.device, fold_gqa=fold)
+        runner.reset(batch)
+        runner.prefill_batch(prompts)
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+        calls.clear()
+        outputs.append(runner.step_batch(tokens, tree, rows))
+        monkeypatch.undo()
+    assert set(calls) == {(True, torch.float32, False)}  # the folded step's calls: no GQA, a float mask
+    for plain, folded in zip(*outputs, strict=True):
+        torch.testing.assert_close(folded.logits, plain.logits, rtol=1e-5, atol=1e-5)
+        assert folded.argmax == plain.argmax
