@@ -143,14 +143,23 @@ class GraphEmulator(TorchDispatchMode):
                 kernel[grid](*args, **kwargs)
                 continue
             _, func, args, kwargs, out = entry
-            if func.is_view:
-                continue  # aliases its input: it sees the new data already
-            result = func(*args, **kwargs)
             if func._schema.is_mutable:
-                continue  # wrote into its (recorded) arguments
+                func(*args, **kwargs)  # writes into its (recorded) arguments
+                continue
+            if aliases(args, kwargs, out):
+                continue  # a view of its input: it sees the new data already
+            result = func(*args, **kwargs)
             for recorded, new in zip(tree_flatten(out)[0], tree_flatten(result)[0], strict=True):
                 if isinstance(recorded, torch.Tensor):
                     recorded.copy_(new)
+
+
+def aliases(args, kwargs, out) -> bool:
+    """Whether every tensor an op returned shares memory with one of its inputs (a view, or an alias such as a `to`
+    of the same dtype; a `to` that casts is marked as a view op but writes new memory)."""
+    inputs = {_storage(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+    outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    return bool(outputs) and all(_storage(t) in inputs for t in outputs)
 
 
 def _draws(func, args, kwargs) -> bool:

@@ -4,12 +4,13 @@ top-k, batch and lookahead-parallel sub-step shapes. Each kind of violation has 
 
 from __future__ import annotations
 
+import collections
 import random
 from dataclasses import dataclass
 
 import pytest
 import torch
-from graph_emulator import CaptureViolation, GraphEmulator, reachable_tensors, triton_launches
+from graph_emulator import CaptureViolation, GraphEmulator, aliases, reachable_tensors, triton_launches
 
 from lookahead.kernels import StepPattern
 from lookahead.models import Llama
@@ -73,6 +74,7 @@ def inputs_for(shape: StepShape, seed: int, model: Llama) -> Inputs:
                   pairs=[[rng.randrange(t) for _ in range(slots)] for _ in range(shape.batch if slots else 0)])
 
 
+@torch.inference_mode()  # as generation runs
 def emulate(runner: CachedRunner, shape: StepShape, seed: int = 0) -> GraphEmulator:
     """Record the step region on inputs A, replay it on inputs B written into the static buffers; compare the
     replay's outputs and cache with the eager step on B."""
@@ -125,6 +127,20 @@ def test_step_region_is_capturable_and_replays_as_eager(runner, monkeypatch, nam
     assert graph.ops.count("triton._lookahead_attn_split") == layers  # the kernel ran inside the region
 
 
+def test_casts_views_and_in_place_writes_replay():
+    """A `to` that casts is marked a view op but writes new memory: the replay redoes it (a 16-bit model's RMSNorm
+    and RoPE casts), while true views follow their base and in-place ops write their recorded arguments."""
+    x, buffer = torch.arange(6.0), torch.zeros(6)
+    with torch.inference_mode(), GraphEmulator([x, buffer]) as graph:  # generation's mode, where `to` is one op
+        y = (x.half().float() * 2).view(2, 3)
+        buffer.add_(y.flatten())
+    x.copy_(torch.arange(6.0, 12.0))
+    buffer.zero_()
+    with torch.inference_mode():
+        graph.replay()
+    assert torch.equal(y, (torch.arange(6.0, 12.0) * 2).view(2, 3)) and torch.equal(buffer, y.flatten())
+
+
 def test_the_torch_backend_bakes_host_values(tiny_checkpoint):
     """Negative control, a region that reads per-step host values (the torch backend slices its mask at L on the
     host, so it is not graphable): the replay at another L differs from the eager step."""
@@ -155,3 +171,74 @@ def test_each_violation_fails(kind, region, message):
     with GraphEmulator([static, temporary]) as graph:  # the same reads of held tensors are fine
         (static * 2 + temporary).sum(0)
     assert graph.ops and not any("lift_fresh" in op for op in graph.ops)
+
+
+class _CountedKernel:
+    """A kernel global that only counts its launches inside an emulated region (the op budget runs no kernel)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            if GraphEmulator._active is not None:
+                GraphEmulator._active.entries.append(("triton", self.name))
+                GraphEmulator._active.ops.append(f"triton.{self.name}")
+
+        return launch
+
+
+def device_kernels(graph: GraphEmulator) -> list[str]:
+    """The recorded ops that launch work on a device: Triton launches, and aten ops that write memory (in place,
+    or into a new output); views, aliases (a `to` of the same dtype) and bare allocations launch nothing."""
+    kernels = []
+    for entry in graph.entries:
+        if entry[0] == "triton":
+            kernels.append(f"triton.{entry[1]}")
+            continue
+        _, func, args, kwargs, out = entry
+        if str(func).startswith("aten.empty"):
+            continue
+        if func._schema.is_mutable or not aliases(args, kwargs, out):
+            kernels.append(str(func))
+    return kernels
+
+
+EIGHT_B_LAYERS = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=4, max_position_embeddings=4096)
+# device kernels of one graphed step of the 8B layer structure (32 layers, GQA 32/8) in bf16, counted on the CPU;
+# per layer: 7 GEMMs, 2 KV scatters, 2 attention launches, 2 RMSNorms of 4 ops (cast, norm, cast, scale), RoPE's
+# 6 (cat, neg, cat, 2 mul, add), 2 residual adds, SiLU and its product, the output view's copy; a budget that
+# fails if the step grows: lower it when a fusion lands
+BUDGET = {"default-1-4-5": 951, "15-5-15": 951, "default-topk": 956}
+
+
+@pytest.mark.parametrize("name", list(BUDGET))
+def test_op_budget_of_an_8b_shaped_step(monkeypatch, name):
+    """Aten ops and Triton launches per step (no host sync: the emulator forbids them) of a tiny-width model with
+    8B's layer structure, counted in the region a CUDA graph captures."""
+    import lookahead.kernels.triton_attention as launcher
+    from lookahead.models import LlamaConfig
+    from lookahead.models.rope import inverse_frequencies
+
+    for kernel in ("_lookahead_attn_split", "_lookahead_attn_merge"):
+        monkeypatch.setattr(launcher, kernel, _CountedKernel(kernel))
+    config = LlamaConfig(**EIGHT_B_LAYERS)
+    with torch.device("meta"):
+        model = Llama(config, attn_backend="triton")
+    model.to(torch.float16).to_empty(device="cpu")  # bf16 casts alike; the interpreter refuses bf16 plans
+    model.rope_inv_freq = inverse_frequencies(config.head_dim, config.rope)
+    for p in model.parameters():
+        p.data.normal_(0.0, 0.02)
+    runner = CachedRunner(model.eval().requires_grad_(False), 256, max_step_tokens=120, max_commit=16)
+    pattern = {"15-5-15": StepPattern(15, 5, 15)}.get(name, StepPattern(1, 4, tree_end=tuple(range(1, 16))))
+    shape = StepShape(pattern, 16, topk=3 if "topk" in name else 0)
+    runner.capture([shape])
+    (program,) = runner._programs.values()
+    program.forward(runner, [0])  # the warm-up a capture does first (it builds the kernel plan)
+    with torch.inference_mode(), GraphEmulator(reachable_tensors(model, runner.cache, runner.backend, program)) as g:
+        program.forward(runner, [0])
+    kernels = device_kernels(g)
+    print(name, len(kernels), collections.Counter(kernels).most_common())
+    assert kernels.count("triton._lookahead_attn_split") == config.num_hidden_layers
+    assert len(kernels) <= BUDGET[name]
