@@ -8,7 +8,9 @@
 - random numbers: an op tagged `nondeterministic_seeded` (a replay would repeat the captured draw);
 - a tensor built from host data inside the region (`torch.tensor(...)`: `lift_fresh`), whose values would be baked;
 - a tensor read inside the region that was neither made inside it nor held by the long-lived state the caller names
-  (`static`): a per-step temporary whose address the replay would read after it was freed or reused.
+  (`static`): a per-step temporary whose address the replay would read after it was freed or reused;
+- (`check_escapes`) a tensor made inside the region and kept by long-lived state other than the region's outputs:
+  its memory belongs to the graph pool, which the runner's other graphs reuse.
 `replay()` then runs the recording again, each op on the recorded tensors (views skipped: they alias; functional ops
 copy their result into the recorded output, as a graph writes its fixed buffers), so new inputs written into the
 static buffers flow through it as through a replayed graph; Python values the region read are baked as in a graph.
@@ -97,9 +99,11 @@ class GraphEmulator(TorchDispatchMode):
                 raise CaptureViolation(f"{what} reads a tensor {tuple(t.shape)} {t.dtype} made outside the region and "
                                        "held by nothing long-lived: a replay would read its address after it is gone")
 
-    def _born(self, tensors) -> None:
+    def _born(self, tensors, inputs) -> None:
+        """Note the new memory among an op's outputs (not what it wrote in place or viewed)."""
+        known = {_storage(t) for t in inputs if isinstance(t, torch.Tensor)}
         for t in tensors:
-            if isinstance(t, torch.Tensor) and t.numel():
+            if isinstance(t, torch.Tensor) and t.numel() and _storage(t) not in known:
                 self.born.add(_storage(t))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -121,7 +125,7 @@ class GraphEmulator(TorchDispatchMode):
             raise CaptureViolation(f"{name}: a data-dependent output shape inside the region")
         self._check_inputs(name, flat_in)
         out = func(*args, **kwargs)
-        self._born(tree_flatten(out)[0])
+        self._born(tree_flatten(out)[0], flat_in)
         self.entries.append(("aten", func, args, kwargs, out))
         self.ops.append(name)
         return out
@@ -134,6 +138,15 @@ class GraphEmulator(TorchDispatchMode):
         self.ops.append(name)
         with _disable_current_modes():
             kernel[grid](*args, **kwargs)
+
+    def check_escapes(self, *roots, outputs=()) -> None:
+        """Fail if long-lived state (`roots`, walked as `reachable_tensors` does) holds a tensor made inside the region,
+        other than the region's `outputs` (what the runner reads after each replay)."""
+        allowed = {_storage(t) for t in tree_flatten(outputs)[0] if isinstance(t, torch.Tensor)}
+        for t in reachable_tensors(*roots):
+            if t.numel() and _storage(t) in self.born - allowed:
+                raise CaptureViolation(f"a tensor {tuple(t.shape)} {t.dtype} made inside the region is kept after it: "
+                                       "its memory is the graph pool's, which other graphs of the runner reuse")
 
     def replay(self) -> None:
         """Run the recording again on its own tensors, as `CUDAGraph.replay` would."""

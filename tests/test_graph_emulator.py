@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import random
+import types
 from dataclasses import dataclass
 
 import pytest
@@ -86,6 +87,7 @@ def emulate(runner: CachedRunner, shape: StepShape, seed: int = 0) -> GraphEmula
     static = reachable_tensors(runner.model, runner.cache, runner.backend, program)
     with GraphEmulator(static) as graph:
         outputs = program.forward(runner, a.lengths)
+    graph.check_escapes(runner, program, outputs=outputs)
     captured = [o.clone() for o in outputs]
     program._stage(b.tokens, b.patterns, b.rows, b.lengths, b.src, b.dst, b.pairs)
     cache = runner.cache.k.clone(), runner.cache.v.clone()
@@ -168,6 +170,12 @@ def test_each_violation_fails(kind, region, message):
     temporary = torch.ones(3)  # made before the region, but held by nothing the graph keeps alive
     with pytest.raises(CaptureViolation, match=message), GraphEmulator([static]):
         region(static, temporary)
+    holder = types.SimpleNamespace(kept=None)
+    with GraphEmulator([static]) as graph:
+        holder.kept = static * 2  # made in the region, then kept by long-lived state: pool memory
+    with pytest.raises(CaptureViolation, match="kept after it"):
+        graph.check_escapes(holder)
+    graph.check_escapes(holder, outputs=holder.kept)  # unless it is the region's output, read after each replay
     with GraphEmulator([static, temporary]) as graph:  # the same reads of held tensors are fine
         (static * 2 + temporary).sum(0)
     assert graph.ops and not any("lift_fresh" in op for op in graph.ops)
