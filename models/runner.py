@@ -56,8 +56,8 @@ class CachedRunner:
     Every launch, stream and capture is bound to the model's device (`device_binding`), so a model on cuda:N
     runs on GPU N whatever the current device.
 
-    A step's `StepOutput.logits` are valid until the runner's next step, prefill or commit: with CUDA graphs they
-    are a view into the memory pool all of the runner's graphs share, which the next replay (of any shape)
+    A step's `StepOutput.logits` are valid until the runner's next step (or `capture`): with CUDA graphs they are a
+    view into the memory pool all of the runner's graphs share, which the next replay or capture (of any shape)
     overwrites. Callers that keep them longer copy them. (Cloning every step instead would add an R x vocab copy
     to every step for a need no caller has: the decode loops and the parallel driver read them within the step.)
     """
