@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 from graph_emulator import CaptureViolation, GraphEmulator, aliases, reachable_tensors, triton_launches
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lookahead.kernels import StepPattern
 from lookahead.models import Llama
@@ -250,3 +251,29 @@ def test_op_budget_of_an_8b_shaped_step(monkeypatch, name):
     print(name, len(kernels), collections.Counter(kernels).most_common())
     assert kernels.count("triton._lookahead_attn_split") == config.num_hidden_layers
     assert len(kernels) <= BUDGET[name]
+    # the whole step, host side included: one device-to-host copy (the fetch), no other host read of a device value
+    syncs = SyncCounter()
+    monkeypatch.setattr(torch.Tensor, "cpu", syncs.wrap(torch.Tensor.cpu, "cpu"))
+    with torch.inference_mode(), syncs:
+        runner.step([0] * pattern.num_tokens, pattern, list(range(16)), topk=shape.topk)
+    assert syncs.counts == {"cpu": 1}, syncs.counts
+
+
+class SyncCounter(TorchDispatchMode):
+    """Counts `Tensor.cpu` calls (through `wrap`) and scalar reads (`_local_scalar_dense`: `.item()`, `int(t)`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter = collections.Counter()
+
+    def wrap(self, method, name: str):
+        def counted(tensor, *args, **kwargs):
+            self.counts[name] += 1
+            return method(tensor, *args, **kwargs)
+
+        return counted
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if torch.Tag.data_dependent_output in func.tags:
+            self.counts[str(func)] += 1
+        return func(*args, **(kwargs or {}))
