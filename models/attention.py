@@ -49,16 +49,22 @@ def cached(cache: KVCache, slots: torch.Tensor, attend: LayerAttention, rows: sl
     return layer_attention
 
 
-def prefill_attention(prefix_len: int) -> LayerAttention:
-    """Causal attention of a prefill written after `prefix_len` cached positions."""
+def prefill_attention(prefix_len: int, fold_gqa: bool | None = None) -> LayerAttention:
+    """Causal attention of a prefill written after `prefix_len` cached positions. Past a prefix the mask is built
+    once, by the first layer; fold_gqa (default: on CUDA) as in `TorchBackend`."""
+    built: list[torch.Tensor] = []
 
     def attend(layer: int, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor) -> torch.Tensor:
         t = q.shape[2]
-        end = prefix_len + t
         if prefix_len == 0:
             return causal(layer, q, k_all[:, :, :t], v_all[:, :, :t])
-        mask = torch.ones(t, end, dtype=torch.bool, device=q.device).tril(prefix_len)
-        return masked_attention(q, k_all, v_all, prefix_len, mask)
+        fold = q.is_cuda if fold_gqa is None else fold_gqa
+        if not built:
+            mask = torch.ones(t, prefix_len + t, dtype=torch.bool, device=q.device).tril(prefix_len)
+            built.append(additive_mask(mask, q.shape[1] // k_all.shape[1], q.dtype) if fold else mask)
+        if fold:
+            return folded_attention(q, k_all, v_all, prefix_len, built[0])
+        return masked_attention(q, k_all, v_all, prefix_len, built[0])
 
     return attend
 

@@ -264,3 +264,16 @@ def test_folded_sdpa_gives_the_bool_mask_step(tiny_checkpoint, monkeypatch, batc
     for plain, folded in zip(*outputs, strict=True):
         torch.testing.assert_close(folded.logits, plain.logits, rtol=1e-5, atol=1e-5)
         assert folded.argmax == plain.argmax
+
+
+def test_folded_prefill_after_a_prefix_gives_the_bool_mask_prefill():
+    """A prefill after L cached positions (a continued conversation), folded as on CUDA, gives the CPU form's."""
+    from lookahead.models.attention import prefill_attention
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 6, 5, 8, generator=gen)
+    k, v = torch.randn(2, 1, 2, 32, 8, generator=gen)
+    plain = [prefill_attention(11, fold_gqa=False)(0, q, k, v)]
+    folded = prefill_attention(11, fold_gqa=True)
+    torch.testing.assert_close(folded(0, q, k, v), plain[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(folded(1, q, k, v), plain[0], rtol=1e-5, atol=1e-5)  # the mask built once, reused
