@@ -2,14 +2,17 @@
 path) side by side with flex_attention (the same pattern as a mask_mod), SDPA with the dense bool mask, and, when
 installed, FlashAttention's `flash_attn_with_kvcache` (causal, same token count) as a speed reference.
 
-    python bench/bench_kernels.py [--impls triton,flex,sdpa,fa] [--lengths 256,1024] [--tokens 1,18]
-    python -m pytest bench/bench_kernels.py -s        # the same table
+    python bench/bench_kernels.py [--impls triton,flex,sdpa,fa] [--lengths 256,1024] [--steps plain,1-4-5]
+    python -m pytest bench/bench_kernels.py -s        # the same table (saved to a temporary folder)
 
-On GPU: B = 1, Hq 32 / Hkv 8, D 128, bf16, L in {256, 1k, 4k, 16k, 32k} x T in {1, 18, 56, 120}; reports the
+On GPU: B = 1, Hq 32 / Hkv 8, D 128, bf16, L in {256, 1k, 4k, 16k, 32k} x the steps plain (T = 1), the package
+default 1-4-5 (a 15-node tree, T = 18), 3-4-3 (T = 18), 7-5-7 (T = 56) and 15-5-15 (T = 120); reports the
 median time (triton.testing.do_bench), effective TB/s (K/V bytes read / time), TFLOPS (visible query-key pairs x
 4D) and, on a known GPU, time over the HBM floor (K/V bytes / peak bandwidth). On CPU it runs tiny shapes so it
 still works; there the Triton kernel runs in its interpreter (TRITON_INTERPRET=1), so CPU timings mean nothing.
-Results go to bench/results/kernels-<device>.json with the machine, versions and commit.
+Each row also gives the kernel's tiling (`tile_plan`: rows per tile, K/V passes, splits). Results go to
+bench/results/kernels-<device>.json with the machine, versions and commit (the pytest form writes a temporary
+folder, so a test run changes no file of the checkout).
 """
 
 from __future__ import annotations
@@ -23,30 +26,36 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
+import common  # noqa: E402
 from common import machine, print_table, save_json  # noqa: E402
 from lookahead.kernels import StepAttentionPlan, StepPattern, masked_attention  # noqa: E402
+from lookahead.kernels.triton_attention import tile_plan  # noqa: E402
 
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
-STEPS = {1: (1, 2, 0), 18: (3, 4, 3), 56: (7, 5, 7), 120: (15, 5, 15)}  # T -> (W, N, G), T = (W + G)(N - 1)
+STEPS = {  # the package default's tree: 5 candidates of 3 tokens (the chains layout as a tree, T = 1 x 3 + 15)
+    "plain": StepPattern(1, 2, 0), "1-4-5": StepPattern(1, 4, tree_end=tuple(3 * (j // 3) + 3 for j in range(15))),
+    "3-4-3": StepPattern(3, 4, 3), "7-5-7": StepPattern(7, 5, 7), "15-5-15": StepPattern(15, 5, 15),
+}
 if GPU:
     SHAPE = dict(heads_q=32, heads_kv=8, head_dim=128, dtype=torch.bfloat16)
-    LENGTHS, TOKENS = [256, 1024, 4096, 16384, 32768], [1, 18, 56, 120]
+    LENGTHS, NAMES = [256, 1024, 4096, 16384, 32768], list(STEPS)
 else:
     SHAPE = dict(heads_q=4, heads_kv=2, head_dim=64, dtype=torch.float16)
-    LENGTHS, TOKENS = [64, 256], [1, 18]
+    LENGTHS, NAMES = [64, 256], ["plain", "1-4-5"]
 HBM_TBPS = {"H100": 3.35, "H200": 4.8, "A100": 2.0}  # peak bandwidth (SXM parts) for the floor column
 IMPLS = ["triton", "flex", "sdpa", "fa"]
 
 
-def make_case(T: int, L: int):
-    W, N, G = STEPS[T]
+def make_case(name: str, L: int):
+    pattern = STEPS[name]
+    T = pattern.num_tokens
     gen = torch.Generator().manual_seed(0)
     hq, hkv, d, dtype = SHAPE["heads_q"], SHAPE["heads_kv"], SHAPE["head_dim"], SHAPE["dtype"]
     q = torch.randn(1, T, hq, d, generator=gen).to(DEVICE, dtype).transpose(1, 2)  # as the model passes it
     k = torch.randn(1, hkv, L + T, d, generator=gen).to(DEVICE, dtype)
     v = torch.randn(1, hkv, L + T, d, generator=gen).to(DEVICE, dtype)
-    return StepPattern(W, N, G), q, k, v
+    return pattern, q, k, v
 
 
 def triton_runner(pattern, q, k, v, L):
@@ -116,14 +125,17 @@ def floor_tbps() -> float | None:
     return next((tbps for key, tbps in HBM_TBPS.items() if key in name), None)
 
 
-def run(impls=IMPLS, lengths=LENGTHS, tokens=TOKENS) -> list[dict]:
+def run(impls=IMPLS, lengths=LENGTHS, names=NAMES) -> list[dict]:
     rows, peak = [], floor_tbps()
-    for T in tokens:
+    for name in names:
         for L in lengths:
-            pattern, q, k, v = make_case(T, L)
+            pattern, q, k, v = make_case(name, L)
             kv_bytes, flops = work(pattern, L)
+            tiles = tile_plan(pattern, max_len=L, **SHAPE)
             for impl in impls:
-                row = dict(T=T, L=L, impl=impl)
+                row = dict(step=name, T=pattern.num_tokens, L=L, impl=impl)
+                if impl == "triton":
+                    row.update(rows_per_tile=tiles.rows_per_tile, kv_passes=tiles.kv_passes, splits=tiles.splits)
                 try:
                     us = time_us(RUNNERS[impl](pattern, q, k, v, L))
                     row.update(us=round(us, 2), tbps=round(kv_bytes / us / 1e6, 3), tflops=round(flops / us / 1e6, 2))
@@ -139,9 +151,10 @@ def run(impls=IMPLS, lengths=LENGTHS, tokens=TOKENS) -> list[dict]:
 
 
 def report(rows: list[dict]) -> None:
-    headers = ["T", "L", "impl", "us", "TB/s", "TFLOPS", "x floor"]
-    table = [[r["T"], r["L"], r["impl"], *(r.get(key, "-") for key in ("us", "tbps", "tflops", "x_floor"))]
-             if "error" not in r else [r["T"], r["L"], r["impl"], r["error"], "", "", ""] for r in rows]
+    headers = ["step", "T", "L", "impl", "us", "TB/s", "TFLOPS", "x floor", "K/V passes"]
+    keys = ("us", "tbps", "tflops", "x_floor", "kv_passes")
+    table = [[r["step"], r["T"], r["L"], r["impl"], *(r.get(key, "-") for key in keys)]
+             if "error" not in r else [r["step"], r["T"], r["L"], r["impl"], r["error"], "", "", "", ""] for r in rows]
     print()
     print_table(headers, table)
     path = save_json("kernels", {"machine": machine(), "shape": {k: str(v) for k, v in SHAPE.items()}, "rows": rows})
@@ -150,8 +163,9 @@ def report(rows: list[dict]) -> None:
         print("note: on CPU the Triton kernel runs in its interpreter; its timings here mean nothing.")
 
 
-def test_kernel_table():
-    """`pytest bench/bench_kernels.py -s` prints the same table."""
+def test_kernel_table(tmp_path, monkeypatch):
+    """`pytest bench/bench_kernels.py -s` prints the same table (and saves it under a temporary folder)."""
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
     report(run())
 
 
@@ -159,12 +173,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset of " + ",".join(IMPLS))
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="cache prefix lengths L")
-    parser.add_argument("--tokens", default=",".join(map(str, TOKENS)), help=f"step sizes T, of {sorted(STEPS)}")
+    parser.add_argument("--steps", default=",".join(NAMES), help=f"steps, of {','.join(STEPS)}")
     args = parser.parse_args()
     if GPU:  # one flex compilation per shape: keep them all rather than fall back to eager
         torch._dynamo.config.cache_size_limit = 64
-    report(run(args.impls.split(","), [int(x) for x in args.lengths.split(",")],
-               [int(x) for x in args.tokens.split(",")]))
+    report(run(args.impls.split(","), [int(x) for x in args.lengths.split(",")], args.steps.split(",")))
 
 
 if __name__ == "__main__":

@@ -2,9 +2,10 @@
 
 1. SmolLM2-135M-Instruct (bf16 on GPU, fp32 on CPU): plain vs lookahead tokens/s, eager vs CUDA graphs,
    interleaved per prompt; S and whether every output equals plain greedy.
-2. An 8B-shaped LLaMA with random bf16 weights: the time of one step of T = 1, 18, 56, 120 tokens
-   ((W, N, G) = plain, (3,4,3), (7,5,7), (15,5,15)) at L = 1k, 4k, 16k cached positions, and the
-   projected speedup S x t(1) / t(T) with the S measured in part 1.
+2. An 8B-shaped LLaMA with random bf16 weights: the time of one full step of plain decoding, the package
+   default (1,4,5) (a tree, T = 18), (3,4,3) (T = 18), (7,5,7) (T = 56) and the self-tuned ceiling (15,5,15)
+   (T = 120) at L = 1k, 4k, 16k cached positions, and the projected speedup S x t(1) / t(T) with the S
+   measured in part 1.
 3. Host time and op count per step (torch profiler), eager vs graphs, greedy vs sampling.
 
     python bench/gpu_step.py              # GPU: writes bench/results/gpu-step-cuda.{json,png}
@@ -34,15 +35,18 @@ from common import (
     sync,
     timed,
 )
-from lookahead import LookaheadConfig
-from lookahead.engine import GREEDY, PLAIN_STEP, _LookaheadLoop
+from lookahead import LookaheadConfig, Request
 from lookahead.kernels import StepPattern
+from lookahead.loop import PLAIN_STEP, LookaheadLoop, full_pattern
+from lookahead.loop.sampling import Sampler, SampleRequest
 from lookahead.models import Llama, LlamaConfig
 from lookahead.models.generation import runner_for
-from lookahead.sampling import Sampler, SampleRequest, SamplingParams
+from lookahead.request import GREEDY, SamplingParams
 
 GPU = torch.cuda.is_available()
-STEP_CONFIGS = {1: None, 18: LookaheadConfig(3, 4, 3), 56: LookaheadConfig(7, 5, 7), 120: LookaheadConfig(15, 5, 15)}
+# the package default first (what users run), then the sizes the self-tuned budget moves between
+STEP_CONFIGS = {"plain": None, "1-4-5": LookaheadConfig(), "3-4-3": LookaheadConfig(3, 4, 3),
+                "7-5-7": LookaheadConfig(7, 5, 7), "15-5-15": LookaheadConfig(15, 5, 15)}
 LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
                 rms_norm_eps=1e-5)
@@ -95,7 +99,7 @@ def random_llama(shape: dict, dtype: torch.dtype, device: str) -> Llama:
     config = LlamaConfig(**shape)
     with torch.device("meta"):
         model = Llama(config, attn_backend="triton" if device == "cuda" else "torch")
-    model.to_empty(device=device).to(dtype)
+    model.to(dtype).to_empty(device=device)  # the dtype on meta first: no fp32 copy of 8B parameters
     model._tie_weights()
     gen = torch.Generator(device=device).manual_seed(0)
     for name, p in model.named_parameters():
@@ -116,15 +120,15 @@ def full_step(cfg: LookaheadConfig | None, sampling: SamplingParams = GREEDY,
     sampler = None if sampling.greedy else Sampler(0, torch.device(device))
     if cfg is None:
         return PLAIN_STEP, [1], [0], {} if sampler is None else {"sample": SampleRequest(sampling, sampler, 1)}
-    loop = _LookaheadLoop(cfg, list(range(1, 33)), 1, sampling, sampler, static=True)
-    layout = loop.plan(1)
+    loop = LookaheadLoop(cfg, list(range(1, 33)), 1, sampling, sampler, static=True)
+    layout = loop.plan()
     return layout.pattern, layout.tokens, layout.rows, loop.step_requests(layout)
 
 
 def step_seconds(model: Llama, cfg: LookaheadConfig | None, prefix_len: int, repeats: int) -> float:
     """Median seconds of one step of `cfg`'s full shape at L = prefix_len (graphed on GPU)."""
     pattern, tokens, rows, requests = full_step(cfg)
-    runner = runner_for(model, prefix_len + 64, cfg, cuda_graph=True)
+    runner = runner_for(model, Request([[1]], prefix_len + 63, lookahead=cfg))
     runner.lengths = [prefix_len]  # the cache content does not change the step's cost
     times = []
     with torch.inference_mode():
@@ -138,14 +142,17 @@ def step_seconds(model: Llama, cfg: LookaheadConfig | None, prefix_len: int, rep
 def part_step_time(args, s_by_config: dict[str, float]) -> dict:
     shape, dtype, device = (SMALL, torch.float32, "cpu") if args.quick else (LLAMA_8B, torch.bfloat16, "cuda")
     lengths = (128, 512) if args.quick else (1024, 4096, 16384)
-    sizes = (1, 18) if args.quick else tuple(STEP_CONFIGS)
+    names = ("plain", "1-4-5") if args.quick else tuple(STEP_CONFIGS)
     model = random_llama(shape, dtype, device)
-    runner_for(model, max(lengths) + 128, STEP_CONFIGS[max(sizes)], cuda_graph=True)  # one cache for all
+    configs = [STEP_CONFIGS[n] for n in names if STEP_CONFIGS[n] is not None]
+    widest = max(configs, key=lambda c: full_pattern(c).num_tokens)
+    runner_for(model, Request([[1]], max(lengths) + 127, lookahead=widest))  # one cache for all
     rows = []
     for prefix_len in lengths:
         base = None
-        for t in sizes:
-            cfg = STEP_CONFIGS[t]
+        for name in names:
+            cfg = STEP_CONFIGS[name]
+            t = 1 if cfg is None else full_pattern(cfg).num_tokens
             seconds = step_seconds(model, cfg, prefix_len, args.repeats)
             base = base or seconds
             s = s_by_config.get(label(cfg), 1.0 if cfg is None else float("nan"))
@@ -165,12 +172,12 @@ def part_host(args) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     _, model, _ = load_model()
-    cfg = LookaheadConfig(7, 5, 7)
+    cfg = LookaheadConfig()  # the package default
     rows = []
     for mode in (["eager", "graphs"] if GPU else ["eager"]):
         for sampling in (SamplingParams(), SamplingParams(0.8, top_p=0.95)):
             pattern, tokens, rows_idx, requests = full_step(cfg, sampling, str(model.device))
-            runner = runner_for(model, 1024, cfg, cuda_graph=mode == "graphs")
+            runner = runner_for(model, Request([[1]], 1023, lookahead=cfg), cuda_graph=mode == "graphs")
             runner.lengths = [512]
             with torch.inference_mode():
                 for _ in range(3):
@@ -216,7 +223,7 @@ def plot(payload: dict) -> None:
         axes[0].tick_params(axis="x", labelsize=7)
     steps = payload.get("step_time", {}).get("rows", [])
     for prefix_len in sorted({r["L"] for r in steps}):
-        pts = [r for r in steps if r["L"] == prefix_len]
+        pts = sorted((r for r in steps if r["L"] == prefix_len), key=lambda r: r["T"])
         axes[1].plot([r["T"] for r in pts], [r["ms"] for r in pts], marker="o", label=f"L={prefix_len}")
     if steps:
         axes[1].set_xlabel("tokens per step T")

@@ -8,6 +8,7 @@ reference built from the same `StepPattern` rules.
 from __future__ import annotations
 
 from .commit import commit_accepted
+from .device import device_binding
 from .pattern import StepPattern, lookahead_mask
 from .reference import masked_attention, reference_attention
 
@@ -35,6 +36,7 @@ __all__ = [
     "StepAttentionPlan",
     "StepPattern",
     "commit_accepted",
+    "device_binding",
     "interpreting",
     "lookahead_attention",
     "lookahead_mask",

@@ -10,7 +10,9 @@ splits with nothing to read write only LSE = -inf, so S can stay fixed (a CUDA g
 `_lookahead_attn_merge` folds the S + 1 partials of each row and writes the output. No mask tensor exists.
 
 Compile-time: W, N, the GQA group, head dim, tile sizes, dtype (through the pointers and DOT_PRECISION) and the
-TREE flag. The step length T (so the candidates present, or the tree size) and the split count are run-time.
+TREE flag. The step length T (so the candidates present, or the tree size) and the split count are run-time; the row
+tile is chosen from T x group by the launcher (`launch_config`), so T changes the compiled kernel only across the
+tile sizes 16, 32, 64, 128.
 Batch/head/position offsets are formed in 64 bits.
 """
 

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import triton
 
 from .attention_kernels import _lookahead_attn_merge, _lookahead_attn_split, interpreting
+from .device import device_binding
 from .pattern import StepPattern, check_tree_end
 
-__all__ = ["StepAttentionPlan", "interpreting", "launch_config", "lookahead_attention", "num_splits_for"]
+__all__ = ["StepAttentionPlan", "TilePlan", "interpreting", "launch_config", "lookahead_attention", "num_splits_for",
+           "tile_plan"]
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_HEAD_DIM = 256
@@ -34,17 +37,18 @@ def launch_config(pattern: StepPattern, group: int, head_dim: int, dtype: torch.
     """Tiles, padded head dim, dot precision, warps and stages of the split kernel.
 
     Chosen from sm_90/sm_80 compilations without a GPU (tests/compile_for_gpu.py: registers, spills, shared
-    memory), not from timings. BLOCK_M tiles the (step token, query head) rows of one KV head; it depends on
-    (W, N, group) only, never on the candidates present, so steps with any g share one compiled kernel: it is sized
-    for a verification branch about as long as the lookahead branch (G ~ W, as the paper configures). fp32 runs its
-    dots as tf32x3 (three TF32 products, ~fp32 accuracy) instead of IEEE FMA code; its operand splitting needs
-    registers, so it takes the smallest tiles (the fewest spills measured).
+    memory), not from timings. BLOCK_M tiles the (step token, query head) rows of one KV head, T x group: it covers
+    all of them up to 128 (64 for D > 128), so each program reads its K/V blocks once for the whole step where that
+    fits (every query tile re-reads the K/V: `tile_plan` counts the passes). A static generation has one T, so one
+    compiled kernel; exact-size steps meet at most four tile sizes (16, 32, 64, 128). fp32 runs its dots as tf32x3
+    (three TF32 products, ~fp32 accuracy) instead of IEEE FMA code; its operand splitting needs registers, so it
+    takes the smallest tiles (the fewest spills measured).
     """
     if dtype == torch.float32:
         block_m, block_n = 16, 16
     else:
-        hint_rows = 2 * pattern.lookahead_len * group
-        block_m = min(128 if head_dim <= 128 else 64, max(16, triton.next_power_of_2(hint_rows)))
+        rows = pattern.num_tokens * group  # the step's real rows, lookahead and verification branches together
+        block_m = min(128 if head_dim <= 128 else 64, max(16, triton.next_power_of_2(rows)))
         block_n = 64 if head_dim <= 128 else 32
     hopper = capability is None or capability[0] >= 9
     return {
@@ -65,6 +69,27 @@ def num_splits_for(programs_per_split: int, rows: int, max_len: int, block_n: in
     by_blocks = max(1, triton.cdiv(max_len, block_n) // _MIN_BLOCKS_PER_SPLIT)
     by_traffic = max(1, max_len // (2 * max(1, rows)))
     return min(by_grid, by_blocks, by_traffic, _MAX_SPLITS)
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    """How one step's attention is tiled for one KV head of one sequence."""
+
+    rows: int  # (step token, query head) rows: T x GQA group
+    rows_per_tile: int  # BLOCK_M
+    kv_passes: int  # query tiles: how many times every K/V block of the cache is read per step
+    splits: int  # splits of the cache prefix (flash-decoding), plus one program for the step's own keys
+
+
+def tile_plan(pattern: StepPattern, *, heads_q: int, heads_kv: int, head_dim: int, dtype: torch.dtype, max_len: int,
+              batch: int = 1, sm_count: int = _NOMINAL_SMS, capability: tuple[int, int] | None = None) -> TilePlan:
+    """The tiling a `StepAttentionPlan` of these shapes launches (on a GPU with `sm_count` SMs)."""
+    group = heads_q // heads_kv
+    rows = pattern.num_tokens * group
+    config = launch_config(pattern, group, head_dim, dtype, capability)
+    passes = triton.cdiv(rows, config["BLOCK_M"])
+    splits = num_splits_for(passes * batch * heads_kv, rows, max_len, config["BLOCK_N"], sm_count)
+    return TilePlan(rows, config["BLOCK_M"], passes, splits)
 
 
 class StepAttentionPlan:
@@ -132,16 +157,17 @@ class StepAttentionPlan:
         if tree_end is None:
             tree_end = self._tree_end if self._tree_end is not None else prefix_len  # never read by chains
         stride_tree_b = tree_end.stride(0) if tree_end.ndim == 2 else 0
-        _lookahead_attn_split[self.split_grid](
-            q, k, v, prefix_len, tree_end, partial_out, partial_lse,
-            *q.stride(), *k.stride(), *v.stride(),
-            stride_tree_b, tokens, self.qk_scale, self.heads_kv,
-            **self.constexprs, **self.options,
-        )  # fmt: skip
-        _lookahead_attn_merge[self.merge_grid](
-            partial_out, partial_lse, out, *out.stride(), tokens, self.heads_kv, self.num_splits,
-            **self.merge_constexprs, num_warps=4, num_stages=1,
-        )  # fmt: skip
+        with device_binding(self.device):  # Triton launches on the current device and stream: make them the plan's
+            _lookahead_attn_split[self.split_grid](
+                q, k, v, prefix_len, tree_end, partial_out, partial_lse,
+                *q.stride(), *k.stride(), *v.stride(),
+                stride_tree_b, tokens, self.qk_scale, self.heads_kv,
+                **self.constexprs, **self.options,
+            )  # fmt: skip
+            _lookahead_attn_merge[self.merge_grid](
+                partial_out, partial_lse, out, *out.stride(), tokens, self.heads_kv, self.num_splits,
+                **self.merge_constexprs, num_warps=4, num_stages=1,
+            )  # fmt: skip
         return out
 
 

@@ -32,15 +32,16 @@ class KVCache(nn.Module):
         return self.k.shape[1]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+              rows: slice = slice(None), batch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v [b, Hkv, T, D] in cache rows `rows` (b of them) at positions `slots`: [T], the same for
-        every row, or [b, T], each row's own. Return those rows of the layer's buffers, [b, Hkv, capacity, D]."""
+        every row, or [b, T], each row's own (then `batch` may give `row_index(slots)`, made once for all layers).
+        Return those rows of the layer's buffers, [b, Hkv, capacity, D]."""
         k_layer, v_layer = self.k[layer, rows], self.v[layer, rows]
         if slots.ndim == 1:
             k_layer.index_copy_(2, slots, k)
             v_layer.index_copy_(2, slots, v)
         else:  # per-row positions: one scatter over (row, position) pairs
-            batch = torch.arange(slots.shape[0], device=slots.device)[:, None]
+            batch = row_index(slots) if batch is None else batch
             k_layer[batch, :, slots] = k.transpose(1, 2)  # the indexed view is [b, T, Hkv, D]
             v_layer[batch, :, slots] = v.transpose(1, 2)
         return k_layer, v_layer
@@ -73,3 +74,8 @@ class KVCache(nn.Module):
         for cache in (self.k, self.v):
             prefix = cache[:, :, :, :upto]
             prefix.index_copy_(1, dst, prefix.index_select(1, src))
+
+
+def row_index(slots: torch.Tensor) -> torch.Tensor:
+    """[b, 1]: the row of each of per-row `slots` [b, T], to index a cache's rows with them."""
+    return torch.arange(slots.shape[0], device=slots.device)[:, None]

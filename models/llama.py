@@ -156,8 +156,9 @@ class Llama(nn.Module):
         with torch.device("meta"):
             model = cls(config, attn_backend=backend)
         check_shapes(model, path)  # before allocating: a config.json's absurd size is refused, not allocated
-        model.to_empty(device=device)
-        model.to(dtype)
+        # the dtype first, on meta (free), then memory at that dtype: ~2 bytes per parameter in 16-bit, where
+        # materialising fp32 and casting peaks at 4 + 2 (out of memory for a 34B model on an 80 GB GPU)
+        model.to(dtype).to_empty(device=device)
         model._tie_weights()  # to_empty gives each module its own new tensor
         model.rope_inv_freq = inverse_frequencies(config.head_dim, config.rope).to(device)  # fp32 always
         # tied: the one shared tensor may come from either name (transformers swaps them if only the head is there)

@@ -16,12 +16,12 @@ stepping together in one forward pass. The one-sequence protocol is the batch of
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple, Protocol
 
 import torch
 
-from lookahead.kernels import StepPattern
+from lookahead.kernels import StepPattern, device_binding
 from lookahead.loop import StepOutput
 from lookahead.loop.sampling import SampleRequest, padded_pairs, sample_on_device
 
@@ -46,6 +46,18 @@ class StepForward(Protocol):
                  attention: Attend | None = None, rows: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
+class StepShape(NamedTuple):
+    """What one step program (one CUDA graph) is keyed by: the pattern's shape (a tree pattern stands for every
+    tree of its size), the output rows R, the batch size, the top-k asked for, and sampling's first draft row
+    (None: greedy)."""
+
+    pattern: StepPattern
+    rows: int
+    batch: int = 1
+    topk: int = 0
+    first_draft_row: int | None = None
+
+
 class CachedRunner:
     """Prefill, steps and commits over a preallocated cache of `batch` rows of `capacity` positions.
 
@@ -53,8 +65,15 @@ class CachedRunner:
     the copy of the accepted entries runs at the start of the next step (or prefill), inside its graph,
     one gather over every row, padded to `max_commit` entries per row so its shape never changes.
 
-    cuda_graphs: capture each step shape (pattern, batch size) as a CUDA graph on its first use and
-    replay it (CUDA and the Triton backend only; elsewhere steps run eagerly, the same code).
+    cuda_graphs: capture each step shape (pattern, batch size) as a CUDA graph on its first use (or up front,
+    `capture`) and replay it (CUDA and the Triton backend only; elsewhere steps run eagerly, the same code).
+    Every launch, stream and capture is bound to the model's device (`device_binding`), so a model on cuda:N
+    runs on GPU N whatever the current device.
+
+    A step's `StepOutput.logits` are valid until the runner's next step (or `capture`): with CUDA graphs they are a
+    view into the memory pool all of the runner's graphs share, which the next replay or capture (of any shape)
+    overwrites. Callers that keep them longer copy them. (Cloning every step instead would add an R x vocab copy
+    to every step for a need no caller has: the decode loops and the parallel driver read them within the step.)
     """
 
     def __init__(self, model: StepForward, capacity: int, max_step_tokens: int = 1, max_commit: int = 1,
@@ -155,7 +174,33 @@ class CachedRunner:
         program = self._programs[key]
         src, dst = self._commit if self._commit is not None else self._no_commit()
         self._commit = None
-        return program.run(tokens, patterns, rows, self.lengths, src, dst, sample)
+        return program.run(self, tokens, patterns, rows, self.lengths, src, dst, sample)
+
+    def capture(self, shapes: Iterable[StepShape]) -> None:
+        """Prepare the program of each step shape now (on CUDA with `cuda_graphs`: compile its kernels and capture
+        its graph), so that no generation pays for it mid-way: batch sizes as rows finish, lookahead-parallel
+        sub-step sizes, the self-tuned step sizes. Applies the pending commit first; changes no sequence (the
+        capture writes only past each row's L, which the next step overwrites). Shapes already prepared are
+        skipped."""
+        shapes = list(shapes)
+        for shape in shapes:
+            if not isinstance(shape, StepShape):
+                raise TypeError(f"shapes must hold StepShape values, got {type(shape).__name__}")
+            if not 1 <= shape.batch <= self.cache.batch:
+                raise ValueError(f"a StepShape's batch must be in 1..{self.cache.batch} (the cache's rows), "
+                                 f"got {shape.batch}")
+            if shape.pattern.num_tokens > self.max_step_tokens:
+                raise ValueError(f"a StepShape of {shape.pattern.num_tokens} tokens exceeds this runner's "
+                                 f"max_step_tokens ({self.max_step_tokens})")
+        self._apply_commit()
+        for shape in shapes:
+            key = (shape.pattern.shape, shape.rows, shape.batch, shape.topk, shape.first_draft_row)
+            if key in self._programs and (self._programs[key].graph is not None or not self.cuda_graphs):
+                continue
+            lengths = (self.lengths + [0] * shape.batch)[: shape.batch]
+            self._check_room_at(lengths, shape.pattern.num_tokens)
+            program = self._programs.setdefault(key, _StepProgram(self, *shape))
+            program.prepare(self, lengths)
 
     def commit_batch(self, step_indices: Sequence[Sequence[int]]) -> None:
         """Keep row b's entries `step_indices[b]` (a different count in each row) at L_b, L_b + 1, ..."""
@@ -216,8 +261,11 @@ class CachedRunner:
 
     def _check_room(self, tokens: int | list[int]) -> None:
         """Room for `tokens` more positions in every row (a list: per row)."""
-        counts = tokens if isinstance(tokens, list) else [tokens] * len(self.lengths)
-        for length, count in zip(self.lengths, counts, strict=True):
+        self._check_room_at(self.lengths, tokens)
+
+    def _check_room_at(self, lengths: list[int], tokens: int | list[int]) -> None:
+        counts = tokens if isinstance(tokens, list) else [tokens] * len(lengths)
+        for length, count in zip(lengths, counts, strict=True):
             if length + max(count, self.max_commit) > self.cache.capacity:
                 raise ValueError(f"{count} tokens at L={length} overflow the KV cache "
                                  f"({self.cache.capacity} positions)")
@@ -225,11 +273,12 @@ class CachedRunner:
 
 class _StepProgram:
     """One step shape (pattern shape, output rows R, batch b, top-k, sampling): its device input buffer, the
-    forward that reads only that buffer, its graph."""
+    forward that reads only that buffer, its graph. It keeps no reference to its runner (the runner is passed
+    to each call), so a dropped runner is freed at once, with its cache and graphs, not at the next collection."""
 
     def __init__(self, runner: CachedRunner, pattern: StepPattern, num_rows: int, batch: int, topk: int,
                  first_draft_row: int | None = None) -> None:
-        self.runner, self.pattern, self.batch = runner, pattern, batch  # a tree pattern stands for its shape only
+        self.pattern, self.batch = pattern, batch  # a tree pattern stands for its shape only
         self.num_rows, self.topk = num_rows, min(topk, runner.model.config.vocab_size)
         self.first_draft_row = first_draft_row  # sampling: where the draft rows start; None: greedy
         self.draft_slots = 0 if first_draft_row is None else num_rows - first_draft_row
@@ -250,22 +299,24 @@ class _StepProgram:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def run(self, tokens, patterns: list[StepPattern], rows, prefix_lens: list[int], src, dst,
+    def run(self, runner: CachedRunner, tokens, patterns: list[StepPattern], rows, prefix_lens: list[int], src, dst,
             sample: Sequence[SampleRequest] | None) -> list[StepOutput]:
-        graphed = self.runner.cuda_graphs
-        if graphed and self.graph is None:
-            # capture with a no-op commit: apply this call's commit first, outside the graph, so the
-            # warm-up runs (which compile kernels) change nothing real
-            self.runner.cache.move(*(torch.tensor(x, device=self.runner.device) for x in (src, dst)))
-            src = dst = self.runner._no_commit()[0]
-            self._stage(tokens, patterns, rows, prefix_lens, src, dst, sample)
-            self._capture(prefix_lens)
-        self._stage(tokens, patterns, rows, prefix_lens, src, dst, sample)
-        if graphed:
-            self.graph.replay()
-            logits, fetched = self.outputs
-        else:
-            logits, fetched = self.forward(prefix_lens)
+        pairs = [padded_pairs(request, self.draft_slots) for request in sample] if self.draft_slots else []
+        with device_binding(runner.device):
+            graphed = runner.cuda_graphs
+            if graphed and self.graph is None:
+                # capture with a no-op commit: apply this call's commit first, outside the graph, so the
+                # warm-up runs (which compile kernels) change nothing real
+                runner.cache.move(*(torch.tensor(x, device=runner.device) for x in (src, dst)))
+                src = dst = [[length + j for j in range(runner.max_commit)] for length in prefix_lens]
+                self._stage(tokens, patterns, rows, prefix_lens, src, dst, pairs)
+                self._capture(runner, prefix_lens)
+            self._stage(tokens, patterns, rows, prefix_lens, src, dst, pairs)
+            if graphed:
+                self.graph.replay()
+                logits, fetched = self.outputs
+            else:
+                logits, fetched = self.forward(runner, prefix_lens)
         if sample is not None:
             # after the graph: the race keys come from each row's own generator, drawn eagerly
             keys = torch.stack([request.sampler.keys(logits.shape[-1]) for request in sample])
@@ -279,8 +330,23 @@ class _StepProgram:
             request.unpack(row[end:], 1 + self.draft_slots) for request, row in zip(sample, fetched, strict=True)]
         return [StepOutput(*row) for row in zip(logits, argmax, topk, sampled, strict=True)]
 
+    def prepare(self, runner: CachedRunner, prefix_lens: list[int]) -> None:
+        """Ahead of any real step: stage placeholder inputs of this shape (the pattern's own tree, no-op commits)
+        at L = `prefix_lens` and, with graphs on, capture; eagerly, run it once (the kernels compile)."""
+        t = self.pattern.num_tokens
+        tokens = [[0] * t] * self.batch
+        rows = [[min(i, t - 1) for i in range(self.num_rows)]] * self.batch
+        noop = [[length + j for j in range(runner.max_commit)] for length in prefix_lens]
+        pairs = [[0] * (2 * self.draft_slots)] * (self.batch if self.draft_slots else 0)
+        with device_binding(runner.device):
+            self._stage(tokens, [self.pattern] * self.batch, rows, prefix_lens, noop, noop, pairs)
+            if runner.cuda_graphs:
+                self._capture(runner, prefix_lens)
+            elif runner.device.type == "cuda":  # the kernels compile; on a CPU there is nothing to prepare
+                self.forward(runner, prefix_lens)
+
     def _stage(self, tokens, patterns: list[StepPattern], rows, prefix_lens: list[int], src, dst,
-               sample: Sequence[SampleRequest] | None) -> None:
+               pairs: list[list[int]]) -> None:
         """The step's one host-to-device copy (from pinned memory on CUDA)."""
         flat = [t for row in tokens for t in row]
         flat += [r for row in rows for r in row]
@@ -291,16 +357,15 @@ class _StepProgram:
             flat += pattern.tree_end or ()
         flat += [p for row in src for p in row]
         flat += [p for row in dst for p in row]
-        for request in sample if self.draft_slots else ():
-            flat += padded_pairs(request, self.draft_slots)
+        for row in pairs:
+            flat += row
         self._host[:] = flat
         self.inputs.copy_(self.staging, non_blocking=True)
 
-    def forward(self, prefix_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, runner: CachedRunner, prefix_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The step from `self.inputs` alone (`prefix_lens` are read only by a non-graphable backend): the rows'
         logits [b, R, V], and the int64 [b, ...] tensor the host fetches (each row's argmax, then every step
-        index's top-k if asked)."""
-        runner = self.runner
+        index's top-k if asked). This is the region a CUDA graph captures."""
         tokens, rows, lengths, positions, tree_end, src, dst, _ = (
             x.view(shape) for x, shape in zip(self.inputs.split(self._splits), self._shapes, strict=True))
         runner.cache.move(src, dst)
@@ -320,14 +385,18 @@ class _StepProgram:
         logits = logits[torch.arange(self.batch, device=logits.device)[:, None], rows]  # [b, R, V]
         return logits, torch.cat([logits.argmax(-1), top], dim=1)
 
-    def _capture(self, prefix_lens: list[int]) -> None:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
+    def _capture(self, runner: CachedRunner, prefix_lens: list[int]) -> None:
+        """Two warm-up runs on a side stream (they compile the kernels), then the capture. Called under the
+        runner's device binding: the side stream, the capture's stream and the launches are on its device."""
+        side = torch.cuda.Stream(device=runner.device)
+        side.wait_stream(torch.cuda.current_stream(runner.device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                self.forward(prefix_lens)
-        torch.cuda.current_stream().wait_stream(side)
+                self.forward(runner, prefix_lens)
+        torch.cuda.current_stream(runner.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.runner._graph_pool):
-            self.outputs = self.forward(prefix_lens)
+        # thread-local: a capture mid-generation (a new sub-step size under lookahead parallelism) must not fail
+        # on what other threads do meanwhile, such as NCCL's watchdog polling its events
+        with torch.cuda.graph(graph, pool=runner._graph_pool, capture_error_mode="thread_local"):
+            self.outputs = self.forward(runner, prefix_lens)
         self.graph = graph

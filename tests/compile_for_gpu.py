@@ -7,8 +7,8 @@ time (16-byte divisible pointers and ints, ints equal to 1 folded, `do_not_speci
 kernel is the one that would run. Prints one line per (arch, dtype, head dim, W-N-G): OK with registers, spilled
 (stack) bytes, shared memory and whether async copies / wgmma are used, for the split and merge kernels; or FAILED.
 
-    python tests/compile_for_gpu.py          # the five cases the test suite checks
-    python tests/compile_for_gpu.py --all    # (15,5,15), (3,4,3), a tree, plain x fp16/bf16 x sm_90/sm_80, fp32
+    python tests/compile_for_gpu.py          # the cases the test suite checks (DEFAULT)
+    python tests/compile_for_gpu.py --all    # every step shape x fp16/bf16 x sm_90/sm_80, fp32, D 64 and 256
 """
 
 from __future__ import annotations
@@ -116,11 +116,18 @@ def compile_case(arch: int, dtype: torch.dtype, head_dim: int, pattern: StepPatt
 
 
 STEPS = {"W15-N5-G15": StepPattern(15, 5, 15), "W3-N4-G3": StepPattern(3, 4, 3), "plain": StepPattern(1, 2, 0),
-         "W3-N4-tree9": StepPattern(3, 4, tree_end=(4, 3, 3, 4, 7, 6, 7, 8, 9))}
-# what the test suite checks: every step shape once on Hopper, Ampere once
-DEFAULT = [(90, torch.float16, 128, "W15-N5-G15"), (90, torch.bfloat16, 128, "W3-N4-G3"),
-           (90, torch.float16, 128, "plain"), (90, torch.bfloat16, 128, "W3-N4-tree9"),
-           (80, torch.float16, 128, "W3-N4-G3")]
+         "W3-N4-tree9": StepPattern(3, 4, tree_end=(4, 3, 3, 4, 7, 6, 7, 8, 9)),
+         # the package default (1, 4, 5): a 15-node tree, T = 18; a 64-token lookahead-parallel sub-step (W = 1, N = 2)
+         "W1-N4-tree15": StepPattern(1, 4, tree_end=(6, 3, 3, 5, 5, 6, 11, 8, 9, 10, 11, 13, 13, 15, 15)),
+         "substep64": StepPattern(1, 2, tree_end=(8, 3, 3, 5, 5, 8, 7, 8, *range(9, 64))),
+         "W15-N5-tree60": StepPattern(15, 5, tree_end=tuple(range(1, 61)))}
+# what the test suite checks: the default, 15-5-15 and sub-step shapes in both 16-bit types on Hopper, the rest once
+DEFAULT = [(90, torch.bfloat16, 128, "W1-N4-tree15"), (90, torch.float16, 128, "W1-N4-tree15"),
+           (90, torch.bfloat16, 128, "W15-N5-G15"), (90, torch.float16, 128, "W15-N5-G15"),
+           (90, torch.bfloat16, 128, "substep64"), (90, torch.bfloat16, 128, "W15-N5-tree60"),
+           (90, torch.bfloat16, 128, "W3-N4-G3"), (90, torch.float16, 128, "plain"),
+           (90, torch.bfloat16, 128, "W3-N4-tree9"), (80, torch.bfloat16, 128, "W1-N4-tree15"),
+           (80, torch.float16, 128, "W15-N5-G15"), (80, torch.bfloat16, 128, "substep64")]
 ALL = [(a, d, 128, s) for a in (90, 80) for d in (torch.float16, torch.bfloat16) for s in STEPS]
 ALL += [(90, torch.float32, 128, s) for s in STEPS] + [(90, torch.float16, d, "W3-N4-G3") for d in (64, 256)]
 

@@ -343,6 +343,6 @@ def test_kernel_compiles_for_hopper_and_ampere():
     script = Path(__file__).with_name("compile_for_gpu.py")
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.count(" OK ") == 5, run.stdout
+    assert run.stdout.count(" OK ") == 12, run.stdout  # the DEFAULT cases of compile_for_gpu.py
     for line in run.stdout.splitlines():  # 16-bit tiles are sized to keep every value in registers
         assert line.count("spill 0 B") == 2, line

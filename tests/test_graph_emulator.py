@@ -1,0 +1,279 @@
+"""The region a CUDA graph captures (`_StepProgram.forward`), run through the CPU emulator: nothing capture forbids,
+and a replay on new inputs written into the static buffers gives the eager step, for plain, chains, tree, sampling,
+top-k, batch and lookahead-parallel sub-step shapes. Each kind of violation has a negative control."""
+
+from __future__ import annotations
+
+import collections
+import random
+import types
+from dataclasses import dataclass
+
+import pytest
+import torch
+from graph_emulator import CaptureViolation, GraphEmulator, aliases, reachable_tensors, triton_launches
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lookahead.kernels import StepPattern
+from lookahead.models import Llama
+from lookahead.models.runner import CachedRunner, StepShape
+
+CAPACITY, MAX_COMMIT = 96, 6
+
+
+@dataclass
+class Inputs:
+    """One step's host inputs, as `_StepProgram._stage` takes them."""
+
+    tokens: list
+    patterns: list
+    rows: list
+    lengths: list
+    src: list
+    dst: list
+    pairs: list
+
+
+def random_tree(size: int, rng: random.Random) -> tuple[int, ...]:
+    """A random pre-order forest of `size` nodes, as tree_end."""
+    parents = [-1] + [rng.randrange(-1, j) for j in range(1, size)] if size else []
+    ends = list(range(1, size + 1))
+    for j in reversed(range(size)):  # a node's subtree ends where its last descendant's does
+        p = parents[j]
+        while p >= 0 and ends[p] < ends[j]:
+            ends[p] = ends[j]
+            p = parents[p]
+    # pre-order needs each parent's subtree to be contiguous: parents chosen among the open path keep it so
+    return tuple(ends) if _laminar(ends) else tuple(range(1, size + 1))
+
+
+def _laminar(ends) -> bool:
+    try:
+        StepPattern(1, 2, tree_end=tuple(ends))
+        return True
+    except ValueError:
+        return False
+
+
+def inputs_for(shape: StepShape, seed: int, model: Llama) -> Inputs:
+    rng = random.Random(seed)
+    pattern, t = shape.pattern, shape.pattern.num_tokens
+    patterns = [pattern if not pattern.is_tree else
+                StepPattern(pattern.window, pattern.ngram, tree_end=random_tree(pattern.verify_len, rng))
+                for _ in range(shape.batch)]
+    lengths = [rng.randrange(1, CAPACITY - t - MAX_COMMIT) for _ in range(shape.batch)]
+    src, dst = [], []
+    for length in lengths:  # a commit of the previous step's entries: a path of increasing step indices
+        count = rng.randint(1, MAX_COMMIT)
+        picked = sorted(rng.sample(range(1, t + MAX_COMMIT), count - 1))
+        start = length - count
+        src.append([start] + [start + i for i in picked] + [length + j for j in range(MAX_COMMIT - count)])
+        dst.append([start + j for j in range(count)] + [length + j for j in range(MAX_COMMIT - count)])
+    slots = 2 * (shape.rows - shape.first_draft_row) if shape.first_draft_row is not None else 0
+    return Inputs(tokens=[[rng.randrange(model.config.vocab_size) for _ in range(t)] for _ in range(shape.batch)],
+                  patterns=patterns, rows=[[rng.randrange(t) for _ in range(shape.rows)] for _ in range(shape.batch)],
+                  lengths=lengths, src=src, dst=dst,
+                  pairs=[[rng.randrange(t) for _ in range(slots)] for _ in range(shape.batch if slots else 0)])
+
+
+@torch.inference_mode()  # as generation runs
+def emulate(runner: CachedRunner, shape: StepShape, seed: int = 0) -> GraphEmulator:
+    """Record the step region on inputs A, replay it on inputs B written into the static buffers; compare the
+    replay's outputs and cache with the eager step on B."""
+    runner.capture([shape])
+    program = runner._programs[(shape.pattern.shape, shape.rows, shape.batch, shape.topk, shape.first_draft_row)]
+    a, b = inputs_for(shape, seed, runner.model), inputs_for(shape, seed + 1, runner.model)
+    program._stage(a.tokens, a.patterns, a.rows, a.lengths, a.src, a.dst, a.pairs)
+    program.forward(runner, a.lengths)  # the warm-up runs before a capture
+    static = reachable_tensors(runner.model, runner.cache, runner.backend, program)
+    with GraphEmulator(static) as graph:
+        outputs = program.forward(runner, a.lengths)
+    graph.check_escapes(runner, program, outputs=outputs)
+    captured = [o.clone() for o in outputs]
+    program._stage(b.tokens, b.patterns, b.rows, b.lengths, b.src, b.dst, b.pairs)
+    cache = runner.cache.k.clone(), runner.cache.v.clone()
+    graph.replay()
+    replayed = [o.clone() for o in outputs] + [runner.cache.k.clone(), runner.cache.v.clone()]
+    runner.cache.k.copy_(cache[0])
+    runner.cache.v.copy_(cache[1])
+    eager = list(program.forward(runner, b.lengths)) + [runner.cache.k, runner.cache.v]
+    assert not torch.equal(captured[0], eager[0])  # the inputs matter: a replay that did nothing would fail below
+    for got, want in zip(replayed, eager, strict=True):
+        assert torch.equal(got, want), (got - want).abs().max()
+    return graph
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_checkpoint):
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"), attn_backend="triton")
+    return CachedRunner(model, CAPACITY, max_step_tokens=24, max_commit=MAX_COMMIT, batch=2)
+
+
+TREE = StepPattern(2, 3, tree_end=(3, 2, 3, 5, 5))
+SHAPES = {
+    "plain": StepShape(StepPattern(1, 2, 0), 1),
+    "chains": StepShape(StepPattern(2, 3, 2), 5),
+    "tree": StepShape(TREE, 4),
+    "tree-topk": StepShape(TREE, 4, topk=3),
+    "sampling": StepShape(TREE, 6, first_draft_row=3),
+    "batch": StepShape(TREE, 4, batch=2),
+    "batch-plain": StepShape(StepPattern(1, 2, 0), 1, batch=2),
+    "substep": StepShape(StepPattern(1, 2, tree_end=(7, 3, 3, 7, 6, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)), 8),
+}
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_step_region_is_capturable_and_replays_as_eager(runner, monkeypatch, name):
+    triton_launches(monkeypatch)
+    graph = emulate(runner, SHAPES[name])
+    layers = runner.model.config.num_hidden_layers
+    assert graph.ops.count("triton._lookahead_attn_split") == layers  # the kernel ran inside the region
+
+
+def test_casts_views_and_in_place_writes_replay():
+    """A `to` that casts is marked a view op but writes new memory: the replay redoes it (a 16-bit model's RMSNorm
+    and RoPE casts), while true views follow their base and in-place ops write their recorded arguments."""
+    x, buffer = torch.arange(6.0), torch.zeros(6)
+    with torch.inference_mode(), GraphEmulator([x, buffer]) as graph:  # generation's mode, where `to` is one op
+        y = (x.half().float() * 2).view(2, 3)
+        buffer.add_(y.flatten())
+    x.copy_(torch.arange(6.0, 12.0))
+    buffer.zero_()
+    with torch.inference_mode():
+        graph.replay()
+    assert torch.equal(y, (torch.arange(6.0, 12.0) * 2).view(2, 3)) and torch.equal(buffer, y.flatten())
+
+
+def test_the_torch_backend_bakes_host_values(tiny_checkpoint):
+    """Negative control, a region that reads per-step host values (the torch backend slices its mask at L on the
+    host, so it is not graphable): the replay at another L differs from the eager step."""
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    runner = CachedRunner(model, CAPACITY, max_step_tokens=24, max_commit=MAX_COMMIT)
+    assert not runner.backend.graphable
+    with pytest.raises(AssertionError) as failure:
+        emulate(runner, SHAPES["chains"])
+    assert not isinstance(failure.value, CaptureViolation)  # nothing forbidden: the replay is what differs
+
+
+@pytest.mark.parametrize("kind, region, message", [
+    ("host sync", lambda x, tmp: x.sum().item(), "host sync"),
+    ("tolist", lambda x, tmp: x.tolist(), "host sync"),
+    ("data-dependent shape", lambda x, tmp: x[x > 0], "data-dependent output shape"),
+    ("nonzero", lambda x, tmp: torch.nonzero(x), "data-dependent output shape"),
+    ("random", lambda x, tmp: x + torch.rand(3), "random numbers"),
+    ("dropout", lambda x, tmp: torch.nn.functional.scaled_dot_product_attention(
+        *(x.view(1, 1, 3, 1),) * 3, dropout_p=0.5), "random numbers"),
+    ("host data", lambda x, tmp: x + torch.tensor([1.0, 2.0, 3.0]), "host data"),
+    ("unheld tensor", lambda x, tmp: x + tmp, "made outside the region"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_each_violation_fails(kind, region, message):
+    static = torch.arange(3.0)
+    temporary = torch.ones(3)  # made before the region, but held by nothing the graph keeps alive
+    with pytest.raises(CaptureViolation, match=message), GraphEmulator([static]):
+        region(static, temporary)
+    holder = types.SimpleNamespace(kept=None)
+    with GraphEmulator([static]) as graph:
+        holder.kept = static * 2  # made in the region, then kept by long-lived state: pool memory
+    with pytest.raises(CaptureViolation, match="kept after it"):
+        graph.check_escapes(holder)
+    graph.check_escapes(holder, outputs=holder.kept)  # unless it is the region's output, read after each replay
+    with GraphEmulator([static, temporary]) as graph:  # the same reads of held tensors are fine
+        (static * 2 + temporary).sum(0)
+    assert graph.ops and not any("lift_fresh" in op for op in graph.ops)
+
+
+class _CountedKernel:
+    """A kernel global that only counts its launches inside an emulated region (the op budget runs no kernel)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            if GraphEmulator._active is not None:
+                GraphEmulator._active.entries.append(("triton", self.name))
+                GraphEmulator._active.ops.append(f"triton.{self.name}")
+
+        return launch
+
+
+def device_kernels(graph: GraphEmulator) -> list[str]:
+    """The recorded ops that launch work on a device: Triton launches, and aten ops that write memory (in place,
+    or into a new output); views, aliases (a `to` of the same dtype) and bare allocations launch nothing."""
+    kernels = []
+    for entry in graph.entries:
+        if entry[0] == "triton":
+            kernels.append(f"triton.{entry[1]}")
+            continue
+        _, func, args, kwargs, out = entry
+        if str(func).startswith("aten.empty"):
+            continue
+        if func._schema.is_mutable or not aliases(args, kwargs, out):
+            kernels.append(str(func))
+    return kernels
+
+
+EIGHT_B_LAYERS = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=4, max_position_embeddings=4096)
+# device kernels of one graphed step of the 8B layer structure (32 layers, GQA 32/8) in bf16, counted on the CPU;
+# per layer: 7 GEMMs, 2 KV scatters, 2 attention launches, 2 RMSNorms of 4 ops (cast, norm, cast, scale), RoPE's
+# 6 (cat, neg, cat, 2 mul, add), 2 residual adds, SiLU and its product, the output view's copy; a budget that
+# fails if the step grows: lower it when a fusion lands
+BUDGET = {"default-1-4-5": 951, "15-5-15": 951, "default-topk": 956}
+
+
+@pytest.mark.parametrize("name", list(BUDGET))
+def test_op_budget_of_an_8b_shaped_step(monkeypatch, name):
+    """Aten ops and Triton launches per step (no host sync: the emulator forbids them) of a tiny-width model with
+    8B's layer structure, counted in the region a CUDA graph captures."""
+    import lookahead.kernels.triton_attention as launcher
+    from lookahead.models import LlamaConfig
+    from lookahead.models.rope import inverse_frequencies
+
+    for kernel in ("_lookahead_attn_split", "_lookahead_attn_merge"):
+        monkeypatch.setattr(launcher, kernel, _CountedKernel(kernel))
+    config = LlamaConfig(**EIGHT_B_LAYERS)
+    with torch.device("meta"):
+        model = Llama(config, attn_backend="triton")
+    model.to(torch.float16).to_empty(device="cpu")  # bf16 casts alike; the interpreter refuses bf16 plans
+    model.rope_inv_freq = inverse_frequencies(config.head_dim, config.rope)
+    for p in model.parameters():
+        p.data.normal_(0.0, 0.02)
+    runner = CachedRunner(model.eval().requires_grad_(False), 256, max_step_tokens=120, max_commit=16)
+    pattern = {"15-5-15": StepPattern(15, 5, 15)}.get(name, StepPattern(1, 4, tree_end=tuple(range(1, 16))))
+    shape = StepShape(pattern, 16, topk=3 if "topk" in name else 0)
+    runner.capture([shape])
+    (program,) = runner._programs.values()
+    program.forward(runner, [0])  # the warm-up a capture does first (it builds the kernel plan)
+    with torch.inference_mode(), GraphEmulator(reachable_tensors(model, runner.cache, runner.backend, program)) as g:
+        program.forward(runner, [0])
+    kernels = device_kernels(g)
+    print(name, len(kernels), collections.Counter(kernels).most_common())
+    assert kernels.count("triton._lookahead_attn_split") == config.num_hidden_layers
+    assert len(kernels) <= BUDGET[name]
+    # the whole step, host side included: one device-to-host copy (the fetch), no other host read of a device value
+    syncs = SyncCounter()
+    monkeypatch.setattr(torch.Tensor, "cpu", syncs.wrap(torch.Tensor.cpu, "cpu"))
+    with torch.inference_mode(), syncs:
+        runner.step([0] * pattern.num_tokens, pattern, list(range(16)), topk=shape.topk)
+    assert syncs.counts == {"cpu": 1}, syncs.counts
+
+
+class SyncCounter(TorchDispatchMode):
+    """Counts `Tensor.cpu` calls (through `wrap`) and scalar reads (`_local_scalar_dense`: `.item()`, `int(t)`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter = collections.Counter()
+
+    def wrap(self, method, name: str):
+        def counted(tensor, *args, **kwargs):
+            self.counts[name] += 1
+            return method(tensor, *args, **kwargs)
+
+        return counted
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if torch.Tag.data_dependent_output in func.tags:
+            self.counts[str(func)] += 1
+        return func(*args, **(kwargs or {}))
