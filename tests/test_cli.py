@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import lookahead.cli
 import lookahead.cli as lookahead_cli
-import lookahead.cli_generate
+import lookahead.cli.generate
 from lookahead import LookaheadConfig
 from lookahead.cli import main
 
@@ -30,18 +29,28 @@ def run_main(capsys, *argv):
     return code, out, err.strip().splitlines()
 
 
+def generate_help() -> str:
+    return lookahead_cli.build_parser()._subparsers._group_actions[0].choices["generate"].format_help()
+
+
 def test_help_lists_every_option():
-    text = lookahead_cli.build_parser()._subparsers._group_actions[0].choices["generate"].format_help()
+    text = generate_help()
     for option in ("--model", "--cache-dir", "--max-new-tokens", "--temperature", "--top-k", "--top-p", "--seed",
                    "--raw", "--window", "--ngram", "--guesses", "--no-lookahead", "--show-steps", "--dtype",
                    "--device", "--attn-backend", "--debug"):
         assert option in text
 
 
-def test_defaults_are_lookahead_configs():
+def test_defaults_come_from_lookahead_config():
+    """The CLI copies no default: -N's default, the help's W and G, and the CLI's DEFAULTS are LookaheadConfig()'s."""
     defaults = LookaheadConfig()
-    assert (lookahead_cli.DEFAULT_WINDOW, lookahead_cli.DEFAULT_NGRAM, lookahead_cli.DEFAULT_GUESSES) == \
-        (defaults.window, defaults.ngram, defaults.guesses)
+    assert lookahead_cli.DEFAULTS == defaults
+    args = lookahead_cli.build_parser().parse_args(["generate", "x"])
+    assert (args.window, args.ngram, args.guesses) == (None, defaults.ngram, None)  # None: LookaheadConfig's, scaled
+    text = " ".join(generate_help().split())
+    assert f"lookahead window W (default: {defaults.window};" in text
+    assert f"verified candidates per step G (default: {defaults.guesses};" in text
+    assert f"n-gram size N (default: {defaults.ngram})" in text
 
 
 def test_help_and_bad_arguments_never_import_torch_and_set_omp_first():
@@ -54,7 +63,8 @@ try:
 except SystemExit:
     pass
 code = lookahead_cli.main(["generate", "x", "--top-p", "2"])
-heavy = sorted(m for m in ("torch", "transformers", "lookahead.engine", "lookahead.models") if m in sys.modules)
+heavy = sorted(m for m in ("torch", "transformers", "lookahead.loop", "lookahead.request", "lookahead.models")
+               if m in sys.modules)
 print(code, os.environ.get("OMP_WAIT_POLICY"), heavy)
 """
     env = {k: v for k, v in ENV.items() if k != "OMP_WAIT_POLICY"}
@@ -118,7 +128,7 @@ def test_unexpected_errors_are_one_line_with_a_debug_hint(capsys, monkeypatch):
     def broken(args):
         raise AssertionError("internal\nstate broken")
 
-    monkeypatch.setattr(lookahead.cli_generate, "run", broken)
+    monkeypatch.setattr(lookahead.cli.generate, "run", broken)
     code, _, err = run_main(capsys, "generate", "Hello")
     assert code == 1
     assert err == ["lookahead: error: AssertionError: internal state broken (rerun with --debug for the traceback)"]

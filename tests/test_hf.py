@@ -12,11 +12,15 @@ from test_model import VARIANTS
 from test_sampling import DEPTH, P_FLOOR, PROMPT, VOCAB, distribution_p_values, exact_joint
 from transformers import LlamaForCausalLM
 
-import lookahead.engine as engine
 import lookahead.hf as lh
+import lookahead.hf.api as hf_api
+import lookahead.hf.step_model as hf_step_model
+import lookahead.loop as loop
+import lookahead.loop.core as core
 from lookahead import LookaheadConfig, SamplingParams
 from lookahead.kernels import interpreting
-from lookahead.verify import Verdict
+from lookahead.drafts import ROOT
+from lookahead.loop.verify import Verdict
 
 CONFIGS = [(1, 2, 0), (3, 4, 3), (5, 4, 5), (15, 5, 15)]
 IDS = [f"W{w}-N{n}-G{g}" for w, n, g in CONFIGS]
@@ -120,7 +124,7 @@ def test_custom_generate_returns_plain_greedy_sequences(hf_model, variant):
 
 IMPORTS = """
 import sys
-import lookahead, lookahead.engine
+import lookahead, lookahead.loop
 print('transformers' in sys.modules)
 import lookahead.hf
 print('transformers' in sys.modules, any(m.startswith('lookahead.models') for m in sys.modules))
@@ -148,7 +152,7 @@ def test_model_is_left_unchanged(hf_model, monkeypatch):
     lh.generate(model, REPETITIVE, 32, LookaheadConfig(3, 4, 3), temperature=0.8, top_k=20, seed=3)
     model.generate(torch.tensor([REPETITIVE]), custom_generate=lh.custom_generate, max_new_tokens=32)
     with monkeypatch.context() as patch:  # a step that fails half way restores the attention implementation
-        patch.setattr(lh, "masked_attention", lambda *args: 1 / 0)
+        patch.setattr(hf_step_model, "masked_attention", lambda *args: 1 / 0)
         with pytest.raises(ZeroDivisionError):
             lh.generate(model, REPETITIVE, 32, LookaheadConfig(5, 4, 5))
     assert snapshot(model) == before
@@ -196,12 +200,14 @@ def test_sampling_matches_exact_distribution(hf_model):
 def test_a_wrong_acceptance_rule_fails_the_same_check(hf_model, monkeypatch):
     """Negative control: always accepting the first candidate (chains form) must be caught with the same model."""
 
-    def accept_first_candidate(candidates, prob_of, pattern, uniform, draw):
-        if not candidates:
-            return Verdict([draw(0)], -1)
-        return Verdict(list(candidates[0]) + [draw(pattern.candidate_index(0, len(candidates[0])))], 0)
+    def accept_first_path(tree, prob_of, uniform, draw):
+        node, tokens = ROOT, []
+        while (child := next(iter(tree.children(node)), None)) is not None:
+            node = child
+            tokens.append(tree.tokens[child])
+        return Verdict(tokens + [draw(node + 1)], node)
 
-    monkeypatch.setattr(engine, "sample_verify", accept_first_candidate)
+    monkeypatch.setattr(core, "sample_verify", accept_first_path)
     model = vocab6_model(hf_model)
     n = 400
     counts, _ = sample_counts(model, n, form="chains")
@@ -213,7 +219,7 @@ def test_custom_generate_samples_with_transformers_settings(hf_model, monkeypatc
     """do_sample's temperature, top_k and top_p reach the loop; torch.manual_seed makes it reproducible."""
     model = hf_model("gqa")
     seen = []
-    monkeypatch.setattr(lh, "decode", lambda *args, **kwargs: seen.append(args[3]) or engine.decode(*args, **kwargs))
+    monkeypatch.setattr(hf_api, "decode", lambda *args, **kwargs: seen.append(args[1].sampling) or loop.decode(*args, **kwargs))
     args = dict(custom_generate=lh.custom_generate, max_new_tokens=24, do_sample=True, temperature=0.7, top_k=5,
                 top_p=0.9, **NO_EOS)
     runs = []
@@ -263,7 +269,7 @@ def test_other_llama_family_architectures(hf_model):
     (dict(input_ids=transformers.BatchEncoding({"input_ids": [[0, 1, 2]], "attention_mask": [[0, 1, 1]]})),
      "padded prompt"),
     (dict(max_new_tokens=0), "max_new_tokens must be a positive int"),
-    (dict(lookahead=(3, 4, 3)), "lookahead must be None or a LookaheadConfig"),
+    (dict(lookahead=(3, 4, 3)), "lookahead must be None, 'auto' or a LookaheadConfig"),
     (dict(temperature=-1.0), "temperature must be"),
     (dict(attn_backend="cuda"), "attn_backend must be one of"),
     (dict(eos_token_id="2"), "eos_token_id must be"),
