@@ -18,8 +18,8 @@ import lookahead.hf.step_model as hf_step_model
 import lookahead.loop as loop
 import lookahead.loop.core as core
 from lookahead import LookaheadConfig, SamplingParams
-from lookahead.kernels import interpreting
 from lookahead.drafts import ROOT
+from lookahead.kernels import interpreting
 from lookahead.loop.verify import Verdict
 
 CONFIGS = [(1, 2, 0), (3, 4, 3), (5, 4, 5), (15, 5, 15)]
@@ -219,7 +219,8 @@ def test_custom_generate_samples_with_transformers_settings(hf_model, monkeypatc
     """do_sample's temperature, top_k and top_p reach the loop; torch.manual_seed makes it reproducible."""
     model = hf_model("gqa")
     seen = []
-    monkeypatch.setattr(hf_api, "decode", lambda *args, **kwargs: seen.append(args[1].sampling) or loop.decode(*args, **kwargs))
+    monkeypatch.setattr(hf_api, "decode",
+                        lambda *args, **kwargs: seen.append(args[1].sampling) or loop.decode(*args, **kwargs))
     args = dict(custom_generate=lh.custom_generate, max_new_tokens=24, do_sample=True, temperature=0.7, top_k=5,
                 top_p=0.9, **NO_EOS)
     runs = []

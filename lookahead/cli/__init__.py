@@ -23,8 +23,8 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from lookahead.config import LookaheadConfig
 from lookahead.backends import BACKENDS
+from lookahead.config import LookaheadConfig
 
 DEFAULTS = LookaheadConfig()  # the defaults' one home; neither import loads torch
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
