@@ -31,7 +31,8 @@ def generate(hf_model, input_ids, max_new_tokens: int = 256, lookahead: Lookahea
     stream: called with each step's accepted tokens as they are decided.
     static_step: pad every step to the configuration's full size (one step shape); None = on CUDA only.
     attn_backend: "auto" (the Triton kernel on CUDA, the SDPA reference elsewhere), "torch" or "triton".
-    The model is left as it was: its attention implementation is switched only during each step.
+    The model is left as it was: its attention implementation is switched only during each step, and other callers
+    of the model meanwhile (other threads, lookahead or not) get exactly what they get alone.
     """
     step_model = HFStepModel(hf_model, attn_backend=attn_backend)
     check_stream(stream)
