@@ -177,14 +177,16 @@ def test_cli_converts_a_damaged_cached_model_again(capsys, default_model_dir, tm
 
 
 @pytest.mark.slow
-def test_cli_under_torchrun_prints_once_and_matches_one_process(default_model_dir):
+def test_cli_under_torchrun_prints_once_and_matches_one_process(default_model_dir, tmp_path):
     """`torchrun --nproc-per-node 2 -m lookahead generate`: rank 0 alone prints, the defaults scale W and G with
-    K (W = K, G = 5K), and the text, tokens and steps are those of one process with W = 2, G = 10."""
+    K (W = K, G = 5K), and the text, tokens and steps are those of one process with W = 2, G = 10; torchrun's empty
+    torchelastic_* log folder is not left in the temp directory."""
     cache = default_model_dir.parent
     args = ["generate", "Name three colors.", "--cache-dir", str(cache), "--max-new-tokens", "16"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                 "-m", "lookahead"]
-    two = subprocess.run([*torchrun, *args], capture_output=True, text=True, env=ENV, timeout=300)
+    two = subprocess.run([*torchrun, *args], capture_output=True, text=True, env={**ENV, "TMPDIR": str(tmp_path)},
+                         timeout=300)
     one = subprocess.run([*command(), *args, "-W", "2", "-G", "10"], capture_output=True, text=True, env=ENV,
                          timeout=600)
     assert two.returncode == 0 and one.returncode == 0, two.stderr + one.stderr
@@ -193,3 +195,4 @@ def test_cli_under_torchrun_prints_once_and_matches_one_process(default_model_di
     assert summary.startswith("[lookahead W=2 N=4 G=10 on 2 processes]"), two.stderr
     assert summary.split("]")[1].split(", S=")[0] == one.stderr.strip().splitlines()[-1].split("]")[1].split(", S=")[0]
     assert two.stderr.count("lookahead: loading") == 1
+    assert not list(tmp_path.glob("torchelastic_*"))

@@ -8,7 +8,9 @@ its own process only, unless the user set it. The work itself (loading, generati
 `lookahead.cli.generate.run`.
 
 Under `torchrun --nproc-per-node K -m lookahead generate ...` (torchrun's WORLD_SIZE > 1) the K processes
-run one generation with lookahead parallelism (`Llama.generate(process_group=...)`); rank 0 prints.
+run one generation with lookahead parallelism (`Llama.generate(process_group=...)`); rank 0 prints. A WORLD_SIZE
+without torchrun's other variables is refused here (`lookahead.cli.launch`); processes that do not meet within a
+minute give up with an error, and SIGINT/SIGTERM end them while they wait.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from pathlib import Path
 
 from lookahead.backends import BACKENDS
 from lookahead.config import LookaheadConfig
+
+from .launch import world_size
 
 DEFAULTS = LookaheadConfig()  # the defaults' one home; neither import loads torch
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -127,7 +131,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         check_args(args)
-    except UsageError as e:
+        world_size(os.environ)  # a stray WORLD_SIZE is refused here, before torch loads
+    except ValueError as e:  # UsageError, or launch's errors naming the environment variable
         print(f"lookahead: error: {e}", file=sys.stderr)
         return 2
     restore = _exit_on_sigterm()
