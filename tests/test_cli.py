@@ -1,5 +1,6 @@
 """The `lookahead` command: arguments checked before torch loads, one-line errors naming flags, --debug, the run."""
 
+import builtins
 import os
 import shutil
 import subprocess
@@ -114,6 +115,36 @@ def test_cache_dir_that_is_a_file_and_model_without_tokenizer(capsys, tmp_path, 
     code, _, err = run_main(capsys, "generate", "Hello", "--model", str(folder))
     assert code == 2 and err == [f"lookahead: error: --model '{folder}' has no tokenizer.json or tokenizer.model: "
                                  "the command needs the checkpoint's tokenizer (use the Python API to bring your own)"]
+
+
+@pytest.mark.parametrize("unreadable", ["folder", "config.json"])
+def test_unreadable_model_folder_is_one_line(capsys, monkeypatch, tmp_path, unreadable):
+    """Used to end in a PermissionError traceback. As root nothing is unreadable, so there the error that stat or
+    open raises for another user is raised by hand."""
+    folder = tmp_path / "checkpoint"
+    folder.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        (folder / name).write_text("{}")
+    target = folder if unreadable == "folder" else folder / unreadable
+    denied = PermissionError(13, "Permission denied", str(target))
+    if os.geteuid() != 0:
+        target.chmod(0)
+    elif unreadable == "folder":
+        is_file = Path.is_file
+        monkeypatch.setattr(Path, "is_file", lambda p: is_file(p) if folder not in p.parents else raise_(denied))
+    else:
+        monkeypatch.setattr(lookahead_cli, "open", raising=False,
+                            value=lambda p, mode: raise_(denied) if Path(p) == target else builtins.open(p, mode))
+    try:
+        code, out, err = run_main(capsys, "generate", "Hello", "--model", str(folder))
+    finally:
+        target.chmod(0o755)
+    assert (code, out, err) == (2, "", [f"lookahead: error: --model '{folder}' cannot be read (Permission denied): "
+                                        "check its permissions"])
+
+
+def raise_(error):
+    raise error
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

@@ -116,13 +116,24 @@ def _check_model_dir(model: str) -> None:
     if not model.strip():
         raise UsageError(f"--model is empty; give a checkpoint folder, or leave the flag out for {DEFAULT_MODEL}")
     folder = Path(model)
+    try:
+        _check_checkpoint_files(model, folder)
+    except OSError as e:  # a folder or file this user may not read: stat and open raise PermissionError
+        raise UsageError(f"--model {model!r} cannot be read ({e.strerror or e}): check its permissions") from None
+
+
+def _check_checkpoint_files(model: str, folder: Path) -> None:
     if not folder.is_dir():
         raise UsageError(f"--model {model!r} is not a folder" + (" (it does not exist)" if not folder.exists() else ""))
     if not (folder / "config.json").is_file():
         raise UsageError(f"--model {model!r} has no config.json: is it a Hugging Face checkpoint folder?")
-    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
+    tokenizers = [folder / name for name in ("tokenizer.json", "tokenizer.model") if (folder / name).is_file()]
+    if not tokenizers:
         raise UsageError(f"--model {model!r} has no tokenizer.json or tokenizer.model: the command needs the "
                          "checkpoint's tokenizer (use the Python API to bring your own)")
+    for path in (folder / "config.json", tokenizers[0]):  # readable, not only present
+        with open(path, "rb"):
+            pass
 
 
 def main(argv: Sequence[str] | None = None) -> int:
