@@ -1,7 +1,10 @@
 """The `lookahead` command: arguments checked before torch loads, one-line errors naming flags, --debug, the run."""
 
 import builtins
+import importlib.metadata
+import io
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -54,15 +57,65 @@ def test_defaults_come_from_lookahead_config():
     assert f"n-gram size N (default: {defaults.ngram})" in text
 
 
+def test_help_states_each_default_once():
+    """ArgumentDefaultsHelpFormatter added "(default: None)" after helps that state their default in words."""
+    text = generate_help()
+    blocks = re.split(r"\n(?=  -)", text.split("options:")[1].strip("\n"))
+    assert len(blocks) == 18  # -h and the 17 options
+    for block in blocks:
+        assert block.count("(default") <= 1, block
+    flat = " ".join(text.split())
+    assert "(default: None)" not in flat and "(default: False)" not in flat
+    for expected in ("the most tokens to generate (default: 256)", "0 is greedy; > 0 samples (default: 0.0)",
+                     "(0: off) (default: 0)", "in (0, 1] (default: 1.0)", "(default: a fresh one each run)"):
+        assert expected in flat
+
+
+def test_version_comes_from_the_package_metadata(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"lookahead {importlib.metadata.version('lookahead')}\n"
+
+
+class PieceTokenizer:
+    """decode: the concatenated text pieces of the ids (what the stream printer needs of a tokenizer)."""
+
+    def __init__(self, pieces):
+        self.pieces = pieces
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.pieces[i] for i in ids)
+
+
+STEPS = [[0], [1, 2], [3], [4, 5, 6]]  # tokens per step: two multi-token steps
+PIECES = ["def rev(s):", "\n    return", " s[", "::-1", "]", "\n", ""]
+
+
+@pytest.mark.parametrize("encoding, marks", [("utf-8", ("\u27e6", "\u27e7")), ("ascii", ("<|", "|>"))])
+def test_show_steps_marks_cannot_be_confused_with_code(monkeypatch, encoding, marks):
+    """Square brackets made `s[::-1]` read `s[[::-1]]`; off a terminal the marks are brackets code does not use."""
+    stdout = io.TextIOWrapper(io.BytesIO(), encoding=encoding)
+    monkeypatch.setattr(sys, "stdout", stdout)
+    printer = lookahead.cli.generate._StreamPrinter(PieceTokenizer(PIECES), show_steps=True, color=False)
+    for tokens in STEPS:
+        printer(tokens)
+    stdout.seek(0)
+    left, right = marks
+    assert stdout.read() == f"def rev(s):{left}\n    return s[{right}::-1{left}]\n{right}"
+    assert marks == lookahead.cli.generate._marks(stdout)
+
+
 def test_help_and_bad_arguments_never_import_torch_and_set_omp_first():
-    """--help answers at once, and OMP_WAIT_POLICY is in place before anything could load torch."""
+    """--help and --version answer at once, and OMP_WAIT_POLICY is in place before anything could load torch."""
     probe = """
 import os, sys
 import lookahead.cli as lookahead_cli
-try:
-    lookahead_cli.main(["generate", "--help"])
-except SystemExit:
-    pass
+for argv in (["generate", "--help"], ["--version"]):
+    try:
+        lookahead_cli.main(argv)
+    except SystemExit:
+        pass
 code = lookahead_cli.main(["generate", "x", "--top-p", "2"])
 heavy = sorted(m for m in ("torch", "transformers", "lookahead.loop", "lookahead.request", "lookahead.models")
                if m in sys.modules)

@@ -23,6 +23,9 @@ from .launch import remove_empty_log_dir, world_size
 
 _COLORS = ("\033[38;5;39m", "\033[38;5;208m")  # alternate per multi-token step, like the authors' demo
 _RESET = "\033[0m"
+# --show-steps off a terminal: brackets no programming language uses (square brackets mangled code: s[[::-1]])
+STEP_MARKS = ("\u27e6", "\u27e7")
+ASCII_STEP_MARKS = ("<|", "|>")  # where stdout cannot encode those
 # torchrun starts every process at once, so they meet within seconds; a process that waits longer has no peers
 JOIN_TIMEOUT = timedelta(seconds=60)
 JOIN_NOTICE_S = 3.0  # a wait longer than this is said on stderr, with what it waits for
@@ -196,10 +199,13 @@ def _encode(tokenizer, prompt: str, raw: bool) -> list[int]:
 
 
 class _StreamPrinter:
-    """Prints the text of each step's tokens as it arrives; optionally marks multi-token steps."""
+    """Prints the text of each step's tokens as it arrives; with show_steps, marks the text of each multi-token step:
+    alternating colours on a terminal (color), else STEP_MARKS around it (ASCII_STEP_MARKS where stdout cannot
+    encode those)."""
 
     def __init__(self, tokenizer, show_steps: bool, color: bool) -> None:
         self.tokenizer, self.show_steps, self.color = tokenizer, show_steps, color
+        self.marks = _marks(sys.stdout)
         self.tokens: list[int] = []
         self.printed = ""
         self.groups = 0
@@ -213,6 +219,14 @@ class _StreamPrinter:
         self.printed = text
         if self.show_steps and len(tokens) > 1 and new:
             self.groups += 1
-            new = (_COLORS[self.groups % 2] + new + _RESET) if self.color else f"[{new}]"
+            new = (_COLORS[self.groups % 2] + new + _RESET) if self.color else self.marks[0] + new + self.marks[1]
         sys.stdout.write(new)
         sys.stdout.flush()
+
+
+def _marks(stream) -> tuple[str, str]:
+    try:
+        "".join(STEP_MARKS).encode(getattr(stream, "encoding", None) or "utf-8")
+    except (UnicodeEncodeError, LookupError):
+        return ASCII_STEP_MARKS
+    return STEP_MARKS
