@@ -301,6 +301,54 @@ def test_custom_generate_refuses_what_it_cannot_honour(hf_model, kwargs, message
         model.generate(torch.tensor([[3, 1, 4, 1]]), custom_generate=lh.custom_generate, max_new_tokens=4, **kwargs)
 
 
+class RecordingStreamer(transformers.generation.streamers.BaseStreamer):
+    """What transformers' streamers receive: each put's token ids, and how many times end() was called."""
+
+    def __init__(self):
+        self.puts, self.ended = [], 0
+
+    def put(self, value):
+        self.puts.append(value.tolist())
+
+    def end(self):
+        self.ended += 1
+
+
+def test_custom_generate_feeds_a_streamer(hf_model):
+    """A streamer used to get the prompt (transformers puts it) and nothing more, never end(): a reader of a
+    TextIteratorStreamer waited for ever. Now: the prompt, the new tokens step by step, end() (after a refusal too)."""
+    model = hf_model("gqa")
+    ids = torch.tensor([REPETITIVE])
+    plain, ours, refused = RecordingStreamer(), RecordingStreamer(), RecordingStreamer()
+    expected = model.generate(ids, max_new_tokens=24, do_sample=False, streamer=plain, **NO_EOS)
+    out = model.generate(ids, custom_generate=lh.custom_generate, lookahead=LookaheadConfig(5, 4, 5), max_new_tokens=24,
+                         streamer=ours, **NO_EOS)
+    assert torch.equal(out, expected)
+    assert ours.puts[0] == plain.puts[0] == [REPETITIVE]
+    new = expected[0, len(REPETITIVE):].tolist()
+    assert [t for put in ours.puts[1:] for t in put] == [t for put in plain.puts[1:] for t in put] == new
+    assert any(len(put) > 1 for put in ours.puts[1:])  # a multi-token step arrives in one put
+    assert ours.ended == plain.ended == 1
+    with pytest.raises(ValueError, match="RepetitionPenaltyLogitsProcessor"):
+        model.generate(ids, custom_generate=lh.custom_generate, max_new_tokens=4, repetition_penalty=1.3,
+                       streamer=refused)
+    assert refused.ended == 1
+
+
+def test_decoding_past_max_position_embeddings_is_refused(hf_model):
+    """Both entries used to decode past the positions the model was built for without a word."""
+    model = hf_model("gqa", max_position_embeddings=16)
+    assert len(lh.generate(model, [1, 2, 3], max_new_tokens=13, eos_token_id=[]).tokens) == 13  # 16 positions: fine
+    with pytest.raises(ValueError, match=re.escape("prompt (3 tokens) + max_new_tokens (14) = 17 exceeds the model's "
+                                                   "max_position_embeddings (16)")):
+        lh.generate(model, [1, 2, 3], max_new_tokens=14)
+    out = model.generate(torch.tensor([[1, 2, 3]]), custom_generate=lh.custom_generate, max_new_tokens=13, **NO_EOS)
+    assert out.shape == (1, 16)
+    with pytest.raises(ValueError, match=re.escape("max_length (17, prompt + max_new_tokens) exceeds the model's "
+                                                   "max_position_embeddings (16)")):
+        model.generate(torch.tensor([[1, 2, 3]]), custom_generate=lh.custom_generate, max_new_tokens=14)
+
+
 def test_a_filled_cache_is_refused(hf_model):
     model = hf_model("gqa")
     cache = transformers.DynamicCache(config=model.config)
