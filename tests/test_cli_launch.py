@@ -128,9 +128,10 @@ def test_torchruns_empty_log_folder_is_removed(monkeypatch, tmp_path):
 def test_log_folders_with_a_file_or_chosen_by_the_user_are_kept(monkeypatch, tmp_path):
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     environ = log_tree(tmp_path / "torchelastic_abc")
-    (tmp_path / "torchelastic_abc" / "run_x" / "attempt_0" / "1" / "error.json").write_text("{}")
+    attempt = tmp_path / "torchelastic_abc" / "run_x" / "attempt_0"
+    (attempt / "filtered_stderr.log").write_text("")  # beside the rank folders, which are removed first if at all
     remove_empty_log_dir(environ)
-    assert (tmp_path / "torchelastic_abc" / "run_x" / "attempt_0" / "0").is_dir()
+    assert (attempt / "0").is_dir() and (attempt / "1").is_dir()
     for chosen in (tmp_path / "my_logs", tmp_path / "elsewhere" / "torchelastic_abc"):  # --log-dir DIR
         remove_empty_log_dir(log_tree(chosen))
         assert (chosen / "run_x" / "attempt_0" / "0").is_dir()
