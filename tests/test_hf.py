@@ -12,11 +12,15 @@ from test_model import VARIANTS
 from test_sampling import DEPTH, P_FLOOR, PROMPT, VOCAB, distribution_p_values, exact_joint
 from transformers import LlamaForCausalLM
 
-import lookahead.engine as engine
 import lookahead.hf as lh
+import lookahead.hf.api as hf_api
+import lookahead.hf.step_model as hf_step_model
+import lookahead.loop as loop
+import lookahead.loop.core as core
 from lookahead import LookaheadConfig, SamplingParams
+from lookahead.drafts import ROOT
 from lookahead.kernels import interpreting
-from lookahead.verify import Verdict
+from lookahead.loop.verify import Verdict
 
 CONFIGS = [(1, 2, 0), (3, 4, 3), (5, 4, 5), (15, 5, 15)]
 IDS = [f"W{w}-N{n}-G{g}" for w, n, g in CONFIGS]
@@ -120,7 +124,7 @@ def test_custom_generate_returns_plain_greedy_sequences(hf_model, variant):
 
 IMPORTS = """
 import sys
-import lookahead, lookahead.engine
+import lookahead, lookahead.loop
 print('transformers' in sys.modules)
 import lookahead.hf
 print('transformers' in sys.modules, any(m.startswith('lookahead.models') for m in sys.modules))
@@ -136,7 +140,9 @@ def test_transformers_stays_optional_and_models_unused():
 
 def snapshot(model):
     hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
-    masks = sorted(transformers.masking_utils.ALL_MASK_ATTENTION_FUNCTIONS)
+    # the adapter's own names (`lookahead:<own>`, registered once per implementation) aside, no mask function is added
+    masks = sorted(m for m in transformers.masking_utils.ALL_MASK_ATTENTION_FUNCTIONS
+                   if not m.startswith(f"{lh.ATTENTION_NAME}:"))
     return (model.config._attn_implementation, model.config.to_dict(), model.generation_config.to_dict(), hooks,
             masks, type(model), model.training)
 
@@ -148,7 +154,7 @@ def test_model_is_left_unchanged(hf_model, monkeypatch):
     lh.generate(model, REPETITIVE, 32, LookaheadConfig(3, 4, 3), temperature=0.8, top_k=20, seed=3)
     model.generate(torch.tensor([REPETITIVE]), custom_generate=lh.custom_generate, max_new_tokens=32)
     with monkeypatch.context() as patch:  # a step that fails half way restores the attention implementation
-        patch.setattr(lh, "masked_attention", lambda *args: 1 / 0)
+        patch.setattr(hf_step_model, "masked_attention", lambda *args: 1 / 0)
         with pytest.raises(ZeroDivisionError):
             lh.generate(model, REPETITIVE, 32, LookaheadConfig(5, 4, 5))
     assert snapshot(model) == before
@@ -196,12 +202,14 @@ def test_sampling_matches_exact_distribution(hf_model):
 def test_a_wrong_acceptance_rule_fails_the_same_check(hf_model, monkeypatch):
     """Negative control: always accepting the first candidate (chains form) must be caught with the same model."""
 
-    def accept_first_candidate(candidates, prob_of, pattern, uniform, draw):
-        if not candidates:
-            return Verdict([draw(0)], -1)
-        return Verdict(list(candidates[0]) + [draw(pattern.candidate_index(0, len(candidates[0])))], 0)
+    def accept_first_path(tree, prob_of, uniform, draw):
+        node, tokens = ROOT, []
+        while (child := next(iter(tree.children(node)), None)) is not None:
+            node = child
+            tokens.append(tree.tokens[child])
+        return Verdict(tokens + [draw(node + 1)], node)
 
-    monkeypatch.setattr(engine, "sample_verify", accept_first_candidate)
+    monkeypatch.setattr(core, "sample_verify", accept_first_path)
     model = vocab6_model(hf_model)
     n = 400
     counts, _ = sample_counts(model, n, form="chains")
@@ -213,7 +221,8 @@ def test_custom_generate_samples_with_transformers_settings(hf_model, monkeypatc
     """do_sample's temperature, top_k and top_p reach the loop; torch.manual_seed makes it reproducible."""
     model = hf_model("gqa")
     seen = []
-    monkeypatch.setattr(lh, "decode", lambda *args, **kwargs: seen.append(args[3]) or engine.decode(*args, **kwargs))
+    monkeypatch.setattr(hf_api, "decode",
+                        lambda *args, **kwargs: seen.append(args[1].sampling) or loop.decode(*args, **kwargs))
     args = dict(custom_generate=lh.custom_generate, max_new_tokens=24, do_sample=True, temperature=0.7, top_k=5,
                 top_p=0.9, **NO_EOS)
     runs = []
@@ -263,7 +272,7 @@ def test_other_llama_family_architectures(hf_model):
     (dict(input_ids=transformers.BatchEncoding({"input_ids": [[0, 1, 2]], "attention_mask": [[0, 1, 1]]})),
      "padded prompt"),
     (dict(max_new_tokens=0), "max_new_tokens must be a positive int"),
-    (dict(lookahead=(3, 4, 3)), "lookahead must be None or a LookaheadConfig"),
+    (dict(lookahead=(3, 4, 3)), "lookahead must be None, 'auto' or a LookaheadConfig"),
     (dict(temperature=-1.0), "temperature must be"),
     (dict(attn_backend="cuda"), "attn_backend must be one of"),
     (dict(eos_token_id="2"), "eos_token_id must be"),
@@ -290,6 +299,54 @@ def test_custom_generate_refuses_what_it_cannot_honour(hf_model, kwargs, message
     model = hf_model("gqa")
     with pytest.raises(ValueError, match=message):
         model.generate(torch.tensor([[3, 1, 4, 1]]), custom_generate=lh.custom_generate, max_new_tokens=4, **kwargs)
+
+
+class RecordingStreamer(transformers.generation.streamers.BaseStreamer):
+    """What transformers' streamers receive: each put's token ids, and how many times end() was called."""
+
+    def __init__(self):
+        self.puts, self.ended = [], 0
+
+    def put(self, value):
+        self.puts.append(value.tolist())
+
+    def end(self):
+        self.ended += 1
+
+
+def test_custom_generate_feeds_a_streamer(hf_model):
+    """A streamer used to get the prompt (transformers puts it) and nothing more, never end(): a reader of a
+    TextIteratorStreamer waited for ever. Now: the prompt, the new tokens step by step, end() (after a refusal too)."""
+    model = hf_model("gqa")
+    ids = torch.tensor([REPETITIVE])
+    plain, ours, refused = RecordingStreamer(), RecordingStreamer(), RecordingStreamer()
+    expected = model.generate(ids, max_new_tokens=24, do_sample=False, streamer=plain, **NO_EOS)
+    out = model.generate(ids, custom_generate=lh.custom_generate, lookahead=LookaheadConfig(5, 4, 5), max_new_tokens=24,
+                         streamer=ours, **NO_EOS)
+    assert torch.equal(out, expected)
+    assert ours.puts[0] == plain.puts[0] == [REPETITIVE]
+    new = expected[0, len(REPETITIVE):].tolist()
+    assert [t for put in ours.puts[1:] for t in put] == [t for put in plain.puts[1:] for t in put] == new
+    assert any(len(put) > 1 for put in ours.puts[1:])  # a multi-token step arrives in one put
+    assert ours.ended == plain.ended == 1
+    with pytest.raises(ValueError, match="RepetitionPenaltyLogitsProcessor"):
+        model.generate(ids, custom_generate=lh.custom_generate, max_new_tokens=4, repetition_penalty=1.3,
+                       streamer=refused)
+    assert refused.ended == 1
+
+
+def test_decoding_past_max_position_embeddings_is_refused(hf_model):
+    """Both entries used to decode past the positions the model was built for without a word."""
+    model = hf_model("gqa", max_position_embeddings=16)
+    assert len(lh.generate(model, [1, 2, 3], max_new_tokens=13, eos_token_id=[]).tokens) == 13  # 16 positions: fine
+    with pytest.raises(ValueError, match=re.escape("prompt (3 tokens) + max_new_tokens (14) = 17 exceeds the model's "
+                                                   "max_position_embeddings (16)")):
+        lh.generate(model, [1, 2, 3], max_new_tokens=14)
+    out = model.generate(torch.tensor([[1, 2, 3]]), custom_generate=lh.custom_generate, max_new_tokens=13, **NO_EOS)
+    assert out.shape == (1, 16)
+    with pytest.raises(ValueError, match=re.escape("max_length (17, prompt + max_new_tokens) exceeds the model's "
+                                                   "max_position_embeddings (16)")):
+        model.generate(torch.tensor([[1, 2, 3]]), custom_generate=lh.custom_generate, max_new_tokens=14)
 
 
 def test_a_filled_cache_is_refused(hf_model):

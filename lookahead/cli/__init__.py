@@ -8,7 +8,9 @@ its own process only, unless the user set it. The work itself (loading, generati
 `lookahead.cli.generate.run`.
 
 Under `torchrun --nproc-per-node K -m lookahead generate ...` (torchrun's WORLD_SIZE > 1) the K processes
-run one generation with lookahead parallelism (`Llama.generate(process_group=...)`); rank 0 prints.
+run one generation with lookahead parallelism (`Llama.generate(process_group=...)`); rank 0 prints. A WORLD_SIZE
+without torchrun's other variables is refused here (`lookahead.cli.launch`); processes that do not meet within a
+minute give up with an error, and SIGINT/SIGTERM end them while they wait.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from pathlib import Path
 from lookahead.backends import BACKENDS
 from lookahead.config import LookaheadConfig
 
+from .launch import world_size
+
 DEFAULTS = LookaheadConfig()  # the defaults' one home; neither import loads torch
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
@@ -40,12 +44,35 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"lookahead: error: {message} (see '{self.prog} --help')\n")
 
 
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Appends an option's default to its help unless the help states it already or there is nothing to state (None:
+    the help says what happens; a flag's False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("(default" in text or not action.option_strings or action.default is None or action.default is False
+                or action.default == argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _version() -> str:
+    """The installed package's version, from its metadata (nothing of the package is imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("lookahead")
+    except PackageNotFoundError:
+        return "unknown (not installed; run pip install -e .)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="lookahead", description="Exact lookahead decoding for LLaMA models.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     gen = commands.add_parser(
         "generate", help="generate an answer to a prompt, streamed to the terminal",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsFormatter,
         description="Generate text with lookahead decoding. In float32 with temperature 0 the output is token "
                     "for token plain greedy decoding; in float16/bfloat16 near-ties can flip (a multi-token pass "
                     "rounds differently from a one-token pass). Ends with a summary line on stderr.")
@@ -58,17 +85,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy; > 0 samples")
     gen.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: off)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
-    gen.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling, in [0, 2**64)")
+    gen.add_argument("--seed", type=int, default=None,
+                     help="seed for reproducible sampling, in [0, 2**64) (default: a fresh one each run)")
     gen.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
     gen.add_argument("--window", "-W", type=int, default=None,
                      help=f"lookahead window W (default: {DEFAULTS.window}; under torchrun with K processes, "
-                          f"{DEFAULTS.window}K: the whole step's W, divided among them)")
+                          f"{DEFAULTS.window} x K: the whole step's W, divided among them)")
     gen.add_argument("--ngram", "-N", type=int, default=DEFAULTS.ngram, help="n-gram size N")
     gen.add_argument("--guesses", "-G", type=int, default=None,
                      help=f"verified candidates per step G (default: {DEFAULTS.guesses}; under torchrun with K "
-                          f"processes, {DEFAULTS.guesses}K)")
+                          f"processes, {DEFAULTS.guesses} x K)")
     gen.add_argument("--no-lookahead", action="store_true", help="plain autoregressive decoding")
-    gen.add_argument("--show-steps", action="store_true", help="mark tokens that arrived in the same step")
+    gen.add_argument("--show-steps", action="store_true",
+                     help="mark the text of each step that gave several tokens: in alternating colours on a terminal, "
+                          "else between the white square brackets U+27E6 and U+27E7 ('<|' and '|>' where the output "
+                          "is ASCII), which code does not use")
     gen.add_argument("--dtype", default=None, choices=("float32", "float16", "bfloat16"),
                      help="model dtype (default: bfloat16 on CUDA, float32 on CPU; float32 is token-exact, "
                           "16-bit may flip near-ties)")
@@ -112,13 +143,24 @@ def _check_model_dir(model: str) -> None:
     if not model.strip():
         raise UsageError(f"--model is empty; give a checkpoint folder, or leave the flag out for {DEFAULT_MODEL}")
     folder = Path(model)
+    try:
+        _check_checkpoint_files(model, folder)
+    except OSError as e:  # a folder or file this user may not read: stat and open raise PermissionError
+        raise UsageError(f"--model {model!r} cannot be read ({e.strerror or e}): check its permissions") from None
+
+
+def _check_checkpoint_files(model: str, folder: Path) -> None:
     if not folder.is_dir():
         raise UsageError(f"--model {model!r} is not a folder" + (" (it does not exist)" if not folder.exists() else ""))
     if not (folder / "config.json").is_file():
         raise UsageError(f"--model {model!r} has no config.json: is it a Hugging Face checkpoint folder?")
-    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
+    tokenizers = [folder / name for name in ("tokenizer.json", "tokenizer.model") if (folder / name).is_file()]
+    if not tokenizers:
         raise UsageError(f"--model {model!r} has no tokenizer.json or tokenizer.model: the command needs the "
                          "checkpoint's tokenizer (use the Python API to bring your own)")
+    for path in (folder / "config.json", tokenizers[0]):  # readable, not only present
+        with open(path, "rb"):
+            pass
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -127,7 +169,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         check_args(args)
-    except UsageError as e:
+        world_size(os.environ)  # a stray WORLD_SIZE is refused here, before torch loads
+    except ValueError as e:  # UsageError, or launch's errors naming the environment variable
         print(f"lookahead: error: {e}", file=sys.stderr)
         return 2
     restore = _exit_on_sigterm()

@@ -7,23 +7,37 @@ module `lookahead.cli`, which runs before torch is imported and calls `run` with
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
+import signal
 import sys
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from datetime import timedelta
 
 from lookahead.config import LookaheadConfig
 
+from .launch import remove_empty_log_dir, world_size
+
 _COLORS = ("\033[38;5;39m", "\033[38;5;208m")  # alternate per multi-token step, like the authors' demo
 _RESET = "\033[0m"
+# --show-steps off a terminal: brackets no programming language uses (square brackets mangled code: s[[::-1]])
+STEP_MARKS = ("\u27e6", "\u27e7")
+ASCII_STEP_MARKS = ("<|", "|>")  # where stdout cannot encode those
+# torchrun starts every process at once, so they meet within seconds; a process that waits longer has no peers
+JOIN_TIMEOUT = timedelta(seconds=60)
+JOIN_NOTICE_S = 3.0  # a wait longer than this is said on stderr, with what it waits for
+GROUP_TIMEOUT = timedelta(minutes=10)  # a collective waiting longer (a peer died or hangs) ends the run with an error
 
 
 def run(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> int:
     """Generate for `lookahead.cli`'s checked arguments; errors are raised for the front to print.
 
-    environ: where torchrun's WORLD_SIZE, RANK, LOCAL_RANK are read from (WORLD_SIZE > 1: lookahead parallelism)."""
-    world = int(environ.get("WORLD_SIZE", "1"))
+    environ: where torchrun's WORLD_SIZE, RANK, LOCAL_RANK are read from (WORLD_SIZE > 1: lookahead parallelism;
+    `lookahead.cli.launch.world_size` tells a torchrun launch from a stray WORLD_SIZE)."""
+    world = world_size(environ)
     if world <= 1:
         return _run(args, None, _say)
     import torch
@@ -33,15 +47,70 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> in
         raise ValueError(f"--no-lookahead under torchrun ({world} processes): lookahead parallelism divides lookahead "
                          "steps among the processes; run plain decoding in one process")
     device = _device(torch, args.device)
+    local_rank = int(environ.get("LOCAL_RANK", "0"))
     if device.startswith("cuda") and args.device in (None, "cuda"):
-        device = f"cuda:{int(environ.get('LOCAL_RANK', '0'))}"  # one GPU per process
-    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+        device = f"cuda:{local_rank}"  # one GPU per process
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(device)  # before NCCL starts, so its communicator is made on this rank's GPU
+    store, rank = _join(dist, environ, world)
+    dist.init_process_group("nccl" if cuda else "gloo", store=dist.PrefixStore("default_pg", store), rank=rank,
+                            world_size=world, timeout=GROUP_TIMEOUT, device_id=torch.device(device) if cuda else None)
     try:
-        rank = dist.get_rank()
         say = _say if rank == 0 else (lambda message: None)
-        return _run(args, (dist.group.WORLD, world, rank, device), say)
+        code = _run(args, (dist.group.WORLD, world, rank, device), say)
     finally:
         dist.destroy_process_group()
+    if local_rank == 0:
+        remove_empty_log_dir(environ)
+    return code
+
+
+def _join(dist, environ: Mapping[str, str], world: int):
+    """Meet the other processes of the launch within JOIN_TIMEOUT; returns the rendezvous store and this rank.
+
+    Says what it waits for when that takes more than a few seconds. While it waits in torch's C++ code, Python's
+    signal handlers cannot run, so SIGINT and SIGTERM get their default action (end the process) meanwhile."""
+    where = f"{environ['MASTER_ADDR']}:{environ['MASTER_PORT']}"
+    seconds = int(JOIN_TIMEOUT.total_seconds())
+    notice = threading.Timer(JOIN_NOTICE_S, _say, [
+        f"waiting for the {world} processes of WORLD_SIZE={world} to meet at {where} (torchrun); giving up after "
+        f"{seconds} s; Ctrl-C ends it"])
+    notice.daemon = True
+    with _default_signals():
+        notice.start()
+        try:
+            # env:// reads the same variables from os.environ; under torchrun it joins torchrun's own store
+            store, rank, _ = next(dist.rendezvous("env://", timeout=JOIN_TIMEOUT))
+            store.set_timeout(JOIN_TIMEOUT)
+            # a client of torchrun's store connects at once: count the arrivals to know that every process is here
+            key = f"lookahead/joined/{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+            if store.add(key, 1) == world:
+                store.set(f"{key}/all", "1")
+            store.wait([f"{key}/all"])
+        except RuntimeError as e:  # torch's DistStoreError, DistNetworkError: a timeout or no connection
+            message = " ".join(str(e).split())
+            raise TimeoutError(f"WORLD_SIZE={world}: the {world} processes did not meet at {where} within {seconds} s "
+                               f"({message}); start them with 'torchrun --nproc-per-node {world} -m lookahead "
+                               "generate ...', or unset WORLD_SIZE to run one process") from None
+        finally:
+            notice.cancel()
+    store.set_timeout(GROUP_TIMEOUT)
+    return store, rank
+
+
+@contextlib.contextmanager
+def _default_signals() -> Iterator[None]:
+    """SIGINT and SIGTERM end the process at once inside (no Python handler runs), then are restored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.signal(signum, signal.SIG_DFL) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _run(args: argparse.Namespace, parallel, say) -> int:
@@ -130,10 +199,13 @@ def _encode(tokenizer, prompt: str, raw: bool) -> list[int]:
 
 
 class _StreamPrinter:
-    """Prints the text of each step's tokens as it arrives; optionally marks multi-token steps."""
+    """Prints the text of each step's tokens as it arrives; with show_steps, marks the text of each multi-token step:
+    alternating colours on a terminal (color), else STEP_MARKS around it (ASCII_STEP_MARKS where stdout cannot
+    encode those)."""
 
     def __init__(self, tokenizer, show_steps: bool, color: bool) -> None:
         self.tokenizer, self.show_steps, self.color = tokenizer, show_steps, color
+        self.marks = _marks(sys.stdout)
         self.tokens: list[int] = []
         self.printed = ""
         self.groups = 0
@@ -147,6 +219,14 @@ class _StreamPrinter:
         self.printed = text
         if self.show_steps and len(tokens) > 1 and new:
             self.groups += 1
-            new = (_COLORS[self.groups % 2] + new + _RESET) if self.color else f"[{new}]"
+            new = (_COLORS[self.groups % 2] + new + _RESET) if self.color else self.marks[0] + new + self.marks[1]
         sys.stdout.write(new)
         sys.stdout.flush()
+
+
+def _marks(stream) -> tuple[str, str]:
+    try:
+        "".join(STEP_MARKS).encode(getattr(stream, "encoding", None) or "utf-8")
+    except (UnicodeEncodeError, LookupError):
+        return ASCII_STEP_MARKS
+    return STEP_MARKS

@@ -9,7 +9,9 @@ through the two hooks transformers supports: an attention function registered wi
 `AttentionInterface` (it receives q, k, v after RoPE and after the cache update; the step's pattern
 reaches it as a forward keyword argument) and `generate(custom_generate=...)`. The model's
 attention implementation is switched to it only for the duration of a step and restored after, so
-the model is left as it was. transformers is imported here only, on first use.
+the model is left as it was; the switch is invisible to other callers of the model meanwhile (a plain
+`generate` in another thread runs the model's own attention and mask; see `step_model`).
+transformers is imported here only, on first use.
 """
 
 from .api import custom_generate, generate

@@ -3,6 +3,7 @@ function of its own and as `hf_model.generate(custom_generate=...)`."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,7 +32,8 @@ def generate(hf_model, input_ids, max_new_tokens: int = 256, lookahead: Lookahea
     stream: called with each step's accepted tokens as they are decided.
     static_step: pad every step to the configuration's full size (one step shape); None = on CUDA only.
     attn_backend: "auto" (the Triton kernel on CUDA, the SDPA reference elsewhere), "torch" or "triton".
-    The model is left as it was: its attention implementation is switched only during each step.
+    The model is left as it was: its attention implementation is switched only during each step, and other callers
+    of the model meanwhile (other threads, lookahead or not) get exactly what they get alone.
     """
     step_model = HFStepModel(hf_model, attn_backend=attn_backend)
     check_stream(stream)
@@ -61,7 +63,7 @@ def _eos(value) -> tuple[int, ...]:
 def custom_generate(model, input_ids: torch.Tensor, logits_processor=None, stopping_criteria=None,
                     generation_config=None, lookahead: LookaheadConfig | None = DEFAULT_LOOKAHEAD,
                     seed: int | None = None, static_step: bool | None = None, attn_backend: str = "auto",
-                    **model_kwargs):
+                    streamer=None, **model_kwargs):
     """The decode loop as `hf_model.generate(input_ids, custom_generate=lookahead.hf.custom_generate, ...)`.
 
     transformers prepares the inputs, the generation config, the logits processors, the stopping criteria
@@ -72,8 +74,23 @@ def custom_generate(model, input_ids: torch.Tensor, logits_processor=None, stopp
     does for transformers), static_step and attn_backend as in `generate`.
     Greedy (do_sample=False) and sampling with temperature, top_k and top_p are honoured exactly; beam search,
     other logits processors (repetition_penalty, min_new_tokens, ...) and stopping criteria, score outputs,
-    padding and batches are refused. transformers does not hand a `streamer` to a custom_generate callable.
+    padding and batches are refused. A `streamer` given to `generate` gets what transformers' own decoding gives it:
+    the prompt (transformers puts it), the new tokens as they are accepted (one `put` per step, a 1-D tensor of that
+    step's tokens) and `end()`. transformers (5.23) hands a custom_generate callable no streamer, so it is read from
+    the calling `generate`'s arguments.
     """
+    if streamer is None:
+        streamer = _generate_streamer(sys._getframe(1))
+    try:
+        return _custom_generate(model, input_ids, logits_processor, stopping_criteria, generation_config, lookahead,
+                                seed, static_step, attn_backend, streamer, model_kwargs)
+    finally:
+        if streamer is not None:
+            streamer.end()  # after an error too, so that a reader of the streamer is not left waiting
+
+
+def _custom_generate(model, input_ids, logits_processor, stopping_criteria, generation_config, lookahead, seed,
+                     static_step, attn_backend, streamer, model_kwargs):
     transformers = require_transformers()
     check_model(model)
     _check_generation_config(generation_config, input_ids)
@@ -93,13 +110,24 @@ def custom_generate(model, input_ids: torch.Tensor, logits_processor=None, stopp
     if new > 0:
         static = step_model.device.type == "cuda" if static_step is None else static_step
         request = Request((prompt,), new, sampling, lookahead, frozenset(eos), (seed,), static)
-        tokens = decode(step_model, request).tokens
+        stream = None if streamer is None else lambda accepted: streamer.put(torch.tensor(accepted))
+        tokens = decode(step_model, request, stream).tokens
         step_model.trim(len(prompt) + len(tokens) - 1)  # what plain generate leaves: all but the last token
     sequences = torch.cat([input_ids, torch.tensor([tokens], dtype=input_ids.dtype, device=input_ids.device)], -1)
     if generation_config.return_dict_in_generate:
         return transformers.generation.GenerateDecoderOnlyOutput(sequences=sequences,
                                                                  past_key_values=step_model.cache)
     return sequences
+
+
+def _generate_streamer(frame) -> Any:
+    """The `streamer` argument of transformers' `generate` when `frame` is that call (it calls custom_generate itself),
+    else None: transformers puts the prompt into it and then passes a custom_generate callable only the callable's own
+    arguments, so without this the streamer would get nothing more and never `end()` (a TextIteratorStreamer's reader
+    would wait for ever)."""
+    if frame.f_code.co_name != "generate" or not frame.f_globals.get("__name__", "").startswith("transformers."):
+        return None
+    return frame.f_locals.get("streamer")
 
 
 def _check_generation_config(config, input_ids: torch.Tensor) -> None:

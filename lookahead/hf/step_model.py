@@ -2,13 +2,21 @@
 transformers supports: an attention function registered with `AttentionInterface` (it receives q, k, v after RoPE
 and after the cache update; the step's pattern reaches it as a forward keyword argument), selected only for the
 duration of a step and restored after, so the model is left as it was. transformers is imported on first use.
+
+The selection is the model config's `_attn_implementation`, which every caller of the model reads. So that no other
+caller sees it (a plain `generate` in another thread, another lookahead generation whose steps overlap this one's),
+the name selected during a step is `lookahead:<own>` (`<own>` the model's own implementation), registered with the
+attention and with the mask interfaces: without the step's keyword argument it is the model's own attention and
+mask, unchanged; and the switch is counted per config, so the last step to end restores the model's own.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator, Sequence
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +34,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # RoPE that does not depend on how many tokens one forward pass holds ("dynamic", "longrope" do)
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _STEP_KWARG = "lookahead_step"
+_NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)  # a step's 4-D placeholder mask (the step attention ignores it)
 
 
 def require_transformers() -> Any:
@@ -55,6 +64,18 @@ def require_transformers() -> Any:
     return transformers
 
 
+def _register_step_name(own: str | None) -> str:
+    """The implementation name a step selects on a model whose own is `own`, registered on first use: the step
+    attention with the step's keyword argument, the model's own attention and mask without it."""
+    from transformers import masking_utils, modeling_utils
+
+    name = f"{ATTENTION_NAME}:{own}"
+    if name not in modeling_utils.ALL_ATTENTION_FUNCTIONS:
+        masking_utils.AttentionMaskInterface.register(name, _own_mask(own))
+        modeling_utils.AttentionInterface.register(name, _step_or_own_attention(own))
+    return name
+
+
 @dataclass(frozen=True)
 class _Step:
     """What every layer's attention needs for one step: the pattern, L, and the dense mask (torch only)."""
@@ -79,16 +100,66 @@ def _step_attention(module, query, key, value, attention_mask, scaling=None, dro
     return out.transpose(1, 2).contiguous(), None
 
 
+def _step_or_own_attention(own: str | None) -> Callable:
+    """The attention of `lookahead:<own>`: a step's own (its keyword argument present), else the model's own."""
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        if _STEP_KWARG in kwargs:
+            return _step_attention(module, query, key, value, attention_mask, **kwargs)
+        return _own_attention(module, own)(module, query, key, value, attention_mask, **kwargs)
+
+    return attention
+
+
+def _own_attention(module, own: str | None) -> Callable:
+    """What the module's forward picks for `own` (eager is each modeling file's own function, not registered)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    function = ALL_ATTENTION_FUNCTIONS.get_interface(own, eager)
+    if function is None:
+        raise RuntimeError(f"{type(module).__name__} has no eager_attention_forward to run as its own attention")
+    return function
+
+
+def _own_mask(own: str | None) -> Callable:
+    """The mask function of `lookahead:<own>`: the model's own, or none where its implementation takes no mask
+    (what transformers does for an implementation with no mask function registered). A step passes its own 4-D
+    placeholder mask, which transformers hands on as it is, so no mask is built for a step."""
+
+    def mask(*args, **kwargs):
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+        function = ALL_MASK_ATTENTION_FUNCTIONS.get("eager" if own is None else own)
+        return None if function is None else function(*args, **kwargs)
+
+    return mask
+
+
+_SWITCH_LOCK = threading.Lock()
+_SWITCHED: dict[int, tuple[int, str | None]] = {}  # id(config) -> (steps under way, the model's own implementation)
+
+
 @contextlib.contextmanager
-def _attention_implementation(model, name: str) -> Iterator[None]:
-    """Select attention `name` for the calls inside, then restore the model's own (also on error)."""
+def _step_implementation(model) -> Iterator[None]:
+    """Select `lookahead:<own>` for the calls inside; the last step under way on the model restores its own (also on
+    error). Counted, so overlapping steps on one model (two threads) neither take `lookahead:...` for the model's own
+    nor restore it while another step is still running."""
     config = model.config
-    own = config._attn_implementation
-    config._attn_implementation = name
+    with _SWITCH_LOCK:
+        count, own = _SWITCHED.get(id(config), (0, config._attn_implementation))
+        if count == 0:
+            config._attn_implementation = _register_step_name(own)
+        _SWITCHED[id(config)] = (count + 1, own)
     try:
         yield
     finally:
-        config._attn_implementation = own
+        with _SWITCH_LOCK:
+            count, own = _SWITCHED.pop(id(config))
+            if count > 1:
+                _SWITCHED[id(config)] = (count - 1, own)
+            else:
+                config._attn_implementation = own
 
 
 def check_model(model) -> None:
@@ -166,10 +237,11 @@ class HFStepModel:
         mask = None if self.kernel else pattern.materialize(self.length, device=self.device)
         step = _Step(pattern, self.length, mask)
         rows = torch.tensor(list(rows), device=self.device)
-        with _attention_implementation(self.model, ATTENTION_NAME):
-            # top-k of every row needs the head on every row (logits_to_keep=0: all of them)
+        with _step_implementation(self.model):
+            # top-k of every row needs the head on every row (logits_to_keep=0: all of them); a 4-D attention_mask is
+            # passed on as it is, so transformers builds no mask of its own for the step
             out = self.model(input_ids=ids, position_ids=positions, past_key_values=self.cache, use_cache=True,
-                             logits_to_keep=0 if topk else rows, **{_STEP_KWARG: step})
+                             attention_mask=_NO_MASK, logits_to_keep=0 if topk else rows, **{_STEP_KWARG: step})
         logits = out.logits[0]
         top = logits.topk(min(topk, logits.shape[-1]), dim=-1).indices if topk else None
         if topk:
