@@ -52,16 +52,6 @@ def test_suffix_index_longest_match_first_then_most_recent():
     assert index.continuations(1, 3) == [((3, 9, 2), 2)]
 
 
-def test_pool_prefers_ngrams_whose_context_matches():
-    pool = NGramPool(3, capacity=4)
-    pool.add([1, 2, 3], context=(7, 8))
-    pool.add([1, 4, 5], context=(6, 9))
-    pool.add([1, 6, 7], context=(5, 5))
-    assert pool.ranked(1, 3, [7, 8]) == [((2, 3), 2), ((6, 7), 0), ((4, 5), 0)]
-    assert pool.ranked(1, 1, [0, 9]) == [((4, 5), 1)]
-    assert pool.candidates(1, 3) == [(6, 7), (4, 5), (2, 3)]  # the chains form keeps recency order
-
-
 def test_recycle_tables_longest_context_first_last_row_wins():
     tables = RecycleTables()
     assert tables.lookup(0, 0, 5) == (None, ())

@@ -4,10 +4,10 @@ form's policy, the paper's candidates as a trie (`chains.py`)."""
 
 from .builder import DraftBuilder
 from .chains import ChainDrafts, chain_trie
-from .pool import CONTEXT, NGramPool
+from .pool import NGramPool
 from .recycle import RecycleTables
 from .suffix import SuffixIndex
 from .tree import EMPTY, ROOT, DraftTree, preorder
 
-__all__ = ["CONTEXT", "EMPTY", "ROOT", "ChainDrafts", "DraftBuilder", "DraftTree", "NGramPool", "RecycleTables",
+__all__ = ["EMPTY", "ROOT", "ChainDrafts", "DraftBuilder", "DraftTree", "NGramPool", "RecycleTables",
            "SuffixIndex", "chain_trie", "preorder"]

@@ -5,8 +5,8 @@ Three sources propose tokens under the step's input token and under every node o
            (two previous tokens, token), else per (previous token, token), else per token;
   suffix   earlier occurrences of the sequence's last 1..4 tokens in prompt + output, and what followed them
            (continuations of any length up to the node budget);
-  pool     the lookahead branch's n-grams (and the prompt's and output's, per `pool_from_*`), those whose
-           stored preceding tokens match the tokens before the input first.
+  pool     the lookahead branch's n-grams (and the prompt's and output's, per `pool_from_*`), the most recent
+           first.
 Each offered edge (a token under a parent) is scored by `edges.EDGE_PROBABILITY`: the probability that it is the
 model's argmax there given that its parent is accepted, from what each source says about it (its rank in the recycled
 top-k, the match length behind a suffix continuation, ...). A node's score is the product down its path, the
@@ -60,8 +60,8 @@ class DraftBuilder:
             for continuation, match in self.suffix.continuations(SUFFIX_LIMIT, budget):
                 _insert(proposals, continuation, 1, suffix_state(match, False), suffix_state(match, True))
         if self.use_pool:
-            for continuation, match in pool.ranked(sequence[-1], self.pool_limit, sequence[-3:-1]):
-                _insert(proposals, continuation, 2, pool_state(match, False), pool_state(match, True))
+            for continuation in pool.candidates(sequence[-1], self.pool_limit):
+                _insert(proposals, continuation, 2, pool_state(False), pool_state(True))
         previous = sequence[-2] if len(sequence) > 1 else -1
         second = sequence[-3] if len(sequence) > 2 else -1
         return self._grow(second, previous, sequence[-1], proposals, budget)

@@ -2,10 +2,9 @@
 
 An edge's evidence is one state per source: where the token sits in the recycled top-k of its parent (keyed by
 the parent's previous tokens and token, else by the parent token alone), whether a suffix match proposes it
-(first token or later, match length 1 or more) and whether a pool n-gram does (first token with or without a
-context match, or later). The probability is a logistic model additive in those states, given that the parent
-is accepted, with weights fitted on the edges of the dev prompts' steps (bench/data, the default model, both
-budgets). The weights are fixed: moving them by a gradient step after every verified step changed S by noise
+(first token or later, match length 1 or more) and whether a pool n-gram does (first token or later). The
+probability is a logistic model additive in those states, given that the parent is accepted, with weights fitted
+on the edges of the dev prompts' steps (bench/data, the default model, both budgets). The weights are fixed: moving them by a gradient step after every verified step changed S by noise
 only (bench/results/tri18-cpu.json against split18-old-cpu.json) and cost host time every step.
 """
 
@@ -18,8 +17,8 @@ import math
 RECYCLE_WEIGHTS = (2.05, 0.0, -0.57, -0.88, -1.3, 1.23, -0.26, -0.21, -0.91, -0.79, 0.26)
 # suffix: none | first token, match 1 | first token, match 2+ | later token, match 1 | later token, match 2+
 SUFFIX_WEIGHTS = (-1.55, -1.03, -0.08, -0.12, 1.39)
-# pool: none | first token, no context match | first token, context match | later token
-POOL_WEIGHTS = (-0.64, -0.42, -0.03, -0.3)
+# pool: none | first token | later token
+POOL_WEIGHTS = (-0.64, -0.42, -0.3)
 
 # An edge's state is one int, recycle * _R + suffix * _S + pool: the builder adds a source's part to it
 _S = len(POOL_WEIGHTS)
@@ -41,8 +40,8 @@ def suffix_state(match: int, later: bool) -> int:
     return ((3 if later else 1) + (match >= 2)) * _S
 
 
-def pool_state(match: int, later: bool) -> int:
-    return 3 if later else (2 if match else 1)
+def pool_state(later: bool) -> int:
+    return 2 if later else 1
 
 
 def stronger(slot: int, state: int, than: int) -> bool:

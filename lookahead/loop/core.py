@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 
 from lookahead.config import LookaheadConfig
-from lookahead.drafts import CONTEXT, ChainDrafts, DraftBuilder, NGramPool
+from lookahead.drafts import ChainDrafts, DraftBuilder, NGramPool
 from lookahead.kernels import StepPattern
 from lookahead.request import Request, SamplingParams
 
@@ -198,11 +198,8 @@ class LookaheadLoop:
 
     def _advance(self, accepted: list[int], outputs: list[int]) -> None:
         if self.window.full:
-            # column i's n-gram follows the sequence before the input token, then level 0's columns 0..i-1
-            prior = self.sequence[-1 - CONTEXT : -1]
-            before = prior + self.window.levels[0]
-            for i, gram in enumerate(self.window.columns(outputs)):
-                self.pool.add(gram, tuple(before[: len(prior) + i][-CONTEXT:]))
+            for gram in self.window.columns(outputs):
+                self.pool.add(gram)
         self.sequence.extend(accepted)
         self.drafts.extend(accepted)
         if self.cfg.pool_from_output:
