@@ -4,8 +4,9 @@ An edge's evidence is one state per source: where the token sits in the recycled
 the parent's previous tokens and token, else by the parent token alone), whether a suffix match proposes it
 (first token or later, match length 1 or more) and whether a pool n-gram does (first token or later). The
 probability is a logistic model additive in those states, given that the parent is accepted, with weights fitted
-on the edges of the dev prompts' steps (bench/data, the default model, both budgets). The weights are fixed: moving them by a gradient step after every verified step changed S by noise
-only (bench/results/tri18-cpu.json against split18-old-cpu.json) and cost host time every step.
+on the edges of the dev prompts' steps (bench/data, the default model, both budgets). The weights are fixed:
+moving them by a gradient step after every verified step changed S by noise only (bench/results/tri18-cpu.json
+against split18-old-cpu.json) and cost host time every step.
 """
 
 from __future__ import annotations
