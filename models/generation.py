@@ -18,11 +18,11 @@ import torch
 from torch import nn
 
 from lookahead.config import LookaheadConfig
-from lookahead.loop import PLAIN_STEP, GenerationResult, decode, decode_batch, full_pattern
+from lookahead.loop import PLAIN_STEP, GenerationResult, decode, decode_batch, full_pattern, static_step
 from lookahead.parallel import agree, decode_parallel
 from lookahead.request import Request, check_stream, parse_request
 
-from .runner import CachedRunner, StepForward
+from .runner import CachedRunner, StepForward, StepShape
 
 
 class Llama(StepForward, Protocol):
@@ -63,19 +63,30 @@ def generate(model: Llama, prompt_ids: Any, *, stream: Callable | None = None, c
         return decode(runner, request, stream)
 
 
-def warmup(model: Llama, lookahead: LookaheadConfig | str | None, max_tokens: int, cuda_graph: bool) -> None:
-    """See `Llama.warmup`: one short generation with static steps builds everything a longer one reuses."""
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 2:
-        raise ValueError(f"max_tokens must be an int >= 2, got {max_tokens!r}")
+def warmup(model: Llama, lookahead: LookaheadConfig | str | None, max_tokens: int, cuda_graph: bool, batch: int,
+           sampling: bool) -> None:
+    """See `Llama.warmup`: the runner for the largest request, every step shape a generation of it can meet
+    prepared (captured on CUDA), then one short generation that warms the prefill."""
+    for name, value, low in (("max_tokens", max_tokens, 2), ("batch", batch, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    if not isinstance(sampling, bool):
+        raise TypeError(f"sampling must be a bool, got {sampling!r}")
     limit = model.config.max_position_embeddings
     if max_tokens > limit:
         raise ValueError(f"max_tokens ({max_tokens}) exceeds the model's max_position_embeddings ({limit})")
     if isinstance(lookahead, str) and lookahead == "auto":
-        lookahead = LookaheadConfig.for_batch(1, model.device.type)
+        lookahead = LookaheadConfig.for_batch(batch, model.device.type)
+    request = Request([[0]] * batch, max_tokens - 1, lookahead=lookahead, static_step=True, batch=batch > 1)
     with model.lock:
         with torch.inference_mode():
-            runner_for(model, Request([[0]], max_tokens - 1, lookahead=lookahead), cuda_graph)
-        # the prefill gives one token, so two make exactly one step, of the one shape static steps have
+            runner = runner_for(model, request, cuda_graph)
+            modes = (False, True) if sampling else (False,)
+            steps = [static_step(lookahead, sample) for sample in modes]
+            # a batch meets every smaller batch size as its rows finish
+            runner.capture([StepShape(pattern, rows, size, topk, first) for pattern, rows, topk, first in steps
+                            for size in range(batch, 0, -1)])
+        # the prefill gives one token, so two make exactly one step, of the shape prepared above
         generate(model, [0], max_new_tokens=2, lookahead=lookahead, eos_token_id=[], static_step=True,
                  cuda_graph=cuda_graph)
 

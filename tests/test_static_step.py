@@ -215,3 +215,24 @@ def test_warmup_prepares_the_runner_the_generation_uses(tiny_checkpoint):
     assert result.tokens == model.generate(list(range(1, 40)), max_new_tokens=200, eos_token_id=[]).tokens
     with pytest.raises(ValueError, match="max_tokens must be an int >= 2"):
         model.warmup(cfg, max_tokens=1)
+    with pytest.raises(ValueError, match="max_tokens .* exceeds the model's max_position_embeddings"):
+        model.warmup(cfg, max_tokens=10**6)
+
+
+def test_warmup_prepares_every_shape_of_a_batch_and_of_sampling(tiny_checkpoint):
+    """A batch meets every smaller batch size as its rows finish, and sampling has a program of its own: a warm-up
+    for them prepares all, so the generations after it prepare nothing new."""
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    cfg = LookaheadConfig(2, 3, 2)
+    model.warmup(cfg, max_tokens=64, batch=3, sampling=True)
+    prepared = set(model.runner.step_shapes)
+    assert len(prepared) == 2 * 3  # greedy and sampling, at batch sizes 3, 2, 1
+    prompts = [[5, 6, 7], [9, 8], [3, 4, 5, 6]]
+    reference = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    plain = [reference.generate(p, max_new_tokens=12, eos_token_id=[]).tokens for p in prompts]
+    eos = [plain[0][3]]  # row 0 finishes early: the batch shrinks
+    model.generate(prompts, max_new_tokens=12, eos_token_id=eos, lookahead=cfg)
+    model.generate(prompts, max_new_tokens=12, lookahead=cfg, temperature=0.8, seed=1)
+    model.generate(prompts[0], max_new_tokens=12, lookahead=cfg, static_step=True, temperature=0.8, seed=1)
+    model.generate(prompts[1], max_new_tokens=12, lookahead=cfg, static_step=True)
+    assert set(model.runner.step_shapes) == prepared

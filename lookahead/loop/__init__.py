@@ -3,9 +3,18 @@
 sampling (`sampling`) and the 2D window (`window`)."""
 
 from .batch import BatchStepModel, decode_batch
-from .core import PLAIN_STEP, GenerationResult, LookaheadLoop, Output, StepModel, StepOutput, first_token
+from .core import (
+    PLAIN_STEP,
+    GenerationResult,
+    LookaheadLoop,
+    Output,
+    StepModel,
+    StepOutput,
+    first_token,
+    static_step,
+)
 from .layout import StepLayout, full_pattern, pack_step
 from .single import decode
 
 __all__ = ["PLAIN_STEP", "BatchStepModel", "GenerationResult", "LookaheadLoop", "Output", "StepLayout", "StepModel",
-           "StepOutput", "decode", "decode_batch", "first_token", "full_pattern", "pack_step"]
+           "StepOutput", "decode", "decode_batch", "first_token", "full_pattern", "pack_step", "static_step"]

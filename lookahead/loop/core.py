@@ -110,6 +110,15 @@ def first_token(logits: torch.Tensor, sampling: SamplingParams, sampler: Sampler
     return sampler.draw(target_probs(logits[None], sampling)[0])
 
 
+def static_step(cfg: LookaheadConfig | None, sampling: bool) -> tuple[StepPattern, int, int, int | None]:
+    """A generation's static step as a model's program sees it, packed by the loop itself: (pattern, output rows,
+    top-k asked for, sampling's first draft row or None when greedy). What a warm-up prepares ahead."""
+    if cfg is None:
+        return PLAIN_STEP, 1, 0, 1 if sampling else None
+    layout = LookaheadLoop(cfg, [0], 0, SamplingParams(), None, static=True).plan()
+    return layout.pattern, len(layout.rows), layout.topk, layout.first_draft_row if sampling else None
+
+
 def make_sampler(request: Request, row: int, device: torch.device | str) -> Sampler | None:
     """Row `row`'s random source (None when greedy)."""
     return None if request.sampling.greedy else Sampler(request.seeds[row], torch.device(device))
