@@ -97,8 +97,20 @@ def test_triton_kernel_as_the_step_attention(hf_model):
         pytest.skip("needs CUDA or TRITON_INTERPRET=1")
     model = hf_model("gqa")
     expected = hf_greedy(model, REPETITIVE, 16, **NO_EOS)
-    result = lh.generate(model, REPETITIVE, 16, LookaheadConfig(5, 4, 5), eos_token_id=[], attn_backend="triton")
+    plans = []
+    original = lh.step_model.StepAttentionPlan
+
+    def counted(*args, **kwargs):
+        plans.append(args[0])
+        return original(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(lh.step_model, "StepAttentionPlan", counted)
+        result = lh.generate(model, REPETITIVE, 16, LookaheadConfig(5, 4, 5), eos_token_id=[],
+                             attn_backend="triton")
     assert result.tokens == expected and result.compression > 1
+    # one launch plan per step, shared by the layers: no per-layer checks, host tensors or plans
+    assert len(plans) == result.steps - 1 and model.config.num_hidden_layers > 1
 
 
 @pytest.mark.parametrize("variant", ["gqa", "tied"])

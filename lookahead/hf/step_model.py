@@ -17,13 +17,13 @@ import inspect
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from lookahead.backends import choose_backend
-from lookahead.kernels import StepPattern, commit_accepted, interpreting, lookahead_attention, masked_attention
+from lookahead.kernels import StepAttentionPlan, StepPattern, commit_accepted, interpreting, masked_attention
 from lookahead.loop import StepOutput
 from lookahead.loop.sampling import SampleRequest
 
@@ -76,13 +76,27 @@ def _register_step_name(own: str | None) -> str:
     return name
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Step:
-    """What every layer's attention needs for one step: the pattern, L, and the dense mask (torch only)."""
+    """What every layer's attention needs for one step, prepared once for all layers: the pattern, L, and either the
+    dense mask (torch) or, for the kernel, L and the tree on the device and one launch plan per layer shape (so
+    the per-layer call copies nothing to the device and checks nothing again)."""
 
     pattern: StepPattern
     prefix_len: int
     mask: torch.Tensor | None  # [T, L + T] bool for the torch backend; None for the kernel
+    lengths: torch.Tensor | None = None  # [1] int64 on the device (kernel)
+    tree_end: torch.Tensor | None = None  # [V] int64 on the device (kernel, tree form)
+    plans: dict = field(default_factory=dict)  # (Hq, Hkv, D, dtype, scale) -> StepAttentionPlan
+
+    def kernel(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling) -> torch.Tensor:
+        shape = (query.shape[1], key.shape[1], query.shape[3], query.dtype, scaling)
+        plan = self.plans.get(shape)
+        if plan is None:
+            plan = self.plans[shape] = StepAttentionPlan(
+                self.pattern, batch=query.shape[0], heads_q=shape[0], heads_kv=shape[1], head_dim=shape[2],
+                dtype=query.dtype, device=query.device, max_len=self.prefix_len, sm_scale=scaling)
+        return plan(query, key, value, self.lengths, self.tree_end)
 
 
 def _step_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -91,10 +105,7 @@ def _step_attention(module, query, key, value, attention_mask, scaling=None, dro
     if step is None:
         raise RuntimeError(f"attention {ATTENTION_NAME!r} runs only inside lookahead.hf steps")
     if step.mask is None:
-        p = step.pattern
-        tree_end = torch.tensor(p.tree_end, dtype=torch.int64, device=query.device) if p.is_tree else None
-        out = lookahead_attention(query, key, value, step.prefix_len, p.window, p.ngram, p.candidates, scaling,
-                                  tree_end=tree_end)
+        out = step.kernel(query, key, value, scaling)
     else:
         out = masked_attention(query, key, value, step.prefix_len, step.mask, scaling)
     return out.transpose(1, 2).contiguous(), None
@@ -234,8 +245,11 @@ class HFStepModel:
              sample: SampleRequest | None = None) -> StepOutput:
         ids = torch.tensor([list(tokens)], device=self.device)
         positions = (self.length + pattern.relative_positions).to(self.device)[None]
-        mask = None if self.kernel else pattern.materialize(self.length, device=self.device)
-        step = _Step(pattern, self.length, mask)
+        if self.kernel:
+            tree_end = torch.tensor(pattern.tree_end, device=self.device) if pattern.is_tree else None
+            step = _Step(pattern, self.length, None, torch.tensor([self.length], device=self.device), tree_end)
+        else:
+            step = _Step(pattern, self.length, pattern.materialize(self.length, device=self.device))
         rows = torch.tensor(list(rows), device=self.device)
         with _step_implementation(self.model):
             # top-k of every row needs the head on every row (logits_to_keep=0: all of them); a 4-D attention_mask is
