@@ -38,7 +38,7 @@ from common import (
 from lookahead import LookaheadConfig, Request
 from lookahead.kernels import StepPattern
 from lookahead.loop import PLAIN_STEP, LookaheadLoop, full_pattern
-from lookahead.loop.sampling import Sampler, SampleRequest
+from lookahead.loop.sampling import SampleRequest
 from lookahead.models import Llama, LlamaConfig
 from lookahead.models.generation import runner_for
 from lookahead.request import GREEDY, SamplingParams
@@ -113,14 +113,14 @@ def random_llama(shape: dict, dtype: torch.dtype, device: str) -> Llama:
     return model.eval().requires_grad_(False)
 
 
-def full_step(cfg: LookaheadConfig | None, sampling: SamplingParams = GREEDY,
-              device: str = "cpu") -> tuple[StepPattern, list[int], list[int], dict]:
+def full_step(cfg: LookaheadConfig | None, sampling: SamplingParams = GREEDY) -> tuple[StepPattern, list[int],
+                                                                                    list[int], dict]:
     """(pattern, tokens, rows, the step's optional requests: top-k, sampling) of a full static step of `cfg`,
     packed by the decode loop itself."""
-    sampler = None if sampling.greedy else Sampler(0, torch.device(device))
+    seed = None if sampling.greedy else 0
     if cfg is None:
-        return PLAIN_STEP, [1], [0], {} if sampler is None else {"sample": SampleRequest(sampling, sampler, 1)}
-    loop = LookaheadLoop(cfg, list(range(1, 33)), 1, sampling, sampler, static=True)
+        return PLAIN_STEP, [1], [0], {} if seed is None else {"sample": SampleRequest(sampling, seed, (33,))}
+    loop = LookaheadLoop(cfg, list(range(1, 33)), 1, sampling, seed, static=True)
     layout = loop.plan()
     return layout.pattern, layout.tokens, layout.rows, loop.step_requests(layout)
 
@@ -176,7 +176,7 @@ def part_host(args) -> dict:
     rows = []
     for mode in (["eager", "graphs"] if GPU else ["eager"]):
         for sampling in (SamplingParams(), SamplingParams(0.8, top_p=0.95)):
-            pattern, tokens, rows_idx, requests = full_step(cfg, sampling, str(model.device))
+            pattern, tokens, rows_idx, requests = full_step(cfg, sampling)
             runner = runner_for(model, Request([[1]], 1023, lookahead=cfg), cuda_graph=mode == "graphs")
             runner.lengths = [512]
             with torch.inference_mode():

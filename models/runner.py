@@ -1,9 +1,9 @@
 """`CachedRunner`: a `Llama` with its KV cache, speaking the decode loop's `StepModel` protocol.
 
 A step reads everything that changes from one step to the next (token ids, output rows, L, the
-relative positions, a tree's `tree_end`, the previous verdict's commit, sampling's draft pairs) from
+relative positions, a tree's `tree_end`, the previous verdict's commit, sampling's seeds and positions) from
 one device buffer, filled by one host-to-device copy; it returns the requested rows' logits and their
-argmax (and, when asked, every row's top-k tokens and what sampling verification reads), fetched by
+argmax (and, when asked, every row's top-k tokens and each row's sampled token), fetched by
 one device-to-host copy. A program is keyed by the step's shape
 only (W, N, the verification branch's size and form, the rows, the batch size): a tree that changes
 every step is data, so on CUDA each shape is captured once as a CUDA graph and replayed.
@@ -23,7 +23,7 @@ import torch
 
 from lookahead.kernels import StepPattern, device_binding
 from lookahead.loop import StepOutput
-from lookahead.loop.sampling import SampleRequest, padded_pairs, sample_on_device
+from lookahead.loop.sampling import SampleRequest, sample_positions, seed_bits
 
 from .attention import Attend, TorchBackend, TritonBackend, cached, prefill_attention
 from .config import LlamaConfig
@@ -48,14 +48,13 @@ class StepForward(Protocol):
 
 class StepShape(NamedTuple):
     """What one step program (one CUDA graph) is keyed by: the pattern's shape (a tree pattern stands for every
-    tree of its size), the output rows R, the batch size, the top-k asked for, and sampling's first draft row
-    (None: greedy)."""
+    tree of its size), the output rows R, the batch size, the top-k asked for, and whether it samples."""
 
     pattern: StepPattern
     rows: int
     batch: int = 1
     topk: int = 0
-    first_draft_row: int | None = None
+    sampling: bool = False
 
 
 class CachedRunner:
@@ -107,7 +106,7 @@ class CachedRunner:
     @property
     def step_shapes(self) -> list[tuple]:
         """The step shapes prepared so far, one program (one CUDA graph on CUDA) each: (pattern shape, output rows,
-        batch size, top-k, sampling's first draft row)."""
+        batch size, top-k, sampling)."""
         return list(self._programs)
 
     @property
@@ -160,17 +159,16 @@ class CachedRunner:
         """Row b's `tokens[b]` laid out as `pattern` (one for every row, or one per row of a single shape: trees
         differ from row to row) at positions L_b + relative position; the outputs of its step indices
         `rows[b]` (the same count in every row), with topk > 0 also every step index's top-k tokens, and
-        with `sample` (one request per row, one sampling setting) what sampling verification reads."""
+        with `sample` (one request per row, one sampling setting) each row's sampled token."""
         patterns = [pattern] * len(tokens) if isinstance(pattern, StepPattern) else list(pattern)
         shape = patterns[0].shape
         if any(p.shape != shape for p in patterns):
             shapes = sorted({p.shape for p in patterns})
             raise ValueError(f"a batch step needs one step shape for every row, got {shapes}")
         self._check_room(patterns[0].num_tokens)
-        first_draft_row = None if sample is None else sample[0].first_draft_row
-        key = (shape, len(rows[0]), len(tokens), topk, first_draft_row)
+        key = (shape, len(rows[0]), len(tokens), topk, sample is not None)
         if key not in self._programs:
-            self._programs[key] = _StepProgram(self, patterns[0], len(rows[0]), len(tokens), topk, first_draft_row)
+            self._programs[key] = _StepProgram(self, patterns[0], len(rows[0]), len(tokens), topk, sample is not None)
         program = self._programs[key]
         src, dst = self._commit if self._commit is not None else self._no_commit()
         self._commit = None
@@ -194,7 +192,7 @@ class CachedRunner:
                                  f"max_step_tokens ({self.max_step_tokens})")
         self._apply_commit()
         for shape in shapes:
-            key = (shape.pattern.shape, shape.rows, shape.batch, shape.topk, shape.first_draft_row)
+            key = (shape.pattern.shape, shape.rows, shape.batch, shape.topk, shape.sampling)
             if key in self._programs and (self._programs[key].graph is not None or not self.cuda_graphs):
                 continue
             lengths = (self.lengths + [0] * shape.batch)[: shape.batch]
@@ -277,31 +275,33 @@ class _StepProgram:
     to each call), so a dropped runner is freed at once, with its cache and graphs, not at the next collection."""
 
     def __init__(self, runner: CachedRunner, pattern: StepPattern, num_rows: int, batch: int, topk: int,
-                 first_draft_row: int | None = None) -> None:
+                 sampling: bool = False) -> None:
         self.pattern, self.batch = pattern, batch  # a tree pattern stands for its shape only
         self.num_rows, self.topk = num_rows, min(topk, runner.model.config.vocab_size)
-        self.first_draft_row = first_draft_row  # sampling: where the draft rows start; None: greedy
-        self.draft_slots = 0 if first_draft_row is None else num_rows - first_draft_row
+        self.sampling = sampling
         device = runner.device
         t, k, v = pattern.num_tokens, runner.max_commit, pattern.verify_len if pattern.is_tree else 0
+        s = num_rows if sampling else 0
         # inputs, row-major: token ids [b, T] | output rows [b, R] | L [b] | relative positions [b, T]
         #                    | tree_end [b, V] (tree form) | commit sources [b, K] | commit destinations [b, K]
-        #                    | sampling's draft pairs [b, 2, P] (P = R - first_draft_row, the draft slots)
+        #                    | sampling: each row's seed [b] and its rows' absolute positions [b, R]
         self._shapes = ((batch, t), (batch, num_rows), (batch,), (batch, t), (batch, v), (batch, k), (batch, k),
-                        (batch, 2, self.draft_slots))
+                        (batch if sampling else 0,), (batch, s))
         self._splits = tuple(math.prod(shape) for shape in self._shapes)
         size = sum(self._splits)
         self.inputs = torch.zeros(size, dtype=torch.int64, device=device)
         self.staging = torch.zeros(size, dtype=torch.int64, pin_memory=device.type == "cuda")
         self._host = self.staging.numpy()  # writes through to the (pinned) staging buffer
-        self.pairs = self.inputs.split(self._splits)[-1].view(self._shapes[-1])  # sampling's, read after the graph
+        # sampling's inputs, read after the graph (its target's parameters are the request's, not the graph's)
+        self.seeds, self.sample_positions = (
+            x.view(shape) for x, shape in zip(self.inputs.split(self._splits)[-2:], self._shapes[-2:], strict=True))
         self.offsets = torch.arange(t, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def run(self, runner: CachedRunner, tokens, patterns: list[StepPattern], rows, prefix_lens: list[int], src, dst,
             sample: Sequence[SampleRequest] | None) -> list[StepOutput]:
-        pairs = [padded_pairs(request, self.draft_slots) for request in sample] if self.draft_slots else []
+        sampled = [] if sample is None else [[seed_bits(r.seed)] for r in sample] + [list(r.positions) for r in sample]
         with device_binding(runner.device):
             graphed = runner.cuda_graphs
             if graphed and self.graph is None:
@@ -309,25 +309,24 @@ class _StepProgram:
                 # warm-up runs (which compile kernels) change nothing real
                 runner.cache.move(*(torch.tensor(x, device=runner.device) for x in (src, dst)))
                 src = dst = [[length + j for j in range(runner.max_commit)] for length in prefix_lens]
-                self._stage(tokens, patterns, rows, prefix_lens, src, dst, pairs)
+                self._stage(tokens, patterns, rows, prefix_lens, src, dst, sampled)
                 self._capture(runner, prefix_lens)
-            self._stage(tokens, patterns, rows, prefix_lens, src, dst, pairs)
+            self._stage(tokens, patterns, rows, prefix_lens, src, dst, sampled)
             if graphed:
                 self.graph.replay()
                 logits, fetched = self.outputs
             else:
                 logits, fetched = self.forward(runner, prefix_lens)
         if sample is not None:
-            # after the graph: the race keys come from each row's own generator, drawn eagerly
-            keys = torch.stack([request.sampler.keys(logits.shape[-1]) for request in sample])
-            reads = sample_on_device(logits, sample[0].params, self.first_draft_row, self.pairs, keys)
-            fetched = torch.cat([fetched, reads], dim=1)
-        fetched = fetched.cpu()  # the step's one device-to-host copy: argmax [b, R], top-k [b, T, k], sampling
+            # after the graph, from its inputs: the target's parameters are the request's, not baked into the graph
+            with device_binding(runner.device):
+                winners = sample_positions(logits, sample[0].params, self.seeds, self.sample_positions)
+            fetched = torch.cat([fetched, winners], dim=1)
+        fetched = fetched.cpu()  # the step's one device-to-host copy: argmax [b, R], top-k [b, T, k], sampled [b, R]
         argmax = fetched[:, : self.num_rows].tolist()
         end = self.num_rows + self.pattern.num_tokens * self.topk
         topk = fetched[:, self.num_rows : end].view(self.batch, -1, self.topk) if self.topk else [None] * self.batch
-        sampled = [None] * self.batch if sample is None else [
-            request.unpack(row[end:], 1 + self.draft_slots) for request, row in zip(sample, fetched, strict=True)]
+        sampled = [None] * self.batch if sample is None else fetched[:, end:].tolist()
         return [StepOutput(*row) for row in zip(logits, argmax, topk, sampled, strict=True)]
 
     def prepare(self, runner: CachedRunner, prefix_lens: list[int]) -> None:
@@ -337,16 +336,16 @@ class _StepProgram:
         tokens = [[0] * t] * self.batch
         rows = [[min(i, t - 1) for i in range(self.num_rows)]] * self.batch
         noop = [[length + j for j in range(runner.max_commit)] for length in prefix_lens]
-        pairs = [[0] * (2 * self.draft_slots)] * (self.batch if self.draft_slots else 0)
+        sampled = [[0]] * self.batch + [[0] * self.num_rows] * self.batch if self.sampling else []
         with device_binding(runner.device):
-            self._stage(tokens, [self.pattern] * self.batch, rows, prefix_lens, noop, noop, pairs)
+            self._stage(tokens, [self.pattern] * self.batch, rows, prefix_lens, noop, noop, sampled)
             if runner.cuda_graphs:
                 self._capture(runner, prefix_lens)
             elif runner.device.type == "cuda":  # the kernels compile; on a CPU there is nothing to prepare
                 self.forward(runner, prefix_lens)
 
     def _stage(self, tokens, patterns: list[StepPattern], rows, prefix_lens: list[int], src, dst,
-               pairs: list[list[int]]) -> None:
+               sampled: list[list[int]]) -> None:
         """The step's one host-to-device copy (from pinned memory on CUDA)."""
         flat = [t for row in tokens for t in row]
         flat += [r for row in rows for r in row]
@@ -357,7 +356,7 @@ class _StepProgram:
             flat += pattern.tree_end or ()
         flat += [p for row in src for p in row]
         flat += [p for row in dst for p in row]
-        for row in pairs:
+        for row in sampled:  # each row's seed, then each row's positions
             flat += row
         self._host[:] = flat
         self.inputs.copy_(self.staging, non_blocking=True)
@@ -366,7 +365,7 @@ class _StepProgram:
         """The step from `self.inputs` alone (`prefix_lens` are read only by a non-graphable backend): the rows'
         logits [b, R, V], and the int64 [b, ...] tensor the host fetches (each row's argmax, then every step
         index's top-k if asked). This is the region a CUDA graph captures."""
-        tokens, rows, lengths, positions, tree_end, src, dst, _ = (
+        tokens, rows, lengths, positions, tree_end, src, dst, _, _ = (
             x.view(shape) for x, shape in zip(self.inputs.split(self._splits), self._shapes, strict=True))
         runner.cache.move(src, dst)
         slots = lengths[:, None] + self.offsets  # [b, T]: the step's KV entries go right after each row's prefix

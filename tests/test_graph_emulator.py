@@ -31,7 +31,7 @@ class Inputs:
     lengths: list
     src: list
     dst: list
-    pairs: list
+    sampled: list
 
 
 def random_tree(size: int, rng: random.Random) -> tuple[int, ...]:
@@ -69,11 +69,12 @@ def inputs_for(shape: StepShape, seed: int, model: Llama) -> Inputs:
         start = length - count
         src.append([start] + [start + i for i in picked] + [length + j for j in range(MAX_COMMIT - count)])
         dst.append([start + j for j in range(count)] + [length + j for j in range(MAX_COMMIT - count)])
-    slots = 2 * (shape.rows - shape.first_draft_row) if shape.first_draft_row is not None else 0
     return Inputs(tokens=[[rng.randrange(model.config.vocab_size) for _ in range(t)] for _ in range(shape.batch)],
                   patterns=patterns, rows=[[rng.randrange(t) for _ in range(shape.rows)] for _ in range(shape.batch)],
                   lengths=lengths, src=src, dst=dst,
-                  pairs=[[rng.randrange(t) for _ in range(slots)] for _ in range(shape.batch if slots else 0)])
+                  sampled=[[rng.randrange(2**62)] for _ in range(shape.batch)]  # each row's seed, then its positions
+                  + [[rng.randrange(CAPACITY) for _ in range(shape.rows)] for _ in range(shape.batch)]
+                  if shape.sampling else [])
 
 
 @torch.inference_mode()  # as generation runs
@@ -81,16 +82,16 @@ def emulate(runner: CachedRunner, shape: StepShape, seed: int = 0) -> GraphEmula
     """Record the step region on inputs A, replay it on inputs B written into the static buffers; compare the
     replay's outputs and cache with the eager step on B."""
     runner.capture([shape])
-    program = runner._programs[(shape.pattern.shape, shape.rows, shape.batch, shape.topk, shape.first_draft_row)]
+    program = runner._programs[(shape.pattern.shape, shape.rows, shape.batch, shape.topk, shape.sampling)]
     a, b = inputs_for(shape, seed, runner.model), inputs_for(shape, seed + 1, runner.model)
-    program._stage(a.tokens, a.patterns, a.rows, a.lengths, a.src, a.dst, a.pairs)
+    program._stage(a.tokens, a.patterns, a.rows, a.lengths, a.src, a.dst, a.sampled)
     program.forward(runner, a.lengths)  # the warm-up runs before a capture
     static = reachable_tensors(runner.model, runner.cache, runner.backend, program)
     with GraphEmulator(static) as graph:
         outputs = program.forward(runner, a.lengths)
     graph.check_escapes(runner, program, outputs=outputs)
     captured = [o.clone() for o in outputs]
-    program._stage(b.tokens, b.patterns, b.rows, b.lengths, b.src, b.dst, b.pairs)
+    program._stage(b.tokens, b.patterns, b.rows, b.lengths, b.src, b.dst, b.sampled)
     cache = runner.cache.k.clone(), runner.cache.v.clone()
     graph.replay()
     replayed = [o.clone() for o in outputs] + [runner.cache.k.clone(), runner.cache.v.clone()]
@@ -115,7 +116,7 @@ SHAPES = {
     "chains": StepShape(StepPattern(2, 3, 2), 5),
     "tree": StepShape(TREE, 4),
     "tree-topk": StepShape(TREE, 4, topk=3),
-    "sampling": StepShape(TREE, 6, first_draft_row=3),
+    "sampling": StepShape(TREE, 6, sampling=True),
     "batch": StepShape(TREE, 4, batch=2),
     "batch-plain": StepShape(StepPattern(1, 2, 0), 1, batch=2),
     "substep": StepShape(StepPattern(1, 2, tree_end=(7, 3, 3, 7, 6, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)), 8),

@@ -214,14 +214,14 @@ def test_sampling_matches_exact_distribution(hf_model):
 def test_a_wrong_acceptance_rule_fails_the_same_check(hf_model, monkeypatch):
     """Negative control: always accepting the first candidate (chains form) must be caught with the same model."""
 
-    def accept_first_path(tree, prob_of, uniform, draw):
+    def accept_first_path(tree, chosen):
         node, tokens = ROOT, []
         while (child := next(iter(tree.children(node)), None)) is not None:
             node = child
             tokens.append(tree.tokens[child])
-        return Verdict(tokens + [draw(node + 1)], node)
+        return Verdict(tokens + [chosen[node + 1]], node)
 
-    monkeypatch.setattr(core, "sample_verify", accept_first_path)
+    monkeypatch.setattr(core, "verify", accept_first_path)
     model = vocab6_model(hf_model)
     n = 400
     counts, _ = sample_counts(model, n, form="chains")

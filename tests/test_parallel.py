@@ -141,6 +141,16 @@ def test_ranks_give_one_process_tokens_and_steps(runs, world, name):
         assert out[name] == (tokens, steps), (rank, out[name])
 
 
+def test_parallel_sampling_gives_plain_sampling(runs, tiny_checkpoint):
+    """Seeded draws are keyed by position: K ranks sampling with seed 7 give what plain decoding samples with it."""
+    results, reference = runs
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    plain = model.generate(PROMPT, TOKENS, temperature=0.9, top_k=20, seed=7, eos_token_id=[]).tokens
+    for form in ("chains", "tree"):
+        assert reference[f"{form}-sampling"][0] == plain
+        assert all(out[f"{form}-sampling"][0] == plain for world in (2, 3) for out in results[world])
+
+
 def test_the_references_take_multi_token_steps(runs):
     """So the accepted entries' KV really travel (broadcast)."""
     _, reference = runs

@@ -1,4 +1,5 @@
-"""Sampling with lookahead keeps the target distribution: exact enumeration vs many seeded samples."""
+"""Sampling with lookahead keeps the target distribution (exact enumeration vs many seeded samples), and with a seed
+gives plain sampling's tokens exactly: draws are keyed by position, not by step."""
 
 import itertools
 
@@ -7,17 +8,17 @@ import torch
 
 import lookahead.loop.core as engine
 import lookahead.loop.sampling as sampling
-from helpers import MockStepModel, context_logits, decode_one
+from helpers import MockBatchStepModel, MockStepModel, context_logits, decode_one, decode_rows
 from lookahead import LookaheadConfig, SamplingParams
 from lookahead.drafts import ROOT
-from lookahead.loop.sampling import Sampler, SampleRequest, pair_tensor, target_probs
+from lookahead.loop.sampling import position_keys, sample_positions, target_probs
 from lookahead.loop.verify import Verdict
 from lookahead.models import Llama
 
 VOCAB = 6
 PROMPT = [0, 1, 2, 3, 4, 5, 0, 2, 4, 1, 3, 5, 0, 3, 1, 4, 2, 5, 1, 0, 5, 2, 3, 4, 0]  # every token starts n-grams
 DEPTH = 3
-P_FLOOR = 1e-3  # seeded, so deterministic; a correct rule fails this with probability 1e-3 per check
+P_FLOOR = 1e-4  # seeded, so deterministic; a correct rule fails a check with probability 1e-4 (~100 checks here)
 
 
 def exact_joint(logits_fn, prompt, params, depth=DEPTH):
@@ -134,14 +135,14 @@ def test_a_wrong_acceptance_rule_fails_the_same_test(monkeypatch, form):
     """Negative control: always accepting the first candidate's tokens (the trie's or tree's first path) must be
     caught."""
 
-    def accept_first_path(tree, prob_of, uniform, draw):
+    def accept_first_path(tree, chosen):
         node, tokens = ROOT, []
         while (child := next(tree.children(node), None)) is not None:
             node = child
             tokens.append(tree.tokens[child])
-        return Verdict(tokens + [draw(node + 1)], node)
+        return Verdict(tokens + [chosen[node + 1]], node)
 
-    monkeypatch.setattr(engine, "sample_verify", accept_first_path)
+    monkeypatch.setattr(engine, "verify", accept_first_path)
     params = SamplingParams(1.0)
     fn = lambda ctx: context_logits(ctx, VOCAB)  # noqa: E731
     n = 2000
@@ -170,12 +171,23 @@ def test_tiny_llama_sampling_matches_exact_distribution(tiny_checkpoint):
     assert min(checks.values()) > P_FLOOR, checks
 
 
-def test_sampling_is_reproducible_with_a_seed(tiny_checkpoint):
-    model = Llama.from_pretrained(tiny_checkpoint("gqa"))
-    args = dict(max_new_tokens=20, temperature=0.8, top_k=20, seed=7, lookahead=LookaheadConfig(3, 3, 3))
-    assert model.generate([1, 2, 3], **args).tokens == model.generate([1, 2, 3], **args).tokens
-    plain = dict(max_new_tokens=20, temperature=0.8, seed=7)
-    assert model.generate([1, 2, 3], **plain).tokens == model.generate([1, 2, 3], **plain).tokens
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_tiny_llama_seeded_lookahead_sampling_gives_seeded_plain_sampling(tiny_checkpoint, backend):
+    """Through the real model, its runner and both attention backends: one prompt (exact-size and static steps) and
+    a batch give, token for token, what plain sampling gives with the same seeds."""
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"), attn_backend=backend)
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [7, 8, 9], [4, 5, 6, 4, 5, 6]]
+    if backend == "triton":  # the interpreter is slow: fewer, shorter generations
+        prompts = prompts[:2]
+    args = dict(max_new_tokens=20 if backend == "torch" else 10, temperature=0.8, top_k=20, eos_token_id=[])
+    plain = [model.generate(p, seed=7 + i, **args).tokens for i, p in enumerate(prompts)]
+    for static in (False, True) if backend == "torch" else (True,):
+        for i, prompt in enumerate(prompts):
+            result = model.generate(prompt, seed=7 + i, lookahead=LookaheadConfig(3, 3, 3), static_step=static,
+                                    **args)
+            assert result.tokens == plain[i], (static, i)
+    batch = model.generate(prompts, seed=7, lookahead=LookaheadConfig(), **args)  # row i: seed 7 + i
+    assert [r.tokens for r in batch] == plain and sum(len(r.tokens) - r.steps for r in batch) > 0
 
 
 def test_target_probs_filters_like_top_k_and_top_p():
@@ -200,30 +212,74 @@ def test_invalid_sampling_arguments(kwargs, message):
         SamplingParams(**{"temperature": 1.0, **kwargs})
 
 
-def test_race_draws_the_residual_on_the_device():
-    """`sample_on_device` against the definition: each pair's target probability, and at every slot a draw from
-    the target without that slot's draft tokens (chi-square), never one of them; a padding pair changes nothing."""
+def _splitmix(z: int) -> int:
+    mask = (1 << 64) - 1
+    z &= mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return z ^ (z >> 31)
+
+
+def test_position_keys_are_a_hash_of_seed_position_and_token():
+    """The keys follow splitmix64 bit for bit (int64 products wrap like uint64 ones), depend on the seed, the
+    position and the token only, and are Exp(1)."""
+    golden, mask = 0x9E3779B97F4A7C15, (1 << 64) - 1
+    seeds, positions = torch.tensor([3, 2**63 - 1]), torch.tensor([[5, 6], [5, 7]])
+    keys = position_keys(seeds, positions, 4)
+    for b, seed in enumerate(seeds.tolist()):
+        for r, position in enumerate(positions[b].tolist()):
+            row = _splitmix((_splitmix(seed + golden) + position * golden) & mask)
+            for token in range(4):
+                bits = _splitmix((row + (token + 1) * golden) & mask) >> 11
+                assert keys[b, r, token].item() == pytest.approx(-torch.log(torch.tensor((bits + 0.5) * 2.0**-53,
+                                                                                          dtype=torch.float64)).item())
+    assert torch.equal(keys[:, :1], position_keys(seeds, positions[:, :1], 4))  # nothing but (seed, position, token)
+    many = position_keys(torch.tensor([11]), torch.arange(200)[None], 500).flatten()
+    assert abs(many.mean().item() - 1) < 0.01 and abs(many.var().item() - 1) < 0.02 and (many > 0).all()
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.7, top_k=3), SamplingParams(0.9, top_p=0.8)],
+                         ids=["T1", "T0.7-topk3", "T0.9-topp0.8"])
+def test_a_seeded_race_draws_from_the_target(params):
+    """Over seeds, the winner at one position follows the target (chi-square): a single draft token is therefore
+    accepted with its target probability, Algorithm 4's rate."""
     torch.manual_seed(0)
-    params = SamplingParams(0.9, top_k=5)
-    logits = torch.randn(6, VOCAB)  # rows: input, one lookahead row (not read), four draft slots
-    request = SampleRequest(params, Sampler(3, torch.device("cpu")), first_draft_row=2,
-                            pairs=((0, 1), (0, 4), (2, 0)))  # three pairs in four draft slots: one padding pair
-    verified = target_probs(logits[[0, 2, 3, 4, 5]], params)
-    n, counts = 4000, [{} for _ in range(5)]
-    for _ in range(n):
-        reads = request.unpack(request.compute(logits), 5)
-        for slot, token in enumerate(reads.draws):
-            counts[slot][token] = counts[slot].get(token, 0) + 1
-    assert reads.probs == pytest.approx({(0, 1): verified[0, 1].item(), (0, 4): verified[0, 4].item(),
-                                         (2, 0): verified[2, 0].item()})
-    for slot, removed in enumerate([{1, 4}, set(), {0}, set(), set()]):
-        residual = verified[slot].clone()
-        residual[list(removed)] = 0
-        assert not removed & set(counts[slot])
-        expected = {t: (residual[t] / residual.sum()).item() for t in range(VOCAB)}
-        assert chi_square_p(counts[slot], expected, n) > P_FLOOR, (slot, counts[slot], expected)
-    with pytest.raises(ValueError, match="do not fit"):
-        pair_tensor([request], 2, "cpu")
+    logits = torch.randn(VOCAB)
+    target = target_probs(logits[None], params)[0]
+    n = 4000
+    winners = sample_positions(logits.expand(n, 1, VOCAB), params, torch.arange(n), torch.full((n, 1), 9))
+    counts: dict = {}
+    for token in winners.flatten().tolist():
+        counts[(token,)] = counts.get((token,), 0) + 1
+    expected = {(t,): target[t].item() for t in range(VOCAB)}
+    assert chi_square_p(counts, expected, n) > P_FLOOR, (counts, expected)
+    assert all(target[t] > 0 for (t,) in counts)  # never a token the target excludes
+
+
+SEEDED = [SamplingParams(1.0), SamplingParams(0.7), SamplingParams(1.0, top_k=3), SamplingParams(0.7, top_p=0.9)]
+SEEDED_IDS = ["T1", "T0.7", "T1-topk3", "T0.7-topp0.9"]
+
+
+@pytest.mark.parametrize("params", SEEDED, ids=SEEDED_IDS)
+@pytest.mark.parametrize("cfg", [LookaheadConfig(3, 3, 3), LookaheadConfig(2, 4, 6, form="chains"), LookaheadConfig()],
+                         ids=["W3-N3-G3-tree", "W2-N4-G6-chains", "default"])
+def test_seeded_lookahead_sampling_gives_seeded_plain_sampling(params, cfg):
+    """Token for token, whatever the step sizes (exact-size or static) and the drafts, on one prompt and in a
+    batch: each token is a function of the seed, its position and the target there."""
+    fn = lambda ctx: context_logits(ctx, VOCAB)  # noqa: E731
+    accepted = 0
+    for seed in range(8):
+        plain = decode_one(MockStepModel(VOCAB, fn), PROMPT, 24, params, seed=seed).tokens
+        for static in (False, True):
+            result = decode_one(MockStepModel(VOCAB, fn), PROMPT, 24, params, cfg, seed=seed, static_step=static)
+            assert result.tokens == plain, (seed, static)
+            accepted += len(result.tokens) > result.steps
+    prompts = [PROMPT, PROMPT[:7], PROMPT[3:]]
+    rows = decode_rows(MockBatchStepModel(VOCAB, fn), prompts, 24, params, cfg, seeds=[4, 5, 6])
+    alone = [decode_one(MockStepModel(VOCAB, fn), p, 24, params, seed=s).tokens
+             for p, s in zip(prompts, [4, 5, 6], strict=True)]
+    assert [r.tokens for r in rows] == alone
+    assert accepted > 0  # drafts were accepted: the walk was exercised
 
 
 class _DeviceBlindModel(MockStepModel):

@@ -155,13 +155,15 @@ def test_cuda_graphs_replay_the_eager_step(tiny_checkpoint, lookahead):
 @pytest.mark.parametrize("lookahead", [None, LookaheadConfig(3, 4, 3), LookaheadConfig(3, 4, 3, form="chains")],
                          ids=["plain", "W3-N4-G3", "W3-N4-G3-chains"])
 def test_cuda_graphs_sample_as_the_eager_step(tiny_checkpoint, lookahead):
-    """Sampling reads the graph's logits after the replay (the race keys are drawn eagerly): same seed, same tokens."""
+    """Sampling reads the graph's logits and its staged seeds and positions after the replay: same seed, same tokens,
+    and those of the CPU's plain sampling (the keys are a hash of seed and position on any device)."""
     model = Llama.from_pretrained(tiny_checkpoint("gqa"), device="cuda", dtype=torch.float32)
-    kwargs = dict(max_new_tokens=48, eos_token_id=[], lookahead=lookahead, static_step=True, temperature=0.8,
-                  top_p=0.95, seed=3)
-    eager = model.generate([3, 17, 22, 3, 17, 5, 9], cuda_graph=False, **kwargs)
-    graphed = model.generate([3, 17, 22, 3, 17, 5, 9], cuda_graph=True, **kwargs)
+    kwargs = dict(max_new_tokens=48, eos_token_id=[], temperature=0.8, top_p=0.95, seed=3)
+    eager = model.generate([3, 17, 22, 3, 17, 5, 9], cuda_graph=False, lookahead=lookahead, static_step=True, **kwargs)
+    graphed = model.generate([3, 17, 22, 3, 17, 5, 9], cuda_graph=True, lookahead=lookahead, static_step=True, **kwargs)
     assert graphed.tokens == eager.tokens and graphed.steps == eager.steps
+    cpu = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    assert graphed.tokens == cpu.generate([3, 17, 22, 3, 17, 5, 9], **kwargs).tokens
 
 
 class KernelLaunches:

@@ -13,7 +13,7 @@ from lookahead import LookaheadConfig
 from lookahead.drafts import EMPTY, ROOT, DraftBuilder, DraftTree, NGramPool, RecycleTables, SuffixIndex
 from lookahead.kernels import StepPattern
 from lookahead.loop import full_pattern, pack_step
-from lookahead.loop.verify import Verdict, greedy_verify
+from lookahead.loop.verify import Verdict, verify
 from lookahead.models import Llama
 
 SOURCES = ("pool", "suffix", "recycle")
@@ -101,7 +101,7 @@ def test_static_tree_layout_pads_with_invisible_leaves():
     assert layout.commit_indices(Verdict([6, 7, 1], 1)) == [0, 9, 10]
     assert layout.commit_indices(Verdict([4], ROOT)) == [0]
     assert layout.parents[:6] == [-1, 0, 1, 0, 1, 2] and layout.parents[9:12] == [0, 9, 0]
-    assert layout.slot_rows == [0, 4, 5, 6] and layout.draft_pairs == ((0, 5), (1, 6), (0, 7))
+    assert layout.slot_rows == [0, 4, 5, 6] and layout.row_depths == [0, 1, 2, 3, 1, 2, 1, 1, 1, 1]
     assert [layout.index_of_slot(s) for s in range(4)] == [0, 9, 10, 11]
     assert [layout.slot_of_index(i) for i in (0, 9, 10, 11)] == [0, 1, 2, 3]
     exact = pack_step(levels, tree, full, static=False)
@@ -111,13 +111,13 @@ def test_static_tree_layout_pads_with_invisible_leaves():
         pack_step(levels, DraftTree.from_parents(list(range(7)), [ROOT] * 7), full, static=True)
 
 
-def test_greedy_verify_takes_the_matching_path():
+def test_verify_takes_the_matching_path():
     tree = DraftTree.from_parents([5, 6, 7, 8, 6], [ROOT, 0, 1, 0, ROOT])
     argmax = [5, 8, 7, 1, 2, 3]  # by slot: the input token, then node j at slot 1 + j
-    verdict = greedy_verify(tree, argmax)
+    verdict = verify(tree, argmax)
     assert verdict.tokens == [5, 8, 2] and verdict.node == 3 and verdict.run == 2
-    assert greedy_verify(tree, [9, *argmax[1:]]).tokens == [9]
-    assert greedy_verify(EMPTY, [4]).tokens == [4]
+    assert verify(tree, [9, *argmax[1:]]).tokens == [9]
+    assert verify(EMPTY, [4]).tokens == [4]
 
 
 class ShapeDrafts:

@@ -267,7 +267,7 @@ class HFStepModel:
         argmax, rest = fetched[: logits.shape[0]].tolist(), fetched[logits.shape[0] :]
         top_k = 0 if top is None else top.numel()
         return StepOutput(logits, argmax, None if top is None else rest[:top_k].view(top.shape),
-                          None if sample is None else sample.unpack(rest[top_k:], sample.slots(logits.shape[0])))
+                          None if sample is None else rest[top_k:].tolist())
 
     def commit(self, step_indices: Sequence[int]) -> None:
         keep = self.length + len(step_indices)

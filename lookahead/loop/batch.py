@@ -1,6 +1,6 @@
 """`decode_batch`: several prompts decoded together, each row exactly as it would be alone.
 
-Every row keeps its own loop state (a `LookaheadLoop`: window, pool, drafts, sequence; its `Output`; its `Sampler`),
+Every row keeps its own loop state (a `LookaheadLoop`: window, pool, drafts, sequence; its `Output`; its seed),
 and the model keeps each row's L. A step packs every live row at the same static shape (the configuration's full
 pattern, or plain decoding's one token), runs them in one forward pass, verifies each row on its own outputs and
 commits each row's accepted entries (different counts per row). A row that finishes (stop token, token limit)
@@ -21,7 +21,7 @@ import torch
 from lookahead.kernels import StepPattern
 from lookahead.request import Request
 
-from .core import PLAIN_STEP, GenerationResult, LookaheadLoop, Output, StepOutput, first_token, make_sampler
+from .core import PLAIN_STEP, GenerationResult, LookaheadLoop, Output, StepOutput, first_token, sampling_seed
 from .sampling import SampleRequest
 
 
@@ -62,35 +62,36 @@ def decode_batch(model: BatchStepModel, request: Request, stream: BatchStream | 
     shape per batch size. stream: called as stream(prompt index, tokens) with each row's accepted tokens.
     """
     prompts, sampling = request.prompts, request.sampling
-    samplers = [make_sampler(request, i, model.device) for i in range(len(prompts))]
+    seeds = [sampling_seed(request, i) for i in range(len(prompts))]
     outs = [Output(request.max_new_tokens, request.stop, None if stream is None else _row_stream(stream, i))
             for i in range(len(prompts))]
     logits = model.prefill_batch(prompts)
-    last = [first_token(logits[i], sampling, samplers[i]) for i in range(len(prompts))]
+    last = [first_token(logits[i], sampling, seeds[i], len(prompts[i])) for i in range(len(prompts))]
     for out, token in zip(outs, last, strict=True):
         out.accept([token])
     loops = None if request.lookahead is None else [
-        LookaheadLoop(request.lookahead, prompt, token, sampling, sampler, static=True)
-        for prompt, token, sampler in zip(prompts, last, samplers, strict=True)]
+        LookaheadLoop(request.lookahead, prompt, token, sampling, seed, static=True)
+        for prompt, token, seed in zip(prompts, last, seeds, strict=True)]
     live = list(range(len(prompts)))  # live[slot]: the prompt in the model's row `slot`
     while True:
         live = _drop_finished(model, live, outs)
         if not live:
             break
         if loops is None:
-            _plain_step(model, live, last, outs, sampling, samplers)
+            _plain_step(model, live, last, outs, sampling, seeds, [len(p) for p in prompts])
         else:
             _lookahead_step(model, live, last, outs, loops)
     return [out.result for out in outs]
 
 
-def _plain_step(model, live, last, outs, sampling, samplers) -> None:
-    sample = {} if samplers[live[0]] is None else {
-        "sample": [SampleRequest(sampling, samplers[i], first_draft_row=1) for i in live]}
+def _plain_step(model, live, last, outs, sampling, seeds, prompt_lengths) -> None:
+    # row i's next token goes to absolute position: its prompt, then the tokens it has
+    sample = {} if seeds[live[0]] is None else {
+        "sample": [SampleRequest(sampling, seeds[i], (prompt_lengths[i] + len(outs[i].result.tokens),)) for i in live]}
     outputs = model.step_batch([[last[i]] for i in live], PLAIN_STEP, [[0]] * len(live), **sample)
     model.commit_batch([[0]] * len(live))
     for i, output in zip(live, outputs, strict=True):
-        last[i] = output.argmax[0] if samplers[i] is None else output.sampled.draws[0]
+        last[i] = output.argmax[0] if seeds[i] is None else output.sampled[0]
         outs[i].accept([last[i]])
 
 

@@ -18,8 +18,8 @@ from lookahead.kernels import StepPattern
 from lookahead.request import Request, SamplingParams
 
 from .layout import StepLayout, full_pattern, pack_step
-from .sampling import Sampler, SampleReads, SampleRequest, target_probs
-from .verify import Verdict, greedy_verify, sample_verify
+from .sampling import SampleRequest, fresh_seed
+from .verify import Verdict, verify
 from .window import LookaheadWindow
 
 PLAIN_STEP = StepPattern(1, 2, 0)  # one token that sees the whole cache
@@ -28,14 +28,14 @@ Stream = Callable[[list[int]], None]
 
 @dataclass
 class StepOutput:
-    """What a step returns: the logits of the requested rows (on the model's device) and their argmax; when asked
-    for, the top-k next tokens of every step row (the model's predictions after each token, for recycling) and
-    what sampling verification reads."""
+    """What a step returns: the logits of the requested rows (on the model's device; valid until the model's next
+    step, which may reuse their memory: copy to keep) and their argmax; when asked for, the top-k next tokens of
+    every step row (the model's predictions after each token, for recycling) and each row's sampled token."""
 
     logits: torch.Tensor  # [R, V]
     argmax: list[int]  # [R], fetched in the step's one device-to-host copy
     topk: torch.Tensor | None = None  # [T, k] int64 on the host, fetched in the same copy
-    sampled: SampleReads | None = None  # the `SampleRequest`'s answer, fetched in the same copy
+    sampled: list[int] | None = None  # [R]: the `SampleRequest`'s winners, fetched in the same copy
 
 
 class StepModel(Protocol):
@@ -45,8 +45,8 @@ class StepModel(Protocol):
     prefill: run the prompt into the cache; return the logits [V] of its last token.
     step: run `tokens` laid out as `pattern` describes, at positions L + relative position, writing
         their KV entries after the cache prefix; return the outputs of step indices `rows`, with
-        topk > 0 the top-k tokens of every step index's output, and with a `sample` request its answer
-        (`SampleRequest.fetch(logits)` does it; a device model folds it into its step's one copy). The
+        topk > 0 the top-k tokens of every step index's output, and with a `sample` request each row's sampled
+        token (`SampleRequest.fetch(logits)` does it; a device model folds it into its step's one copy). The
         loop passes topk and sample only when it needs them. A tree pattern changes every step: its
         tree is data, not a new shape to compile.
     commit: keep the KV entries of these step indices (at positions L, L+1, ...) and grow L by their
@@ -103,25 +103,29 @@ class Output:
             self.stream(taken)
 
 
-def first_token(logits: torch.Tensor, sampling: SamplingParams, sampler: Sampler | None) -> int:
-    """The first new token, from the prefill's logits [V]."""
-    if sampler is None:
+def first_token(logits: torch.Tensor, sampling: SamplingParams, seed: int | None, position: int) -> int:
+    """The first new token, from the prefill's logits [V]; it takes absolute position `position` (the prompt's
+    length). seed None: greedy."""
+    if seed is None:
         return int(logits.argmax())
-    return sampler.draw(target_probs(logits[None], sampling)[0])
+    return SampleRequest(sampling, seed, (position,)).fetch(logits[None])[0]
 
 
-def static_step(cfg: LookaheadConfig | None, sampling: bool) -> tuple[StepPattern, int, int, int | None]:
+def static_step(cfg: LookaheadConfig | None, sampling: bool) -> tuple[StepPattern, int, int, bool]:
     """A generation's static step as a model's program sees it, packed by the loop itself: (pattern, output rows,
-    top-k asked for, sampling's first draft row or None when greedy). What a warm-up prepares ahead."""
+    top-k asked for, sampling). What a warm-up prepares ahead."""
     if cfg is None:
-        return PLAIN_STEP, 1, 0, 1 if sampling else None
+        return PLAIN_STEP, 1, 0, sampling
     layout = LookaheadLoop(cfg, [0], 0, SamplingParams(), None, static=True).plan()
-    return layout.pattern, len(layout.rows), layout.topk, layout.first_draft_row if sampling else None
+    return layout.pattern, len(layout.rows), layout.topk, sampling
 
 
-def make_sampler(request: Request, row: int, device: torch.device | str) -> Sampler | None:
-    """Row `row`'s random source (None when greedy)."""
-    return None if request.sampling.greedy else Sampler(request.seeds[row], torch.device(device))
+def sampling_seed(request: Request, row: int) -> int | None:
+    """Row `row`'s sampling seed: the request's, or a fresh one where it gives none; None when greedy."""
+    if request.sampling.greedy:
+        return None
+    seed = request.seeds[row]
+    return fresh_seed() if seed is None else seed
 
 
 class LookaheadLoop:
@@ -130,8 +134,9 @@ class LookaheadLoop:
     next step's layout, runs it, and `finish` with the step's outputs for the verdict; the driver commits."""
 
     def __init__(self, cfg: LookaheadConfig, prompt: Sequence[int], first: int, sampling: SamplingParams,
-                 sampler: Sampler | None, static: bool) -> None:
-        self.cfg, self.sampling, self.sampler, self.static = cfg, sampling, sampler, static
+                 seed: int | None, static: bool) -> None:
+        """seed: the generation's sampling seed (None: greedy)."""
+        self.cfg, self.sampling, self.seed, self.static = cfg, sampling, seed, static
         self.full = full_pattern(cfg)
         self.pool = NGramPool(cfg.ngram, cfg.guesses)
         self.sequence = list(prompt) + [first]
@@ -162,9 +167,10 @@ class LookaheadLoop:
     def step_requests(self, layout: StepLayout) -> dict:
         """The optional arguments of the model's step for `layout`: `topk` (recycling), `sample` (sampling)."""
         requests: dict = {"topk": layout.topk} if layout.topk else {}
-        if self.sampler is not None:
-            requests["sample"] = SampleRequest(self.sampling, self.sampler, layout.first_draft_row,
-                                               layout.draft_pairs)
+        if self.seed is not None:
+            # the input token is at absolute position len(sequence) - 1; a row's next token one after its own
+            first = len(self.sequence)
+            requests["sample"] = SampleRequest(self.sampling, self.seed, tuple(first + d for d in layout.row_depths))
         return requests
 
     def finish(self, layout: StepLayout, output: StepOutput) -> Verdict:
@@ -195,15 +201,14 @@ class LookaheadLoop:
                                    [tokens[i] for i in rows], [topk[i] for i in rows])
 
     def _verify(self, layout: StepLayout, output: StepOutput) -> Verdict:
-        slots = layout.slot_rows
-        if self.sampler is None:
-            return greedy_verify(layout.tree, [output.argmax[r] for r in slots])
-        if output.sampled is None:
-            raise TypeError("the step asked for sampling's reads (a SampleRequest), but the model's step returned "
-                            "StepOutput.sampled None: a StepModel must honour `sample`")
-        reads = output.sampled
-        return sample_verify(layout.tree, lambda slot, token: reads.probs[(slot, token)], self.sampler.uniform,
-                             reads.draws.__getitem__)
+        """Greedy: each slot's argmax; sampling: each slot's seeded winner (`lookahead.loop.sampling`)."""
+        chosen = output.argmax
+        if self.seed is not None:
+            if output.sampled is None:
+                raise TypeError("the step asked for sampled tokens (a SampleRequest), but the model's step returned "
+                                "StepOutput.sampled None: a StepModel must honour `sample`")
+            chosen = output.sampled
+        return verify(layout.tree, [chosen[r] for r in layout.slot_rows])
 
     def _advance(self, accepted: list[int], outputs: list[int]) -> None:
         if self.window.full:

@@ -7,7 +7,7 @@ which step indices a verdict commits. A token of a step has four numbers, and on
 
     step index   its place in the step's T tokens (the pattern's order; the KV entry it writes is L + index)
     output row   its place in the rows the model returns (`rows`): the input token, the last level, every node
-    slot         its place among the verified tokens: 0 the input token, 1 + j tree node j (sampling's numbering)
+    slot         its place among the verified tokens: 0 the input token, 1 + j tree node j (what verification reads)
     node         its place in the draft tree (pre-order), ROOT for the input token
 
 A step is either exact-size (the pattern of what is present: `levels` levels, V nodes) or static (always the
@@ -124,10 +124,11 @@ class StepLayout:
         return out
 
     @cached_property
-    def draft_pairs(self) -> tuple[tuple[int, int], ...]:
-        """(slot of the parent, token) for every edge of the tree: what sampling verification reads."""
-        return tuple((0 if parent == ROOT else 1 + parent, token)
-                     for parent, token in zip(self.tree.parents, self.tree.tokens, strict=True))
+    def row_depths(self) -> list[int]:
+        """[R] the relative position of each output row's token (its next token takes absolute position L + depth + 1,
+        L the input token's): what sampling keys its draws by."""
+        depths = self.pattern.relative_positions.tolist()
+        return [depths[i] for i in self.rows]
 
     def commit_indices(self, verdict: Verdict) -> list[int]:
         """Step indices to keep after a verdict: the input token, then the path down to its last accepted node."""

@@ -1,22 +1,23 @@
-"""Turning logits into the target distribution (temperature, top-k, top-p) and drawing from it.
+"""Turning logits into the target distribution (temperature, top-k, top-p) and drawing from it, keyed by position.
 
-Plain sampling and lookahead's sample verification both use `target_probs`, so the distribution that
-lookahead preserves is exactly the one plain sampling draws from.
+Plain sampling and lookahead's verification both draw with `sample_positions`, so the distribution that lookahead
+preserves is exactly the one plain sampling draws from, and with a seed the tokens are the same too.
 
-Draws are exponential races: token argmax_i p_i / E_i with E_i ~ Exp(1) independent is distributed as p,
-and the same race over p with some tokens removed is a draw from the renormalised rest. So a step's model
-can compute, on its device and before its one device-to-host copy, everything sampling verification reads
-(`SampleRequest`): the target probability of each draft token at its parent, and at every verified row the
-race's winner among the tokens that no draft offered there (Algorithm 4's residual after rejecting all of
-them, which is the only residual it ever draws from, or the full target where no draft was offered). A
-step draws once, at the row where the walk stops, which depends only on the uniforms and the
-probabilities, not on the race's keys: so one key vector per step serves every row.
+A draw is an exponential race: token argmax_i p_i / E_i with E_i ~ Exp(1) independent is distributed as p. The
+keys E of the token at absolute position `position` are a function of the seed and that position only
+(`position_keys`: a counter-based hash, computed on the device), never of how many steps came before or how
+large they were. So the token at each position is a fixed function of the seed, the position and the target
+distribution there: plain sampling takes it; a lookahead step computes it at every verified row (the input token
+and each tree node, each for the position after it) and verification walks down the tree accepting a node exactly
+when its token is its parent's winner, as greedy verification does with the argmax. The output is, token for
+token, what seeded plain sampling gives, whatever the step sizes, the drafts, the batch or the number of
+processes; a single draft token is accepted with its target probability, as Algorithm 4 accepts it, and a node's
+children with the sum of theirs.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +26,7 @@ from lookahead.request import SamplingParams
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """[R, V] logits -> [R, V] fp32 probabilities after temperature, top-k, then top-p."""
+    """[..., V] logits -> [..., V] fp32 probabilities after temperature, top-k, then top-p."""
     # shift the max to 0 and divide in float64: any temperature > 0, however small (1e-40), stays finite
     # (the max at 0, the rest at most -inf), where fp32 logits / 1e-40 overflow to inf and softmax gives NaN
     logits = logits.double()
@@ -63,121 +64,72 @@ def _descending_head(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, t
 
 
 def race(weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """[..., V] weights (probabilities, need not be normalised) and [V] or [..., V] Exp(1) keys -> the index
-    of the race's winner, argmax_i w_i / E_i, per row: a draw from the normalised weights."""
+    """[..., V] weights (probabilities, need not be normalised) and [..., V] Exp(1) keys -> the index of the race's
+    winner, argmax_i w_i / E_i, per row: a draw from the normalised weights."""
     return (weights.double() / keys).argmax(-1)
 
 
-class Sampler:
-    """The random source of one generation: uniforms in Python, the races' keys on the model's device."""
+def fresh_seed() -> int:
+    """A seed for a generation that was given none."""
+    return random.SystemRandom().randrange(2**63)
 
-    def __init__(self, seed: int | None, device: torch.device) -> None:
-        if seed is None:
-            seed = random.SystemRandom().randrange(2**63)
-        elif isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
-            raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
-        self.uniform = random.Random(seed).random
-        self.device = torch.device(device)
-        self._generator = torch.Generator(device=self.device)
-        self._generator.manual_seed(seed)
 
-    def keys(self, vocab: int) -> torch.Tensor:
-        """[V] float64 Exp(1) keys for one race, on the device (never 0, so a token of probability 0 never wins)."""
-        keys = torch.empty(vocab, dtype=torch.float64, device=self.device)
-        return keys.exponential_(generator=self._generator).clamp_(min=torch.finfo(torch.float64).tiny)
+# splitmix64's constants as signed int64 (torch has no uint64 arithmetic; int64 products wrap alike)
+_GOLDEN, _M1, _M2 = (c - (1 << 64) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
 
-    def draw(self, probs: torch.Tensor) -> int:
-        """One token from a [V] probability vector (need not be normalised)."""
-        return int(race(probs, self.keys(probs.shape[-1])))
+
+def _shr(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser: a bijection of int64 whose outputs look independent."""
+    z = (z ^ _shr(z, 30)) * _M1
+    z = (z ^ _shr(z, 27)) * _M2
+    return z ^ _shr(z, 31)
+
+
+def position_keys(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[b] seeds and [b, R] absolute positions (int64, on one device) -> [b, R, V] float64 Exp(1) keys of the race
+    for the token at each position; a function of (seed, position, token id) only."""
+    rows = _mix(_mix(seeds[:, None] + _GOLDEN) + positions * _GOLDEN)  # [b, R]
+    tokens = (torch.arange(1, vocab + 1, dtype=torch.int64, device=positions.device) * _GOLDEN)  # [V]
+    bits = _shr(_mix(rows[..., None] + tokens), 11)  # [b, R, V]: 53 random bits each
+    uniform = (bits.double() + 0.5) * 2.0**-53  # in (0, 1): the key is never 0 or inf
+    return -torch.log(uniform)
+
+
+def sample_positions(logits: torch.Tensor, params: SamplingParams, seeds: torch.Tensor,
+                     positions: torch.Tensor) -> torch.Tensor:
+    """[b, R, V] logits of rows whose next tokens take absolute positions `positions` [b, R], seeds [b] -> [b, R]
+    int64: the token each row's target distribution gives at its position under its row's seed. No device sync."""
+    probs = target_probs(logits, params)
+    return race(probs, position_keys(seeds, positions, logits.shape[-1]))
 
 
 @dataclass(frozen=True)
 class SampleRequest:
-    """What sampling reads of one step, to compute on the model's device beside the argmax.
-
-    The step's output rows read are row 0 (the input token) and rows `first_draft_row`.. (one per draft slot):
-    verified slot 0 is row 0, slot 1 + j is row first_draft_row + j. `pairs` holds (slot, token) for every
-    draft token: its token at the slot of its parent (the draft's edges; no two alike). A plain step is
-    `first_draft_row` 1 with a single output row and no pairs.
-    """
+    """Sampling's part of a step: the target (`params`), the generation's seed, and for each output row of the step
+    the absolute position its next token takes. The model returns each row's winner (`StepOutput.sampled`),
+    computed on its device beside the argmax (`compute`), or with a fetch of its own (`fetch`)."""
 
     params: SamplingParams
-    sampler: Sampler
-    first_draft_row: int
-    pairs: tuple[tuple[int, int], ...] = ()
-
-    def slots(self, num_rows: int) -> int:
-        """Verified slots of a step with `num_rows` output rows."""
-        return 1 + num_rows - self.first_draft_row
+    seed: int
+    positions: tuple[int, ...]
 
     def compute(self, logits: torch.Tensor) -> torch.Tensor:
-        """The [R, V] logits of a step's output rows -> `sample_on_device`'s int64 [S + P] row, on the device (no
-        sync), to fetch with the step's other outputs and read back by `unpack`."""
-        pairs = pair_tensor([self], self.slots(logits.shape[0]) - 1, logits.device)
-        return sample_on_device(logits[None], self.params, self.first_draft_row, pairs,
-                                self.sampler.keys(logits.shape[-1])[None])[0]
+        """The [R, V] logits of the step's output rows -> [R] int64 winners on the logits' device (no sync)."""
+        device = logits.device
+        seeds = torch.tensor([seed_bits(self.seed)], dtype=torch.int64, device=device)
+        positions = torch.tensor([self.positions], dtype=torch.int64, device=device)
+        return sample_positions(logits[None], self.params, seeds, positions)[0]
 
-    def fetch(self, logits: torch.Tensor) -> SampleReads:
-        """`compute` and `unpack` with a fetch of its own, for a model that does not fold it into its step's copy."""
-        return self.unpack(self.compute(logits).cpu(), self.slots(logits.shape[0]))
-
-    def unpack(self, fetched: torch.Tensor, slots: int) -> SampleReads:
-        """The host side of `sample_on_device`'s int64 row [slots + P]."""
-        draws, probs = split_sampled(fetched, slots, len(self.pairs))
-        return SampleReads(draws, dict(zip(self.pairs, probs, strict=True)))
+    def fetch(self, logits: torch.Tensor) -> list[int]:
+        """`compute`, fetched to the host: for a model that does not fold it into its step's one copy."""
+        return self.compute(logits).tolist()
 
 
-@dataclass(frozen=True)
-class SampleReads:
-    """A step's sampling reads, on the host: per verified slot, the race's winner without the draft tokens
-    offered there (`draws`); per (slot, draft token), its target probability (`probs`)."""
-
-    draws: list[int]
-    probs: dict[tuple[int, int], float]
-
-
-def split_sampled(fetched: torch.Tensor, slots: int, pairs: int) -> tuple[list[int], list[float]]:
-    """A host copy of `sample_rows`' int64 row -> the `slots` draws and the first `pairs` pairs' probabilities (the
-    rest is padding)."""
-    return fetched[:slots].tolist(), fetched[slots : slots + pairs].view(torch.float64).tolist()
-
-
-def padded_pairs(request: SampleRequest, size: int) -> list[int]:
-    """A request's (slot, token) pairs as [2 * size] ints, slots then tokens, padded to `size`, the step's draft
-    slots (S - 1), with (S, 0): slot S is the zero row `sample_on_device` appends, so padding neither reads nor
-    removes anything real."""
-    pad = size - len(request.pairs)
-    if pad < 0:
-        raise ValueError(f"{len(request.pairs)} draft pairs do not fit the step's {size} draft slots")
-    return [*(slot for slot, _ in request.pairs), *[size + 1] * pad, *(token for _, token in request.pairs), *[0] * pad]
-
-
-def pair_tensor(requests: Sequence[SampleRequest], size: int, device: torch.device | str) -> torch.Tensor:
-    """[b, 2, size] int64 on `device`: `padded_pairs` of each request."""
-    rows = [padded_pairs(request, size) for request in requests]
-    return torch.tensor(rows, dtype=torch.int64).view(len(requests), 2, size).to(device)
-
-
-def sample_on_device(logits: torch.Tensor, params: SamplingParams, first_draft_row: int, pairs: torch.Tensor,
-                     keys: torch.Tensor) -> torch.Tensor:
-    """[b, R, V] logits of a step's output rows -> `sample_rows` of its verified rows (row 0, then rows
-    first_draft_row..: S = 1 + R - first_draft_row slots). No device sync: it rides in the step's one copy."""
-    return sample_rows(torch.cat([logits[:, :1], logits[:, first_draft_row:]], dim=1), params, pairs, keys)
-
-
-def sample_rows(verified: torch.Tensor, params: SamplingParams, pairs: torch.Tensor,
-                keys: torch.Tensor) -> torch.Tensor:
-    """[b, S, V] logits of the verified slots, [b, 2, P] (slot, token) pairs (`padded_pairs`: padding names slot S),
-    [b, V] race keys -> [b, S + P] int64: per slot the race's winner without that slot's pair tokens (the full
-    target where removing them leaves nothing: only round-off can), then each pair's target probability as
-    float64 bits."""
-    probs = target_probs(verified, params)
-    probs = torch.cat([probs, probs.new_zeros(probs.shape[0], 1, probs.shape[2])], dim=1)  # + padding's row
-    batch = torch.arange(probs.shape[0], device=probs.device)[:, None]
-    slot, token = pairs[:, 0], pairs[:, 1]
-    picked = probs[batch, slot, token]  # [b, P]
-    residual = probs.index_put((batch.expand_as(slot), slot, token), probs.new_zeros(()))[:, :-1]
-    probs = probs[:, :-1]
-    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, probs)
-    draws = race(residual, keys[:, None])
-    return torch.cat([draws, picked.double().view(torch.int64)], dim=1)
+def seed_bits(seed: int) -> int:
+    """A seed in [0, 2**64) as the int64 with the same bits (what a device buffer holds)."""
+    return seed - (1 << 64) if seed >= 1 << 63 else seed

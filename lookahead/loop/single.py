@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from lookahead.request import Request
 
-from .core import PLAIN_STEP, GenerationResult, LookaheadLoop, Output, StepModel, Stream, first_token, make_sampler
+from .core import PLAIN_STEP, GenerationResult, LookaheadLoop, Output, StepModel, Stream, first_token, sampling_seed
 from .sampling import SampleRequest
 
 
@@ -17,19 +17,21 @@ def decode(model: StepModel, request: Request, stream: Stream | None = None) -> 
     """
     (prompt,) = request.prompts
     sampling = request.sampling
-    sampler = make_sampler(request, 0, model.device)
+    seed = sampling_seed(request, 0)
     out = Output(request.max_new_tokens, request.stop, stream)
-    last = first_token(model.prefill(prompt), sampling, sampler)
+    last = first_token(model.prefill(prompt), sampling, seed, len(prompt))
     out.accept([last])
     if request.lookahead is None:
-        sample = {} if sampler is None else {"sample": SampleRequest(sampling, sampler, first_draft_row=1)}
+        position = len(prompt) + 1  # where the next token goes
         while not out.done:
+            sample = {} if seed is None else {"sample": SampleRequest(sampling, seed, (position,))}
             step = model.step([last], PLAIN_STEP, [0], **sample)
             model.commit([0])
-            last = step.argmax[0] if sampler is None else step.sampled.draws[0]
+            last = step.argmax[0] if seed is None else step.sampled[0]
             out.accept([last])
+            position += 1
     else:
-        loop = LookaheadLoop(request.lookahead, prompt, last, sampling, sampler, request.static_step)
+        loop = LookaheadLoop(request.lookahead, prompt, last, sampling, seed, request.static_step)
         while not out.done:
             out.accept(loop.step(model).tokens)
     return out.result

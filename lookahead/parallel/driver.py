@@ -9,10 +9,9 @@ reads), every rank runs the same `finish` and reaches the same verdict, and the 
 path broadcasts its entries' KV to the others (the authors re-feed the accepted tokens instead; broadcasting
 measured no slower, docs/DESIGN.md).
 
-Sampling stays exactly distributed: all ranks draw with one seed in the same order (the host's uniforms, one
-race's keys a step); the rank that owns a verified slot computes its race winner and the probabilities of the
-drafts offered there, which travel in the same all-gather. A rank whose step raises tells the others in its
-message, so they raise too; a rank that dies or hangs is left to the process group's timeout
+Sampling is keyed by position (`lookahead.loop.sampling`): the rank that owns an output row computes its seeded
+winner, which travels in the same all-gather, and is what one process would draw there. A rank whose step raises
+tells the others in its message, so they raise too; a rank that dies or hangs is left to the process group's timeout
 (`init_process_group(timeout=...)`).
 """
 
@@ -29,8 +28,8 @@ import torch.distributed as dist
 
 from lookahead.loop import GenerationResult, LookaheadLoop, Output, StepLayout, StepModel, StepOutput, first_token
 from lookahead.loop.core import Stream
-from lookahead.loop.sampling import Sampler, sample_rows, split_sampled
-from lookahead.request import Request, SamplingParams
+from lookahead.loop.sampling import SampleRequest
+from lookahead.request import Request
 
 from .exchange import MessagePlan, failed_ranks
 from .substep import SubStep, split_step
@@ -93,13 +92,13 @@ def decode_parallel(model: ParallelStepModel, request: Request, group: dist.Proc
     comm = _Comm(group, model.device)
     (prompt,) = request.prompts
     lookahead, sampling = request.lookahead, request.sampling
-    sampler = None if sampling.greedy else Sampler(request.seeds[0], model.device)
+    seed = None if sampling.greedy else request.seeds[0]  # `agree` made it rank 0's where there was none
     out = Output(request.max_new_tokens, request.stop, stream)
-    last = comm.first_token(lambda: first_token(model.prefill(prompt), sampling, sampler))
+    last = comm.first_token(lambda: first_token(model.prefill(prompt), sampling, seed, len(prompt)))
     # an error of this rank's own between collectives (its `stream`) is raised inside the next step's work, so the
     # others learn of it there instead of waiting for this rank at that step's all-gather
     failure = _accept(out, [last])
-    loop = LookaheadLoop(lookahead, prompt, last, sampling, sampler, static=False)
+    loop = LookaheadLoop(lookahead, prompt, last, sampling, seed, static=False)
     max_tokens = lookahead.step_tokens
     while not out.done:
         layout = loop.plan()
@@ -108,15 +107,16 @@ def decode_parallel(model: ParallelStepModel, request: Request, group: dist.Proc
         if request.static_step:
             real = len(sub.tokens)
             sub = split.sub_step(layout, comm.rank, min(-(-real // BUCKET) * BUCKET, max_tokens))
-        plan = MessagePlan.of(layout, split, sampler is not None)
-        work = partial(_run_sub_step, model, layout, sub, plan, comm.rank, sampling, sampler, request.static_step)
+        plan = MessagePlan.of(layout, split, seed is not None)
+        sample = loop.step_requests(layout).get("sample")
+        work = partial(_run_sub_step, model, layout, sub, plan, comm.rank, sample, request.static_step)
         if failure is not None:
             work = partial(_reraise, failure)
         gathered = comm.run_step(work, plan)
-        argmax, topk, sampled = plan.unpack(layout, gathered)
+        argmax, sampled, topk = plan.unpack(gathered)
         full = StepOutput(torch.empty(0), [argmax[i] for i in layout.rows],
                           torch.tensor([topk[i] for i in range(len(layout.tokens))]) if layout.topk else None,
-                          sampled)
+                          [sampled.get(i, -1) for i in layout.rows] if seed is not None else None)
         verdict = loop.finish(layout, full)
         _commit(model, comm, split.owner, sub, layout.commit_indices(verdict))
         failure = _accept(out, verdict.tokens)
@@ -138,8 +138,8 @@ def _reraise(failure: Exception):
 
 
 def _run_sub_step(model: StepModel, layout: StepLayout, sub: SubStep, plan: MessagePlan, rank: int,
-                  sampling: SamplingParams, sampler: Sampler | None, static: bool) -> torch.Tensor:
-    """This rank's forward pass, and its message."""
+                  sample: SampleRequest | None, static: bool) -> torch.Tensor:
+    """This rank's forward pass, and its message. sample: the whole step's request (positions by layout row)."""
     if static:
         rows = list(range(len(sub.tokens)))
     else:
@@ -148,25 +148,16 @@ def _run_sub_step(model: StepModel, layout: StepLayout, sub: SubStep, plan: Mess
     topk = {"topk": layout.topk} if layout.topk else {}
     output = model.step(list(sub.tokens), sub.pattern, rows, **topk)
     row = {local: r for r, local in enumerate(rows)}
-    argmax = {i: output.argmax[row[sub.local[i]]] for i in plan.argmax[rank]}
+    reported = plan.rows[rank]
+    argmax = {i: output.argmax[row[sub.local[i]]] for i in reported}
     top = {i: output.topk[sub.local[i]] for i in plan.topk[rank]}
-    draws: dict[int, int] = {}
-    probs: dict[tuple[int, int], float] = {}
-    if sampler is not None:
-        # one race's keys a step on every rank, as a single process draws them: the generators stay in step, and
-        # each slot's winner is the one a single process picks
-        keys = sampler.keys(output.logits.shape[-1])
-        verified = plan.draws[rank]
-        if verified:
-            slot = {layout.slot_of_index(i): n for n, i in enumerate(verified)}
-            pairs = plan.probs[rank]
-            pair_rows = torch.tensor([[slot[s] for s, _ in pairs], [t for _, t in pairs]], dtype=torch.int64)
-            logits = output.logits[[row[sub.local[i]] for i in verified]]
-            fetched = sample_rows(logits[None], sampling, pair_rows.view(1, 2, -1).to(logits.device), keys[None])
-            slot_draws, pair_probs = split_sampled(fetched[0].cpu(), len(verified), len(pairs))
-            draws = dict(zip(verified, slot_draws, strict=True))
-            probs = dict(zip(pairs, pair_probs, strict=True))
-    return plan.pack(rank, argmax, top, draws, probs)
+    sampled: dict[int, int] = {}
+    if sample is not None and reported:
+        # the winners of this rank's rows, at the positions the whole step's request gives them: keyed by position,
+        # they are what one process would draw there
+        mine = SampleRequest(sample.params, sample.seed, tuple(sample.positions[layout.row_of[i]] for i in reported))
+        sampled = dict(zip(reported, mine.fetch(output.logits[[row[sub.local[i]] for i in reported]]), strict=True))
+    return plan.pack(rank, argmax, sampled, top)
 
 
 def _commit(model: ParallelStepModel, comm: _Comm, owner: Sequence[int], sub: SubStep, keep: list[int]) -> None:
