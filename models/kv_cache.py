@@ -2,8 +2,26 @@
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
 import torch
 from torch import nn
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Memory a new allocation on `device` can take: CUDA's free memory plus what torch's caching allocator holds
+    unused; on a CPU the kernel's MemAvailable; None where neither is known."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 class KVCache(nn.Module):
@@ -18,6 +36,13 @@ class KVCache(nn.Module):
                  dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         shape = (layers, batch, kv_heads, capacity, head_dim)
+        need = 2 * math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        free = free_bytes(torch.device(device))
+        if free is not None and need > free:
+            raise ValueError(f"the KV cache for {batch} sequence(s) of {capacity} positions needs "
+                             f"{need / 2**30:.1f} GiB on {device}, where {free / 2**30:.1f} GiB are free: give fewer "
+                             "prompts at once, a "
+                             "shorter prompt or fewer max_new_tokens (or call release() on models you no longer use)")
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 

@@ -1,0 +1,69 @@
+"""One model shared by threads, and the memory a generation holds: calls take turns instead of corrupting each other,
+a KV cache that cannot fit is refused before it is allocated, and `release` frees what generations keep."""
+
+import threading
+import weakref
+
+import pytest
+
+import lookahead.models.kv_cache as kv_cache
+from lookahead import LookaheadConfig
+from lookahead.models import Llama
+
+
+def test_threads_calling_generate_on_one_model_each_get_their_own_tokens(tiny_checkpoint):
+    """Every call shares the model's one runner and cache; without the model's lock one call's reset broke another's
+    generation midway (wrong tokens, no error). A batch beside single prompts too."""
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    prompts = [[3, 17, 22, 3, 17, 5], [9, 8, 7], [1, 2, 3, 4, 1, 2], [40, 41, 40, 41]]
+    cfg = LookaheadConfig(2, 3, 2)
+    expected = [model.generate(p, max_new_tokens=30, lookahead=cfg, eos_token_id=[]).tokens for p in prompts]
+    expected_batch = [r.tokens for r in model.generate(prompts[:2], max_new_tokens=30, lookahead=cfg,
+                                                       eos_token_id=[])]
+    got: dict = {}
+    start = threading.Barrier(5)
+
+    def one(i):
+        start.wait()
+        got[i] = model.generate(prompts[i], max_new_tokens=30, lookahead=cfg, eos_token_id=[]).tokens
+
+    def batch():
+        start.wait()
+        got["batch"] = [r.tokens for r in model.generate(prompts[:2], max_new_tokens=30, lookahead=cfg,
+                                                         eos_token_id=[])]
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)] + [threading.Thread(target=batch)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert [got[i] for i in range(4)] == expected and got["batch"] == expected_batch
+
+
+def test_a_kv_cache_that_cannot_fit_is_refused_before_allocating(tiny_checkpoint, monkeypatch):
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    model.generate([1, 2, 3], max_new_tokens=4)
+    monkeypatch.setattr(kv_cache, "free_bytes", lambda device: 2**20)  # 1 MiB free
+    with pytest.raises(ValueError, match=r"the KV cache for 1024 sequence\(s\) of 256 positions needs .* GiB on "
+                                         r"cpu, where 0.0 GiB are free: give fewer prompts"):
+        model.generate([[1, 2, 3]] * 1024, max_new_tokens=4)
+    monkeypatch.undo()
+    assert model.generate([1, 2, 3], max_new_tokens=4).tokens  # nothing left half-built
+
+
+def test_release_frees_the_cache_generations_keep(tiny_checkpoint):
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    model.generate([[1, 2, 3]] * 8, max_new_tokens=4)
+    cache = weakref.ref(model.runner.cache)
+    model.release()
+    assert model.runner is None and cache() is None  # freed at once, no garbage collection needed
+    assert model.generate([1, 2, 3], max_new_tokens=4).tokens and model.runner.cache.batch == 1
+
+
+def test_warmup_auto_takes_the_batch_rule(tiny_checkpoint):
+    """warmup(lookahead="auto") prepares what generate(lookahead="auto") runs (on a CPU: plain decoding)."""
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    model.warmup("auto", max_tokens=64, batch=2)
+    prepared = set(model.runner.step_shapes)
+    model.generate([[1, 2, 3], [4, 5]], max_new_tokens=8, lookahead="auto")
+    assert set(model.runner.step_shapes) == prepared and all(key[0] == (1, 2, 1, False, 0) for key in prepared)
