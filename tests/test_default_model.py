@@ -176,31 +176,41 @@ def test_callers_that_find_the_same_damaged_model_convert_it_once(tmp_path, fake
     assert verify(folder) is None and entries(cache) == [folder]
 
 
-def test_a_process_waits_for_another_process_converting(tmp_path, fake_conversion, capsys):
-    """Across processes: while one converts (holding the lock), another waits, then returns the first one's copy."""
-    cache, go = tmp_path / "cache", tmp_path / "go"
-    folder = dm.default_model_dir(cache, progress=False)
-    (folder / "model.safetensors").write_bytes(b"damaged")
-    script = f"""
+SLOW_CONVERSION = """
 import time
 from pathlib import Path
 import lookahead.models.default_model as dm
 
 def slow(gguf_path, out_dir, progress=True):
     (out_dir / "model.safetensors").write_bytes(bytes(1000))
-    while not Path({str(go)!r}).exists():
-        time.sleep(0.02)
+    {wait}
 
 dm.find_gguf = lambda: Path("fake.gguf")
 dm.convert_gguf = slow
-dm.default_model_dir({str(cache)!r}, progress=False)
+dm.default_model_dir({cache!r}, progress=False)
 """
-    proc = subprocess.Popen([sys.executable, "-c", script])
+
+
+def start_slow_conversion(cache: Path, wait: str) -> subprocess.Popen:
+    """Another process converting the default model into `cache`, paused by the statement `wait` once it has
+    started (its scratch folder holds a file); returned then."""
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_CONVERSION.format(wait=wait, cache=str(cache))])
+    deadline = time.monotonic() + 120
+    while not list(cache.glob(".*/model.safetensors")):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("the conversion did not start")
+        time.sleep(0.02)
+    return proc
+
+
+def test_a_process_waits_for_another_process_converting(tmp_path, fake_conversion, capsys):
+    """Across processes: while one converts (holding the lock), another waits, then returns the first one's copy."""
+    cache, go = tmp_path / "cache", tmp_path / "go"
+    folder = dm.default_model_dir(cache, progress=False)
+    (folder / "model.safetensors").write_bytes(b"damaged")
+    proc = start_slow_conversion(cache, f"while not Path({str(go)!r}).exists(): time.sleep(0.02)")
     try:
-        deadline = time.monotonic() + 120
-        while not list(cache.glob(".*/model.safetensors")):  # the other process holds the lock, converting
-            assert proc.poll() is None and time.monotonic() < deadline, "the conversion did not start"
-            time.sleep(0.02)
         threading.Timer(0.5, go.touch).start()  # it finishes while this process waits
         assert dm.default_model_dir(cache) == folder
         assert proc.wait(60) == 0
@@ -214,25 +224,8 @@ dm.default_model_dir({str(cache)!r}, progress=False)
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 def test_scratch_folder_of_a_killed_conversion_is_removed_on_the_next_run(tmp_path, fake_conversion, capsys, sig):
     cache = tmp_path / "cache"
-    script = f"""
-import time
-from pathlib import Path
-import lookahead.models.default_model as dm
-
-def slow(gguf_path, out_dir, progress=True):
-    (out_dir / "model.safetensors").write_bytes(bytes(1000))
-    time.sleep(300)
-
-dm.find_gguf = lambda: Path("fake.gguf")
-dm.convert_gguf = slow
-dm.default_model_dir({str(cache)!r}, progress=False)
-"""
-    proc = subprocess.Popen([sys.executable, "-c", script])
+    proc = start_slow_conversion(cache, "time.sleep(300)")
     try:
-        deadline = time.monotonic() + 120
-        while not list(cache.glob(".*/model.safetensors")):
-            assert proc.poll() is None and time.monotonic() < deadline, "the conversion did not start"
-            time.sleep(0.05)
         proc.send_signal(sig)
         proc.wait(60)
     finally:
