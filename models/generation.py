@@ -19,7 +19,7 @@ from torch import nn
 
 from lookahead.config import LookaheadConfig
 from lookahead.loop import PLAIN_STEP, GenerationResult, decode, decode_batch, full_pattern, static_step
-from lookahead.parallel import agree, decode_parallel
+from lookahead.parallel import agree, decode_parallel, sub_step_patterns
 from lookahead.request import Request, check_stream, parse_request
 
 from .runner import CachedRunner, StepForward, StepShape
@@ -64,7 +64,7 @@ def generate(model: Llama, prompt_ids: Any, *, stream: Callable | None = None, c
 
 
 def warmup(model: Llama, lookahead: LookaheadConfig | str | None, max_tokens: int, cuda_graph: bool, batch: int,
-           sampling: bool) -> None:
+           sampling: bool, process_group=None) -> None:
     """See `Llama.warmup`: the runner for the largest request, every step shape a generation of it can meet
     prepared (captured on CUDA), then one short generation that warms the prefill."""
     for name, value, low in (("max_tokens", max_tokens, 2), ("batch", batch, 1)):
@@ -75,20 +75,27 @@ def warmup(model: Llama, lookahead: LookaheadConfig | str | None, max_tokens: in
     limit = model.config.max_position_embeddings
     if max_tokens > limit:
         raise ValueError(f"max_tokens ({max_tokens}) exceeds the model's max_position_embeddings ({limit})")
-    if isinstance(lookahead, str) and lookahead == "auto":
-        lookahead = LookaheadConfig.for_batch(batch, model.device.type)
-    request = Request([[0]] * batch, max_tokens - 1, lookahead=lookahead, static_step=True, batch=batch > 1)
+    # the request a generation of that size makes: "auto" and the parallel checks resolved as generate does
+    request = parse_request([[0]] * batch if batch > 1 else [0], vocab_size=model.config.vocab_size,
+                            max_positions=limit, max_new_tokens=max_tokens - 1, lookahead=lookahead,
+                            device_type=model.device.type, static_step=True,
+                            ranks=None if process_group is None else _world_size(process_group))
     with model.lock:
         with torch.inference_mode():
             runner = runner_for(model, request, cuda_graph)
-            modes = (False, True) if sampling else (False,)
-            steps = [static_step(lookahead, sample) for sample in modes]
-            # a batch meets every smaller batch size as its rows finish
-            runner.capture([StepShape(pattern, rows, size, topk, first) for pattern, rows, topk, first in steps
-                            for size in range(batch, 0, -1)])
-        # the prefill gives one token, so two make exactly one step, of the shape prepared above
-        generate(model, [0], max_new_tokens=2, lookahead=lookahead, eos_token_id=[], static_step=True,
-                 cuda_graph=cuda_graph)
+            if process_group is not None:  # a rank's sub-steps, of every padded size (sampling adds no program)
+                topk = static_step(request.lookahead, False)[2]
+                shapes = [StepShape(pattern, pattern.num_tokens, 1, topk)
+                          for pattern in sub_step_patterns(request.lookahead)]
+            else:
+                steps = [static_step(request.lookahead, sample) for sample in ((False, True) if sampling else (False,))]
+                # a batch meets every smaller batch size as its rows finish
+                shapes = [StepShape(pattern, rows, size, topk, sample) for pattern, rows, topk, sample in steps
+                          for size in range(batch, 0, -1)]
+            runner.capture(shapes)
+        if process_group is None:  # the prefill gives one token, so two make exactly one step, of a shape above
+            generate(model, [0], max_new_tokens=2, lookahead=request.lookahead, eos_token_id=[], static_step=True,
+                     cuda_graph=cuda_graph)
 
 
 def runner_for(model: Llama, request: Request, cuda_graph: bool = True) -> CachedRunner:

@@ -18,7 +18,8 @@ def run_cases(rank: int, world: int, store: str, folder: str, cases: list, resul
     """Run `cases` [(name, kwargs for Llama.generate, {rank: overrides}, fail_at)] on this rank and put
     (rank, {name: (tokens, steps) or ("error", type, message)}) on `results`. fail_at: (rank, step): that rank's
     model raises at that forward step of the case; (rank, "stream"): its stream raises. kwargs may name
-    "attn_backend" (the model's)."""
+    "attn_backend" (the model's) and "warmup" (prepare the shapes first; the shapes the generation adds are
+    reported)."""
     torch.set_num_threads(1)
     from lookahead.models import Llama
     from lookahead.models.runner import CachedRunner
@@ -47,8 +48,15 @@ def run_cases(rank: int, world: int, store: str, folder: str, cases: list, resul
             if backend not in models:
                 models[backend] = Llama.from_pretrained(folder, attn_backend=backend)
             model = models[backend]
+            if args.pop("warmup", False):  # prepare every sub-step shape first; count what the generation adds
+                model.release()  # nothing prepared by earlier cases
+                model.warmup(args["lookahead"], max_tokens=64, process_group=dist.group.WORLD)
+                prepared = set(model.runner.step_shapes)
             result = model.generate(**args, process_group=dist.group.WORLD)
             out[name] = (result.tokens, result.steps)
+            if "prepared" in locals():
+                out[name + ":new shapes"] = sorted(set(model.runner.step_shapes) - prepared)
+                del prepared
         except Exception as e:  # reported to the test, which asserts on it
             out[name] = ("error", type(e).__name__, str(e), traceback.format_exc(limit=3))
         out[name + ":seconds"] = time.perf_counter() - start

@@ -86,7 +86,7 @@ def _cases(folder):
         kwargs = {"prompt_ids": PROMPT, "max_new_tokens": TOKENS, "eos_token_id": [], **kwargs}
         cases.append((name, kwargs, overrides or {}, fail_at))
         if expect is None:
-            plain = {k: v for k, v in kwargs.items() if k != "attn_backend"}
+            plain = {k: v for k, v in kwargs.items() if k not in ("attn_backend", "warmup")}
             result = model.generate(**plain)
             expect = (result.tokens, result.steps, result.step_tokens)
         reference[name] = expect
@@ -95,6 +95,8 @@ def _cases(folder):
         add(f"{form}-greedy", lookahead=config)
         add(f"{form}-sampling", lookahead=config, temperature=0.9, top_k=20, seed=7)
     add("tree-static", lookahead=configs["tree"], static_step=True)
+    add("tree-static-warm", lookahead=configs["tree"], static_step=True, warmup=True,
+        expect=reference["tree-static"])
     # the Triton kernel (interpreted on CPU) on padded sub-steps: the tree pattern (1, 2) of a few shapes
     add("triton-static", lookahead=configs["tree"], max_new_tokens=12, static_step=True, attn_backend="triton")
     # an EOS that arrives inside a multi-token step, not at its end
@@ -139,6 +141,15 @@ def test_ranks_give_one_process_tokens_and_steps(runs, world, name):
     tokens, steps, _ = reference[name]
     for rank, out in enumerate(results[world]):
         assert out[name] == (tokens, steps), (rank, out[name])
+
+
+@pytest.mark.parametrize("world", [2, 3], ids=lambda k: f"K{k}")
+def test_a_warm_up_prepares_every_sub_step_shape(runs, world):
+    """warmup(process_group=...) prepares each padded sub-step size: the static generation after it adds none."""
+    results, reference = runs
+    for out in results[world]:
+        assert out["tree-static-warm"] == reference["tree-static"][:2]
+        assert out["tree-static-warm:new shapes"] == []
 
 
 def test_parallel_sampling_gives_plain_sampling(runs, tiny_checkpoint):

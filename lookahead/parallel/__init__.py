@@ -2,6 +2,6 @@
 group (`driver.py`), each rank's share of a step (`substep.py`) and the one message per rank and step
 (`exchange.py`)."""
 
-from .driver import ParallelStepModel, agree, decode_parallel
+from .driver import ParallelStepModel, agree, decode_parallel, sub_step_patterns
 
-__all__ = ["ParallelStepModel", "agree", "decode_parallel"]
+__all__ = ["ParallelStepModel", "agree", "decode_parallel", "sub_step_patterns"]

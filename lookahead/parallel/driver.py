@@ -26,6 +26,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from lookahead.config import LookaheadConfig
+from lookahead.kernels import StepPattern
 from lookahead.loop import GenerationResult, LookaheadLoop, Output, StepLayout, StepModel, StepOutput, first_token
 from lookahead.loop.core import Stream
 from lookahead.loop.sampling import SampleRequest
@@ -35,6 +37,18 @@ from .exchange import MessagePlan, failed_ranks
 from .substep import SubStep, split_step
 
 BUCKET = 8  # static sub-steps are padded to a multiple of this: a few shapes (CUDA graphs), little padding
+
+
+def padded_size(tokens: int, step_tokens: int) -> int:
+    """A static sub-step of `tokens` real tokens, padded to the next multiple of BUCKET, at most the whole step's."""
+    return min(-(-tokens // BUCKET) * BUCKET, step_tokens)
+
+
+def sub_step_patterns(config: LookaheadConfig) -> list[StepPattern]:
+    """The shape of every static sub-step a rank can run for `config` (a tree pattern of each padded size; a
+    sub-step's tree is data): what a warm-up prepares ahead."""
+    sizes = sorted({padded_size(n, config.step_tokens) for n in range(1, config.step_tokens + 1)})
+    return [StepPattern(1, 2, tree_end=tuple(range(1, size))) for size in sizes]
 
 
 class ParallelStepModel(StepModel, Protocol):
@@ -105,8 +119,7 @@ def decode_parallel(model: ParallelStepModel, request: Request, group: dist.Proc
         split = split_step(layout, comm.ranks)
         sub = split.sub_step(layout, comm.rank)
         if request.static_step:
-            real = len(sub.tokens)
-            sub = split.sub_step(layout, comm.rank, min(-(-real // BUCKET) * BUCKET, max_tokens))
+            sub = split.sub_step(layout, comm.rank, padded_size(len(sub.tokens), max_tokens))
         plan = MessagePlan.of(layout, split, seed is not None)
         sample = loop.step_requests(layout).get("sample")
         work = partial(_run_sub_step, model, layout, sub, plan, comm.rank, sample, request.static_step)
