@@ -83,14 +83,11 @@ def warmup(model: Llama, lookahead: LookaheadConfig | str | None, max_tokens: in
     with model.lock:
         with torch.inference_mode():
             runner = runner_for(model, request, cuda_graph)
+            pattern, rows, topk = static_step(request.lookahead)
             if process_group is not None:  # a rank's sub-steps, of every padded size (sampling adds no program)
-                topk = static_step(request.lookahead, False)[2]
-                shapes = [StepShape(pattern, pattern.num_tokens, 1, topk)
-                          for pattern in sub_step_patterns(request.lookahead)]
-            else:
-                steps = [static_step(request.lookahead, sample) for sample in ((False, True) if sampling else (False,))]
-                # a batch meets every smaller batch size as its rows finish
-                shapes = [StepShape(pattern, rows, size, topk, sample) for pattern, rows, topk, sample in steps
+                shapes = [StepShape(sub, sub.num_tokens, 1, topk) for sub in sub_step_patterns(request.lookahead)]
+            else:  # a batch meets every smaller batch size as its rows finish
+                shapes = [StepShape(pattern, rows, size, topk, sample) for sample in {False, sampling}
                           for size in range(batch, 0, -1)]
             runner.capture(shapes)
         if process_group is None:  # the prefill gives one token, so two make exactly one step, of a shape above

@@ -111,13 +111,13 @@ def first_token(logits: torch.Tensor, sampling: SamplingParams, seed: int | None
     return SampleRequest(sampling, seed, (position,)).fetch(logits[None])[0]
 
 
-def static_step(cfg: LookaheadConfig | None, sampling: bool) -> tuple[StepPattern, int, int, bool]:
+def static_step(cfg: LookaheadConfig | None) -> tuple[StepPattern, int, int]:
     """A generation's static step as a model's program sees it, packed by the loop itself: (pattern, output rows,
-    top-k asked for, sampling). What a warm-up prepares ahead."""
+    top-k asked for). What a warm-up prepares ahead."""
     if cfg is None:
-        return PLAIN_STEP, 1, 0, sampling
+        return PLAIN_STEP, 1, 0
     layout = LookaheadLoop(cfg, [0], 0, SamplingParams(), None, static=True).plan()
-    return layout.pattern, len(layout.rows), layout.topk, sampling
+    return layout.pattern, len(layout.rows), layout.topk
 
 
 def sampling_seed(request: Request, row: int) -> int | None:
