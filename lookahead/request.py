@@ -99,11 +99,6 @@ class Request:
         """Positions the longest prompt can reach: its length + max_new_tokens."""
         return max(map(len, self.prompts)) + self.max_new_tokens
 
-    def one(self, index: int) -> Request:
-        """Prompt `index` alone, with its own seed: what a batch row generates."""
-        return Request((self.prompts[index],), self.max_new_tokens, self.sampling, self.lookahead, self.stop,
-                       (self.seeds[index],), self.static_step)
-
 
 def parse_request(prompt_ids: Any, *, vocab_size: int, max_positions: int, max_new_tokens: Any,
                   lookahead: Any, temperature: Any = 0.0, top_k: Any = 0, top_p: Any = 1.0, seed: Any = None,
