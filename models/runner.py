@@ -94,14 +94,25 @@ class CachedRunner:
         self.cuda_graphs = cuda_graphs and self.can_graph  # may be switched between generations
         self._graph_pool = torch.cuda.graph_pool_handle() if self.can_graph else None
         self._programs: dict[tuple, _StepProgram] = {}  # (pattern shape, rows R, batch b, top-k, sampling)
+        # the token ids of row 0's entries at positions 0, 1, ... (None: not known), for the next prompt to resume
+        # from; they stay valid after a reset, which forgets the lengths, not the entries
+        self.history: list[int] | None = None
+        self.reused = 0  # positions the last prefill took from the cache instead of computing them
+        self._step_tokens: list[int] = []
+        self._commit: tuple[list[list[int]], list[list[int]]] | None = None
         self.reset()
 
     def reset(self, batch: int = 1) -> None:
-        """Forget the sequences and start `batch` empty ones (the buffers and captured graphs stay)."""
+        """Forget the sequences and start `batch` empty ones (the buffers and captured graphs stay, and a single
+        sequence's entries are kept for the next prompt that begins with them: `prefill`)."""
         if not 1 <= batch <= self.cache.batch:
             raise ValueError(f"batch must be in 1..{self.cache.batch} (the cache's rows), got {batch}")
+        if self.history is not None:
+            self._apply_commit()  # the last verdict's entries: part of the history a next prompt may resume from
         self.lengths = [0] * batch
-        self._commit: tuple[list[list[int]], list[list[int]]] | None = None
+        self._commit = None
+        if batch != 1:
+            self.history = None  # another row may take row 0's place: its entries are no longer known
 
     @property
     def step_shapes(self) -> list[tuple]:
@@ -143,15 +154,36 @@ class CachedRunner:
             raise ValueError(f"{len(prompts)} prompts for {len(self.lengths)} sequences")
         self._check_room([len(p) for p in prompts])
         self._apply_commit()
+        self.reused = self._resume(prompts)
         last = []
         for b, tokens in enumerate(prompts):
             start = self.lengths[b]
+            tokens = tokens[start:] if b == 0 and self.reused else tokens
             ids = torch.tensor([list(tokens)], device=self.device)
             slots = torch.arange(start, start + len(tokens), device=self.device)
             attend = cached(self.cache, slots, prefill_attention(start), rows=slice(b, b + 1))
             last.append(self.model(ids, slots, attend, torch.tensor([len(tokens) - 1], device=self.device))[0, 0])
             self.lengths[b] += len(tokens)
         return torch.stack(last)
+
+    def _resume(self, prompts: Sequence[Sequence[int]]) -> int:
+        """A fresh sequence (L = 0) whose prompt begins with tokens whose entries the cache already holds (the last
+        generation's prompt and output: a conversation's next turn) starts after them: positions reused, set as
+        its L. History is kept for one sequence only; the prompt's last token always runs (its logits are needed).
+        Returns the positions reused."""
+        if len(prompts) != 1:
+            self.history = None
+            return 0
+        prompt, start = list(prompts[0]), self.lengths[0]
+        reuse = 0
+        if start == 0 and self.history:
+            limit = min(len(self.history), len(prompt) - 1)
+            while reuse < limit and self.history[reuse] == prompt[reuse]:
+                reuse += 1
+        if start == 0 or self.history is not None:
+            self.history = (self.history or [])[:start] + prompt
+        self.lengths[0] = start + reuse if start == 0 else start
+        return reuse
 
     def step_batch(self, tokens: Sequence[Sequence[int]], pattern: StepPattern | Sequence[StepPattern],
                    rows: Sequence[Sequence[int]], topk: int = 0,
@@ -172,6 +204,7 @@ class CachedRunner:
         program = self._programs[key]
         src, dst = self._commit if self._commit is not None else self._no_commit()
         self._commit = None
+        self._step_tokens = list(tokens[0]) if len(tokens) == 1 else []  # what a commit of row 0 keeps
         return program.run(self, tokens, patterns, rows, self.lengths, src, dst, sample)
 
     def capture(self, shapes: Iterable[StepShape]) -> None:
@@ -202,6 +235,10 @@ class CachedRunner:
 
     def commit_batch(self, step_indices: Sequence[Sequence[int]]) -> None:
         """Keep row b's entries `step_indices[b]` (a different count in each row) at L_b, L_b + 1, ..."""
+        if self.history is not None and len(step_indices) == 1:
+            self.history += [self._step_tokens[int(i)] for i in step_indices[0]]
+        else:
+            self.history = None
         src, dst = [], []
         for b, indices in enumerate(step_indices):
             count = len(indices)
@@ -231,6 +268,7 @@ class CachedRunner:
         """One sequence: keep KV entries [2, layers, Hkv, n, D] computed elsewhere at L, L+1, ... (after the pending
         commit) and grow L by n."""
         self._apply_commit()
+        self.history = None  # entries whose tokens this runner was not told
         count = entries.shape[3]
         self._check_room(count)
         positions = torch.arange(self.length, self.length + count, device=self.device)
@@ -243,6 +281,7 @@ class CachedRunner:
         if not order or len(set(order)) != len(order) or not all(0 <= r < len(self.lengths) for r in order):
             raise ValueError(f"order must name distinct rows of 0..{len(self.lengths) - 1}, got {list(order)}")
         self._apply_commit()
+        self.history = None
         moved = [r for i, r in enumerate(order) if i != r]
         self.cache.keep_rows(list(order), max((self.lengths[r] for r in moved), default=0))
         self.lengths = [self.lengths[r] for r in order]
