@@ -66,7 +66,8 @@ def test_help_states_each_default_once():
         assert block.count("(default") <= 1, block
     flat = " ".join(text.split())
     assert "(default: None)" not in flat and "(default: False)" not in flat
-    for expected in ("the most tokens to generate (default: 256)", "0 is greedy; > 0 samples (default: 0.0)",
+    for expected in ("the most tokens to generate (per answer) (default: 256)",
+                     "0 is greedy; > 0 samples (default: 0.0)",
                      "(0: off) (default: 0)", "in (0, 1] (default: 1.0)", "(default: a fresh one each run)"):
         assert expected in flat
 
@@ -97,7 +98,7 @@ def test_show_steps_marks_cannot_be_confused_with_code(monkeypatch, encoding, ma
     """Square brackets made `s[::-1]` read `s[[::-1]]`; off a terminal the marks are brackets code does not use."""
     stdout = io.TextIOWrapper(io.BytesIO(), encoding=encoding)
     monkeypatch.setattr(sys, "stdout", stdout)
-    printer = lookahead.cli.generate._StreamPrinter(PieceTokenizer(PIECES), show_steps=True, color=False)
+    printer = lookahead.cli.generate.StreamPrinter(PieceTokenizer(PIECES), show_steps=True, color=False)
     for tokens in STEPS:
         printer(tokens)
     stdout.seek(0)
