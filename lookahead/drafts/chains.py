@@ -2,10 +2,10 @@
 token, built into a trie (one path per candidate, a shared prefix stored once, siblings in the order of the
 candidates that first hold them).
 
-Verifying that trie accepts exactly what the paper's separate candidates accept: greedy, the longest candidate
-prefix the model agrees with (the path it spells, the first candidate that holds it); sampling, Algorithm 4 tries
-the distinct tokens the still-matching candidates offer, in candidate order, which are that node's children in
-order. Merged prefixes make a step shorter than the paper's (W + g)(N - 1) tokens, never different in outcome.
+Walking that trie accepts exactly what the paper's Algorithm 3 accepts over the separate candidates: the longest
+candidate prefix the model agrees with (the path it spells) and the model's token after it. (Sampling walks it the
+same way, with each position's seeded draw for the argmax: `lookahead.loop.verify`.) Merged prefixes make a step
+shorter than the paper's (W + g)(N - 1) tokens, never different in outcome.
 """
 
 from __future__ import annotations
