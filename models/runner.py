@@ -224,6 +224,7 @@ class CachedRunner:
                 raise ValueError(f"a StepShape of {shape.pattern.num_tokens} tokens exceeds this runner's "
                                  f"max_step_tokens ({self.max_step_tokens})")
         self._apply_commit()
+        self.history = None  # a capture writes placeholder entries from each row's L on (0 after a reset)
         for shape in shapes:
             key = (shape.pattern.shape, shape.rows, shape.batch, shape.topk, shape.sampling)
             if key in self._programs and (self._programs[key].graph is not None or not self.cuda_graphs):

@@ -2,6 +2,7 @@
 output prefills only what follows, and decodes exactly what a fresh model decodes from the whole history."""
 
 import pytest
+import torch
 
 from lookahead import LookaheadConfig
 from lookahead.models import Llama
@@ -60,3 +61,18 @@ def test_what_cannot_be_reused_prefills_as_before(tiny_checkpoint):
     assert model.generate(TURN1, max_new_tokens=8, eos_token_id=[]).tokens == \
         fresh.generate(TURN1, max_new_tokens=8, eos_token_id=[]).tokens
     assert model.runner.reused == len(TURN1) - 1  # the whole prompt but its last token, whose logits are needed
+
+
+def test_preparing_shapes_forgets_the_history(tiny_checkpoint):
+    """A capture writes placeholder entries from each row's L on, over entries a next prompt could have resumed from:
+    after one, the next prompt prefills whole."""
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    model.generate(TURN1, max_new_tokens=8, eos_token_id=[])
+    model.warmup(LookaheadConfig(2, 3, 2), max_tokens=64, process_group=None, sampling=True)  # ends with [0]'s turn
+    with torch.inference_mode():  # as generation runs the runner
+        model.runner.reset()
+        assert model.runner.history  # [0] and its answer: the warm-up's generation
+        model.runner.capture([])
+    assert model.runner.history is None
+    model.generate(TURN1, max_new_tokens=8, eos_token_id=[])
+    assert model.runner.reused == 0
