@@ -138,7 +138,8 @@ class LlamaConfig:
         if family is None:
             raise ConfigError(f"model_type {model_type!r} is not supported natively (supported: "
                               f"{', '.join(sorted(FAMILIES))}); to decode a model loaded with transformers instead, "
-                              "use lookahead.hf.generate(hf_model, input_ids, ...) (see the architectures it drives)")
+                              "use lookahead.hf.generate(hf_model, input_ids, ...), which also drives Mixtral, "
+                              "Qwen3-MoE, Gemma, Phi-3, OLMo 2, Granite and Cohere")
         act = raw.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"hidden_act {act!r} is not supported (only 'silu')")

@@ -269,10 +269,38 @@ def test_models_it_cannot_drive_are_refused(kind, config, message):
         lh.generate(other_model(kind, **config), [1, 2, 3], max_new_tokens=4)
 
 
-def test_other_llama_family_architectures(hf_model):
-    model = other_model("mistral", sliding_window=None).eval()
-    expected = hf_greedy(model, REPETITIVE, 24, **NO_EOS)
-    assert lh.generate(model, REPETITIVE, 24, LookaheadConfig(5, 4, 5), eos_token_id=[]).tokens == expected
+FAMILIES = {  # model_type: (config class, model class, the config beyond a tiny LLaMA's)
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(sliding_window=None, num_local_experts=2,
+                                                            num_experts_per_tok=1)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(num_experts=2, num_experts_per_tok=1,
+                                                                moe_intermediate_size=16, head_dim=8)),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=8)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=0)),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(eos_token_id=None)),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {}),
+    "cohere": ("CohereConfig", "CohereForCausalLM", dict(eos_token_id=None)),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_other_architectures_equal_their_own_greedy(family):
+    """Every architecture the adapter accepts beyond LLaMA (and Qwen2/3, tested above) decodes, with lookahead, what
+    transformers' own greedy decoding gives."""
+    config_class, model_class, extra = FAMILIES[family]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(vocab_size=101, hidden_size=32, intermediate_size=48,
+                                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                 **extra)
+    model = getattr(transformers, model_class)(config).eval()
+    with torch.no_grad():  # larger weights than the default init: outputs that depend on the context
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.mul_(4.0)
+    assert model.config.model_type == family
+    expected = hf_greedy(model, REPETITIVE, 20, **NO_EOS)
+    result = lh.generate(model, REPETITIVE, 20, LookaheadConfig(3, 4, 3), eos_token_id=[])
+    assert result.tokens == expected and result.compression > 1
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -30,7 +30,10 @@ from lookahead.loop.sampling import SampleRequest
 MIN_TRANSFORMERS = "4.56"  # AttentionInterface, DynamicCache layers, callable custom_generate
 ATTENTION_NAME = "lookahead"
 # attention with q/k/v projections, RoPE by position_ids and the generic attention dispatch
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# each held to transformers' own greedy output by tests/test_hf.py (architectures whose attention transformers runs
+# through its AttentionInterface with standard RoPE, and no softcapping, parallel residual or partial rotary)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma", "phi3", "olmo2",
+                         "granite", "cohere")
 # RoPE that does not depend on how many tokens one forward pass holds ("dynamic", "longrope" do)
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _STEP_KWARG = "lookahead_step"
