@@ -28,7 +28,6 @@ class TimedModel:
 
     def __init__(self, inner) -> None:
         self.inner, self.seconds, self.step_seconds = inner, 0.0, []
-        self.device = inner.device
         self.marks: list[tuple[float, float]] = []  # (wall clock, model seconds so far) at each step's start
 
     def loop_us(self, part: slice) -> float:

@@ -34,6 +34,7 @@ class Llama(StepForward, Protocol):
 
     def release(self) -> None: ...
 
+
 MIN_CAPACITY = 256
 
 

@@ -158,7 +158,7 @@ class CachedRunner:
         last = []
         for b, tokens in enumerate(prompts):
             start = self.lengths[b]
-            tokens = tokens[start:] if b == 0 and self.reused else tokens
+            tokens = tokens[self.reused:] if b == 0 else tokens  # the reused positions are in the cache
             ids = torch.tensor([list(tokens)], device=self.device)
             slots = torch.arange(start, start + len(tokens), device=self.device)
             attend = cached(self.cache, slots, prefill_attention(start), rows=slice(b, b + 1))
@@ -182,7 +182,7 @@ class CachedRunner:
                 reuse += 1
         if start == 0 or self.history is not None:
             self.history = (self.history or [])[:start] + prompt
-        self.lengths[0] = start + reuse if start == 0 else start
+        self.lengths[0] = start + reuse
         return reuse
 
     def step_batch(self, tokens: Sequence[Sequence[int]], pattern: StepPattern | Sequence[StepPattern],

@@ -78,8 +78,6 @@ class MockStepModel:
     asserts that the visible tokens fill positions 0..p exactly once, so a wrong layout fails loudly.
     """
 
-    device = torch.device("cpu")
-
     def __init__(self, vocab: int, logits_fn: Callable[[Sequence[int]], torch.Tensor] | None = None) -> None:
         self.vocab = vocab
         self.logits_fn = logits_fn or (lambda ctx: context_logits(ctx, vocab))
@@ -119,8 +117,6 @@ class MockBatchStepModel:
     """A `BatchStepModel` of one `MockStepModel` per row: each row's logits depend on that row's tokens only, so
     a loop that mixes rows up, or packs a row's step wrongly, changes tokens. Records every step's batch size
     and pattern."""
-
-    device = torch.device("cpu")
 
     def __init__(self, vocab: int, logits_fn: Callable[[Sequence[int]], torch.Tensor] | None = None) -> None:
         self.vocab, self.logits_fn = vocab, logits_fn

@@ -36,10 +36,7 @@ class BatchStepModel(Protocol):
     commit_batch: keep row b's entries `step_indices[b]` at L_b, L_b + 1, ... (may be deferred to the
         next step, as `StepModel.commit`).
     keep_rows: continue with rows `order` only: row i becomes what row order[i] was.
-    device: where the model runs (sampling's random keys are drawn there).
     """
-
-    device: torch.device
 
     def prefill_batch(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor: ...
 

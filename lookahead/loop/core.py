@@ -41,7 +41,6 @@ class StepOutput:
 class StepModel(Protocol):
     """What the decode loop needs of a model with a KV cache.
 
-    device: where the model runs (sampling's random keys are drawn there).
     prefill: run the prompt into the cache; return the logits [V] of its last token.
     step: run `tokens` laid out as `pattern` describes, at positions L + relative position, writing
         their KV entries after the cache prefix; return the outputs of step indices `rows`, with
@@ -52,8 +51,6 @@ class StepModel(Protocol):
     commit: keep the KV entries of these step indices (at positions L, L+1, ...) and grow L by their
         number. A model may defer the copy to its next step, so a commit costs no launch of its own.
     """
-
-    device: torch.device
 
     def prefill(self, tokens: Sequence[int]) -> torch.Tensor: ...
 

@@ -22,14 +22,13 @@ def decode(model: StepModel, request: Request, stream: Stream | None = None) -> 
     last = first_token(model.prefill(prompt), sampling, seed, len(prompt))
     out.accept([last])
     if request.lookahead is None:
-        position = len(prompt) + 1  # where the next token goes
         while not out.done:
+            position = len(prompt) + len(out.result.tokens)  # where the next token goes
             sample = {} if seed is None else {"sample": SampleRequest(sampling, seed, (position,))}
             step = model.step([last], PLAIN_STEP, [0], **sample)
             model.commit([0])
             last = step.argmax[0] if seed is None else step.sampled[0]
             out.accept([last])
-            position += 1
     else:
         loop = LookaheadLoop(request.lookahead, prompt, last, sampling, seed, request.static_step)
         while not out.done:

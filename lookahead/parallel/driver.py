@@ -52,11 +52,13 @@ def sub_step_patterns(config: LookaheadConfig) -> list[StepPattern]:
 
 
 class ParallelStepModel(StepModel, Protocol):
-    """A `StepModel` that can hand over KV entries.
+    """A `StepModel` that can hand over KV entries, on `device` (where NCCL's collectives run).
 
     step_entries: the KV entries the last step wrote at these step indices, one tensor (before its commit).
     empty_entries: a tensor to receive `count` entries into. append_entries: keep received entries at L, L+1, ...
     """
+
+    device: torch.device
 
     def step_entries(self, step_indices: Sequence[int]) -> torch.Tensor: ...
 
