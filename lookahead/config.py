@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 
 FORMS = ("tree", "chains")
+BUDGETS = ("auto", "fixed")
 
 # `lookahead="auto"` for a batch: per-row configurations from the largest step down, each taken while the batch's
 # tokens per forward pass, b * (W + G)(N - 1), stay within the device's budget of tokens that cost about one
@@ -36,6 +37,13 @@ class LookaheadConfig:
     draft_pool, draft_suffix, draft_recycle (tree form): the sources that feed the tree: the n-gram pool;
         earlier occurrences of the last tokens in prompt + output and what followed them; and the model's
         own top-k next tokens recorded at every row of every step, per context ("token recycling").
+    budget: how big each step is. "auto" (the default): each step takes the part of its draft tree (and the
+        lookahead branch) that maximises expected tokens per second on this machine, by the model's measured cost
+        of a step of T tokens (`lookahead.tuning`), with (W, N, G) as maxima; a plain one-token step when no
+        draft pays. "fixed": every step at the full size (W + G)(N - 1), as in the paper (for its experiments,
+        benchmarks and lookahead parallelism).
+    warm: keep what drafting learned (recycled top-k, the suffix index, pool n-grams) on the model across
+        generations, and draft from it; False: a generation neither reads nor writes that memory.
 
     Exactness: with temperature 0 in float32 the tokens are those of plain greedy decoding; in
     float16/bfloat16 a multi-token pass rounds differently from a one-token pass, so near-ties can flip.
@@ -55,6 +63,8 @@ class LookaheadConfig:
     draft_pool: bool = True
     draft_suffix: bool = True
     draft_recycle: bool = True
+    budget: str = "auto"
+    warm: bool = True
 
     def __post_init__(self) -> None:
         for name, low in (("window", 1), ("ngram", 2), ("guesses", 0)):
@@ -63,11 +73,13 @@ class LookaheadConfig:
                 raise TypeError(f"LookaheadConfig.{name} must be an int, got {type(value).__name__} {value!r}")
             if value < low:
                 raise ValueError(f"LookaheadConfig.{name} must be >= {low}, got {value}")
-        for name in ("pool_from_prompt", "pool_from_output", "draft_pool", "draft_suffix", "draft_recycle"):
+        for name in ("pool_from_prompt", "pool_from_output", "draft_pool", "draft_suffix", "draft_recycle", "warm"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"LookaheadConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.form not in FORMS:
             raise ValueError(f"LookaheadConfig.form must be one of {', '.join(FORMS)}, got {self.form!r}")
+        if self.budget not in BUDGETS:
+            raise ValueError(f"LookaheadConfig.budget must be one of {', '.join(BUDGETS)}, got {self.budget!r}")
 
     @property
     def tree_nodes(self) -> int:
