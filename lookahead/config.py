@@ -1,5 +1,5 @@
 """`LookaheadConfig`: the (W, N, G) of lookahead decoding and its options, validated on construction; the one home
-of the defaults and of the rules that derive a configuration ("auto" for a batch, scaling over K processes).
+of the defaults and of the rules that derive a configuration ("auto" per device, scaling over K processes).
 
 Importing it loads no torch, so the CLI reads its defaults before torch is imported.
 """
@@ -12,12 +12,11 @@ from dataclasses import dataclass
 FORMS = ("tree", "chains")
 BUDGETS = ("auto", "fixed")
 
-# `lookahead="auto"` for a batch: per-row configurations from the largest step down, each taken while the batch's
-# tokens per forward pass, b * (W + G)(N - 1), stay within the device's budget of tokens that cost about one
-# token's forward pass; plain decoding when none fits. CPU: 0 (plain), since bench/batch.py found no batch size at
-# which a lookahead step paid (bench/results/batch-cpu.json). CUDA: 256, not measured yet (docs/results.md).
-AUTO_LADDER = ((15, 5, 15), (7, 5, 7), (5, 4, 5), (3, 4, 3), (2, 3, 2))
-AUTO_TOKEN_BUDGET = {"cpu": 0, "cuda": 256}
+# `lookahead="auto"`: the maxima a self-tuned generation sizes its steps within, per device type. On a CPU the
+# defaults (a step of 18 tokens costs about twice one of a single token there: bench/results); on CUDA a deeper tree
+# and window, since a pass of a hundred tokens costs about one of a single token on a GPU (a rule from the
+# paper's A100 figures, not yet measured here: the self-tuned steps take what pays of it).
+AUTO_MAXIMA = {"cpu": (1, 4, 5), "cuda": (4, 5, 30)}
 
 
 @dataclass(frozen=True)
@@ -97,12 +96,7 @@ class LookaheadConfig:
         return dataclasses.replace(self, window=self.window * ranks, guesses=self.guesses * ranks)
 
     @staticmethod
-    def for_batch(batch: int, device_type: str) -> LookaheadConfig | None:
-        """`lookahead="auto"` for `batch` prompts on `device_type` ("cpu", "cuda"): the largest of `AUTO_LADDER`
-        whose b * (W + G)(N - 1) fits `AUTO_TOKEN_BUDGET[device_type]`, or None (plain decoding)."""
-        budget = AUTO_TOKEN_BUDGET.get(device_type, 0)
-        for window, ngram, guesses in AUTO_LADDER:
-            config = LookaheadConfig(window, ngram, guesses)
-            if batch * config.step_tokens <= budget:
-                return config
-        return None
+    def auto(device_type: str) -> LookaheadConfig:
+        """`lookahead="auto"` on `device_type` ("cpu", "cuda"), for one prompt or a batch: the device's
+        `AUTO_MAXIMA` with self-tuned steps (`budget="auto"`), which are plain steps wherever no draft pays."""
+        return LookaheadConfig(*AUTO_MAXIMA.get(device_type, AUTO_MAXIMA["cpu"]))

@@ -107,8 +107,8 @@ def parse_request(prompt_ids: Any, *, vocab_size: int, max_positions: int, max_n
                   prompt_name: str = "prompt_ids") -> Request:
     """A user's `generate` arguments as a `Request`, every error naming the argument.
 
-    lookahead: None, a LookaheadConfig or "auto" (`LookaheadConfig.for_batch` for the batch size and
-    `device_type`; with `ranks` (lookahead parallelism over that many processes) the default scaled by them).
+    lookahead: None, a LookaheadConfig or "auto" (`LookaheadConfig.auto` for `device_type`; with `ranks` (lookahead
+    parallelism over that many processes) the default scaled by them, full-size steps).
     static_step None: on CUDA only (a batch always runs static steps). eos_token_id None: `default_eos`.
     """
     prompts = prompt_batch(prompt_ids, vocab_size, prompt_name) if allow_batch else None
@@ -127,7 +127,7 @@ def parse_request(prompt_ids: Any, *, vocab_size: int, max_positions: int, max_n
         if batch:
             raise ValueError("process_group: lookahead parallelism decodes one prompt; give one prompt, not a batch")
         if isinstance(lookahead, str) and lookahead == "auto":
-            lookahead = LookaheadConfig().scaled(ranks)
+            lookahead = LookaheadConfig(budget="fixed").scaled(ranks)
         elif not isinstance(lookahead, LookaheadConfig):
             raise ValueError(f"process_group: lookahead parallelism divides a lookahead step among the ranks; give a "
                              f"LookaheadConfig (it describes the whole step) or 'auto', got {lookahead!r}")
@@ -136,7 +136,7 @@ def parse_request(prompt_ids: Any, *, vocab_size: int, max_positions: int, max_n
                              f"rank, got W={lookahead.window}; use W >= {ranks} (LookaheadConfig.scaled(K) scales "
                              "W and G with K)")
     if isinstance(lookahead, str) and lookahead == "auto":
-        lookahead = LookaheadConfig.for_batch(len(prompts), device_type)
+        lookahead = LookaheadConfig.auto(device_type)
     elif lookahead is not None and not isinstance(lookahead, LookaheadConfig):
         raise TypeError(f"lookahead must be None, 'auto' or a LookaheadConfig, got {lookahead!r}")
     if not batch and seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):

@@ -18,11 +18,13 @@ import torch
 from torch import nn
 
 from lookahead.config import LookaheadConfig
-from lookahead.loop import PLAIN_STEP, GenerationResult, decode, decode_batch, full_pattern, static_step
+from lookahead.loop import PLAIN_STEP, GenerationResult, decode, decode_batch, full_pattern, static_steps
 from lookahead.parallel import agree, decode_parallel, sub_step_patterns
 from lookahead.request import Request, check_stream, parse_request
+from lookahead.tuning import CostModel
 
 from .runner import CachedRunner, StepForward, StepShape
+from .tuning import cost_model_for, save_if_due
 
 
 class Llama(StepForward, Protocol):
@@ -31,6 +33,8 @@ class Llama(StepForward, Protocol):
     runner: CachedRunner | None
     lock: threading.RLock
     lm_head: nn.Linear
+    cost_model: CostModel | None
+    cost_saved: float
 
     def release(self) -> None: ...
 
@@ -59,9 +63,13 @@ def generate(model: Llama, prompt_ids: Any, *, stream: Callable | None = None, c
             return decode_parallel(runner_for(model, request, cuda_graph), request, process_group, stream)
         request = build()
         runner = runner_for(model, request, cuda_graph)
-        if request.batch:
-            return decode_batch(runner, request, stream)
-        return decode(runner, request, stream)
+        cost = cost_model_for(model, runner, request)
+        try:
+            if request.batch:
+                return decode_batch(runner, request, stream, cost)
+            return decode(runner, request, stream, cost)
+        finally:
+            save_if_due(model)
 
 
 def warmup(model: Llama, lookahead: LookaheadConfig | str | None, max_tokens: int, cuda_graph: bool, batch: int,
@@ -79,18 +87,21 @@ def warmup(model: Llama, lookahead: LookaheadConfig | str | None, max_tokens: in
     # the request a generation of that size makes: "auto" and the parallel checks resolved as generate does
     request = parse_request([[0]] * batch if batch > 1 else [0], vocab_size=model.config.vocab_size,
                             max_positions=limit, max_new_tokens=max_tokens - 1, lookahead=lookahead,
-                            device_type=model.device.type, static_step=True,
+                            device_type=model.device.type,
                             ranks=None if process_group is None else _world_size(process_group))
     with model.lock:
         with torch.inference_mode():
             runner = runner_for(model, request, cuda_graph)
-            pattern, rows, topk = static_step(request.lookahead)
+            steps = static_steps(request.lookahead)
             if process_group is not None:  # a rank's sub-steps, of every padded size (sampling adds no program)
+                topk = steps[-1][2]
                 shapes = [StepShape(sub, sub.num_tokens, 1, topk) for sub in sub_step_patterns(request.lookahead)]
-            else:  # a batch meets every smaller batch size as its rows finish
+            else:  # every self-tuned size; a batch meets every smaller batch size as its rows finish
                 shapes = [StepShape(pattern, rows, size, topk, sample) for sample in {False, sampling}
-                          for size in range(batch, 0, -1)]
+                          for size in range(batch, 0, -1) for pattern, rows, topk in steps]
             runner.capture(shapes)
+            if process_group is None:  # the cost model's curve for this request, measured now if there is none
+                cost_model_for(model, runner, request)
         if process_group is None:  # the prefill gives one token, so two make exactly one step, of a shape above
             generate(model, [0], max_new_tokens=2, lookahead=request.lookahead, eos_token_id=[], static_step=True,
                      cuda_graph=cuda_graph)

@@ -16,6 +16,7 @@ from lookahead.backends import choose_backend
 from lookahead.config import LookaheadConfig
 from lookahead.kernels import interpreting
 from lookahead.loop import GenerationResult
+from lookahead.tuning import CostModel
 
 from .attention import Attend, causal
 from .config import LlamaConfig
@@ -114,6 +115,10 @@ class Llama(nn.Module):
         self.attn_backend = attn_backend
         self.runner: CachedRunner | None = None  # the KV cache, plans and graphs generations reuse (`generate`)
         self.lock = threading.RLock()  # generations on one model share its runner: they take turns
+        # what a step costs on this machine, which self-tuned steps are sized by: read from the disk cache or
+        # measured before the first generation that needs it (`models.tuning`); set one to fix the costs
+        self.cost_model: CostModel | None = None
+        self.cost_saved = 0.0  # when it was last written to the cache (time.monotonic)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype | str | None = None,

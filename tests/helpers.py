@@ -4,28 +4,64 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import random
 from collections.abc import Callable, Sequence
 
 import torch
 
-from lookahead import GenerationResult, Request, SamplingParams, StepOutput, decode, decode_batch
+from lookahead import GenerationResult, LookaheadConfig, Request, SamplingParams, StepOutput, decode, decode_batch
+from lookahead.drafts import BestFirst
 from lookahead.kernels import StepPattern
 from lookahead.request import GREEDY
+from lookahead.tuning import CostModel, Curve
 
 
 def decode_one(model, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams = GREEDY, lookahead=None,
                *, stop: Sequence[int] = (), seed: int | None = None, static_step: bool = False,
-               stream=None) -> GenerationResult:
-    """`decode` of one prompt, the request spelled out."""
+               stream=None, cost=None) -> GenerationResult:
+    """`decode` of one prompt, the request spelled out (cost: a cost model that sizes self-tuned steps)."""
     return decode(model, Request([prompt], max_new_tokens, sampling, lookahead, frozenset(stop), seed, static_step),
-                  stream)
+                  stream, cost)
 
 
 def decode_rows(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: SamplingParams = GREEDY,
-                lookahead=None, *, stop: Sequence[int] = (), seeds=None, stream=None) -> list[GenerationResult]:
+                lookahead=None, *, stop: Sequence[int] = (), seeds=None, stream=None,
+                cost=None) -> list[GenerationResult]:
     """`decode_batch` of several prompts, the request spelled out (a batch always runs static steps)."""
     return decode_batch(model, Request(prompts, max_new_tokens, sampling, lookahead, frozenset(stop), seeds, True,
-                                       batch=True), stream)
+                                       batch=True), stream, cost)
+
+
+def fixed(*args, **kwargs) -> LookaheadConfig:
+    """A `LookaheadConfig` of full-size steps (`budget="fixed"`): for tests of the steps' shapes and counts."""
+    return LookaheadConfig(*args, budget="fixed", **kwargs)
+
+
+def grow_from(build: Callable) -> Callable:
+    """A replacement for `DraftBuilder.grow` from a function (sequence, pool, budget) -> DraftTree: the tree's nodes
+    in pre-order (a parent before its children), each scored 1."""
+
+    def grow(self, sequence, pool, budget):
+        tree = build(sequence, pool, budget)
+        return BestFirst(tree.tokens, tree.parents, [1.0] * len(tree))
+
+    return grow
+
+
+class RandomCost(CostModel):
+    """A cost model whose every prediction is drawn at random (seeded), so a self-tuned generation meets every kind
+    of step (plain, a bare tree, part of the tree with the branch, all of it, buckets) in an order no rule
+    foresees; it learns nothing."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__({"greedy": Curve([1], [1.0], [0.0]), "sampling": Curve([1], [1.0], [0.0])})
+        self.rng = random.Random(seed)
+
+    def predict(self, tokens: int, length: int, kind: str = "greedy") -> float:
+        return self.rng.uniform(0.2, 3.0) * (1 + 0.05 * tokens)
+
+    def observe(self, tokens: int, length: int, seconds: float, kind: str = "greedy") -> None:
+        pass
 
 
 def save_tiny_checkpoint(folder, seed: int = 0, max_shard_size=None, family: str = "llama", **overrides):

@@ -10,6 +10,7 @@ from lookahead.kernels import StepPattern
 from lookahead.loop import full_pattern
 from lookahead.models import Llama
 from lookahead.request import SamplingParams, row_seeds
+from lookahead.tuning import CostModel, Curve
 
 CONFIGS = [None, (1, 2, 0), (3, 4, 3), (5, 4, 5), (2, 5, 3)]
 IDS = ["plain" if c is None else "W{}-N{}-G{}".format(*c) for c in CONFIGS]
@@ -106,7 +107,7 @@ def test_stream_gets_each_rows_tokens():
 def test_tiny_llama_batch_equals_each_prompt_alone(tiny_checkpoint, config):
     model = Llama.from_pretrained(tiny_checkpoint("gqa"))
     prompts = ragged_prompts(4, 101, seed=1)
-    lookahead = LookaheadConfig(*config) if config else None
+    lookahead = LookaheadConfig(*config, budget="fixed") if config else None  # the same steps alone and batched
     plain = [model.generate(p, max_new_tokens=24, eos_token_id=[]).tokens for p in prompts]
     eos, length = early_eos(plain, at=6)
     alone = [model.generate(p, max_new_tokens=24, eos_token_id=eos, lookahead=lookahead) for p in prompts]
@@ -163,15 +164,9 @@ def test_mock_sampling_rows_do_not_touch_each_other():
         assert decode_one(MockStepModel(vocab), prompt, 30, sampling, cfg, seed=seed).tokens == row.tokens
 
 
-def test_row_seeds_and_auto_rule():
+def test_row_seeds():
     assert row_seeds(None, 2) == (None, None) and row_seeds(7, 3) == (7, 8, 9) and row_seeds([4, 1], 2) == (4, 1)
     assert row_seeds(2**64 - 1, 2) == (2**64 - 1, 0)
-    assert [LookaheadConfig.for_batch(b, "cpu") for b in (1, 2, 16)] == [None] * 3  # measured: no gain on a CPU
-    sizes = (1, 2, 3, 8, 9, 32, 33)
-    configs = [LookaheadConfig.for_batch(b, "cuda") for b in sizes]
-    assert [c and (c.window, c.ngram, c.guesses) for c in configs] == [
-        (15, 5, 15), (15, 5, 15), (7, 5, 7), (5, 4, 5), (3, 4, 3), (2, 3, 2), None]
-    assert all(b * full_pattern(c).num_tokens <= 256 for b, c in zip(sizes, configs, strict=True) if c)
 
 
 @pytest.mark.parametrize("kwargs, error, message", [
@@ -197,12 +192,19 @@ def test_batch_rejects_bad_input(tiny_checkpoint, kwargs, error, message):
         model.generate(max_new_tokens=4, **kwargs)
 
 
-def test_auto_lookahead_on_cpu_is_plain(tiny_checkpoint):
+def test_auto_lookahead_sizes_every_step_by_the_cost_model(tiny_checkpoint):
+    """"auto" is the device's maxima with self-tuned steps: a cost model where nothing pays gives plain steps, in
+    one prompt and in a batch, with plain decoding's tokens."""
     model = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    curve = Curve([1, 64], [1.0, 1000.0], [0.0, 0.0])  # a step of 2 tokens costs 16 one-token steps
+    model.cost_model = CostModel({"greedy": curve})
     one = model.generate([5, 6, 7], max_new_tokens=6, lookahead="auto", eos_token_id=[])
     assert one.tokens == model.generate([5, 6, 7], max_new_tokens=6, eos_token_id=[]).tokens and one.steps == 6
-    model.generate([[5, 6, 7], [8, 9]], max_new_tokens=6, lookahead="auto", eos_token_id=[])
-    assert {key[0] for key in model.runner.step_shapes} == {PLAIN.shape}
+    rows = model.generate([[5, 6, 7], [8, 9]], max_new_tokens=6, lookahead="auto", eos_token_id=[])
+    assert all(r.step_sizes == [1] * 5 for r in rows)
+    model.cost_model = CostModel({"greedy": Curve([1, 64], [1.0, 1.0], [0.0, 0.0])})  # every size costs the same
+    rows = model.generate([[5, 6, 7, 5, 6, 7], [8, 9]], max_new_tokens=12, lookahead="auto", eos_token_id=[])
+    assert max(size for r in rows for size in r.step_sizes) > 1
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")

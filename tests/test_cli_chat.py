@@ -69,4 +69,4 @@ def test_chat_on_a_terminal_prompts_and_ends_cleanly(default_model_dir, end):
         proc.kill()
         os.close(master)
     text = seen.decode(errors="replace")
-    assert "type a message" in text and "tokens/s" in text and "Traceback" not in text, text
+    assert "type a message" in text and "tok/s" in text and "Traceback" not in text, text

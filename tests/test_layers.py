@@ -76,6 +76,8 @@ RULES = {
     "lookahead.backends": ("lookahead.",),
     "lookahead.request": ("lookahead.loop", "lookahead.drafts", "lookahead.parallel", "lookahead.hf", "lookahead.cli",
                           "lookahead.models"),
+    "lookahead.tuning": ("lookahead.loop", "lookahead.drafts", "lookahead.request", "lookahead.parallel",
+                         "lookahead.hf", "lookahead.cli", "lookahead.models", "lookahead.kernels"),
     "lookahead.drafts": ("lookahead.loop", "lookahead.parallel", "lookahead.hf", "lookahead.cli", "lookahead.models"),
     "lookahead.loop": ("lookahead.parallel", "lookahead.hf", "lookahead.cli", "lookahead.models"),
     "lookahead.parallel": ("lookahead.hf", "lookahead.cli", "lookahead.models"),

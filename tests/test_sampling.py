@@ -8,7 +8,7 @@ import torch
 
 import lookahead.loop.core as engine
 import lookahead.loop.sampling as sampling
-from helpers import MockBatchStepModel, MockStepModel, context_logits, decode_one, decode_rows
+from helpers import MockBatchStepModel, MockStepModel, RandomCost, context_logits, decode_one, decode_rows
 from lookahead import LookaheadConfig, SamplingParams
 from lookahead.drafts import ROOT
 from lookahead.loop.sampling import position_keys, sample_positions, target_probs
@@ -86,12 +86,14 @@ def marginal(joint: dict, position: int) -> dict:
     return out
 
 
-def sample_many(make_model, params, n, cfg=None):
+def sample_many(make_model, params, n, cfg=None, tuned=False):
+    """tuned: each run's steps sized by a random cost model (`RandomCost`), so every kind of step size is met."""
     cfg = cfg or LookaheadConfig(3, 3, 3)
     counts: dict = {}
     multi_token_runs = 0
     for seed in range(n):
-        result = decode_one(make_model(), PROMPT, DEPTH, params, lookahead=cfg, stop=(), seed=seed)
+        result = decode_one(make_model(), PROMPT, DEPTH, params, lookahead=cfg, stop=(), seed=seed,
+                            cost=RandomCost(seed) if tuned else None)
         seq = tuple(result.tokens)
         counts[seq] = counts.get(seq, 0) + 1
         multi_token_runs += any(len(s) > 1 for s in result.step_tokens)
@@ -130,10 +132,21 @@ def test_lookahead_sampling_matches_exact_distribution(params, cfg):
     assert min(checks.values()) > P_FLOOR, checks
 
 
-@pytest.mark.parametrize("form", ["chains", "tree"])
+@pytest.mark.parametrize("params", PARAMS[:2], ids=["T1", "T0.7"])
+def test_self_tuned_sampling_matches_exact_distribution(params):
+    """Steps of every size (plain, a bare tree, part of the tree, buckets), chosen at random per step."""
+    fn = lambda ctx: context_logits(ctx, VOCAB)  # noqa: E731
+    n = 2000
+    counts, accepted = sample_many(lambda: MockStepModel(VOCAB, fn), params, n, LookaheadConfig(2, 4, 6), tuned=True)
+    assert accepted > 0.2, f"only {accepted:.0%} of runs accepted a candidate token: verification barely exercised"
+    checks = distribution_p_values(counts, exact_joint(fn, PROMPT, params), n)
+    assert min(checks.values()) > P_FLOOR, checks
+
+
+@pytest.mark.parametrize("form", ["chains", "tree", "tree-self-tuned"])
 def test_a_wrong_acceptance_rule_fails_the_same_test(monkeypatch, form):
     """Negative control: always accepting the first candidate's tokens (the trie's or tree's first path) must be
-    caught."""
+    caught, with full-size and with self-tuned steps."""
 
     def accept_first_path(tree, chosen):
         node, tokens = ROOT, []
@@ -146,7 +159,8 @@ def test_a_wrong_acceptance_rule_fails_the_same_test(monkeypatch, form):
     params = SamplingParams(1.0)
     fn = lambda ctx: context_logits(ctx, VOCAB)  # noqa: E731
     n = 2000
-    counts, _ = sample_many(lambda: MockStepModel(VOCAB, fn), params, n, LookaheadConfig(3, 3, 3, form=form))
+    cfg = LookaheadConfig(3, 3, 3, form=form.removesuffix("-self-tuned"))
+    counts, _ = sample_many(lambda: MockStepModel(VOCAB, fn), params, n, cfg, tuned=form.endswith("tuned"))
     checks = distribution_p_values(counts, exact_joint(fn, PROMPT, params), n)
     assert checks["joint"] < P_FLOOR, checks
 

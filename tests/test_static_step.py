@@ -7,8 +7,7 @@ import pytest
 import torch
 from test_pattern import random_parents
 
-from helpers import MockStepModel, context_logits, decode_one
-from lookahead import LookaheadConfig
+from helpers import MockStepModel, context_logits, decode_one, fixed, grow_from
 from lookahead.drafts import DraftBuilder, DraftTree, chain_trie
 from lookahead.kernels import StepPattern
 from lookahead.loop import full_pattern, pack_step
@@ -21,7 +20,7 @@ TARGET = [7, 3, 9, 12, 4, 8, 1, 11, 5, 14, 6, 10, 13] * 6
 
 
 def test_static_layout_pads_where_no_real_token_looks():
-    full = full_pattern(LookaheadConfig(3, 4, 2))
+    full = full_pattern(fixed(3, 4, 2))
     levels = [[10, 11, 12], [20, 21, 22]]  # warm-up: 2 of 3 levels
     tree = chain_trie([(5, 6)])  # a warm-up candidate of 2 tokens
     layout = pack_step(levels, tree, full, static=True)
@@ -44,14 +43,14 @@ def test_static_layout_pads_where_no_real_token_looks():
 def test_mock_static_equals_exact_size(W, N, G):
     for seed in range(3):
         prompt = torch.randint(0, 16, (4 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
-        exact = decode_one(MockStepModel(16), prompt, 40, lookahead=LookaheadConfig(W, N, G))
+        exact = decode_one(MockStepModel(16), prompt, 40, lookahead=fixed(W, N, G))
         model = MockStepModel(16)
-        static = decode_one(model, prompt, 40, lookahead=LookaheadConfig(W, N, G), static_step=True)
+        static = decode_one(model, prompt, 40, lookahead=fixed(W, N, G), static_step=True)
         assert static.tokens == exact.tokens and static.step_tokens == exact.step_tokens
         # one shape, warm-up included (a tree's structure is data, not shape)
-        assert {p.shape for p in model.patterns} == {full_pattern(LookaheadConfig(W, N, G)).shape}
+        assert {p.shape for p in model.patterns} == {full_pattern(fixed(W, N, G)).shape}
         model = MockStepModel(16)
-        chains = LookaheadConfig(W, N, G, form="chains")
+        chains = fixed(W, N, G, form="chains")
         static = decode_one(model, prompt, 40, lookahead=chains, static_step=True)
         assert static.tokens == exact.tokens
         assert {p.shape for p in model.patterns} == {full_pattern(chains).shape}  # the same shape as the tree's
@@ -61,7 +60,7 @@ def test_mock_static_equals_exact_size(W, N, G):
 def test_static_steps_stop_at_eos_and_limit_inside_a_step(limit):
     vocab = 16
     fn = lambda ctx: context_logits(ctx, vocab, target=[1, 2] + TARGET)  # noqa: E731
-    cfg = LookaheadConfig(4, 5, 4)
+    cfg = fixed(4, 5, 4)
     prompt = [1, 2] + TARGET[:8]
     exact = decode_one(MockStepModel(vocab, fn), prompt, limit, lookahead=cfg)
     static = decode_one(MockStepModel(vocab, fn), prompt, limit, lookahead=cfg, static_step=True)
@@ -78,7 +77,7 @@ def test_tiny_llama_static_equals_exact_and_plain(tiny_checkpoint, W, N, G):
     for seed in range(2):
         prompt = torch.randint(0, 101, (3 + 5 * seed,), generator=torch.Generator().manual_seed(seed)).tolist()
         plain = model.generate(prompt, max_new_tokens=40, eos_token_id=[])
-        cfg = LookaheadConfig(W, N, G)
+        cfg = fixed(W, N, G)
         exact = model.generate(prompt, max_new_tokens=40, eos_token_id=[], lookahead=cfg, static_step=False)
         static = model.generate(prompt, max_new_tokens=40, eos_token_id=[], lookahead=cfg, static_step=True)
         assert static.tokens == exact.tokens == plain.tokens
@@ -89,7 +88,7 @@ def test_tiny_llama_static_equals_exact_and_plain(tiny_checkpoint, W, N, G):
 def test_tiny_llama_static_sampling_equals_exact(tiny_checkpoint, temperature, top_p):
     model = Llama.from_pretrained(tiny_checkpoint("gqa"))
     prompt = [3, 17, 22, 3, 17, 5, 9]
-    cfg = LookaheadConfig(3, 4, 3)
+    cfg = fixed(3, 4, 3)
     for seed in range(3):
         kwargs = dict(max_new_tokens=32, eos_token_id=[], lookahead=cfg, temperature=temperature, top_p=top_p,
                       seed=seed)
@@ -105,14 +104,14 @@ def test_triton_backend_static_steps(tiny_checkpoint, W, N, G):
     kernel = Llama.from_pretrained(folder, attn_backend="triton")
     prompt = [3, 17, 22, 3, 17, 5, 9]
     plain = reference.generate(prompt, max_new_tokens=20, eos_token_id=[])
-    cfg = LookaheadConfig(W, N, G)
+    cfg = fixed(W, N, G)
     result = kernel.generate(prompt, max_new_tokens=20, eos_token_id=[], lookahead=cfg, static_step=True)
     assert result.tokens == plain.tokens
 
 
 def test_runner_is_reused_across_generations(tiny_checkpoint):
     model = Llama.from_pretrained(tiny_checkpoint("gqa"))
-    cfg = LookaheadConfig(3, 4, 3)
+    cfg = fixed(3, 4, 3)
     first = model.generate([1, 2, 3], max_new_tokens=10, lookahead=cfg, eos_token_id=[])
     runner = model.runner
     again = model.generate([1, 2, 3], max_new_tokens=10, lookahead=cfg, eos_token_id=[])
@@ -125,17 +124,17 @@ def test_runner_is_reused_across_generations(tiny_checkpoint):
 
 def test_full_pattern_is_the_configured_budget():
     for form in ("chains", "tree"):
-        assert full_pattern(LookaheadConfig(15, 5, 15, form=form)).num_tokens == 120
-        assert full_pattern(LookaheadConfig(3, 4, 0, form=form)).max_commit == 1
-    assert full_pattern(LookaheadConfig(3, 4, 3, form="chains")).max_commit == 4
-    assert full_pattern(LookaheadConfig(3, 4, 3, form="tree")).max_commit == 10  # a path may use all 9 nodes
+        assert full_pattern(fixed(15, 5, 15, form=form)).num_tokens == 120
+        assert full_pattern(fixed(3, 4, 0, form=form)).max_commit == 1
+    assert full_pattern(fixed(3, 4, 3, form="chains")).max_commit == 4
+    assert full_pattern(fixed(3, 4, 3, form="tree")).max_commit == 10  # a path may use all 9 nodes
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
 
 
 @cuda
-@pytest.mark.parametrize("lookahead", [None, LookaheadConfig(3, 4, 3), LookaheadConfig(7, 5, 7)],
+@pytest.mark.parametrize("lookahead", [None, fixed(3, 4, 3), fixed(7, 5, 7)],
                          ids=["plain", "W3-N4-G3", "W7-N5-G7"])
 def test_cuda_graphs_replay_the_eager_step(tiny_checkpoint, lookahead):
     model = Llama.from_pretrained(tiny_checkpoint("gqa"), device="cuda", dtype=torch.float32)
@@ -152,7 +151,7 @@ def test_cuda_graphs_replay_the_eager_step(tiny_checkpoint, lookahead):
 
 
 @cuda
-@pytest.mark.parametrize("lookahead", [None, LookaheadConfig(3, 4, 3), LookaheadConfig(3, 4, 3, form="chains")],
+@pytest.mark.parametrize("lookahead", [None, fixed(3, 4, 3), fixed(3, 4, 3, form="chains")],
                          ids=["plain", "W3-N4-G3", "W3-N4-G3-chains"])
 def test_cuda_graphs_sample_as_the_eager_step(tiny_checkpoint, lookahead):
     """Sampling reads the graph's logits and its staged seeds and positions after the replay: same seed, same tokens,
@@ -196,10 +195,10 @@ def test_a_static_generation_compiles_the_kernel_once(tiny_checkpoint, monkeypat
             size = rng.randint(0, budget)
             return DraftTree.from_parents([rng.randrange(101) for _ in range(size)], random_parents(size, rng))
 
-        monkeypatch.setattr(DraftBuilder, "build", lambda self, *args: random_tree(*args))
+        monkeypatch.setattr(DraftBuilder, "grow", grow_from(random_tree))
     model = Llama.from_pretrained(tiny_checkpoint("gqa"), attn_backend="triton")
     prompt = [3, 17, 22, 3, 17, 5, 9, 3, 17]
-    result = model.generate(prompt, max_new_tokens=8, eos_token_id=[], lookahead=LookaheadConfig(15, 5, 15, form=form),
+    result = model.generate(prompt, max_new_tokens=8, eos_token_id=[], lookahead=fixed(15, 5, 15, form=form),
                             static_step=static)
     assert result.steps >= 5  # the 3 warm-up steps and at least one full one
     assert len(launches.constexpr_sets) == (result.steps - 1) * model.config.num_hidden_layers
@@ -208,7 +207,7 @@ def test_a_static_generation_compiles_the_kernel_once(tiny_checkpoint, monkeypat
 
 def test_warmup_prepares_the_runner_the_generation_uses(tiny_checkpoint):
     model = Llama.from_pretrained(tiny_checkpoint("gqa"))
-    cfg = LookaheadConfig(3, 4, 3)
+    cfg = fixed(3, 4, 3)
     model.warmup(cfg, max_tokens=300)
     runner = model.runner
     assert runner.cache.capacity >= 300 and [key[0] for key in runner.step_shapes] == [full_pattern(cfg).shape]
@@ -225,7 +224,7 @@ def test_warmup_prepares_every_shape_of_a_batch_and_of_sampling(tiny_checkpoint)
     """A batch meets every smaller batch size as its rows finish, and sampling has a program of its own: a warm-up
     for them prepares all, so the generations after it prepare nothing new."""
     model = Llama.from_pretrained(tiny_checkpoint("gqa"))
-    cfg = LookaheadConfig(2, 3, 2)
+    cfg = fixed(2, 3, 2)
     model.warmup(cfg, max_tokens=64, batch=3, sampling=True)
     prepared = set(model.runner.step_shapes)
     assert len(prepared) == 2 * 3  # greedy and sampling, at batch sizes 3, 2, 1

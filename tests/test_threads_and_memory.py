@@ -9,6 +9,7 @@ import pytest
 import lookahead.models.kv_cache as kv_cache
 from lookahead import LookaheadConfig
 from lookahead.models import Llama
+from lookahead.tuning import buckets
 
 
 def test_threads_calling_generate_on_one_model_each_get_their_own_tokens(tiny_checkpoint):
@@ -60,10 +61,11 @@ def test_release_frees_the_cache_generations_keep(tiny_checkpoint):
     assert model.generate([1, 2, 3], max_new_tokens=4).tokens and model.runner.cache.batch == 1
 
 
-def test_warmup_auto_takes_the_batch_rule(tiny_checkpoint):
-    """warmup(lookahead="auto") prepares what generate(lookahead="auto") runs (on a CPU: plain decoding)."""
+def test_warmup_auto_prepares_what_auto_runs(tiny_checkpoint):
+    """warmup(lookahead="auto") prepares every step shape generate(lookahead="auto") can run: each bucket, plain
+    included, at each batch size."""
     model = Llama.from_pretrained(tiny_checkpoint("gqa"))
     model.warmup("auto", max_tokens=64, batch=2)
     prepared = set(model.runner.step_shapes)
-    model.generate([[1, 2, 3], [4, 5]], max_new_tokens=8, lookahead="auto")
-    assert set(model.runner.step_shapes) == prepared and all(key[0] == (1, 2, 1, False, 0) for key in prepared)
+    model.generate([[1, 2, 3, 1, 2, 3], [4, 5]], max_new_tokens=16, lookahead="auto")
+    assert set(model.runner.step_shapes) == prepared and len(prepared) == 2 * len(buckets(LookaheadConfig.auto("cpu")))

@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_pattern import TREES
 
-from helpers import MockStepModel, context_logits, decode_one
+from helpers import MockStepModel, context_logits, decode_one, grow_from
 from lookahead import LookaheadConfig
 from lookahead.drafts import EMPTY, ROOT, DraftBuilder, DraftTree, NGramPool, RecycleTables, SuffixIndex
 from lookahead.kernels import StepPattern
@@ -23,6 +23,8 @@ TARGET = [7, 3, 9, 12, 4, 8, 1, 11, 5, 14, 6, 10, 13] * 6  # each token determin
 
 
 def tree_config(W, N, G, sources=SOURCES, **kwargs):
+    """Full-size steps (these tests count steps and shapes; self-tuned sizes are tests/test_tuning.py's)."""
+    kwargs.setdefault("budget", "fixed")
     return LookaheadConfig(W, N, G, form="tree", **{f"draft_{s}": s in sources for s in SOURCES}, **kwargs)
 
 
@@ -128,7 +130,7 @@ class ShapeDrafts:
         self.parents, self.offset, self.reference, self.vocab = parents, len(prompt), reference, vocab
         self.rng = random.Random(seed)
 
-    def build(self, sequence, pool, budget, levels=0):  # patched over DraftBuilder.build (bound: no builder arg)
+    def build(self, sequence, pool, budget):  # the tree `grow_from` turns into DraftBuilder.grow
         assert len(self.parents) <= budget
         done = len(sequence) - self.offset  # tokens generated so far: the input token is reference[done - 1]
         tokens, depth = [], []
@@ -149,7 +151,8 @@ def test_mock_tree_shapes_equal_greedy(monkeypatch, shape, static):
     for seed in range(3):
         prompt = torch.randint(0, vocab, (4 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
         plain = decode_one(MockStepModel(vocab), prompt, 40)
-        monkeypatch.setattr(DraftBuilder, "build", ShapeDrafts(TREES[shape], prompt, plain.tokens, vocab, seed).build)
+        drafts = ShapeDrafts(TREES[shape], prompt, plain.tokens, vocab, seed)
+        monkeypatch.setattr(DraftBuilder, "grow", grow_from(drafts.build))
         model = MockStepModel(vocab)
         result = decode_one(model, prompt, 40, lookahead=tree_config(3, 5, 4), static_step=static)
         assert result.tokens == plain.tokens and result.steps == model.calls
@@ -165,7 +168,7 @@ def test_tiny_llama_tree_shapes_equal_greedy(tiny_checkpoint, monkeypatch, shape
     model = Llama.from_pretrained(tiny_checkpoint("gqa"))
     prompt = [3, 17, 22, 3, 17, 5, 9]
     plain = model.generate(prompt, max_new_tokens=40, eos_token_id=[])
-    monkeypatch.setattr(DraftBuilder, "build", ShapeDrafts(TREES[shape], prompt, plain.tokens, 101).build)
+    monkeypatch.setattr(DraftBuilder, "grow", grow_from(ShapeDrafts(TREES[shape], prompt, plain.tokens, 101).build))
     for static in (False, True):
         result = model.generate(prompt, max_new_tokens=40, eos_token_id=[], lookahead=tree_config(3, 5, 4),
                                 static_step=static)

@@ -110,6 +110,9 @@ def _add_options(command: argparse.ArgumentParser) -> None:
                          help=f"verified candidates per step G (default: {DEFAULTS.guesses}; under torchrun with K "
                               f"processes, {DEFAULTS.guesses} x K)")
     command.add_argument("--no-lookahead", action="store_true", help="plain autoregressive decoding")
+    command.add_argument("--fixed-steps", action="store_true",
+                         help="run every step at the full W, N, G size (the paper's steps) instead of sizing each "
+                              "step by what it is worth on this machine (measured once, then kept current)")
     command.add_argument("--show-steps", action="store_true",
                          help="mark the text of each step that gave several tokens: in alternating colours on a "
                               "terminal, else between the white square brackets U+27E6 and U+27E7 ('<|' and '|>' "

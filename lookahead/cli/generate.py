@@ -126,7 +126,8 @@ def load(args: argparse.Namespace, parallel, say):
     scaled = LookaheadConfig().scaled(ranks)  # strong scaling over the ranks (docs/parallelism.md)
     window = args.window if args.window is not None else scaled.window
     guesses = args.guesses if args.guesses is not None else scaled.guesses
-    lookahead = None if args.no_lookahead else LookaheadConfig(window, args.ngram, guesses)
+    budget = "fixed" if args.fixed_steps or ranks > 1 else "auto"  # lookahead parallelism divides full steps
+    lookahead = None if args.no_lookahead else LookaheadConfig(window, args.ngram, guesses, budget=budget)
     device = _device(torch, args.device) if parallel is None else parallel[3]
     backend = _backend(args.attn_backend, device)
     folder = args.model if args.model else default_model_dir(args.cache_dir)
@@ -147,13 +148,26 @@ def generate_kwargs(args: argparse.Namespace, lookahead) -> dict:
                 top_k=args.top_k, top_p=args.top_p, seed=args.seed)
 
 
-def summary(result, seconds: float, lookahead, ranks: int = 1) -> str:
-    """The line after an answer: the method, tokens, forward passes, S and tokens/s."""
+def summary(result, seconds: float, lookahead=None, ranks: int = 1, plain_rate: float | None = None) -> str:
+    """The line after an answer: the method, tokens, forward passes, S, tokens/s, and with `plain_rate` (from the
+    model's cost model) what plain decoding would do on this machine."""
     mode = "plain" if lookahead is None else f"lookahead W={lookahead.window} N={lookahead.ngram} G={lookahead.guesses}"
     if ranks > 1:
         mode += f" on {ranks} processes"
-    return (f"[{mode}] {len(result.tokens)} tokens, {result.steps} steps, S={result.compression:.2f}, "
-            f"{len(result.tokens) / seconds:.1f} tokens/s")
+    elif lookahead is not None and lookahead.budget == "auto":
+        mode += ", self-tuned"
+    line = (f"[{mode}] {len(result.tokens)} tokens, {result.steps} steps, S={result.compression:.2f}, "
+            f"{len(result.tokens) / seconds:.1f} tok/s")
+    return line if plain_rate is None else f"{line} (plain ~{plain_rate:.0f} tok/s here)"
+
+
+def plain_rate(model, result, prompt_length: int) -> float | None:
+    """Tokens per second plain decoding would give here, by the model's cost model at the answer's middle (None
+    without one)."""
+    cost = getattr(model, "cost_model", None)
+    if cost is None or "greedy" not in cost.curves:
+        return None
+    return cost.plain_rate(prompt_length + len(result.tokens) // 2)
 
 
 def _run(args: argparse.Namespace, parallel, say) -> int:
@@ -168,7 +182,8 @@ def _run(args: argparse.Namespace, parallel, say) -> int:
     if not printing:
         return 0
     print(flush=True)
-    print(summary(result, elapsed, lookahead, 1 if parallel is None else parallel[1]), file=sys.stderr)
+    rate = plain_rate(model, result, len(prompt_ids)) if parallel is None and lookahead is not None else None
+    print(summary(result, elapsed, lookahead, 1 if parallel is None else parallel[1], rate), file=sys.stderr)
     return 0
 
 

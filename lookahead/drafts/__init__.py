@@ -7,7 +7,7 @@ from .chains import ChainDrafts, chain_trie
 from .pool import NGramPool
 from .recycle import RecycleTables
 from .suffix import SuffixIndex
-from .tree import EMPTY, ROOT, DraftTree, preorder
+from .tree import EMPTY, ROOT, BestFirst, DraftTree, preorder
 
-__all__ = ["EMPTY", "ROOT", "ChainDrafts", "DraftBuilder", "DraftTree", "NGramPool", "RecycleTables",
+__all__ = ["EMPTY", "ROOT", "BestFirst", "ChainDrafts", "DraftBuilder", "DraftTree", "NGramPool", "RecycleTables",
            "SuffixIndex", "chain_trie", "preorder"]

@@ -23,7 +23,7 @@ from .edges import EDGE_PROBABILITY, NO_RECYCLE, pool_state, recycle_state, stro
 from .pool import NGramPool
 from .recycle import RecycleTables
 from .suffix import SuffixIndex
-from .tree import EMPTY, ROOT, DraftTree
+from .tree import ROOT, BestFirst, DraftTree
 
 RECYCLE_K = 8  # next tokens recorded per row
 SUFFIX_MATCH = 4  # longest suffix looked up; longer matches count as this long
@@ -53,8 +53,13 @@ class DraftBuilder:
     def build(self, sequence: Sequence[int], pool: NGramPool, budget: int, levels: int = 0) -> DraftTree:
         """The tree of at most `budget` nodes under the input token `sequence[-1]`, best expected nodes first
         (`levels`, the window's, does not limit it: a tree's paths may be longer than N - 1)."""
+        return self.grow(sequence, pool, budget).tree()
+
+    def grow(self, sequence: Sequence[int], pool: NGramPool, budget: int) -> BestFirst:
+        """Up to `budget` nodes under the input token `sequence[-1]` in best-first order, with their scores: any
+        prefix of it is the best tree of its size."""
         if budget <= 0:
-            return EMPTY
+            return BestFirst([], [], [])
         proposals: dict = {}  # token -> [children, suffix state, pool state]: the paths proposed whole
         if self.use_suffix:
             for continuation, match in self.suffix.continuations(SUFFIX_LIMIT, budget):
@@ -66,11 +71,12 @@ class DraftBuilder:
         second = sequence[-3] if len(sequence) > 2 else -1
         return self._grow(second, previous, sequence[-1], proposals, budget)
 
-    def _grow(self, second: int, previous: int, root_token: int, proposals: dict, budget: int) -> DraftTree:
+    def _grow(self, second: int, previous: int, root_token: int, proposals: dict, budget: int) -> BestFirst:
         """Best-first growth. Children of a node are sorted by edge probability, so a child is offered only
         when its elder sibling is taken: two heap pushes per node instead of one per candidate."""
         tokens: list[int] = []
         parents: list[int] = []
+        scores: list[float] = []
         heap: list = []
         offered = self._children(second, previous, root_token, proposals)
         if offered:
@@ -82,6 +88,7 @@ class DraftBuilder:
             node = len(tokens)
             tokens.append(token)
             parents.append(parent)
+            scores.append(-neg)
             if i + 1 < len(siblings):
                 heapq.heappush(heap, (-parent_score * siblings[i + 1][0], order, parent, parent_token, grand_token,
                                       parent_score, siblings, i + 1))
@@ -90,7 +97,7 @@ class DraftBuilder:
             if offered:
                 heapq.heappush(heap, (neg * offered[0][0], order, node, token, parent_token, -neg, offered, 0))
                 order += 1
-        return DraftTree.grown(tokens, parents)  # siblings best first: they were taken in that order
+        return BestFirst(tokens, parents, scores)
 
     def _children(self, second: int, previous: int, token: int, proposed: dict | None) -> list:
         """(probability, child token, proposals below it) of every child offered under `token` (whose own previous

@@ -86,3 +86,23 @@ class DraftTree:
 
 
 EMPTY = DraftTree([], [], [])
+
+
+@dataclass(frozen=True)
+class BestFirst:
+    """Draft nodes in the order a best-first growth took them: `tokens`, `parents` (indices into this order, ROOT for
+    a child of the input token) and `scores`, each node's chance that a step accepts it, non-increasing. A parent
+    comes before its children, so every prefix is a tree, the best of its size."""
+
+    tokens: list[int]
+    parents: list[int]
+    scores: list[float]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def tree(self, nodes: int | None = None) -> DraftTree:
+        """The tree of the first `nodes` nodes (all: None) in pre-order, siblings best first (the order they were
+        taken in)."""
+        end = len(self.tokens) if nodes is None else nodes
+        return DraftTree.grown(self.tokens[:end], self.parents[:end])

@@ -11,10 +11,12 @@ from .core import (
     StepModel,
     StepOutput,
     first_token,
-    static_step,
+    static_steps,
+    step_budget,
 )
 from .layout import StepLayout, full_pattern, pack_step
 from .single import decode
 
 __all__ = ["PLAIN_STEP", "BatchStepModel", "GenerationResult", "LookaheadLoop", "Output", "StepLayout", "StepModel",
-           "StepOutput", "decode", "decode_batch", "first_token", "full_pattern", "pack_step", "static_step"]
+           "StepOutput", "decode", "decode_batch", "first_token", "full_pattern", "pack_step", "static_steps",
+           "step_budget"]

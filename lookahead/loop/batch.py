@@ -2,11 +2,11 @@
 
 Every row keeps its own loop state (a `LookaheadLoop`: window, pool, drafts, sequence; its `Output`; its seed),
 and the model keeps each row's L. A step packs every live row at the same static shape (the configuration's full
-pattern, or plain decoding's one token), runs them in one forward pass, verifies each row on its own outputs and
-commits each row's accepted entries (different counts per row). A row that finishes (stop token, token limit)
-leaves the batch before the next step: later steps spend nothing on it (`keep_rows`). Nothing in a row depends on
-the other rows, so greedy rows equal their one-prompt generations token for token (in float32), and a sampling row
-equals the one-prompt generation with its row seed.
+pattern, a self-tuned bucket's, or plain decoding's one token), runs them in one forward pass, verifies each row
+on its own outputs and commits each row's accepted entries (different counts per row). A row that finishes (stop
+token, token limit) leaves the batch before the next step: later steps spend nothing on it (`keep_rows`). Nothing in
+a row depends on the other rows, so greedy rows equal their one-prompt generations token for token (in float32),
+and a sampling row equals the one-prompt generation with its row seed.
 
 It knows its model only through `BatchStepModel`, so tests drive it with a mock model.
 """
@@ -20,8 +20,18 @@ import torch
 
 from lookahead.kernels import StepPattern
 from lookahead.request import Request
+from lookahead.tuning import CostModel, StepBudget
 
-from .core import PLAIN_STEP, GenerationResult, LookaheadLoop, Output, StepOutput, first_token, sampling_seed
+from .core import (
+    PLAIN_STEP,
+    GenerationResult,
+    LookaheadLoop,
+    Output,
+    StepOutput,
+    first_token,
+    sampling_seed,
+    step_budget,
+)
 from .sampling import SampleRequest
 
 
@@ -52,11 +62,13 @@ class BatchStepModel(Protocol):
 BatchStream = Callable[[int, list[int]], None]
 
 
-def decode_batch(model: BatchStepModel, request: Request, stream: BatchStream | None = None) -> list[GenerationResult]:
+def decode_batch(model: BatchStepModel, request: Request, stream: BatchStream | None = None,
+                 cost: CostModel | None = None) -> list[GenerationResult]:
     """Generate for every prompt of the request; `request.lookahead` None means plain decoding.
 
-    Every lookahead step is static (the configuration's full pattern in every row), so a generation has one step
-    shape per batch size. stream: called as stream(prompt index, tokens) with each row's accepted tokens.
+    Every lookahead step is static (one shape in every row: the configuration's full pattern, or with a cost model
+    and `budget="auto"` the bucket that pays most for the whole batch, chosen per step), so a generation has a few
+    step shapes per batch size. stream: called as stream(prompt index, tokens) with each row's accepted tokens.
     """
     prompts, sampling = request.prompts, request.sampling
     seeds = [sampling_seed(request, i) for i in range(len(prompts))]
@@ -69,6 +81,7 @@ def decode_batch(model: BatchStepModel, request: Request, stream: BatchStream | 
     loops = None if request.lookahead is None else [
         LookaheadLoop(request.lookahead, prompt, token, sampling, seed, static=True)
         for prompt, token, seed in zip(prompts, last, seeds, strict=True)]
+    budget = None if loops is None else step_budget(loops[0], cost, seeds[0] is not None)
     live = list(range(len(prompts)))  # live[slot]: the prompt in the model's row `slot`
     while True:
         live = _drop_finished(model, live, outs)
@@ -77,7 +90,7 @@ def decode_batch(model: BatchStepModel, request: Request, stream: BatchStream | 
         if loops is None:
             _plain_step(model, live, last, outs, sampling, seeds, [len(p) for p in prompts])
         else:
-            _lookahead_step(model, live, last, outs, loops)
+            _lookahead_step(model, live, last, outs, loops, budget)
     return [out.result for out in outs]
 
 
@@ -89,26 +102,36 @@ def _plain_step(model, live, last, outs, sampling, seeds, prompt_lengths) -> Non
     model.commit_batch([[0]] * len(live))
     for i, output in zip(live, outputs, strict=True):
         last[i] = output.argmax[0] if seeds[i] is None else output.sampled[0]
-        outs[i].accept([last[i]])
+        outs[i].accept([last[i]], 1)
 
 
-def _lookahead_step(model, live, last, outs, loops) -> None:
-    layouts = [loops[i].plan() for i in live]
+def _lookahead_step(model, live, last, outs, loops, budget: StepBudget | None) -> None:
+    drafts = [loops[i].draft() for i in live]
+    length = max(loops[i].length for i in live)
+    choice = None if budget is None else budget.choose([d.scores for d in drafts], loops[live[0]].branch_tokens,
+                                                       length)
+    layouts = [loops[i].pack(draft, choice) for i, draft in zip(live, drafts, strict=True)]
     # one configuration: the same optional requests (top-k, sampling) in every row
     requests = [loops[i].step_requests(layout) for i, layout in zip(live, layouts, strict=True)]
     optional = {"topk": requests[0]["topk"]} if "topk" in requests[0] else {}
     if "sample" in requests[0]:
         optional["sample"] = [request["sample"] for request in requests]
     # one shape for every row (static steps), but each row's tree, so its pattern, is its own
+    start = 0.0 if budget is None else budget.clock()
     outputs = model.step_batch([layout.tokens for layout in layouts], [layout.pattern for layout in layouts],
                                [layout.rows for layout in layouts], **optional)
-    commits = []
+    seconds = 0.0 if budget is None else budget.clock() - start
+    commits, accepted = [], 0
     for i, layout, output in zip(live, layouts, outputs, strict=True):
         verdict = loops[i].finish(layout, output)
         commits.append(layout.commit_indices(verdict))
         last[i] = verdict.tokens[-1]
-        outs[i].accept(verdict.tokens)
+        outs[i].accept(verdict.tokens, layout.pattern.num_tokens)
+        accepted += len(verdict.tokens) - 1
     model.commit_batch(commits)
+    if budget is not None:
+        expected = sum(sum(draft.scores[: len(layout.tree)]) for draft, layout in zip(drafts, layouts, strict=True))
+        budget.record(choice, len(layouts) * layouts[0].pattern.num_tokens, length, seconds, expected, accepted)
 
 
 def _drop_finished(model: BatchStepModel, live: list[int], outs: list[Output]) -> list[int]:

@@ -13,9 +13,10 @@ from typing import Protocol
 import torch
 
 from lookahead.config import LookaheadConfig
-from lookahead.drafts import ChainDrafts, DraftBuilder, NGramPool
+from lookahead.drafts import BestFirst, ChainDrafts, DraftBuilder, NGramPool
 from lookahead.kernels import StepPattern
 from lookahead.request import Request, SamplingParams
+from lookahead.tuning import Choice, CostModel, StepBudget, bucket_choices
 
 from .layout import StepLayout, full_pattern, pack_step
 from .sampling import SampleRequest, fresh_seed
@@ -63,11 +64,13 @@ class StepModel(Protocol):
 
 @dataclass
 class GenerationResult:
-    """New tokens, the model forward passes made (prefill included), and the tokens of each pass."""
+    """New tokens, the model forward passes made (prefill included), the tokens each pass gave, and the tokens each
+    decoding pass fed per row (`step_sizes`: 1 for a plain step; the prefill is not in it)."""
 
     tokens: list[int] = field(default_factory=list)
     steps: int = 0
     step_tokens: list[list[int]] = field(default_factory=list)
+    step_sizes: list[int] = field(default_factory=list)
 
     @property
     def compression(self) -> float:
@@ -83,8 +86,11 @@ class Output:
         self.limit, self.stop, self.stream = limit, frozenset(stop), stream
         self.done = False
 
-    def accept(self, tokens: Sequence[int]) -> None:
+    def accept(self, tokens: Sequence[int], fed: int | None = None) -> None:
+        """A forward pass's tokens; `fed`: the tokens it fed per row (None: the prefill)."""
         self.result.steps += 1
+        if fed is not None:
+            self.result.step_sizes.append(fed)
         taken: list[int] = []
         for token in tokens:
             if len(self.result.tokens) + len(taken) == self.limit:
@@ -108,13 +114,24 @@ def first_token(logits: torch.Tensor, sampling: SamplingParams, seed: int | None
     return SampleRequest(sampling, seed, (position,)).fetch(logits[None])[0]
 
 
-def static_step(cfg: LookaheadConfig | None) -> tuple[StepPattern, int, int]:
-    """A generation's static step as a model's program sees it, packed by the loop itself: (pattern, output rows,
-    top-k asked for). What a warm-up prepares ahead."""
+def static_steps(cfg: LookaheadConfig | None) -> list[tuple[StepPattern, int, int]]:
+    """Every static step shape a generation with `cfg` can run, as a model's program sees it, packed by the loop
+    itself: (pattern, output rows, top-k asked for). What a warm-up prepares ahead: the full step, and with
+    `budget="auto"` each bucket's (`lookahead.tuning.buckets`), plain included."""
     if cfg is None:
-        return PLAIN_STEP, 1, 0
-    layout = LookaheadLoop(cfg, [0], 0, SamplingParams(), None, static=True).plan()
-    return layout.pattern, len(layout.rows), layout.topk
+        return [(PLAIN_STEP, 1, 0)]
+    loop = LookaheadLoop(cfg, [0], 0, SamplingParams(), None, static=True)
+    choices = bucket_choices(cfg) if loop.tunable else [None]
+    layouts = [loop.pack(loop.draft(), choice) for choice in choices]
+    return [(layout.pattern, len(layout.rows), layout.topk) for layout in layouts]
+
+
+def step_budget(loop: LookaheadLoop, cost: CostModel | None, sampling: bool) -> StepBudget | None:
+    """The generation's per-step size chooser: with a cost model and a self-tuned configuration (`loop.tunable`),
+    else None (full-size steps)."""
+    if cost is None or not loop.tunable:
+        return None
+    return StepBudget(loop.cfg, cost, "sampling" if sampling else "greedy", loop.static)
 
 
 def sampling_seed(request: Request, row: int) -> int | None:
@@ -127,12 +144,14 @@ def sampling_seed(request: Request, row: int) -> int | None:
 
 class LookaheadLoop:
     """The state of lookahead decoding between steps for one sequence: the 2D window, the n-gram pool, the draft
-    policy (the tree's sources, or the paper's chains as a trie), the sequence. A driver calls `plan` for the
-    next step's layout, runs it, and `finish` with the step's outputs for the verdict; the driver commits."""
+    policy (the tree's sources, or the paper's chains as a trie), the sequence. A driver calls `draft` for the next
+    step's draft, `pack` with the size it chose for the layout, runs it, and `finish` with the step's outputs for the
+    verdict; the driver commits."""
 
     def __init__(self, cfg: LookaheadConfig, prompt: Sequence[int], first: int, sampling: SamplingParams,
                  seed: int | None, static: bool) -> None:
-        """seed: the generation's sampling seed (None: greedy)."""
+        """seed: the generation's sampling seed (None: greedy). static: every step padded to its shape's full size
+        (the configuration's, or a bucket's)."""
         self.cfg, self.sampling, self.seed, self.static = cfg, sampling, seed, static
         self.full = full_pattern(cfg)
         self.pool = NGramPool(cfg.ngram, cfg.guesses)
@@ -147,19 +166,60 @@ class LookaheadLoop:
         else:
             self.drafts = ChainDrafts(cfg.ngram, cfg.guesses)
 
-    def step(self, model: StepModel) -> Verdict:
-        """One forward pass: lookahead branch + verification tree; commits the accepted KV entries."""
-        layout = self.plan()
+    @property
+    def tunable(self) -> bool:
+        """Whether steps are sized per step (`budget="auto"`): the tree form's drafts are scored; the paper's chains
+        run full-size steps."""
+        return self.cfg.budget == "auto" and self.cfg.form == "tree"
+
+    @property
+    def length(self) -> int:
+        """L: the positions in the cache before the input token."""
+        return len(self.sequence) - 1
+
+    @property
+    def branch_tokens(self) -> int:
+        """Tokens of the lookahead branch in the next step (all N - 1 levels when padded)."""
+        return self.cfg.window * (self.cfg.ngram - 1 if self.static else len(self.window.levels))
+
+    def step(self, model: StepModel, budget: StepBudget | None = None) -> tuple[Verdict, StepLayout]:
+        """One forward pass (lookahead branch + verification tree, or a plain step where `budget` finds nothing
+        pays); commits the accepted KV entries. Returns the verdict and the step's layout."""
+        draft = self.draft()
+        choice = None if budget is None else budget.choose([draft.scores], self.branch_tokens, self.length)
+        layout = self.pack(draft, choice)
+        start = 0.0 if budget is None else budget.clock()
         output = model.step(layout.tokens, layout.pattern, layout.rows, **self.step_requests(layout))
+        seconds = 0.0 if budget is None else budget.clock() - start
         verdict = self.finish(layout, output)
         model.commit(layout.commit_indices(verdict))
-        return verdict
+        if budget is not None:
+            budget.record(choice, layout.pattern.num_tokens, self.length, seconds,
+                          sum(draft.scores[: len(layout.tree)]), len(verdict.tokens) - 1)
+        return verdict, layout
+
+    def draft(self) -> BestFirst:
+        """The next step's draft nodes under the input token (the last token of the sequence), best first: the tree
+        form's scored growth up to the node budget, or the paper's chains (unscored)."""
+        if isinstance(self.drafts, DraftBuilder):
+            return self.drafts.grow(self.sequence, self.pool, self.cfg.tree_nodes)
+        tree = self.drafts.build(self.sequence, self.pool, self.cfg.tree_nodes, len(self.window.levels))
+        return BestFirst(tree.tokens, tree.parents, [])
+
+    def pack(self, draft: BestFirst, choice: Choice | None = None) -> StepLayout:
+        """The step's layout for `choice` (None: the full step): the window's levels, unless a plain step, and the
+        draft's first `choice.nodes` nodes, padded to the choice's shape when static."""
+        if choice is None:
+            return pack_step(self.window.levels, draft.tree(), self.full, self.static, self.drafts.topk)
+        if not choice.branch:
+            tree = draft.tree(choice.nodes)
+            return pack_step(self.window.levels, tree, PLAIN_STEP, False, self.drafts.topk, branch=False)
+        shape = self.full if choice.slots == self.cfg.tree_nodes else full_pattern(self.cfg, choice.slots)
+        return pack_step(self.window.levels, draft.tree(choice.nodes), shape, self.static, self.drafts.topk)
 
     def plan(self) -> StepLayout:
-        """The next step's layout: the window's levels and the draft tree under the input token (the last token
-        of the sequence)."""
-        tree = self.drafts.build(self.sequence, self.pool, self.cfg.tree_nodes, len(self.window.levels))
-        return pack_step(self.window.levels, tree, self.full, self.static, self.drafts.topk)
+        """The next step's full-size layout (`budget="fixed"`)."""
+        return self.pack(self.draft())
 
     def step_requests(self, layout: StepLayout) -> dict:
         """The optional arguments of the model's step for `layout`: `topk` (recycling), `sample` (sampling)."""
@@ -171,12 +231,12 @@ class LookaheadLoop:
         return requests
 
     def finish(self, layout: StepLayout, output: StepOutput) -> Verdict:
-        """Verify the step's outputs, let the draft sources learn from them, and move the window and the pool on;
-        the caller commits the verdict."""
+        """Verify the step's outputs, let the draft sources learn from them, and move the window (when the step ran
+        its lookahead branch) and the pool on; the caller commits the verdict."""
         verdict = self._verify(layout, output)
         if layout.topk:
             self._learn(layout, output, verdict)
-        self._advance(verdict.tokens, [output.argmax[r] for r in layout.last_level_rows])
+        self._advance(verdict.tokens, [output.argmax[r] for r in layout.last_level_rows] if layout.branch else None)
         return verdict
 
     def _learn(self, layout: StepLayout, output: StepOutput, verdict: Verdict) -> None:
@@ -207,8 +267,10 @@ class LookaheadLoop:
             chosen = output.sampled
         return verify(layout.tree, [chosen[r] for r in layout.slot_rows])
 
-    def _advance(self, accepted: list[int], outputs: list[int]) -> None:
-        if self.window.full:
+    def _advance(self, accepted: list[int], outputs: list[int] | None) -> None:
+        """outputs: the last level's predictions, None when the step did not run the lookahead branch (the window
+        waits)."""
+        if outputs is not None and self.window.full:
             for gram in self.window.columns(outputs):
                 self.pool.add(gram)
         self.sequence.extend(accepted)
@@ -216,4 +278,7 @@ class LookaheadLoop:
         if self.cfg.pool_from_output:
             self.pool.add_sequence(self.sequence, start=self.pooled_upto - self.cfg.ngram + 1)
         self.pooled_upto = len(self.sequence)
-        self.window.advance(outputs, accepted[-1])
+        if outputs is None:
+            self.window.hold(accepted[-1])
+        else:
+            self.window.advance(outputs, accepted[-1])

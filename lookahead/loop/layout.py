@@ -29,13 +29,14 @@ from lookahead.kernels import StepPattern
 from .verify import Verdict
 
 
-def full_pattern(config: LookaheadConfig) -> StepPattern:
-    """The configuration's full step: N - 1 levels and a tree of G(N - 1) nodes, T = (W + G)(N - 1) tokens.
+def full_pattern(config: LookaheadConfig, nodes: int | None = None) -> StepPattern:
+    """The configuration's full step: N - 1 levels and a tree of G(N - 1) nodes (or `nodes`: a self-tuned bucket's
+    shape), T = W(N - 1) + nodes tokens.
 
     Each step brings its own tree of that size, so this one stands for the shape only, as the deepest tree the
     form's drafts can be, so that `max_commit` is the most any step of the generation commits: for the tree form a
-    single path of G(N - 1) nodes, for chains G paths of N - 1 (the paper's candidates)."""
-    nodes, span = config.tree_nodes, config.ngram - 1
+    single path of all its nodes, for chains G paths of N - 1 (the paper's candidates)."""
+    nodes, span = config.tree_nodes if nodes is None else nodes, config.ngram - 1
     if config.form == "chains":
         return StepPattern(config.window, config.ngram, tree_end=tuple((j // span + 1) * span for j in range(nodes)))
     return StepPattern(config.window, config.ngram, tree_end=(nodes,) * nodes)
@@ -48,7 +49,8 @@ class StepLayout:
     pattern: what the model runs, with this step's tree. tokens: [pattern.num_tokens] ids in pattern order. rows:
     the step indices whose logits the model returns, in order (a static step always has the same number). levels:
     the real lookahead levels (1..N-1); tree: the real draft nodes (padding excluded). topk: next tokens per step
-    row the model returns beside the argmax (0: none).
+    row the model returns beside the argmax (0: none). branch: whether the step runs the lookahead branch (a
+    self-tuned plain step does not: its one level is the input token, and the window waits).
     """
 
     pattern: StepPattern
@@ -57,6 +59,7 @@ class StepLayout:
     levels: int
     tree: DraftTree
     topk: int = 0
+    branch: bool = True
 
     @cached_property
     def row_of(self) -> dict[int, int]:
@@ -136,11 +139,19 @@ class StepLayout:
 
 
 def pack_step(levels: Sequence[Sequence[int]], tree: DraftTree, full: StepPattern, static: bool,
-              topk: int = 0) -> StepLayout:
+              topk: int = 0, branch: bool = True) -> StepLayout:
     """Lay out the window's `levels` (level 0 first; its column 0 is the input token) and the draft `tree`.
 
-    static: pad to `full` (the configuration's shape); otherwise the exact pattern of what is present.
+    static: pad to `full` (the configuration's shape, or a bucket's); otherwise the exact pattern of what is present.
+    branch False: without the lookahead branch, exact size: the input token and the tree (with no tree, a plain
+    step: `full` is then plain decoding's pattern, one token, one output row).
     """
+    if not branch:
+        if not len(tree):
+            if full.num_tokens != 1:
+                raise ValueError(f"a step of the input token alone is a plain step, not {full.num_tokens} tokens")
+            return StepLayout(full, [levels[0][0]], [0], 1, tree, topk, branch)
+        levels, full, static = [levels[0][:1]], StepPattern(1, 2, tree_end=tree.tree_end), False
     depth = len(levels)
     pad = levels[0][0]  # any valid id will do: no real token sees a padding token
     size = full.verify_len if static else len(tree)
@@ -154,4 +165,4 @@ def pack_step(levels: Sequence[Sequence[int]], tree: DraftTree, full: StepPatter
     tokens += [*tree.tokens, *[pad] * (size - len(tree))]
     last = pattern.level_index(depth - 1, 0)
     rows = [0, *range(last, last + pattern.window), *range(pattern.lookahead_len, pattern.num_tokens)]
-    return StepLayout(pattern, tokens, rows, depth, tree, topk)
+    return StepLayout(pattern, tokens, rows, depth, tree, topk, branch)

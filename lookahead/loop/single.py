@@ -3,17 +3,31 @@
 from __future__ import annotations
 
 from lookahead.request import Request
+from lookahead.tuning import CostModel
 
-from .core import PLAIN_STEP, GenerationResult, LookaheadLoop, Output, StepModel, Stream, first_token, sampling_seed
+from .core import (
+    PLAIN_STEP,
+    GenerationResult,
+    LookaheadLoop,
+    Output,
+    StepModel,
+    Stream,
+    first_token,
+    sampling_seed,
+    step_budget,
+)
 from .sampling import SampleRequest
 
 
-def decode(model: StepModel, request: Request, stream: Stream | None = None) -> GenerationResult:
+def decode(model: StepModel, request: Request, stream: Stream | None = None,
+           cost: CostModel | None = None) -> GenerationResult:
     """Generate for the request's one prompt; `request.lookahead` None means plain decoding.
 
-    request.static_step: feed every lookahead step at the configuration's full size (W + G)(N - 1), missing levels
-    and nodes padded (one shape for the whole generation); otherwise each step has the exact size of what it holds.
-    The tokens are the same either way. stream: called with each step's accepted tokens.
+    request.static_step: feed every lookahead step at a static shape (the configuration's full size
+    (W + G)(N - 1), or a self-tuned bucket's), missing levels and nodes padded; otherwise each step has the exact
+    size of what it holds. The tokens are the same either way. stream: called with each step's accepted tokens.
+    cost: the machine's cost model, which sizes each step when the configuration's budget is "auto" (None: full-size
+    steps); it learns from this generation's steps.
     """
     (prompt,) = request.prompts
     sampling = request.sampling
@@ -28,9 +42,11 @@ def decode(model: StepModel, request: Request, stream: Stream | None = None) -> 
             step = model.step([last], PLAIN_STEP, [0], **sample)
             model.commit([0])
             last = step.argmax[0] if seed is None else step.sampled[0]
-            out.accept([last])
+            out.accept([last], 1)
     else:
         loop = LookaheadLoop(request.lookahead, prompt, last, sampling, seed, request.static_step)
+        budget = step_budget(loop, cost, seed is not None)
         while not out.done:
-            out.accept(loop.step(model).tokens)
+            verdict, layout = loop.step(model, budget)
+            out.accept(verdict.tokens, layout.pattern.num_tokens)
     return out.result

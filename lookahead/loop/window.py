@@ -48,5 +48,10 @@ class LookaheadWindow:
             self.levels = [row[1:] + self._random(1) for row in rows]
         self.levels[0][0] = input_token
 
+    def hold(self, input_token: int) -> None:
+        """A step ran without the lookahead branch (a plain step of a self-tuned generation): the trajectory waits,
+        and the new input token takes level 0, column 0."""
+        self.levels[0][0] = input_token
+
     def _random(self, n: int) -> list[int]:
         return [self._rng.choice(self._fill) for _ in range(n)]

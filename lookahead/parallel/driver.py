@@ -103,7 +103,8 @@ def decode_parallel(model: ParallelStepModel, request: Request, group: dist.Proc
     the one a single process gives (greedy: token for token in float32; sampling: with the same seed).
 
     Every rank must call it with the same request (`agree` checks and completes it first). request.static_step: pad
-    each rank's sub-step to a multiple of 8 tokens (a few shapes for the whole generation).
+    each rank's sub-step to a multiple of 8 tokens (a few shapes for the whole generation). Steps are full-size
+    whatever the configuration's budget: the ranks' shares of one step are what lookahead parallelism divides.
     """
     comm = _Comm(group, model.device)
     (prompt,) = request.prompts
@@ -134,15 +135,15 @@ def decode_parallel(model: ParallelStepModel, request: Request, group: dist.Proc
                           [sampled.get(i, -1) for i in layout.rows] if seed is not None else None)
         verdict = loop.finish(layout, full)
         _commit(model, comm, split.owner, sub, layout.commit_indices(verdict))
-        failure = _accept(out, verdict.tokens)
+        failure = _accept(out, verdict.tokens, len(layout.tokens))
     if failure is not None:
         raise failure
     return out.result
 
 
-def _accept(out: Output, tokens: list[int]) -> Exception | None:
+def _accept(out: Output, tokens: list[int], fed: int | None = None) -> Exception | None:
     try:
-        out.accept(tokens)
+        out.accept(tokens, fed)
     except Exception as e:  # re-raised at the next collective (or at the end), see decode_parallel
         return e
     return None

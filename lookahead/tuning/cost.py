@@ -1,0 +1,195 @@
+"""`CostModel`: what one forward pass costs on the machine it runs on, measured there and kept current.
+
+A step that feeds T tokens (all rows of a batch together) over a cache of L positions costs
+
+    t(T, L) = base(T) + per_position(T) * L    seconds,
+
+both piecewise-linear in T between measured knots (1, 2, 4, ... and the largest step; on CUDA the captured
+buckets). One curve per kind of step: "greedy" and "sampling" (a sampled step also draws at every verified row).
+
+Where the figures come from:
+- a first estimate from a few timed passes at two cache lengths (`fit`), taken at `warmup()` or before the first
+  generation that needs it (`lookahead.models.tuning`);
+- then every step's own timing (`observe`): the two knots around its T move a fraction of the way towards what it
+  cost, so a machine that gets busier (multi-token steps suffer from contention more than one-token steps) is
+  noticed within a few steps;
+- kept on disk under the user's cache folder, keyed by what the figures depend on (device, model shape, dtype,
+  backend, threads, versions: `save`/`load`), as the next process's starting point. A file that does not parse or
+  whose figures are not finite positive numbers is not trusted: `load` returns None and the caller measures again.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+KINDS = ("greedy", "sampling")
+FORMAT = 1  # the cache file's layout; a file of another is measured again
+UPDATE_RATE = 0.3  # how far one observation moves its knots towards what it measured
+MAX_RATIO = 2.0  # one observation moves a knot by at most this factor: a stray pause is not a new machine
+SPREAD = 0.5  # the share of a multi-token step's move that reaches the other multi-token knots (contention slows
+# every multi-token size, if not alike), so sizes not run lately are not judged by stale figures; a one-token step
+# moves its own knot only, as contention slows it less
+
+
+@dataclass
+class Curve:
+    """t(T, L) = base(T) + per_position(T) * L, linear in T between `knots` and beyond the last one."""
+
+    knots: list[int]
+    base: list[float]
+    per_position: list[float]
+
+    def __post_init__(self) -> None:
+        n = len(self.knots)
+        if n == 0 or len(self.base) != n or len(self.per_position) != n:
+            raise ValueError(f"a cost curve needs one base and one per-position cost per knot, got {n} knots, "
+                             f"{len(self.base)} and {len(self.per_position)}")
+        if self.knots[0] < 1 or any(b <= a for a, b in zip(self.knots, self.knots[1:], strict=False)):
+            raise ValueError(f"a cost curve's knots must be increasing token counts >= 1, got {self.knots}")
+        if not all(math.isfinite(x) and x > 0 for x in self.base):
+            raise ValueError(f"a cost curve's base costs must be finite and positive, got {self.base}")
+        if not all(math.isfinite(x) and x >= 0 for x in self.per_position):
+            raise ValueError(f"a cost curve's per-position costs must be finite and >= 0, got {self.per_position}")
+
+    def _bracket(self, tokens: int) -> tuple[int, int, float]:
+        """The knots i, j whose segment holds `tokens` (the last segment beyond the ends) and its weight on j."""
+        knots = self.knots
+        if len(knots) == 1:
+            return 0, 0, 0.0
+        j = 1
+        while j < len(knots) - 1 and knots[j] < tokens:
+            j += 1
+        i = j - 1
+        return i, j, (tokens - knots[i]) / (knots[j] - knots[i])
+
+    def predict(self, tokens: int, length: int) -> float:
+        """Seconds of a step of `tokens` tokens over `length` cached positions."""
+        i, j, w = self._bracket(tokens)
+        at = [self.base[k] + self.per_position[k] * length for k in (i, j)]
+        return max(at[0] + w * (at[1] - at[0]), 0.25 * min(at))  # extrapolation below the first knot stays positive
+
+    def observe(self, tokens: int, length: int, seconds: float) -> None:
+        """Move the knots around `tokens` towards a step's measured `seconds`, each by its share of the step, and for
+        a multi-token step the other multi-token knots by `SPREAD` of that."""
+        if not (math.isfinite(seconds) and seconds > 0):
+            return
+        ratio = min(max(seconds / self.predict(tokens, length), 1 / MAX_RATIO), MAX_RATIO)
+        i, j, w = self._bracket(tokens)
+        w = min(max(w, 0.0), 1.0)
+        spread = SPREAD if tokens > 1 else 0.0
+        shares = [spread if knot > 1 else 0.0 for knot in self.knots]
+        shares[i], shares[j] = (1.0, 1.0) if i == j else (max(1.0 - w, shares[i]), max(w, shares[j]))
+        for k, share in enumerate(shares):
+            scale = 1.0 + UPDATE_RATE * share * (ratio - 1.0)
+            self.base[k] *= scale
+            self.per_position[k] *= scale
+
+    def to_dict(self) -> dict:
+        return {"knots": list(self.knots), "base": list(self.base), "per_position": list(self.per_position)}
+
+
+def fit(samples: Iterable[tuple[int, int, float]]) -> Curve:
+    """A curve through timed steps (tokens, cache length, seconds): at each token count, the mean at the shortest
+    and at the longest length measured give the base and the cost per cached position (0 where one length only, or
+    where noise makes it negative)."""
+    grouped: dict[int, dict[int, list[float]]] = {}
+    for tokens, length, seconds in samples:
+        grouped.setdefault(tokens, {}).setdefault(length, []).append(seconds)
+    if not grouped:
+        raise ValueError("fit needs at least one timed step")
+    knots, base, per_position = sorted(grouped), [], []
+    for tokens in knots:
+        by_length = grouped[tokens]
+        short, long = min(by_length), max(by_length)
+        at_short, at_long = (sum(by_length[x]) / len(by_length[x]) for x in (short, long))
+        slope = max((at_long - at_short) / (long - short), 0.0) if long > short else 0.0
+        base.append(max(at_short - slope * short, 1e-3 * at_short))
+        per_position.append(slope)
+    return Curve(knots, base, per_position)
+
+
+@dataclass
+class CostModel:
+    """The measured cost of a step on one machine, per kind of step ("greedy", "sampling"), and what it was measured
+    on (`key`). Read it as `model.cost_model`; set one (for tests, or to fix the costs) the same way."""
+
+    curves: dict[str, Curve] = field(default_factory=dict)
+    key: dict = field(default_factory=dict)
+
+    def covers(self, kind: str, tokens: int) -> bool:
+        """Whether the `kind` curve was measured up to steps of `tokens` tokens."""
+        curve = self.curves.get(kind)
+        return curve is not None and curve.knots[-1] >= tokens
+
+    def predict(self, tokens: int, length: int, kind: str = "greedy") -> float:
+        """Seconds of a step of `tokens` tokens (all rows) over `length` cached positions."""
+        return self._curve(kind).predict(tokens, length)
+
+    def observe(self, tokens: int, length: int, seconds: float, kind: str = "greedy") -> None:
+        """Fold a step's measured time into the curve (see `Curve.observe`)."""
+        self._curve(kind).observe(tokens, length, seconds)
+
+    def plain_rate(self, length: int, kind: str = "greedy") -> float:
+        """Tokens per second plain decoding would give here at cache length `length` (one token a step)."""
+        return 1.0 / self.predict(1, length, kind)
+
+    def _curve(self, kind: str) -> Curve:
+        curve = self.curves.get(kind)
+        if curve is None:
+            raise KeyError(f"this cost model has no {kind!r} curve (it has {sorted(self.curves)}); measure one first")
+        return curve
+
+    def to_dict(self) -> dict:
+        return {"format": FORMAT, "key": self.key, "curves": {k: c.to_dict() for k, c in self.curves.items()}}
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> CostModel:
+        """The model a `to_dict` wrote; ValueError on anything else."""
+        if not isinstance(data, Mapping) or data.get("format") != FORMAT:
+            raise ValueError(f"not a cost model of format {FORMAT}")
+        curves = data.get("curves")
+        if not isinstance(curves, Mapping) or not set(curves) <= set(KINDS):
+            raise ValueError(f"a cost model's curves must be a mapping of {KINDS}")
+        try:
+            built = {kind: Curve([int(k) for k in c["knots"]], [float(x) for x in c["base"]],
+                                 [float(x) for x in c["per_position"]]) for kind, c in curves.items()}
+        except (KeyError, TypeError) as error:
+            raise ValueError(f"a cost curve is incomplete: {error}") from None
+        return cls(built, dict(data.get("key") or {}))
+
+    def save(self, path: str | Path) -> None:
+        """Write to `path` atomically (a temporary file beside it, renamed): a reader never sees half a file."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as out:
+            json.dump(self.to_dict(), out)
+        os.replace(out.name, path)
+
+    @classmethod
+    def load(cls, path: str | Path, key: Mapping | None = None) -> CostModel | None:
+        """The model saved at `path`, or None if there is none, it is damaged, or (given `key`) it was measured on
+        something else: the caller measures again rather than trust it."""
+        try:
+            model = cls.from_dict(json.loads(Path(path).read_text()))
+        except (OSError, ValueError):
+            return None
+        if key is not None and model.key != dict(key):
+            return None
+        return model
+
+
+def knots_up_to(largest: int, sizes: Sequence[int] = ()) -> list[int]:
+    """The token counts to time for steps of up to `largest` tokens: 1, 2, 4, ... below it, `largest` itself, and
+    any `sizes` (the captured buckets on CUDA)."""
+    knots = {1, largest, *sizes}
+    power = 2
+    while power < largest:
+        knots.add(power)
+        power *= 2
+    return sorted(k for k in knots if 1 <= k <= largest)

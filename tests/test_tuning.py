@@ -1,0 +1,350 @@
+"""Self-tuned steps: the cost model (fit, online updates, its cache file), the per-step chooser on synthetic trees and
+a fake clock, and the tokens, which no choice of step sizes may change."""
+
+import json
+import math
+import random
+
+import pytest
+
+from helpers import MockBatchStepModel, MockStepModel, RandomCost, context_logits, decode_one, decode_rows
+from lookahead import LookaheadConfig
+from lookahead.loop import static_steps
+from lookahead.models import Llama
+from lookahead.models import tuning as model_tuning
+from lookahead.request import GREEDY, SamplingParams
+from lookahead.tuning import CostModel, Curve, StepBudget, buckets, budget, fit, knots_up_to
+from lookahead.tuning import cost as cost_module
+
+VOCAB = 40
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
+
+
+def linear_cost(per_token: float, base: float = 1.0, largest: int = 256) -> CostModel:
+    """t(T) = base + per_token * (T - 1): exact at every T (two knots, linear between)."""
+    curve = Curve([1, largest], [base, base + per_token * (largest - 1)], [0.0, 0.0])
+    return CostModel({"greedy": curve, "sampling": Curve(list(curve.knots), list(curve.base), [0.0, 0.0])})
+
+
+def best_first_scores(rng: random.Random, n: int, high: float) -> list[float]:
+    """Non-increasing scores as a best-first growth gives them."""
+    return sorted((rng.uniform(0, high) for _ in range(n)), reverse=True)
+
+
+# ---- the cost model ---------------------------------------------------------------------------------------------
+
+
+def test_fit_recovers_a_linear_cost_in_tokens_and_length():
+    true = lambda t, L: 0.02 + 0.003 * t + 2e-6 * t * L  # noqa: E731  (per-position cost grows with T)
+    samples = [(t, L, true(t, L)) for t in knots_up_to(18) for L in (0, 900) for _ in range(2)]
+    curve = fit(samples)
+    assert curve.knots == [1, 2, 4, 8, 16, 18]
+    for t in (1, 3, 7, 12, 18):
+        for L in (0, 100, 900):
+            assert curve.predict(t, L) == pytest.approx(true(t, L), rel=1e-9)
+
+
+def test_observations_move_the_knots_around_a_step_towards_its_time():
+    curve = fit([(t, 0, 1.0 + 0.1 * t) for t in (1, 2, 4, 8, 16)])
+    before = [curve.predict(t, 0) for t in (1, 2, 4, 8, 16)]
+    for _ in range(20):
+        curve.observe(8, 0, 2 * before[3])  # the machine got busier for 8-token steps
+    assert curve.predict(8, 0) == pytest.approx(2 * before[3], rel=0.02)
+    assert curve.predict(1, 0) == before[0]  # a one-token step is slowed less by contention: judged by its own runs
+    for t, was in zip((2, 16), (before[1], before[4]), strict=True):  # other multi-token sizes: half as far
+        assert 1.05 * was < curve.predict(t, 0) < curve.predict(8, 0) / before[3] * was
+    one = fit([(t, 0, 1.0) for t in (1, 8)])
+    one.observe(8, 0, 100.0)  # a stray pause moves a knot by a bounded factor, not to 100 s
+    assert one.predict(8, 0) == pytest.approx(1 + cost_module.UPDATE_RATE * (cost_module.MAX_RATIO - 1))
+
+
+def test_cost_model_round_trips_through_its_cache_file(tmp_path):
+    cost = CostModel({"greedy": fit([(t, L, 0.01 * t + 1e-5 * L + 0.05) for t in (1, 4, 18) for L in (0, 500)])},
+                     key={"device": "cpu:test", "threads": 2})
+    path = tmp_path / "costs" / "x.json"
+    cost.save(path)
+    loaded = CostModel.load(path, cost.key)
+    assert loaded == cost
+    assert CostModel.load(path, {"device": "cpu:other", "threads": 2}) is None  # measured on something else
+    assert CostModel.load(tmp_path / "missing.json") is None
+
+
+@pytest.mark.parametrize("damage", ["not json {", "[]", '{"format": 1, "curves": {"greedy": {"knots": [1, 2]}}}',
+                                    "negative", "nan", "unsorted", "unknown kind", "truncated"])
+def test_a_damaged_cache_file_is_not_trusted(tmp_path, damage):
+    cost = CostModel({"greedy": fit([(t, 0, 0.01 * t + 0.05) for t in (1, 4, 18)])}, key={"k": 1})
+    path = tmp_path / "c.json"
+    cost.save(path)
+    data = json.loads(path.read_text())
+    curve = data["curves"]["greedy"]
+    if damage == "negative":
+        curve["base"][1] = -1.0
+    elif damage == "nan":
+        curve["base"][0] = math.nan
+    elif damage == "unsorted":
+        curve["knots"] = [4, 1, 18]
+    elif damage == "unknown kind":
+        data["curves"]["fast"] = curve
+    text = json.dumps(data)
+    if damage == "truncated":
+        text = text[: len(text) // 2]
+    elif damage in ("not json {", "[]") or damage.startswith("{"):
+        text = damage
+    path.write_text(text)
+    assert CostModel.load(path, {"k": 1}) is None
+
+
+# ---- the chooser --------------------------------------------------------------------------------------------------
+
+
+def brute_force(scores, branch: int, cost: CostModel, length: int, policy: str) -> tuple[int, bool]:
+    """The (nodes, branch) of the best rate by enumeration, written independently of `StepBudget.choose`."""
+    rates = {(0, False): 1 / cost.predict(1, length)}
+    for n in range(1, len(scores) + 1):
+        tokens = (branch if policy == "always" else 1) + n
+        rates[(n, policy == "always")] = (1 + sum(scores[:n])) / cost.predict(tokens, length)
+    return max(rates, key=rates.get)
+
+
+@pytest.mark.parametrize("policy", budget.BRANCH_POLICIES)
+def test_the_chooser_takes_the_best_expected_tokens_per_second(monkeypatch, policy):
+    monkeypatch.setattr(budget, "BRANCH", policy)
+    rng = random.Random(0)
+    kinds = set()
+    for case in range(300):
+        cost = linear_cost(rng.choice([0.001, 0.01, 0.03, 0.1, 0.3]))
+        scores = best_first_scores(rng, rng.randrange(0, 16), rng.choice([0.05, 0.3, 1.0]))
+        chooser = StepBudget(LookaheadConfig(), cost)
+        choice = chooser.choose([scores], 3, length=100)
+        expected = brute_force(scores, 3, cost, 100, policy)
+        assert (choice.nodes, choice.branch) == expected, (case, scores)
+        assert choice.tokens == (1 if choice.plain else (3 if choice.branch else 1) + choice.nodes)
+        kinds.add("plain" if choice.plain else "all" if choice.nodes == len(scores) else "part")
+    assert kinds == {"plain", "part", "all"}  # the cases exercised every outcome
+
+
+def test_a_plain_step_when_nothing_pays_and_the_full_budget_when_everything_does():
+    cfg = LookaheadConfig()
+    weak = StepBudget(cfg, linear_cost(0.2)).choose([[0.02] * cfg.tree_nodes], 3, 50)
+    assert weak.plain and weak.tokens == 1
+    strong = StepBudget(cfg, linear_cost(0.001)).choose([[0.95**i for i in range(cfg.tree_nodes)]], 3, 50)
+    assert strong.nodes == cfg.tree_nodes and strong.branch and strong.tokens == cfg.step_tokens
+
+
+def test_static_steps_choose_among_the_buckets_and_fill_them():
+    cfg = LookaheadConfig(4, 5, 30)  # branch 16, tree 120: buckets 1, 32, 64, 128, 136
+    assert buckets(cfg) == [1, 32, 64, 128, 136]
+    rng = random.Random(1)
+    for _ in range(100):
+        cost = linear_cost(rng.choice([0.001, 0.005, 0.02]))
+        scores = best_first_scores(rng, rng.randrange(0, 121), rng.choice([0.1, 1.0]))
+        choice = StepBudget(cfg, cost, static=True).choose([scores], 16, 10)
+        assert choice.tokens in buckets(cfg)
+        if not choice.plain:
+            assert choice.slots == choice.tokens - 16 and choice.nodes == min(choice.slots, len(scores))
+
+
+def test_a_batch_is_sized_for_all_its_rows_at_once():
+    """Rows share one shape: the expected tokens of all rows over the cost of all their tokens."""
+    cfg = LookaheadConfig()
+    cost = linear_cost(0.02)
+    chooser = StepBudget(cfg, cost, static=True)
+    rows = [[0.9, 0.8, 0.7], [0.0], [0.5] * 15]
+    choice = chooser.choose(rows, 3, 10)
+    rates = {1: 3 / cost.predict(3, 10)}
+    for size in buckets(cfg)[1:]:
+        slots = size - 3
+        rates[size] = sum(1 + sum(r[:slots]) for r in rows) / cost.predict(3 * size, 10)
+    assert choice.tokens == max(rates, key=rates.get)
+
+
+def test_plain_runs_are_probed_with_a_lookahead_step():
+    chooser = StepBudget(LookaheadConfig(), linear_cost(1.0))
+    choices = [chooser.choose([[0.1, 0.05]], 3, 10) for _ in range(2 * budget.PROBE_AFTER + 2)]
+    probes = [i for i, c in enumerate(choices) if not c.plain]
+    assert probes == [budget.PROBE_AFTER, 2 * budget.PROBE_AFTER + 1]
+
+
+def test_the_chooser_learns_a_machine_that_gets_busier_on_a_fake_clock():
+    """Steps cost what a fake clock says: quiet, an 18-token step costs 1.3 one-token steps (most of the tree pays);
+    then contention makes an 18-token step cost 5 one-token steps, and within a few steps the chooser runs plain
+    steps."""
+    now = [0.0]
+    cost = CostModel({"greedy": fit([(t, 0, 0.05 * (1 + 0.3 * (t - 1) / 17)) for t in (1, 2, 4, 8, 16, 18)])})
+    chooser = StepBudget(LookaheadConfig(), cost, clock=lambda: now[0])
+    scores = [0.4 * 0.7**i for i in range(15)]
+    plain_at = None
+    for step in range(40):
+        busy = step >= 10
+        choice = chooser.choose([scores], 3, 100)
+        if step < 10:
+            assert choice.nodes >= 5
+        seconds = 0.05 * (1 + (4.0 if busy else 0.3) * (choice.tokens - 1) / 17)
+        now[0] += seconds
+        chooser.record(choice, choice.tokens, 100, seconds, sum(scores[: choice.nodes]),
+                       round(sum(scores[: choice.nodes])))
+        if busy and choice.plain and plain_at is None:
+            plain_at = step
+    assert plain_at is not None and plain_at <= 16
+
+
+def test_calibration_follows_what_the_steps_accepted():
+    chooser = StepBudget(LookaheadConfig(), linear_cost(0.02))
+    choice = chooser.choose([[0.9] * 15], 3, 10)
+    assert not choice.plain
+    for _ in range(30):  # the scores promised 13.5 nodes a step; none was accepted
+        chooser.record(choice, choice.tokens, 10, 0.1, 13.5, 0)
+    assert chooser.calibration < 0.02
+    assert chooser.choose([[0.9] * 15], 3, 10).plain
+
+
+# ---- the tokens ----------------------------------------------------------------------------------------------------
+
+CONFIGS = [LookaheadConfig(), LookaheadConfig(3, 3, 3), LookaheadConfig(2, 4, 6)]
+
+
+@pytest.mark.parametrize("policy", budget.BRANCH_POLICIES)
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"W{c.window}-N{c.ngram}-G{c.guesses}")
+def test_greedy_with_any_step_sizes_is_plain_greedy_on_the_mock(monkeypatch, cfg, static, policy):
+    monkeypatch.setattr(budget, "BRANCH", policy)
+    target = [7, 8, 9, 10, 11, 12, 7, 8, 9, 10, 11, 12] * 4
+    fn = lambda ctx: context_logits(ctx, VOCAB, target)  # noqa: E731  (drafts that are often right)
+    sizes = set()
+    for seed in range(4):
+        prompt = PROMPT[seed:] + target[:9]
+        plain = decode_one(MockStepModel(VOCAB, fn), prompt, 40).tokens
+        result = decode_one(MockStepModel(VOCAB, fn), prompt, 40, GREEDY, cfg, static_step=static,
+                            cost=RandomCost(seed))
+        assert result.tokens == plain
+        assert len(result.step_sizes) == result.steps - 1
+        sizes.update(result.step_sizes)
+    assert 1 in sizes and len(sizes) >= 3  # plain steps and several lookahead sizes were met
+    if static:
+        assert sizes <= set(buckets(cfg))
+
+
+def test_budget_fixed_keeps_the_full_steps():
+    """A cost model changes nothing for `budget="fixed"`: the same steps as without one."""
+    fn = lambda ctx: context_logits(ctx, VOCAB, list(range(5, 30)) * 2)  # noqa: E731
+    cfg = LookaheadConfig(budget="fixed")
+    without = decode_one(MockStepModel(VOCAB, fn), PROMPT, 30, GREEDY, cfg)
+    model = MockStepModel(VOCAB, fn)
+    result = decode_one(model, PROMPT, 30, GREEDY, cfg, cost=linear_cost(10.0))
+    assert (result.tokens, result.step_tokens, result.step_sizes) == (without.tokens, without.step_tokens,
+                                                                      without.step_sizes)
+    assert max(result.step_sizes) > 1
+
+
+def test_a_batch_with_any_step_sizes_equals_each_row_alone():
+    fn = lambda ctx: context_logits(ctx, VOCAB, list(range(4, 24)) * 3)  # noqa: E731
+    prompts = [PROMPT, PROMPT[:6] + [4, 5, 6], [9, 8, 7, 4, 5]]
+    model = MockBatchStepModel(VOCAB, fn)
+    cfg = LookaheadConfig(3, 3, 3)
+    rows = decode_rows(model, prompts, 24, GREEDY, cfg, cost=RandomCost(3))
+    assert [r.tokens for r in rows] == [decode_one(MockStepModel(VOCAB, fn), p, 24).tokens for p in prompts]
+    shapes = {p.num_tokens for p in model.patterns}
+    assert 1 in shapes and len(shapes) > 1 and shapes <= set(buckets(cfg))
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.7), SamplingParams(1.0, top_k=3),
+                                    SamplingParams(0.7, top_p=0.9)], ids=["T1", "T0.7", "T1-topk3", "T0.7-topp0.9"])
+def test_seeded_sampling_with_any_step_sizes_is_seeded_plain_sampling(params):
+    fn = lambda ctx: context_logits(ctx, VOCAB)  # noqa: E731
+    for seed in range(6):
+        plain = decode_one(MockStepModel(VOCAB, fn), PROMPT, 24, params, seed=seed).tokens
+        for static in (False, True):
+            result = decode_one(MockStepModel(VOCAB, fn), PROMPT, 24, params, LookaheadConfig(3, 3, 3), seed=seed,
+                                static_step=static, cost=RandomCost(seed))
+            assert result.tokens == plain, (seed, static)
+    prompts = [PROMPT, PROMPT[:7]]
+    rows = decode_rows(MockBatchStepModel(VOCAB, fn), prompts, 16, params, LookaheadConfig(), seeds=[4, 5],
+                       cost=RandomCost(9))
+    assert [r.tokens for r in rows] == [decode_one(MockStepModel(VOCAB, fn), p, 16, params, seed=s).tokens
+                                        for p, s in zip(prompts, [4, 5], strict=True)]
+
+
+# ---- the real model ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    """The cost models' cache folder, in a temporary folder."""
+    monkeypatch.setattr(model_tuning, "default_cache_dir", lambda: tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_tiny_llama_greedy_with_any_step_sizes_is_plain_greedy(tiny_checkpoint, backend):
+    model = Llama.from_pretrained(tiny_checkpoint(), attn_backend=backend)
+    model.cost_model = RandomCost(1)
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
+    plain = model.generate(prompt, max_new_tokens=14 if backend == "triton" else 30, eos_token_id=[]).tokens
+    result = model.generate(prompt, max_new_tokens=len(plain), eos_token_id=[], lookahead=LookaheadConfig())
+    assert result.tokens == plain
+    assert len(set(result.step_sizes)) > 1
+
+
+def test_the_cost_model_is_measured_once_then_read_from_its_cache(tiny_checkpoint, cache_dir, monkeypatch):
+    measured = []
+    real = model_tuning.measure
+    monkeypatch.setattr(model_tuning, "measure", lambda *a: measured.append(1) or real(*a))
+    first = Llama.from_pretrained(tiny_checkpoint())
+    first.generate([1, 2, 3], max_new_tokens=6, lookahead=LookaheadConfig())
+    assert measured == [1]
+    curve = first.cost_model.curves["greedy"]
+    assert curve.knots == knots_up_to(LookaheadConfig().step_tokens)
+    (path,) = (cache_dir / "costs").iterdir()
+    # another process's model of the same shape starts from the file
+    second = Llama.from_pretrained(tiny_checkpoint())
+    second.generate([1, 2, 3], max_new_tokens=6, lookahead=LookaheadConfig())
+    assert measured == [1] and second.cost_model.curves["greedy"].knots == curve.knots
+    # sampling is another kind of step: measured once too
+    second.generate([1, 2, 3], max_new_tokens=6, lookahead=LookaheadConfig(), temperature=1.0, seed=0)
+    assert measured == [1, 1] and set(second.cost_model.curves) == {"greedy", "sampling"}
+    # a damaged file is measured again and rewritten
+    path.write_text('{"format": 1, "curves": {"greedy": {"knots": [1], "base": [-5], "per_position": [0]}}}')
+    third = Llama.from_pretrained(tiny_checkpoint())
+    third.generate([1, 2, 3], max_new_tokens=6, lookahead=LookaheadConfig())
+    assert measured == [1, 1, 1] and CostModel.load(path, third.cost_model.key) is not None
+    # a cost model set by the user is used as it is; plain decoding and fixed steps measure nothing
+    fourth = Llama.from_pretrained(tiny_checkpoint())
+    mine = linear_cost(0.01)
+    fourth.cost_model = mine
+    fourth.generate([1, 2, 3], max_new_tokens=6, lookahead=LookaheadConfig())
+    fifth = Llama.from_pretrained(tiny_checkpoint())
+    fifth.generate([1, 2, 3], max_new_tokens=6)
+    fifth.generate([1, 2, 3], max_new_tokens=6, lookahead=LookaheadConfig(budget="fixed"))
+    assert measured == [1, 1, 1] and fourth.cost_model is mine and fifth.cost_model is None
+
+
+def test_warmup_prepares_every_bucket_of_a_batch(tiny_checkpoint, cache_dir):
+    model = Llama.from_pretrained(tiny_checkpoint())
+    cfg = LookaheadConfig(2, 3, 8)
+    model.warmup(cfg, max_tokens=64, batch=2)
+    assert model.cost_model is not None and "greedy" in model.cost_model.curves
+    prepared = set(model.runner.step_shapes)
+    expected = {(pattern.shape, batch) for batch in (1, 2) for pattern, _, _ in static_steps(cfg)}
+    assert {(shape[0], shape[2]) for shape in prepared} == expected
+    model.cost_model = RandomCost(2)
+    model.generate([[1, 2, 3, 1, 2, 3], [4, 5, 6]], max_new_tokens=20, lookahead=cfg, eos_token_id=[])
+    assert set(model.runner.step_shapes) == prepared  # no shape met mid-generation
+
+
+def test_auto_is_the_device_maxima_with_self_tuned_steps():
+    assert LookaheadConfig.auto("cpu") == LookaheadConfig()
+    cuda = LookaheadConfig.auto("cuda")
+    assert cuda.budget == "auto" and cuda.step_tokens > LookaheadConfig().step_tokens
+    with pytest.raises(ValueError, match="budget must be one of auto, fixed"):
+        LookaheadConfig(budget="adaptive")
+
+
+def test_the_summary_compares_with_plain_decoding_here():
+    from lookahead.cli.generate import summary
+    from lookahead.loop import GenerationResult
+
+    result = GenerationResult(tokens=list(range(24)), steps=10, step_tokens=[], step_sizes=[18] * 9)
+    line = summary(result, 1.0, LookaheadConfig(), plain_rate=16.0)
+    assert line.endswith("S=2.40, 24.0 tok/s (plain ~16 tok/s here)") and "self-tuned" in line
+    assert "here" not in summary(result, 1.0, LookaheadConfig(budget="fixed")) and "self-tuned" not in line.replace(
+        "self-tuned", "", 1)
