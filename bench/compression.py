@@ -1,7 +1,9 @@
 """Compression S per kind for chosen settings on the dev prompts, counting forward passes only.
 
 A setting is W-N-G, then optionally ":chains" (the paper's candidates), ":tree" (every draft source, the
-default) or ":tree=" with the sources that feed the tree joined by "+" (pool, suffix, recycle; none: "").
+default) or ":tree=" with the sources that feed the tree joined by "+" (pool, suffix, recycle; none: ""), then
+optionally "@auto" (self-tuned steps; without it every step is full-size, `budget="fixed"`, as the paper's).
+Every setting drafts cold (`warm=False`): from its own prompt and output only.
 Every output is checked token for token against plain greedy. `--pools prompt` runs the authors' pool
 (prompt n-grams only); `--pools both` runs it beside ours.
 
@@ -23,7 +25,10 @@ SOURCES = ("pool", "suffix", "recycle")
 
 
 def parse_setting(spec: str, output_pool: bool = True) -> LookaheadConfig:
-    """'W-N-G[:chains|:tree[=source+source...]]' -> LookaheadConfig."""
+    """'W-N-G[:chains|:tree[=source+source...]][@auto]' -> LookaheadConfig."""
+    spec, _, budget = spec.partition("@")
+    if budget not in ("", "auto"):
+        raise ValueError(f"setting {spec}@{budget}: the only budget suffix is @auto")
     numbers, _, form = spec.partition(":")
     w, n, g = map(int, numbers.split("-"))
     form, has_sources, sources = form.partition("=")
@@ -31,7 +36,8 @@ def parse_setting(spec: str, output_pool: bool = True) -> LookaheadConfig:
     chosen = set(sources.split("+")) - {""} if has_sources else set(SOURCES)
     if form not in ("tree", "chains") or chosen - set(SOURCES):
         raise ValueError(f"setting {spec!r}: use W-N-G, W-N-G:chains or W-N-G:tree=pool+suffix+recycle")
-    return LookaheadConfig(w, n, g, pool_from_output=output_pool, form=form,
+    # warm=False: each prompt drafts from itself alone, as a one-prompt benchmark compares (bench/warm.py: warm)
+    return LookaheadConfig(w, n, g, pool_from_output=output_pool, form=form, budget=budget or "fixed", warm=False,
                            **{f"draft_{name}": name in chosen for name in SOURCES})
 
 
