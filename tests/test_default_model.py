@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import RandomCost
 from lookahead import LookaheadConfig
 from lookahead.models import Llama
 from lookahead.models import default_model as dm
@@ -57,18 +58,23 @@ def test_converted_checkpoint_matches_transformers_gguf_loader(default_model_dir
 
 @pytest.mark.slow
 def test_fp32_lookahead_equals_greedy_on_the_default_model(default_model_dir):
-    """The exactness promise as README states it: fp32, temperature 0, token for token plain greedy."""
+    """The exactness promise as README states it: fp32, temperature 0, token for token plain greedy; with full-size
+    steps, and with self-tuned ones sized by this machine's measured costs and by random ones (every size)."""
     model = Llama.from_pretrained(default_model_dir, dtype=torch.float32)
     prompts = dev_prompts(("code", "math"))[::5]
     assert len(prompts) >= 2
     compressions = []
-    for text in prompts[:2]:
+    for i, text in enumerate(prompts[:2]):
         ids = chat_ids(default_model_dir, text)
         plain = model.generate(ids, max_new_tokens=64)
-        for cfg in (LookaheadConfig(), LookaheadConfig(7, 5, 7)):
+        for cfg in (LookaheadConfig(budget="fixed"), LookaheadConfig(7, 5, 7, budget="fixed")):
             result = model.generate(ids, max_new_tokens=64, lookahead=cfg)
             assert result.tokens == plain.tokens
             compressions.append(result.compression)
+        measured = model.cost_model
+        for cost in (measured, RandomCost(i)):
+            model.cost_model = cost
+            assert model.generate(ids, max_new_tokens=64, lookahead=LookaheadConfig()).tokens == plain.tokens
     assert sum(compressions) / len(compressions) > 1.2
 
 
