@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from lookahead.config import LookaheadConfig
+from lookahead.drafts import DraftMemory
 from lookahead.loop import PLAIN_STEP, GenerationResult, decode, decode_batch, full_pattern, static_step
 from lookahead.parallel import agree, decode_parallel, sub_step_patterns
 from lookahead.request import Request, check_stream, parse_request
@@ -29,6 +30,7 @@ class Llama(StepForward, Protocol):
     """What generation needs of the model (`llama.Llama`) beyond what its runner does."""
 
     runner: CachedRunner | None
+    draft_memory: DraftMemory
     lock: threading.RLock
     lm_head: nn.Linear
 
@@ -59,9 +61,9 @@ def generate(model: Llama, prompt_ids: Any, *, stream: Callable | None = None, c
             return decode_parallel(runner_for(model, request, cuda_graph), request, process_group, stream)
         request = build()
         runner = runner_for(model, request, cuda_graph)
-        if request.batch:
-            return decode_batch(runner, request, stream)
-        return decode(runner, request, stream)
+        if request.batch:  # the drafting memory is read and written only by warm generations (`LookaheadLoop`)
+            return decode_batch(runner, request, stream, memory=model.draft_memory)
+        return decode(runner, request, stream, memory=model.draft_memory)
 
 
 def warmup(model: Llama, lookahead: LookaheadConfig | str | None, max_tokens: int, cuda_graph: bool, batch: int,

@@ -14,6 +14,7 @@ from torch import nn
 
 from lookahead.backends import choose_backend
 from lookahead.config import LookaheadConfig
+from lookahead.drafts import DraftMemory
 from lookahead.kernels import interpreting
 from lookahead.loop import GenerationResult
 
@@ -114,6 +115,8 @@ class Llama(nn.Module):
         self.attn_backend = attn_backend
         self.runner: CachedRunner | None = None  # the KV cache, plans and graphs generations reuse (`generate`)
         self.lock = threading.RLock()  # generations on one model share its runner: they take turns
+        # what drafting learned, kept across generations with LookaheadConfig(warm=True): `draft_memory.clear()`
+        self.draft_memory = DraftMemory()
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype | str | None = None,

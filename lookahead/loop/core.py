@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 
 from lookahead.config import LookaheadConfig
-from lookahead.drafts import ChainDrafts, DraftBuilder, NGramPool
+from lookahead.drafts import ChainDrafts, DraftBuilder, DraftMemory, NGramPool
 from lookahead.kernels import StepPattern
 from lookahead.request import Request, SamplingParams
 
@@ -131,9 +131,11 @@ class LookaheadLoop:
     next step's layout, runs it, and `finish` with the step's outputs for the verdict; the driver commits."""
 
     def __init__(self, cfg: LookaheadConfig, prompt: Sequence[int], first: int, sampling: SamplingParams,
-                 seed: int | None, static: bool) -> None:
-        """seed: the generation's sampling seed (None: greedy)."""
+                 seed: int | None, static: bool, memory: DraftMemory | None = None) -> None:
+        """seed: the generation's sampling seed (None: greedy). memory: the drafting memory the tree form drafts from
+        and `remember` adds to, when `cfg.warm` (otherwise, and for chains, it is neither read nor written)."""
         self.cfg, self.sampling, self.seed, self.static = cfg, sampling, seed, static
+        self.memory = memory if cfg.warm and cfg.form == "tree" else None
         self.full = full_pattern(cfg)
         self.pool = NGramPool(cfg.ngram, cfg.guesses)
         self.sequence = list(prompt) + [first]
@@ -143,9 +145,14 @@ class LookaheadLoop:
         self.window = LookaheadWindow(cfg.window, cfg.ngram, first, prompt)
         if cfg.form == "tree":
             self.drafts = DraftBuilder(self.sequence, cfg.draft_pool, cfg.draft_suffix, cfg.draft_recycle,
-                                       pool_limit=cfg.guesses)
+                                       pool_limit=cfg.guesses, memory=self.memory)
         else:
             self.drafts = ChainDrafts(cfg.ngram, cfg.guesses)
+
+    def remember(self) -> None:
+        """At the generation's end: add what it learned (its text, recycling tables and pool) to the memory."""
+        if self.memory is not None:
+            self.memory.add(self.sequence, self.drafts.recycle, self.pool)
 
     def step(self, model: StepModel) -> Verdict:
         """One forward pass: lookahead branch + verification tree; commits the accepted KV entries."""

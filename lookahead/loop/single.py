@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+from lookahead.drafts import DraftMemory
 from lookahead.request import Request
 
 from .core import PLAIN_STEP, GenerationResult, LookaheadLoop, Output, StepModel, Stream, first_token, sampling_seed
 from .sampling import SampleRequest
 
 
-def decode(model: StepModel, request: Request, stream: Stream | None = None) -> GenerationResult:
+def decode(model: StepModel, request: Request, stream: Stream | None = None, *,
+           memory: DraftMemory | None = None) -> GenerationResult:
     """Generate for the request's one prompt; `request.lookahead` None means plain decoding.
 
     request.static_step: feed every lookahead step at the configuration's full size (W + G)(N - 1), missing levels
     and nodes padded (one shape for the whole generation); otherwise each step has the exact size of what it holds.
-    The tokens are the same either way. stream: called with each step's accepted tokens.
+    The tokens are the same either way. stream: called with each step's accepted tokens. memory: the drafting memory
+    to draft from and add to (with `LookaheadConfig.warm`); it changes drafts only, never tokens.
     """
     (prompt,) = request.prompts
     sampling = request.sampling
@@ -30,7 +33,8 @@ def decode(model: StepModel, request: Request, stream: Stream | None = None) -> 
             last = step.argmax[0] if seed is None else step.sampled[0]
             out.accept([last])
     else:
-        loop = LookaheadLoop(request.lookahead, prompt, last, sampling, seed, request.static_step)
+        loop = LookaheadLoop(request.lookahead, prompt, last, sampling, seed, request.static_step, memory)
         while not out.done:
             out.accept(loop.step(model).tokens)
+        loop.remember()
     return out.result
