@@ -78,7 +78,7 @@ def test_tiny_llama_static_equals_exact_and_plain(tiny_checkpoint, W, N, G):
     for seed in range(2):
         prompt = torch.randint(0, 101, (3 + 5 * seed,), generator=torch.Generator().manual_seed(seed)).tolist()
         plain = model.generate(prompt, max_new_tokens=40, eos_token_id=[])
-        cfg = LookaheadConfig(W, N, G)
+        cfg = LookaheadConfig(W, N, G, warm=False)  # cold: steps compared across generations of one model
         exact = model.generate(prompt, max_new_tokens=40, eos_token_id=[], lookahead=cfg, static_step=False)
         static = model.generate(prompt, max_new_tokens=40, eos_token_id=[], lookahead=cfg, static_step=True)
         assert static.tokens == exact.tokens == plain.tokens
@@ -89,7 +89,7 @@ def test_tiny_llama_static_equals_exact_and_plain(tiny_checkpoint, W, N, G):
 def test_tiny_llama_static_sampling_equals_exact(tiny_checkpoint, temperature, top_p):
     model = Llama.from_pretrained(tiny_checkpoint("gqa"))
     prompt = [3, 17, 22, 3, 17, 5, 9]
-    cfg = LookaheadConfig(3, 4, 3)
+    cfg = LookaheadConfig(3, 4, 3, warm=False)  # cold: steps compared across generations of one model
     for seed in range(3):
         kwargs = dict(max_new_tokens=32, eos_token_id=[], lookahead=cfg, temperature=temperature, top_p=top_p,
                       seed=seed)
@@ -152,7 +152,8 @@ def test_cuda_graphs_replay_the_eager_step(tiny_checkpoint, lookahead):
 
 
 @cuda
-@pytest.mark.parametrize("lookahead", [None, LookaheadConfig(3, 4, 3), LookaheadConfig(3, 4, 3, form="chains")],
+@pytest.mark.parametrize("lookahead", [None, LookaheadConfig(3, 4, 3, warm=False),  # cold: steps compared
+                                       LookaheadConfig(3, 4, 3, form="chains")],
                          ids=["plain", "W3-N4-G3", "W3-N4-G3-chains"])
 def test_cuda_graphs_sample_as_the_eager_step(tiny_checkpoint, lookahead):
     """Sampling reads the graph's logits and its staged seeds and positions after the replay: same seed, same tokens,
