@@ -31,7 +31,8 @@ def parse_setting(spec: str, output_pool: bool = True) -> LookaheadConfig:
     chosen = set(sources.split("+")) - {""} if has_sources else set(SOURCES)
     if form not in ("tree", "chains") or chosen - set(SOURCES):
         raise ValueError(f"setting {spec!r}: use W-N-G, W-N-G:chains or W-N-G:tree=pool+suffix+recycle")
-    return LookaheadConfig(w, n, g, pool_from_output=output_pool, form=form,
+    # cold (warm=False): each prompt drafts as if alone, as every figure before the drafting memory did
+    return LookaheadConfig(w, n, g, pool_from_output=output_pool, form=form, warm=False,
                            **{f"draft_{name}": name in chosen for name in SOURCES})
 
 

@@ -15,17 +15,18 @@ from lookahead.request import GREEDY
 
 def decode_one(model, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams = GREEDY, lookahead=None,
                *, stop: Sequence[int] = (), seed: int | None = None, static_step: bool = False,
-               stream=None) -> GenerationResult:
+               stream=None, memory=None) -> GenerationResult:
     """`decode` of one prompt, the request spelled out."""
     return decode(model, Request([prompt], max_new_tokens, sampling, lookahead, frozenset(stop), seed, static_step),
-                  stream)
+                  stream, memory=memory)
 
 
 def decode_rows(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: SamplingParams = GREEDY,
-                lookahead=None, *, stop: Sequence[int] = (), seeds=None, stream=None) -> list[GenerationResult]:
+                lookahead=None, *, stop: Sequence[int] = (), seeds=None, stream=None,
+                memory=None) -> list[GenerationResult]:
     """`decode_batch` of several prompts, the request spelled out (a batch always runs static steps)."""
     return decode_batch(model, Request(prompts, max_new_tokens, sampling, lookahead, frozenset(stop), seeds, True,
-                                       batch=True), stream)
+                                       batch=True), stream, memory=memory)
 
 
 def save_tiny_checkpoint(folder, seed: int = 0, max_shard_size=None, family: str = "llama", **overrides):
