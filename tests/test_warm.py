@@ -6,13 +6,12 @@ import copy
 
 import pytest
 import torch
-from test_sampling import DEPTH, P_FLOOR, PROMPT, VOCAB, distribution_p_values, exact_joint
+from test_sampling import DEPTH, P_FLOOR, PROMPT, VOCAB, accept_first_path, distribution_p_values, exact_joint
 
 import lookahead.loop.core as engine
 from helpers import MockBatchStepModel, MockStepModel, context_logits, decode_one, decode_rows
 from lookahead import LookaheadConfig, SamplingParams
-from lookahead.drafts import ROOT, DraftMemory, NGramPool, RecycleTables
-from lookahead.loop.verify import Verdict
+from lookahead.drafts import DraftMemory, NGramPool, RecycleTables
 from lookahead.models import Llama
 
 CFG = LookaheadConfig(2, 4, 4)
@@ -93,14 +92,6 @@ def test_warm_sampling_keeps_the_distribution():
 
 def test_a_wrong_acceptance_rule_fails_the_warm_sampling_test(monkeypatch):
     """Negative control: accepting the tree's first path unchecked (remembered drafts included) is caught."""
-
-    def accept_first_path(tree, chosen):
-        node, tokens = ROOT, []
-        while (child := next(tree.children(node), None)) is not None:
-            node = child
-            tokens.append(tree.tokens[child])
-        return Verdict(tokens + [chosen[node + 1]], node)
-
     monkeypatch.setattr(engine, "verify", accept_first_path)
     n = 2000
     joint = exact_joint(lambda ctx: context_logits(ctx, VOCAB), PROMPT, SamplingParams(1.0))
