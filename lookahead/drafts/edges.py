@@ -21,13 +21,17 @@ _RECYCLE_OWN = (2.05, 0.0, -0.57, -0.88, -1.3, 1.23, -0.26, -0.21, -0.91, -0.79,
 _SUFFIX_OWN = (-1.55, -1.03, -0.08, -0.12, 1.39)
 # pool: none | first token | later token
 _POOL_OWN = (-0.64, -0.42, -0.3)
-# Evidence from the drafting memory (earlier generations' tables, texts and n-grams): the same states, consulted only
-# where the generation's own has none (recycle) or beside it (suffix, pool), each weighed as the state of the own
-# source plus the source's penalty, tuned by S on the dev prompts in a stream (bench/warm.py; docs/DESIGN.md).
-MEMORY_PENALTY = {"recycle": -0.5, "suffix": -0.5, "pool": -0.5}
-RECYCLE_WEIGHTS = _RECYCLE_OWN + tuple(w + MEMORY_PENALTY["recycle"] for w in _RECYCLE_OWN[:10])
-SUFFIX_WEIGHTS = _SUFFIX_OWN + tuple(w + MEMORY_PENALTY["suffix"] for w in _SUFFIX_OWN[1:])
-POOL_WEIGHTS = _POOL_OWN + tuple(w + MEMORY_PENALTY["pool"] for w in _POOL_OWN[1:])
+# Evidence from the drafting memory (earlier generations' tables, texts and n-grams), in states of its own, the same
+# as the generation's but "none" (recycle: the first 10, suffix and pool: all but none). Fitted with the own weights
+# held, on every offered edge of warm generations of 20 dev prompts in a stream (bench/fit_edges.py,
+# bench/results/fit-edges-cpu.json): each state that proposes a token weaker than its own twin, the pool's first
+# tokens most (right 1% of the time)
+MEMORY_RECYCLE_WEIGHTS = (0.77, -0.43, -1.0, -1.64, -1.06, 0.26, -0.91, -1.16, -1.76, -0.24)
+MEMORY_SUFFIX_WEIGHTS = (-1.99, -0.71, -1.03, -0.15)
+MEMORY_POOL_WEIGHTS = (-2.13, -0.18)
+RECYCLE_WEIGHTS = _RECYCLE_OWN + MEMORY_RECYCLE_WEIGHTS
+SUFFIX_WEIGHTS = _SUFFIX_OWN + MEMORY_SUFFIX_WEIGHTS
+POOL_WEIGHTS = _POOL_OWN + MEMORY_POOL_WEIGHTS
 
 # An edge's state is one int, recycle * _R + suffix * _S + pool: the builder adds a source's part to it
 _S = len(POOL_WEIGHTS)
