@@ -9,6 +9,7 @@ that runner and its cache.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import threading
 from collections.abc import Callable
@@ -94,7 +95,8 @@ def warmup(model: Llama, lookahead: LookaheadConfig | str | None, max_tokens: in
                           for size in range(batch, 0, -1)]
             runner.capture(shapes)
         if process_group is None:  # the prefill gives one token, so two make exactly one step, of a shape above
-            generate(model, [0], max_new_tokens=2, lookahead=request.lookahead, eos_token_id=[], static_step=True,
+            cold = request.lookahead and dataclasses.replace(request.lookahead, warm=False)  # nothing to remember
+            generate(model, [0], max_new_tokens=2, lookahead=cold, eos_token_id=[], static_step=True,
                      cuda_graph=cuda_graph)
 
 

@@ -203,3 +203,9 @@ def test_clear_empties_the_models_memory(tiny_checkpoint):
     assert footprint(model.draft_memory) == footprint(DraftMemory())
     again = model.generate(prompt, max_new_tokens=24, eos_token_id=[], lookahead=CFG)
     assert again.step_tokens == fresh.generate(prompt, max_new_tokens=24, eos_token_id=[], lookahead=CFG).step_tokens
+
+
+def test_a_warmup_remembers_nothing(tiny_checkpoint):
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    model.warmup(CFG, max_tokens=64)
+    assert model.draft_memory.generations == 0
