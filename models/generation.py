@@ -9,6 +9,7 @@ that runner and its cache.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import threading
 from collections.abc import Callable
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from lookahead.config import LookaheadConfig
+from lookahead.drafts import DraftMemory
 from lookahead.loop import PLAIN_STEP, GenerationResult, decode, decode_batch, full_pattern, static_steps
 from lookahead.parallel import agree, decode_parallel, sub_step_patterns
 from lookahead.request import Request, check_stream, parse_request
@@ -31,6 +33,7 @@ class Llama(StepForward, Protocol):
     """What generation needs of the model (`llama.Llama`) beyond what its runner does."""
 
     runner: CachedRunner | None
+    draft_memory: DraftMemory
     lock: threading.RLock
     lm_head: nn.Linear
     cost_model: CostModel | None
@@ -64,10 +67,11 @@ def generate(model: Llama, prompt_ids: Any, *, stream: Callable | None = None, c
         request = build()
         runner = runner_for(model, request, cuda_graph)
         cost = cost_model_for(model, runner, request)
+        drivers = {"cost": cost, "memory": model.draft_memory}  # the memory: read and written by warm generations only
         try:
             if request.batch:
-                return decode_batch(runner, request, stream, cost)
-            return decode(runner, request, stream, cost)
+                return decode_batch(runner, request, stream, **drivers)
+            return decode(runner, request, stream, **drivers)
         finally:
             save_if_due(model)
 
@@ -103,7 +107,8 @@ def warmup(model: Llama, lookahead: LookaheadConfig | str | None, max_tokens: in
             if process_group is None:  # the cost model's curve for this request, measured now if there is none
                 cost_model_for(model, runner, request)
         if process_group is None:  # the prefill gives one token, so two make exactly one step, of a shape above
-            generate(model, [0], max_new_tokens=2, lookahead=request.lookahead, eos_token_id=[], static_step=True,
+            cold = request.lookahead and dataclasses.replace(request.lookahead, warm=False)  # nothing to remember
+            generate(model, [0], max_new_tokens=2, lookahead=cold, eos_token_id=[], static_step=True,
                      cuda_graph=cuda_graph)
 
 

@@ -14,6 +14,7 @@ from torch import nn
 
 from lookahead.backends import choose_backend
 from lookahead.config import LookaheadConfig
+from lookahead.drafts import DraftMemory
 from lookahead.kernels import interpreting
 from lookahead.loop import GenerationResult
 from lookahead.tuning import CostModel
@@ -119,6 +120,8 @@ class Llama(nn.Module):
         # measured before the first generation that needs it (`models.tuning`); set one to fix the costs
         self.cost_model: CostModel | None = None
         self.cost_saved = 0.0  # when it was last written to the cache (time.monotonic)
+        # what drafting learned, kept across generations with LookaheadConfig(warm=True): `draft_memory.clear()`
+        self.draft_memory = DraftMemory()
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype | str | None = None,

@@ -18,23 +18,25 @@ from lookahead.tuning import CostModel, Curve
 
 def decode_one(model, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams = GREEDY, lookahead=None,
                *, stop: Sequence[int] = (), seed: int | None = None, static_step: bool = False,
-               stream=None, cost=None) -> GenerationResult:
-    """`decode` of one prompt, the request spelled out (cost: a cost model that sizes self-tuned steps)."""
+               stream=None, cost=None, memory=None) -> GenerationResult:
+    """`decode` of one prompt, the request spelled out (cost: a cost model that sizes self-tuned steps; memory: a
+    drafting memory)."""
     return decode(model, Request([prompt], max_new_tokens, sampling, lookahead, frozenset(stop), seed, static_step),
-                  stream, cost)
+                  stream, cost=cost, memory=memory)
 
 
 def decode_rows(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: SamplingParams = GREEDY,
                 lookahead=None, *, stop: Sequence[int] = (), seeds=None, stream=None,
-                cost=None) -> list[GenerationResult]:
+                cost=None, memory=None) -> list[GenerationResult]:
     """`decode_batch` of several prompts, the request spelled out (a batch always runs static steps)."""
     return decode_batch(model, Request(prompts, max_new_tokens, sampling, lookahead, frozenset(stop), seeds, True,
-                                       batch=True), stream, cost)
+                                       batch=True), stream, cost=cost, memory=memory)
 
 
 def fixed(*args, **kwargs) -> LookaheadConfig:
-    """A `LookaheadConfig` of full-size steps (`budget="fixed"`): for tests of the steps' shapes and counts."""
-    return LookaheadConfig(*args, budget="fixed", **kwargs)
+    """A `LookaheadConfig` of full-size steps that drafts cold (`budget="fixed"`, `warm=False`): for tests that
+    count steps and shapes, or compare them across generations of one model."""
+    return LookaheadConfig(*args, budget="fixed", warm=False, **kwargs)
 
 
 def grow_from(build: Callable) -> Callable:

@@ -4,7 +4,7 @@ both backends, the default model), finished rows leaving the batch, per-row seed
 import pytest
 import torch
 
-from helpers import MockBatchStepModel, MockStepModel, context_logits, decode_one, decode_rows
+from helpers import MockBatchStepModel, MockStepModel, context_logits, decode_one, decode_rows, fixed
 from lookahead import LookaheadConfig
 from lookahead.kernels import StepPattern
 from lookahead.loop import full_pattern
@@ -107,7 +107,7 @@ def test_stream_gets_each_rows_tokens():
 def test_tiny_llama_batch_equals_each_prompt_alone(tiny_checkpoint, config):
     model = Llama.from_pretrained(tiny_checkpoint("gqa"))
     prompts = ragged_prompts(4, 101, seed=1)
-    lookahead = LookaheadConfig(*config, budget="fixed") if config else None  # the same steps alone and batched
+    lookahead = fixed(*config) if config else None  # full-size and cold: the same steps alone and batched
     plain = [model.generate(p, max_new_tokens=24, eos_token_id=[]).tokens for p in prompts]
     eos, length = early_eos(plain, at=6)
     alone = [model.generate(p, max_new_tokens=24, eos_token_id=eos, lookahead=lookahead) for p in prompts]

@@ -8,7 +8,7 @@ import pytest
 import torch
 from parallel_worker import spawn
 
-from helpers import MockStepModel, decode_one
+from helpers import MockStepModel, decode_one, fixed
 from lookahead import LookaheadConfig
 from lookahead.drafts import DraftTree, chain_trie
 from lookahead.loop import full_pattern, pack_step
@@ -79,8 +79,8 @@ def test_mock_model_runs_a_sub_step():
 def _cases(folder):
     """(name, generate kwargs, per-rank overrides, fail_at) and the single-process reference of each."""
     model = Llama.from_pretrained(folder)
-    # full-size steps: what lookahead parallelism runs, so the single process's steps are the reference's
-    configs = {"chains": LookaheadConfig(4, 4, 3, form="chains"), "tree": LookaheadConfig(4, 4, 3, budget="fixed")}
+    # full-size and cold, as lookahead parallelism runs and drafts: the single process's steps are the reference's
+    configs = {"chains": LookaheadConfig(4, 4, 3, form="chains"), "tree": fixed(4, 4, 3)}
     cases, reference = [], {}
 
     def add(name, overrides=None, fail_at=None, expect=None, **kwargs):
@@ -111,7 +111,7 @@ def _cases(folder):
     add("refused", lookahead=configs["tree"], overrides={1: {"top_p": 2.0}}, expect=fail)  # bad on one rank only
     add("auto", lookahead="auto", expect=("per world",))  # the defaults scaled with K: checked per K below
     add("stream-fails", lookahead=configs["chains"], fail_at=(1, "stream"), expect=fail)
-    add("narrow", lookahead=LookaheadConfig(2, 4, 2, budget="fixed"))  # W = 2: too few columns for 3 ranks
+    add("narrow", lookahead=fixed(2, 4, 2))  # W = 2: too few columns for 3 ranks
     add("after-failures", lookahead=configs["chains"])  # the group still works
     return cases, reference
 
@@ -214,7 +214,7 @@ def test_auto_scales_the_defaults_with_the_ranks(runs, tiny_checkpoint, world):
     """lookahead="auto" with a group is the default configuration with W and G times K (strong scaling)."""
     results, _ = runs
     model = Llama.from_pretrained(tiny_checkpoint("gqa"))
-    alone = model.generate(PROMPT, TOKENS, lookahead=LookaheadConfig(budget="fixed").scaled(world), eos_token_id=[])
+    alone = model.generate(PROMPT, TOKENS, lookahead=fixed().scaled(world), eos_token_id=[])
     for out in results[world]:
         assert out["auto"] == (alone.tokens, alone.steps)
 

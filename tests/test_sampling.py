@@ -132,6 +132,15 @@ def test_lookahead_sampling_matches_exact_distribution(params, cfg):
     assert min(checks.values()) > P_FLOOR, checks
 
 
+def accept_first_path(tree, chosen):
+    """A wrong acceptance rule, the negative controls' (also tests/test_warm.py): the tree's first path, unchecked."""
+    node, tokens = ROOT, []
+    while (child := next(tree.children(node), None)) is not None:
+        node = child
+        tokens.append(tree.tokens[child])
+    return Verdict(tokens + [chosen[node + 1]], node)
+
+
 @pytest.mark.parametrize("params", PARAMS[:2], ids=["T1", "T0.7"])
 def test_self_tuned_sampling_matches_exact_distribution(params):
     """Steps of every size (plain, a bare tree, part of the tree, buckets), chosen at random per step."""
@@ -147,14 +156,6 @@ def test_self_tuned_sampling_matches_exact_distribution(params):
 def test_a_wrong_acceptance_rule_fails_the_same_test(monkeypatch, form):
     """Negative control: always accepting the first candidate's tokens (the trie's or tree's first path) must be
     caught, with full-size and with self-tuned steps."""
-
-    def accept_first_path(tree, chosen):
-        node, tokens = ROOT, []
-        while (child := next(tree.children(node), None)) is not None:
-            node = child
-            tokens.append(tree.tokens[child])
-        return Verdict(tokens + [chosen[node + 1]], node)
-
     monkeypatch.setattr(engine, "verify", accept_first_path)
     params = SamplingParams(1.0)
     fn = lambda ctx: context_logits(ctx, VOCAB)  # noqa: E731

@@ -2,7 +2,8 @@
 
 An edge's evidence is one state per source: where the token sits in the recycled top-k of its parent (keyed by
 the parent's previous tokens and token, else by the parent token alone), whether a suffix match proposes it
-(first token or later, match length 1 or more) and whether a pool n-gram does (first token or later). The
+(first token or later, match length 1 or more) and whether a pool n-gram does (first token or later), each either
+from the current generation or from the drafting memory of earlier ones (`memory.py`). The
 probability is a logistic model additive in those states, given that the parent is accepted, with weights fitted
 on the edges of the dev prompts' steps (bench/data, the default model, both budgets). The weights are fixed:
 moving them by a gradient step after every verified step changed S by noise only (bench/results/tri18-cpu.json
@@ -15,11 +16,22 @@ import math
 
 # recycle: rank 0, 1, 2, 3+ in the context (triple, else pair) table | absent from it | rank 0, 1, 2, 3+ in the
 # token table (no context entry) | absent from it | no entry at all
-RECYCLE_WEIGHTS = (2.05, 0.0, -0.57, -0.88, -1.3, 1.23, -0.26, -0.21, -0.91, -0.79, 0.26)
+_RECYCLE_OWN = (2.05, 0.0, -0.57, -0.88, -1.3, 1.23, -0.26, -0.21, -0.91, -0.79, 0.26)
 # suffix: none | first token, match 1 | first token, match 2+ | later token, match 1 | later token, match 2+
-SUFFIX_WEIGHTS = (-1.55, -1.03, -0.08, -0.12, 1.39)
+_SUFFIX_OWN = (-1.55, -1.03, -0.08, -0.12, 1.39)
 # pool: none | first token | later token
-POOL_WEIGHTS = (-0.64, -0.42, -0.3)
+_POOL_OWN = (-0.64, -0.42, -0.3)
+# Evidence from the drafting memory (earlier generations' tables, texts and n-grams), in states of its own, the same
+# as the generation's but "none" (recycle: the first 10, suffix and pool: all but none). Fitted with the own weights
+# held, on every offered edge of warm generations of 20 dev prompts in a stream (bench/fit_edges.py,
+# bench/results/fit-edges-cpu.json): each state that proposes a token weaker than its own twin, the pool's first
+# tokens most (right 1% of the time)
+MEMORY_RECYCLE_WEIGHTS = (0.77, -0.43, -1.0, -1.64, -1.06, 0.26, -0.91, -1.16, -1.76, -0.24)
+MEMORY_SUFFIX_WEIGHTS = (-1.99, -0.71, -1.03, -0.15)
+MEMORY_POOL_WEIGHTS = (-2.13, -0.18)
+RECYCLE_WEIGHTS = _RECYCLE_OWN + MEMORY_RECYCLE_WEIGHTS
+SUFFIX_WEIGHTS = _SUFFIX_OWN + MEMORY_SUFFIX_WEIGHTS
+POOL_WEIGHTS = _POOL_OWN + MEMORY_POOL_WEIGHTS
 
 # An edge's state is one int, recycle * _R + suffix * _S + pool: the builder adds a source's part to it
 _S = len(POOL_WEIGHTS)
@@ -32,17 +44,18 @@ EDGE_PROBABILITY = [1.0 / (1.0 + math.exp(-(a + b + c)))
 an edge is one list index."""
 
 
-def recycle_state(context: bool, rank: int | None) -> int:
-    """A token in its parent's recycled list (from a context table, else the token table); rank None: not in it."""
-    return ((0 if context else 5) + (4 if rank is None else min(rank, 3))) * _R
+def recycle_state(context: bool, rank: int | None, memory: bool = False) -> int:
+    """A token in its parent's recycled list (from a context table, else the token table; the generation's own or
+    the memory's); rank None: not in it."""
+    return ((0 if context else 5) + (4 if rank is None else min(rank, 3)) + (11 if memory else 0)) * _R
 
 
-def suffix_state(match: int, later: bool) -> int:
-    return ((3 if later else 1) + (match >= 2)) * _S
+def suffix_state(match: int, later: bool, memory: bool = False) -> int:
+    return ((3 if later else 1) + (match >= 2) + (4 if memory else 0)) * _S
 
 
-def pool_state(later: bool) -> int:
-    return 2 if later else 1
+def pool_state(later: bool, memory: bool = False) -> int:
+    return (2 if later else 1) + (2 if memory else 0)
 
 
 def stronger(slot: int, state: int, than: int) -> bool:

@@ -55,5 +55,9 @@ class NGramPool:
                 break
         return out
 
+    def items(self):
+        """(key token, its continuations oldest first) pairs: what the drafting memory keeps of a generation's pool."""
+        return ((key, tuple(continuations)) for key, continuations in self._grams.items())
+
     def __len__(self) -> int:
         return sum(len(c) for c in self._grams.values())

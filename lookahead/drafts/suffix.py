@@ -1,60 +1,109 @@
 """`SuffixIndex`: where the sequence's last tokens occurred before, and what followed them (prompt lookup).
 
 An index of every m-gram (m = 1..max_match) of the prompt and the output so far, grown token by token,
-so a step's query costs a few dictionary look-ups however long the sequence is (no rescan).
+so a step's query costs a few dictionary look-ups however long the sequence is (no rescan). The drafting memory
+(`memory.py`) holds one over earlier generations' texts: texts joined by `SEPARATOR`, which no m-gram and no
+continuation crosses, and forgotten from the front (`forget`).
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Sequence
 
 _SCAN = 4  # occurrences looked at per continuation wanted, per match length
+SEPARATOR = -1  # not a token id: starts a text of its own
 
 
 class SuffixIndex:
-    """End positions of every m-gram of a growing sequence, m = 1..max_match."""
+    """End positions of every m-gram of a growing sequence, m = 1..max_match (positions count forgotten tokens:
+    `tokens[0]` is at position `start`)."""
 
     def __init__(self, max_match: int = 4) -> None:
         if max_match < 1:
             raise ValueError(f"max_match must be >= 1, got {max_match}")
         self.max_match = max_match
         self.tokens: list[int] = []
+        self.start = 0
+        self._run = 0  # tokens since the last separator: the longest m-gram ending at the next token is one more
         self._ends: dict[tuple[int, ...], list[int]] = {}
 
     def extend(self, tokens: Sequence[int]) -> None:
-        """Append tokens, indexing the m-grams that end at each of them."""
-        seq, ends = self.tokens, self._ends
+        """Append tokens, indexing the m-grams that end at each of them (none across a `SEPARATOR`)."""
+        seq, ends, run = self.tokens, self._ends, self._run
         for token in tokens:
             seq.append(token)
+            if token == SEPARATOR:
+                run = 0
+                continue
+            run += 1
             i = len(seq)
-            for m in range(1, min(self.max_match, i) + 1):
+            end = self.start + i - 1
+            for m in range(1, min(self.max_match, run) + 1):
                 key = tuple(seq[i - m :])
                 found = ends.get(key)
                 if found is None:
-                    ends[key] = [i - 1]
+                    ends[key] = [end]
                 else:
-                    found.append(i - 1)
+                    found.append(end)
+        self._run = run
 
-    def continuations(self, limit: int, length: int) -> list[tuple[tuple[int, ...], int]]:
+    def continuations(self, limit: int, length: int,
+                      tail: Sequence[int] | None = None) -> list[tuple[tuple[int, ...], int]]:
         """Up to `limit` distinct continuations (at most `length` tokens) of earlier occurrences of the
-        sequence's suffix, with the suffix length matched: longest match first, then most recent first."""
+        sequence's suffix (or of `tail`'s, looked up in this index), with the suffix length matched: longest match
+        first, then most recent first."""
         seq = self.tokens
         n = len(seq)
         out: list[tuple[tuple[int, ...], int]] = []
-        if limit <= 0 or length <= 0 or n < 2:
+        if tail is None:  # the sequence's own suffix: not a match of itself
+            tail, longest, itself = seq, min(self.max_match, n - 1), self.start + n - 1
+        else:
+            longest, itself = min(self.max_match, len(tail)), None
+        if limit <= 0 or length <= 0 or longest < 1:
             return out
         taken: set[tuple[int, ...]] = set()
         used: set[int] = set()
-        for m in range(min(self.max_match, n - 1), 0, -1):
+        for m in range(longest, 0, -1):
             # a frequent token can have hundreds of occurrences whose continuations repeat: look at a few
-            for end in reversed(self._ends.get(tuple(seq[n - m :]), ())[-_SCAN * limit :]):
-                if end == n - 1 or end in used:  # the suffix itself; an occurrence already taken by a longer match
+            for end in reversed(self._ends.get(tuple(tail[len(tail) - m :]), ())[-_SCAN * limit :]):
+                if end == itself or end in used:  # the suffix itself; an occurrence already taken by a longer match
                     continue
                 used.add(end)
-                continuation = tuple(seq[end + 1 : end + 1 + length])
-                if continuation not in taken:
+                i = end + 1 - self.start
+                continuation = tuple(seq[i : i + length])
+                if SEPARATOR in continuation:  # the next text is not what followed
+                    continuation = continuation[: continuation.index(SEPARATOR)]
+                if continuation and continuation not in taken:
                     taken.add(continuation)
                     out.append((continuation, m))
                     if len(out) == limit:
                         return out
         return out
+
+    def forget(self, upto: int) -> None:
+        """Drop the tokens before position `upto`, which must begin a text (a `SEPARATOR`, or the end), with every
+        m-gram that ends among them."""
+        cut = upto - self.start
+        assert 0 <= cut <= len(self.tokens) and (cut == len(self.tokens) or self.tokens[cut] == SEPARATOR)
+        seq, keys, run = self.tokens, set(), 0
+        for i in range(cut):
+            if seq[i] == SEPARATOR:
+                run = 0
+                continue
+            run += 1
+            keys.update(tuple(seq[i + 1 - m : i + 1]) for m in range(1, min(self.max_match, run) + 1))
+        for key in keys:
+            found = self._ends[key]
+            del found[: bisect_left(found, upto)]
+            if not found:
+                del self._ends[key]
+        del seq[:cut]
+        self.start = upto
+        if not seq:
+            self._run = 0
+
+    @property
+    def keys(self) -> int:
+        """Distinct m-grams indexed."""
+        return len(self._ends)

@@ -18,6 +18,7 @@ from typing import Protocol
 
 import torch
 
+from lookahead.drafts import DraftMemory
 from lookahead.kernels import StepPattern
 from lookahead.request import Request
 from lookahead.tuning import CostModel, StepBudget
@@ -62,13 +63,14 @@ class BatchStepModel(Protocol):
 BatchStream = Callable[[int, list[int]], None]
 
 
-def decode_batch(model: BatchStepModel, request: Request, stream: BatchStream | None = None,
-                 cost: CostModel | None = None) -> list[GenerationResult]:
+def decode_batch(model: BatchStepModel, request: Request, stream: BatchStream | None = None, *,
+                 cost: CostModel | None = None, memory: DraftMemory | None = None) -> list[GenerationResult]:
     """Generate for every prompt of the request; `request.lookahead` None means plain decoding.
 
     Every lookahead step is static (one shape in every row: the configuration's full pattern, or with a cost model
     and `budget="auto"` the bucket that pays most for the whole batch, chosen per step), so a generation has a few
-    step shapes per batch size. stream: called as stream(prompt index, tokens) with each row's accepted tokens.
+    step shapes per batch size. stream: called as stream(prompt index, tokens) with each row's accepted tokens. memory:
+    the drafting memory every row drafts from, read only, while the batch runs; all rows are added when it ends.
     """
     prompts, sampling = request.prompts, request.sampling
     seeds = [sampling_seed(request, i) for i in range(len(prompts))]
@@ -79,7 +81,7 @@ def decode_batch(model: BatchStepModel, request: Request, stream: BatchStream | 
     for out, token in zip(outs, last, strict=True):
         out.accept([token])
     loops = None if request.lookahead is None else [
-        LookaheadLoop(request.lookahead, prompt, token, sampling, seed, static=True)
+        LookaheadLoop(request.lookahead, prompt, token, sampling, seed, static=True, memory=memory)
         for prompt, token, seed in zip(prompts, last, seeds, strict=True)]
     budget = None if loops is None else step_budget(loops[0], cost, seeds[0] is not None)
     live = list(range(len(prompts)))  # live[slot]: the prompt in the model's row `slot`
@@ -91,6 +93,8 @@ def decode_batch(model: BatchStepModel, request: Request, stream: BatchStream | 
             _plain_step(model, live, last, outs, sampling, seeds, [len(p) for p in prompts])
         else:
             _lookahead_step(model, live, last, outs, loops, budget)
+    for loop in loops or ():
+        loop.remember()
     return [out.result for out in outs]
 
 

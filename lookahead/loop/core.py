@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 
 from lookahead.config import LookaheadConfig
-from lookahead.drafts import BestFirst, ChainDrafts, DraftBuilder, NGramPool
+from lookahead.drafts import BestFirst, ChainDrafts, DraftBuilder, DraftMemory, NGramPool
 from lookahead.kernels import StepPattern
 from lookahead.request import Request, SamplingParams
 from lookahead.tuning import Choice, CostModel, StepBudget, bucket_choices
@@ -149,10 +149,12 @@ class LookaheadLoop:
     verdict; the driver commits."""
 
     def __init__(self, cfg: LookaheadConfig, prompt: Sequence[int], first: int, sampling: SamplingParams,
-                 seed: int | None, static: bool) -> None:
+                 seed: int | None, static: bool, memory: DraftMemory | None = None) -> None:
         """seed: the generation's sampling seed (None: greedy). static: every step padded to its shape's full size
-        (the configuration's, or a bucket's)."""
+        (the configuration's, or a bucket's). memory: the drafting memory the tree form drafts from and `remember`
+        adds to, when `cfg.warm` (otherwise, and for chains, it is neither read nor written)."""
         self.cfg, self.sampling, self.seed, self.static = cfg, sampling, seed, static
+        self.memory = memory if cfg.warm and cfg.form == "tree" else None
         self.full = full_pattern(cfg)
         self.pool = NGramPool(cfg.ngram, cfg.guesses)
         self.sequence = list(prompt) + [first]
@@ -162,9 +164,14 @@ class LookaheadLoop:
         self.window = LookaheadWindow(cfg.window, cfg.ngram, first, prompt)
         if cfg.form == "tree":
             self.drafts = DraftBuilder(self.sequence, cfg.draft_pool, cfg.draft_suffix, cfg.draft_recycle,
-                                       pool_limit=cfg.guesses)
+                                       pool_limit=cfg.guesses, memory=self.memory)
         else:
             self.drafts = ChainDrafts(cfg.ngram, cfg.guesses)
+
+    def remember(self) -> None:
+        """At the generation's end: add what it learned (its text, recycling tables and pool) to the memory."""
+        if self.memory is not None:
+            self.memory.add(self.sequence, self.drafts.recycle, self.pool)
 
     @property
     def tunable(self) -> bool:

@@ -1,7 +1,8 @@
 """Lookahead parallelism (the paper's §3.4): one generation over K processes that each hold the whole model.
 
 Every rank runs the same loop (`LookaheadLoop`: window, pool, drafts, sampler, all from the same request and
-seed) and plans the same whole step (`StepLayout`). `substep.split_step` divides it: each rank runs its sub-step
+seed; no drafting memory, which is per process, so drafting is cold) and plans the same whole step (`StepLayout`).
+`substep.split_step` divides it: each rank runs its sub-step
 (its share of the lookahead columns and of the verification branches, plus the input token and the level-0
 tokens they read), with no communication inside the forward pass. One all-gather then gives every rank the
 outputs verification reads (`exchange.MessagePlan`: argmax rows, top-k for recycling, the probabilities sampling
