@@ -14,8 +14,8 @@ from lookahead import LookaheadConfig, SamplingParams
 from lookahead.drafts import DraftMemory, NGramPool, RecycleTables
 from lookahead.models import Llama
 
-CFG = LookaheadConfig(2, 4, 4)
-COLD = LookaheadConfig(2, 4, 4, warm=False)
+CFG = LookaheadConfig(2, 4, 4, budget="fixed")  # full-size steps: S and steps compared across generations
+COLD = LookaheadConfig(2, 4, 4, budget="fixed", warm=False)
 OTHERS = [[(7 * i + 3 * j) % 16 for j in range(12)] for i in range(1, 5)]  # prompts unlike each other
 
 

@@ -14,7 +14,7 @@ import sys
 import time
 from typing import TextIO
 
-from .generate import StreamPrinter, encode, generate_kwargs, load, summary
+from .generate import StreamPrinter, encode, generate_kwargs, load, plain_rate, summary
 from .launch import world_size
 
 RESET = "/reset"
@@ -49,8 +49,9 @@ def run(args: argparse.Namespace, stdin: TextIO | None = None) -> int:
         seconds = time.perf_counter() - start
         messages.append({"role": "assistant", "content": tokenizer.decode(result.tokens, skip_special_tokens=True)})
         print(flush=True)
-        print(f"{summary(result, seconds, lookahead)}; prompt {len(prompt)} tokens, {model.runner.reused} of them "
-              "from the cache", file=sys.stderr, flush=True)
+        rate = None if lookahead is None else plain_rate(model, result, len(prompt))
+        print(f"{summary(result, seconds, lookahead, plain_rate=rate)}; prompt {len(prompt)} tokens, "
+              f"{model.runner.reused} of them from the cache", file=sys.stderr, flush=True)
     return 0
 
 

@@ -37,7 +37,6 @@ from .cost import CostModel
 BUCKET_SIZES = (8, 16, 32, 64, 128, 256, 512)  # tokens per row of the static shapes between plain and full
 BRANCH_POLICIES = ("always", "never")  # a lookahead step runs the lookahead branch always, or never (any size)
 BRANCH = "always"
-LEARNING_BONUS = 0.0  # expected tokens credited to a lookahead step for what its rows teach the drafts
 PROBE_AFTER = 8  # plain steps in a row after which one lookahead step measures multi-token costs again
 CALIBRATION_PRIOR = 4.0  # expected nodes of evidence the score calibration starts from (c = 1)
 HOST_RATE = 0.2  # how fast the loop's own time per step follows its measurements
@@ -60,12 +59,6 @@ class Choice:
     def plain(self) -> bool:
         """One token: no branch, no draft."""
         return not self.branch and not self.nodes
-
-
-def full_choice(cfg: LookaheadConfig) -> Choice:
-    """The configuration's full step: the whole tree budget and the lookahead branch (`budget="fixed"`)."""
-    branch = cfg.window * (cfg.ngram - 1)
-    return Choice(cfg.tree_nodes, True, cfg.tree_nodes, branch + cfg.tree_nodes)
 
 
 def buckets(cfg: LookaheadConfig) -> list[int]:
@@ -124,7 +117,7 @@ class StepBudget:
             nodes = min(size.slots, longest)
             if nodes == 0:
                 continue
-            expected = rows * (1 + LEARNING_BONUS) + c * sum(sums[min(nodes, len(sums) - 1)] for sums in prefix)
+            expected = rows + c * sum(sums[min(nodes, len(sums) - 1)] for sums in prefix)
             seconds = self._seconds(rows * size.tokens, length)
             choice = Choice(nodes, size.branch, size.slots, size.tokens, expected, seconds)
             if best_lookahead is None or expected / seconds > best_lookahead.expected / best_lookahead.seconds:
