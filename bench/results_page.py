@@ -421,7 +421,8 @@ def section_warm() -> list[str]:
             f"The default model, fp32, greedy, `LookaheadConfig(budget=\"fixed\")` at {data['config']}, "
             f"{data['max_new_tokens']} new tokens. Warm: drafting from the model's drafting memory of the earlier "
             "generations; cold: `warm=False`. Timings shared the 2-core machine with another engineer's runs (noisy); "
-            "S does not depend on load.", "",
+            "S does not depend on load. The memory states' weights (`lookahead/drafts/edges.py`) were fitted on "
+            "the edges of 20 of these prompts, 5 per kind (`fit-edges-cpu`).", "",
             "(a) The dev prompts in a stream on one model:", "", *table(headers, rows("stream")), "",
             f"Memory held after the stream: {held['generations']} generations, {held['tokens_held']} tokens of text, "
             f"about {held['bytes_held'] / 2**20:.1f} MB (`bytes_held`; cap {held['cap_tokens']} tokens).", "",
