@@ -128,7 +128,9 @@ def test_a_plain_step_when_nothing_pays_and_the_full_budget_when_everything_does
     weak = StepBudget(cfg, linear_cost(0.2)).choose([[0.02] * cfg.tree_nodes], 3, 50)
     assert weak.plain and weak.tokens == 1
     strong = StepBudget(cfg, linear_cost(0.001)).choose([[0.95**i for i in range(cfg.tree_nodes)]], 3, 50)
-    assert strong.nodes == cfg.tree_nodes and strong.branch and strong.tokens == cfg.step_tokens
+    assert strong.nodes == cfg.tree_nodes and not strong.branch and strong.tokens == 1 + cfg.tree_nodes
+    bucketed = StepBudget(cfg, linear_cost(0.001), static=True).choose([[0.95**i for i in range(15)]], 3, 50)
+    assert bucketed.nodes == cfg.tree_nodes and bucketed.branch and bucketed.tokens == cfg.step_tokens
 
 
 def test_static_steps_choose_among_the_buckets_and_fill_them():
@@ -167,7 +169,7 @@ def test_plain_runs_are_probed_with_a_lookahead_step():
 
 def test_the_chooser_learns_a_machine_that_gets_busier_on_a_fake_clock():
     """Steps cost what a fake clock says: quiet, an 18-token step costs 1.3 one-token steps (most of the tree pays);
-    then contention makes an 18-token step cost 5 one-token steps, and within a few steps the chooser runs plain
+    then contention makes an 18-token step cost 11 one-token steps, and within a few steps the chooser runs plain
     steps."""
     now = [0.0]
     cost = CostModel({"greedy": fit([(t, 0, 0.05 * (1 + 0.3 * (t - 1) / 17)) for t in (1, 2, 4, 8, 16, 18)])})
@@ -179,23 +181,28 @@ def test_the_chooser_learns_a_machine_that_gets_busier_on_a_fake_clock():
         choice = chooser.choose([scores], 3, 100)
         if step < 10:
             assert choice.nodes >= 5
-        seconds = 0.05 * (1 + (4.0 if busy else 0.3) * (choice.tokens - 1) / 17)
+        seconds = 0.05 * (1 + (10.0 if busy else 0.3) * (choice.tokens - 1) / 17)
         now[0] += seconds
-        chooser.record(choice, choice.tokens, 100, seconds, sum(scores[: choice.nodes]),
-                       round(sum(scores[: choice.nodes])))
+        expected = sum(scores[: choice.nodes])
+        chooser.record(choice, choice.tokens, 100, seconds, expected, expected)  # the scores as good as promised
         if busy and choice.plain and plain_at is None:
             plain_at = step
     assert plain_at is not None and plain_at <= 16
 
 
-def test_calibration_follows_what_the_steps_accepted():
+def test_calibration_follows_what_the_steps_accepted_in_each_band():
     chooser = StepBudget(LookaheadConfig(), linear_cost(0.02))
     choice = chooser.choose([[0.9] * 15], 3, 10)
     assert not choice.plain
     for _ in range(30):  # the scores promised 13.5 nodes a step; none was accepted
         chooser.record(choice, choice.tokens, 10, 0.1, 13.5, 0)
-    assert chooser.calibration < 0.02
-    assert chooser.choose([[0.9] * 15], 3, 10).plain
+    assert chooser.calibrated(13.5) < 0.02 * 13.5
+    assert chooser.choose([[0.9] * 15], 3, 10).nodes < 5  # prefixes of the band that failed no longer pay
+    assert chooser.calibrated(0.6) == 0.6  # another band: its own evidence (none yet)
+    for _ in range(30):  # steps expected to accept 0.6 nodes accepted 1.2
+        chooser.record(choice, choice.tokens, 10, 0.1, 0.6, 1.2)
+    prior = budget.CALIBRATION_PRIOR
+    assert chooser.calibrated(0.6) == pytest.approx(0.6 * (36 + prior) / (18 + prior))
 
 
 # ---- the tokens ----------------------------------------------------------------------------------------------------
@@ -348,3 +355,13 @@ def test_the_summary_compares_with_plain_decoding_here():
     assert line.endswith("S=2.40, 24.0 tok/s (plain ~16 tok/s here)") and "self-tuned" in line
     assert "here" not in summary(result, 1.0, LookaheadConfig(budget="fixed")) and "self-tuned" not in line.replace(
         "self-tuned", "", 1)
+
+
+def test_a_cost_model_without_a_sampling_curve_sizes_sampled_steps_by_its_greedy_one():
+    fn = lambda ctx: context_logits(ctx, VOCAB, list(range(5, 30)) * 2)  # noqa: E731
+    params = SamplingParams(1.0)
+    plain = decode_one(MockStepModel(VOCAB, fn), PROMPT, 24, params, seed=3).tokens
+    greedy_only = CostModel({"greedy": Curve([1, 64], [1.0, 1000.0], [0.0, 0.0])})  # nothing but plain steps pay
+    result = decode_one(MockStepModel(VOCAB, fn), PROMPT, 24, params, LookaheadConfig(3, 3, 3), seed=3,
+                        cost=greedy_only)
+    assert result.tokens == plain and set(result.step_sizes[: budget.PROBE_AFTER]) == {1}

@@ -135,7 +135,8 @@ def _lookahead_step(model, live, last, outs, loops, budget: StepBudget | None) -
     model.commit_batch(commits)
     if budget is not None:
         expected = sum(sum(draft.scores[: len(layout.tree)]) for draft, layout in zip(drafts, layouts, strict=True))
-        budget.record(choice, len(layouts) * layouts[0].pattern.num_tokens, length, seconds, expected, accepted)
+        budget.record(choice, len(layouts) * layouts[0].pattern.num_tokens, length, seconds, expected, accepted,
+                      len(layouts))
 
 
 def _drop_finished(model: BatchStepModel, live: list[int], outs: list[Output]) -> list[int]:

@@ -128,10 +128,11 @@ def static_steps(cfg: LookaheadConfig | None) -> list[tuple[StepPattern, int, in
 
 def step_budget(loop: LookaheadLoop, cost: CostModel | None, sampling: bool) -> StepBudget | None:
     """The generation's per-step size chooser: with a cost model and a self-tuned configuration (`loop.tunable`),
-    else None (full-size steps)."""
+    else None (full-size steps). A cost model without a curve of sampled steps sizes them by its greedy curve."""
     if cost is None or not loop.tunable:
         return None
-    return StepBudget(loop.cfg, cost, "sampling" if sampling else "greedy", loop.static)
+    kind = "sampling" if sampling and "sampling" in cost.curves else "greedy"
+    return StepBudget(loop.cfg, cost, kind, loop.static) if kind in cost.curves else None
 
 
 def sampling_seed(request: Request, row: int) -> int | None:

@@ -3,29 +3,32 @@
 Before a step runs, the draft tree knows what each node is worth: grown best first, node i's score is the chance
 that the step accepts it (`lookahead.drafts.edges`), so a step verifying the first n nodes expects
 E(n) = 1 + c * (score_0 + ... + score_{n-1}) tokens (the 1: the model's own next token, which every step gives).
-The cost model knows what a step of T tokens costs here, t(T, L). A step takes the n, and whether to run the
-lookahead branch, that maximise E / (t + h) (h: the loop's own time per step, measured), or a plain one-token
-step when nothing beats plain decoding's 1 / (t(1) + h). Everything it reads is known before the step, so the
+The cost model knows what a step of T tokens costs here, t(T, L). A step takes the n that maximises E / (t + h)
+(h: the loop's own time per step, measured), or a plain one-token step when nothing beats plain decoding's
+1 / (t(1) + h). Everything it reads is known before the step, so the
 tokens are the same whatever it picks (greedy: plain greedy's; sampling: keyed by position).
 
 It keeps itself honest with what the steps then did:
-- c, the draft scores' calibration: accepted nodes over expected ones so far (the edge model was fitted on one
-  model and one prompt set; another model or text drafts better or worse);
+- c, the draft scores' calibration: accepted nodes over expected ones so far, per band of the expected sum (the
+  edge model was fitted on one model and one prompt set, and its sums are too flat: on the dev prompts steps
+  expected to accept 0.5-1 nodes accepted about 1.5 times that, steps expected to accept 3 or more about 0.9
+  times that; another model or text drafts better or worse);
 - the cost model learns each step's measured time (`CostModel.observe`), so a machine that gets busier steps
   smaller, and h follows the loop's time outside the model;
 - after `PROBE_AFTER` plain steps in a row it runs its best lookahead step once, so multi-token costs learned on a
   busy machine are measured again when the machine quietens.
 
 The lookahead branch (W(N - 1) tokens of Jacobi iterations) is worth nothing in its own step: its n-grams pay
-later, through the pool. A lookahead step always carries it and a plain step never does (docs/results.md,
-"the lookahead branch under a per-step budget", measured whether dropping it from small steps pays).
-
-On CUDA with static steps the sizes come from a few buckets (`buckets`), each one shape captured as a CUDA graph at
-warm-up; a bucket's step verifies as many nodes as fit. On a CPU any size.
+later, through the pool. On a CPU (steps of any size) a self-tuned step runs without it: the input token and the
+first n nodes, so the cheapest lookahead step is 2 tokens, not W(N - 1) + 1 (`BRANCH`; measured against steps that
+carry it: docs/results.md, "Self-tuned steps"). On CUDA with static steps the sizes come from a few buckets
+(`buckets`), each one shape captured as a CUDA graph at warm-up, which carries the branch (a pass of a few more
+tokens costs a GPU about nothing) and verifies as many nodes as fit.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,10 +38,11 @@ from lookahead.config import LookaheadConfig
 from .cost import CostModel
 
 BUCKET_SIZES = (8, 16, 32, 64, 128, 256, 512)  # tokens per row of the static shapes between plain and full
-BRANCH_POLICIES = ("always", "never")  # a lookahead step runs the lookahead branch always, or never (any size)
-BRANCH = "always"
+BRANCH_POLICIES = ("always", "never")  # steps of any size (CPU) run the lookahead branch always, or never
+BRANCH = "never"
 PROBE_AFTER = 8  # plain steps in a row after which one lookahead step measures multi-token costs again
-CALIBRATION_PRIOR = 4.0  # expected nodes of evidence the score calibration starts from (c = 1)
+CALIBRATION_BANDS = (0.25, 0.5, 1.0, 2.0, 4.0)  # bounds of the bands of a row's expected nodes, calibrated apart
+CALIBRATION_PRIOR = 2.0  # expected nodes of evidence each band's calibration starts from (c = 1)
 HOST_RATE = 0.2  # how fast the loop's own time per step follows its measurements
 
 
@@ -86,21 +90,23 @@ class StepBudget:
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.cfg, self.cost, self.kind, self.clock = cfg, cost, kind, clock
         self.sizes = bucket_choices(cfg)[1:] if static else None  # the lookahead shapes, smallest first
-        self.expected_nodes = self.accepted_nodes = 0.0
+        self.expected = [0.0] * (len(CALIBRATION_BANDS) + 1)  # per band: nodes the scores expected, and accepted
+        self.accepted = [0.0] * (len(CALIBRATION_BANDS) + 1)
         self.host = 0.0  # seconds per step the loop spends outside the model
         self.plain_run = 0  # plain steps in a row
         self.last = clock()  # when the last step was recorded: a step's loop time runs from there
 
-    @property
-    def calibration(self) -> float:
-        """c: nodes accepted per node expected by the draft scores, so far in this generation."""
-        return (self.accepted_nodes + CALIBRATION_PRIOR) / (self.expected_nodes + CALIBRATION_PRIOR)
+    def calibrated(self, expected: float) -> float:
+        """A row's expected accepted nodes by its draft scores, times c of its band: the nodes accepted per node
+        expected, so far in this generation, by steps whose rows expected about as many."""
+        band = bisect.bisect_right(CALIBRATION_BANDS, expected)
+        return expected * (self.accepted[band] + CALIBRATION_PRIOR) / (self.expected[band] + CALIBRATION_PRIOR)
 
     def choose(self, scores: Sequence[Sequence[float]], branch: int, length: int) -> Choice:
         """The size of the next step. scores: each row's draft node scores, best first (a prefix of a best-first
         tree is a tree); branch: the lookahead branch's tokens per row (W times the window's levels); length: the
         cache length L (a batch: its longest row)."""
-        rows, c = len(scores), self.calibration
+        rows = len(scores)
         prefix = []  # per row, the expected accepted nodes of its first n nodes, n = 0, 1, ...
         for row in scores:
             sums, total = [0.0], 0.0
@@ -117,7 +123,7 @@ class StepBudget:
             nodes = min(size.slots, longest)
             if nodes == 0:
                 continue
-            expected = rows + c * sum(sums[min(nodes, len(sums) - 1)] for sums in prefix)
+            expected = rows + sum(self.calibrated(sums[min(nodes, len(sums) - 1)]) for sums in prefix)
             seconds = self._seconds(rows * size.tokens, length)
             choice = Choice(nodes, size.branch, size.slots, size.tokens, expected, seconds)
             if best_lookahead is None or expected / seconds > best_lookahead.expected / best_lookahead.seconds:
@@ -132,14 +138,15 @@ class StepBudget:
         return self.cost.predict(tokens, length, self.kind) + self.host
 
     def record(self, choice: Choice, tokens: int, length: int, step_seconds: float, expected_nodes: float,
-               accepted_nodes: int) -> None:
-        """What a step did: it fed `tokens` tokens (all rows) at cache length `length`, the model took
+               accepted_nodes: int, rows: int = 1) -> None:
+        """What a step did: it fed `tokens` tokens (all `rows` rows) at cache length `length`, the model took
         `step_seconds` (the rest of the time since the last record is the loop's own), and its rows accepted
-        `accepted_nodes` draft nodes where their scores expected `expected_nodes`."""
+        `accepted_nodes` draft nodes where their scores expected `expected_nodes` (uncalibrated)."""
         now = self.clock()
         self.cost.observe(tokens, length, step_seconds, self.kind)
         self.host += HOST_RATE * (max(now - self.last - step_seconds, 0.0) - self.host)
         self.last = now
         if not choice.plain:
-            self.expected_nodes += expected_nodes
-            self.accepted_nodes += accepted_nodes
+            band = bisect.bisect_right(CALIBRATION_BANDS, expected_nodes / rows)
+            self.expected[band] += expected_nodes
+            self.accepted[band] += accepted_nodes
