@@ -12,7 +12,8 @@ saves JSON and two PNGs (per kind; the chosen step sizes).
     python bench/e2e.py --configs 1-4-5 1-4-5@auto --quickstart --busy 3   # beside 3 busy processes
 
 A setting with "@auto" sizes its steps by the measured cost model (the default `LookaheadConfig()` is 1-4-5@auto);
-"@auto/never" runs its lookahead steps without the lookahead branch (the branch measurement of docs/results.md).
+"@auto/always" runs its self-tuned steps with the lookahead branch, "@auto/never" without it (a CPU's default), for
+the branch measurement of docs/results.md.
 """
 
 from __future__ import annotations
