@@ -191,10 +191,10 @@ class LookaheadLoop:
         return self.cfg.window * (self.cfg.ngram - 1 if self.static else len(self.window.levels))
 
     def step(self, model: StepModel, budget: StepBudget | None = None) -> tuple[Verdict, StepLayout]:
-        """One forward pass (lookahead branch + verification tree, or a plain step where `budget` finds nothing
-        pays); commits the accepted KV entries. Returns the verdict and the step's layout."""
-        draft = self.draft()
-        choice = None if budget is None else budget.choose([draft.scores], self.branch_tokens, self.length)
+        """One forward pass, of the size `budget` chooses (None: the full step: lookahead branch + verification
+        tree); commits the accepted KV entries. Returns the verdict and the step's layout."""
+        draft, length = self.draft(), self.length
+        choice = None if budget is None else budget.choose([draft.scores], self.branch_tokens, length)
         layout = self.pack(draft, choice)
         start = 0.0 if budget is None else budget.clock()
         output = model.step(layout.tokens, layout.pattern, layout.rows, **self.step_requests(layout))
@@ -202,7 +202,7 @@ class LookaheadLoop:
         verdict = self.finish(layout, output)
         model.commit(layout.commit_indices(verdict))
         if budget is not None:
-            budget.record(choice, layout.pattern.num_tokens, self.length, seconds,
+            budget.record(choice, layout.pattern.num_tokens, length, seconds,
                           sum(draft.scores[: len(layout.tree)]), len(verdict.tokens) - 1)
         return verdict, layout
 
