@@ -13,6 +13,7 @@ import hashlib
 import json
 import platform
 import time
+from functools import cache
 from importlib import metadata
 from pathlib import Path
 
@@ -130,6 +131,7 @@ def _chain(tokens: int) -> StepPattern:
     return PLAIN_STEP if tokens == 1 else StepPattern(1, 2, tree_end=(tokens - 1,) * (tokens - 1))
 
 
+@cache  # constant for the process: cost_key runs before every self-tuned generation
 def _cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -140,6 +142,7 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+@cache
 def _version(package: str) -> str:
     try:
         return metadata.version(package)
