@@ -13,9 +13,9 @@ FORMS = ("tree", "chains")
 BUDGETS = ("auto", "fixed")
 
 # `lookahead="auto"`: the maxima a self-tuned generation sizes its steps within, per device type. On a CPU the
-# defaults (a step of 18 tokens costs about twice one of a single token there: bench/results); on CUDA a deeper tree
-# and window, since a pass of a hundred tokens costs about one of a single token on a GPU (a rule from the
-# paper's A100 figures, not yet measured here: the self-tuned steps take what pays of it).
+# defaults (multi-token passes cost a CPU real compute: docs/results.md); on CUDA a deeper tree and window, since a
+# GPU's pass of many tokens costs about one of a single token (a rule from the paper's A100 figures, not yet
+# measured here: the self-tuned steps take what pays of it).
 AUTO_MAXIMA = {"cpu": (1, 4, 5), "cuda": (4, 5, 30)}
 
 

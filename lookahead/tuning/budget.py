@@ -10,9 +10,8 @@ tokens are the same whatever it picks (greedy: plain greedy's; sampling: keyed b
 
 It keeps itself honest with what the steps then did:
 - c, the draft scores' calibration: accepted nodes over expected ones so far, per band of the expected sum (the
-  edge model was fitted on one model and one prompt set, and its sums are too flat: on the dev prompts steps
-  expected to accept 0.5-1 nodes accepted about 1.5 times that, steps expected to accept 3 or more about 0.9
-  times that; another model or text drafts better or worse);
+  edge model was fitted on one model and one prompt set, and its sums are too flat: small sums come out low and
+  large ones high, so one factor for all would misjudge both ends; another model or text drafts better or worse);
 - the cost model learns each step's measured time (`CostModel.observe`), so a machine that gets busier steps
   smaller, and h follows the loop's time outside the model;
 - after `PROBE_AFTER` plain steps in a row it runs its best lookahead step once, so multi-token costs learned on a
