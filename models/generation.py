@@ -24,9 +24,10 @@ from lookahead.loop import PLAIN_STEP, GenerationResult, decode, decode_batch, f
 from lookahead.parallel import agree, decode_parallel, sub_step_patterns
 from lookahead.request import Request, check_stream, parse_request
 from lookahead.tuning import CostModel
+from lookahead.tuning.store import Saver
 
 from .runner import CachedRunner, StepForward, StepShape
-from .tuning import cost_model_for, save_if_due
+from .tuning import cost_model_for
 
 
 class Llama(StepForward, Protocol):
@@ -37,7 +38,7 @@ class Llama(StepForward, Protocol):
     lock: threading.RLock
     lm_head: nn.Linear
     cost_model: CostModel | None
-    cost_saved: float
+    cost_saver: Saver
 
     def release(self) -> None: ...
 
@@ -73,7 +74,7 @@ def generate(model: Llama, prompt_ids: Any, *, stream: Callable | None = None, c
                 return decode_batch(runner, request, stream, **drivers)
             return decode(runner, request, stream, **drivers)
         finally:
-            save_if_due(model)
+            model.cost_saver.if_due(model.cost_model)
 
 
 def warmup(model: Llama, lookahead: LookaheadConfig | str | None, max_tokens: int, cuda_graph: bool, batch: int,

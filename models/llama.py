@@ -18,6 +18,7 @@ from lookahead.drafts import DraftMemory
 from lookahead.kernels import interpreting
 from lookahead.loop import GenerationResult
 from lookahead.tuning import CostModel
+from lookahead.tuning.store import Saver
 
 from .attention import Attend, causal
 from .config import LlamaConfig
@@ -119,7 +120,7 @@ class Llama(nn.Module):
         # what a step costs on this machine, which self-tuned steps are sized by: read from the disk cache or
         # measured before the first generation that needs it (`models.tuning`); set one to fix the costs
         self.cost_model: CostModel | None = None
-        self.cost_saved = 0.0  # when it was last written to the cache (time.monotonic)
+        self.cost_saver = Saver()  # writes it back to its cache file as the steps keep it current
         # what drafting learned, kept across generations with LookaheadConfig(warm=True): `draft_memory.clear()`
         self.draft_memory = DraftMemory()
 

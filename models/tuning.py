@@ -4,36 +4,30 @@ the first self-tuned generation that needs it; saved back as the steps keep it c
 The figures depend on the device, the model's shape, dtype and attention backend, the thread count, CUDA graphs and
 the versions of torch, Triton and this package: that is the cache file's key (its name is a digest of it), so
 another machine, model or setting measures anew, and a file whose key or figures do not match is measured again.
-A cost model set by the user (`model.cost_model = CostModel(...)`, with an empty key) is used as it is.
+A cost model set by the user (`model.cost_model = CostModel(...)`, with an empty key) is used as it is. The files
+and the saving are `lookahead.tuning.store`'s.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import platform
 import time
-from functools import cache
-from importlib import metadata
-from pathlib import Path
 
 import torch
 
-from lookahead.kernels import StepPattern, interpreting
-from lookahead.loop import PLAIN_STEP, static_steps
+from lookahead.kernels import interpreting
+from lookahead.loop import path_step, static_steps
 from lookahead.loop.sampling import SampleRequest
 from lookahead.request import Request
-from lookahead.tuning import CostModel, Curve, buckets, fit, knots_up_to
+from lookahead.tuning import Curve, buckets, fit, knots_up_to
+from lookahead.tuning.store import device_label, prepared, versions
 
-from .default_model import default_cache_dir
 from .runner import CachedRunner
 
 REPEATS = 2  # timed passes per step size at the shortest cache length (one at the longest)
 MIN_SPAN = 256  # cache positions between the two lengths timed; below it the cost per position is not measured
-SAVE_EVERY = 60.0  # seconds between writes of the curves the steps keep current
 
 
-def cost_model_for(model, runner: CachedRunner, request: Request) -> CostModel | None:
+def cost_model_for(model, runner: CachedRunner, request: Request):
     """The cost model a self-tuned request sizes its steps by (None for plain decoding or full-size steps), measuring
     what the model's cost model lacks for it: a curve of this kind of step up to the request's largest step."""
     cfg = request.lookahead
@@ -42,28 +36,11 @@ def cost_model_for(model, runner: CachedRunner, request: Request) -> CostModel |
     cost = model.cost_model
     if cost is not None and not cost.key:
         return cost  # the user's
-    key = cost_key(model, runner)
-    if cost is None or cost.key != key:
-        cost = CostModel.load(cost_path(key), key) or CostModel(key=key)
     kind = "greedy" if request.sampling.greedy else "sampling"
     sizes = buckets(cfg) if request.static_step else knots_up_to(cfg.step_tokens)
-    batch = len(request.prompts)
-    if not cost.covers(kind, batch * sizes[-1]):
-        measured = measure(runner, request, sizes)
-        cost.curves[kind] = measured if kind not in cost.curves else merged(cost.curves[kind], measured)
-        cost.save(cost_path(key))
-        model.cost_saved = time.monotonic()
-    model.cost_model = cost
-    return cost
-
-
-def save_if_due(model) -> None:
-    """Write the model's measured cost model back to its cache file, at most every `SAVE_EVERY` seconds: the next
-    process starts from the curves as this one's steps left them."""
-    cost = model.cost_model
-    if cost is not None and cost.key and time.monotonic() - model.cost_saved >= SAVE_EVERY:
-        cost.save(cost_path(cost.key))
-        model.cost_saved = time.monotonic()
+    model.cost_model = prepared(cost, cost_key(model, runner), kind, len(request.prompts) * sizes[-1],
+                                lambda: measure(runner, request, sizes), model.cost_saver)
+    return model.cost_model
 
 
 def measure(runner: CachedRunner, request: Request, sizes: list[int]) -> Curve:
@@ -77,7 +54,7 @@ def measure(runner: CachedRunner, request: Request, sizes: list[int]) -> Curve:
         shapes = static_steps(cfg)
     else:
         topk = static_steps(cfg)[-1][2]
-        shapes = [(_chain(size), size, topk) for size in sizes]
+        shapes = [(path_step(size), size, topk) for size in sizes]
     repeats = 1 if interpreting() else REPEATS
     runner.history = None  # the passes overwrite the entries a next prompt could have resumed from
     samples = []
@@ -97,54 +74,11 @@ def measure(runner: CachedRunner, request: Request, sizes: list[int]) -> Curve:
     return fit(samples)
 
 
-def merged(old: Curve, new: Curve) -> Curve:
-    """`old`'s knots (kept as the steps left them) with `new`'s beyond its range."""
-    knots, base, per_position = list(old.knots), list(old.base), list(old.per_position)
-    for k, b, p in zip(new.knots, new.base, new.per_position, strict=True):
-        if k > knots[-1]:
-            knots.append(k)
-            base.append(b)
-            per_position.append(p)
-    return Curve(knots, base, per_position)
-
-
 def cost_key(model, runner: CachedRunner) -> dict:
     """What a step's cost depends on, beyond the step: the cache file's key."""
-    device = model.device
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
     cfg = model.config
-    return {"device": f"{device.type}:{name}", "dtype": str(model.dtype), "backend": model.attn_backend,
+    return {"device": device_label(model.device), "dtype": str(model.dtype), "backend": model.attn_backend,
             "threads": torch.get_num_threads(), "cuda_graphs": runner.cuda_graphs, "interpreted": interpreting(),
             "model": [cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
                       cfg.head_dim, cfg.intermediate_size, cfg.vocab_size],
-            "versions": [torch.__version__, _version("triton"), _version("lookahead")]}
-
-
-def cost_path(key: dict) -> Path:
-    """The cache file of a key, under the user's cache folder."""
-    digest = hashlib.blake2b(json.dumps(key, sort_keys=True).encode(), digest_size=10).hexdigest()
-    return default_cache_dir() / "costs" / f"{digest}.json"
-
-
-def _chain(tokens: int) -> StepPattern:
-    """A step of `tokens` tokens: the input token and a path of tokens - 1 draft nodes (plain: one token)."""
-    return PLAIN_STEP if tokens == 1 else StepPattern(1, 2, tree_end=(tokens - 1,) * (tokens - 1))
-
-
-@cache  # constant for the process: cost_key runs before every self-tuned generation
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-@cache
-def _version(package: str) -> str:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return "none"
+            "versions": [torch.__version__, *versions("triton", "lookahead")]}

@@ -15,12 +15,15 @@ from transformers import LlamaForCausalLM
 import lookahead.hf as lh
 import lookahead.hf.api as hf_api
 import lookahead.hf.step_model as hf_step_model
+import lookahead.hf.tuning as hf_tuning
 import lookahead.loop as loop
 import lookahead.loop.core as core
+from helpers import RandomCost, fixed
 from lookahead import LookaheadConfig, SamplingParams
 from lookahead.drafts import ROOT
 from lookahead.kernels import interpreting
 from lookahead.loop.verify import Verdict
+from lookahead.tuning import CostModel, Curve, knots_up_to, store
 
 CONFIGS = [(1, 2, 0), (3, 4, 3), (5, 4, 5), (15, 5, 15)]
 IDS = [f"W{w}-N{n}-G{g}" for w, n, g in CONFIGS]
@@ -71,10 +74,60 @@ def test_greedy_equals_transformers_greedy(hf_model, variant):
 def test_static_steps_give_the_same_tokens_and_steps(hf_model, W, N, G):
     model = hf_model("gqa")
     expected = hf_greedy(model, REPETITIVE, 40, **NO_EOS)
-    exact = lh.generate(model, REPETITIVE, 40, LookaheadConfig(W, N, G), eos_token_id=[], static_step=False)
-    static = lh.generate(model, REPETITIVE, 40, LookaheadConfig(W, N, G), eos_token_id=[], static_step=True)
+    exact = lh.generate(model, REPETITIVE, 40, fixed(W, N, G), eos_token_id=[], static_step=False)
+    static = lh.generate(model, REPETITIVE, 40, fixed(W, N, G), eos_token_id=[], static_step=True)
     assert exact.tokens == static.tokens == expected
     assert exact.step_tokens == static.step_tokens
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_self_tuned_steps_of_any_size_equal_transformers_greedy(hf_model, static):
+    """Steps sized by a cost model that answers at random (every size meets the plug-in) give transformers' tokens."""
+    model = hf_model("gqa")
+    lh.model_state(model).cost_model = RandomCost(3)
+    try:
+        for prompt in prompts()[:3]:
+            result = lh.generate(model, prompt, 40, LookaheadConfig(), eos_token_id=[], static_step=static)
+            assert result.tokens == hf_greedy(model, prompt, 40, **NO_EOS)
+            assert len(set(result.step_sizes)) > 1
+        ids = model.generate(torch.tensor([REPETITIVE]), custom_generate=lh.custom_generate, max_new_tokens=40,
+                             do_sample=False, static_step=static, **NO_EOS)
+        assert ids[0, len(REPETITIVE):].tolist() == hf_greedy(model, REPETITIVE, 40, **NO_EOS)
+    finally:
+        lh.model_state(model).cost_model = None
+
+
+def test_the_plug_in_measures_its_model_once_then_reads_the_cache(hf_model, tmp_path, monkeypatch):
+    monkeypatch.setattr(store, "cache_dir", lambda: tmp_path)
+    measured = []
+    real = hf_tuning.measure
+    monkeypatch.setattr(hf_tuning, "measure", lambda *a: measured.append(a[0].length) or real(*a))
+    model = hf_model("tied")
+    lh.model_state(model).cost_model = None  # as a model no generation has used (earlier tests used this one)
+    expected = hf_greedy(model, REPETITIVE, 24, **NO_EOS)
+    result = lh.generate(model, REPETITIVE, 24, LookaheadConfig(), eos_token_id=[])
+    assert result.tokens == expected and measured == [0]  # measured before the prefill, on the empty cache
+    cost = lh.model_state(model).cost_model
+    assert cost.key["backend"] == "hf:torch"
+    assert cost.curves["greedy"].knots == knots_up_to(LookaheadConfig().step_tokens)
+    (path,) = tmp_path.iterdir()
+    assert CostModel.load(path, cost.key) is not None
+    # the same model again: its kept cost model; the cache file serves a model that has none (another process)
+    lh.generate(model, REPETITIVE, 8, LookaheadConfig(), eos_token_id=[])
+    lh.model_state(model).cost_model = None
+    lh.generate(model, REPETITIVE, 8, LookaheadConfig(), eos_token_id=[])
+    assert measured == [0]
+    # sampling is another kind of step; plain and fixed steps measure nothing
+    lh.generate(model, REPETITIVE, 8, LookaheadConfig(), temperature=1.0, seed=1)
+    lh.generate(model, REPETITIVE, 8, None)
+    lh.generate(model, REPETITIVE, 8, fixed())
+    assert measured == [0, 0] and set(lh.model_state(model).cost_model.curves) == {"greedy", "sampling"}
+    # a cost model set by the user is used as it is, never written
+    mine = CostModel({"greedy": Curve([1, 64], [0.01, 0.02], [0.0, 0.0])})
+    lh.model_state(model).cost_model = mine
+    lh.generate(model, REPETITIVE, 8, LookaheadConfig(), eos_token_id=[])
+    assert lh.model_state(model).cost_model is mine and measured == [0, 0] and len(list(tmp_path.iterdir())) == 1
+    lh.model_state(model).cost_model = None
 
 
 def test_default_eos_and_input_forms(hf_model):
@@ -106,8 +159,7 @@ def test_triton_kernel_as_the_step_attention(hf_model):
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(lh.step_model, "StepAttentionPlan", counted)
-        result = lh.generate(model, REPETITIVE, 16, LookaheadConfig(5, 4, 5), eos_token_id=[],
-                             attn_backend="triton")
+        result = lh.generate(model, REPETITIVE, 16, fixed(5, 4, 5), eos_token_id=[], attn_backend="triton")
     assert result.tokens == expected and result.compression > 1
     # one launch plan per step, shared by the layers: no per-layer checks, host tensors or plans
     assert len(plans) == result.steps - 1 and model.config.num_hidden_layers > 1

@@ -13,7 +13,7 @@ from lookahead.loop import static_steps
 from lookahead.models import Llama
 from lookahead.models import tuning as model_tuning
 from lookahead.request import GREEDY, SamplingParams
-from lookahead.tuning import CostModel, Curve, StepBudget, buckets, budget, fit, knots_up_to
+from lookahead.tuning import CostModel, Curve, StepBudget, buckets, budget, fit, knots_up_to, store
 from lookahead.tuning import cost as cost_module
 
 VOCAB = 40
@@ -277,7 +277,7 @@ def test_seeded_sampling_with_any_step_sizes_is_seeded_plain_sampling(params):
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
     """The cost models' cache folder, in a temporary folder."""
-    monkeypatch.setattr(model_tuning, "default_cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(store, "cache_dir", lambda: tmp_path / "costs")
     return tmp_path
 
 

@@ -16,6 +16,7 @@ transformers is imported here only, on first use.
 
 from .api import custom_generate, generate
 from .step_model import ATTENTION_NAME, MIN_TRANSFORMERS, HFStepModel, check_model, require_transformers
+from .tuning import ModelState, model_state
 
-__all__ = ["ATTENTION_NAME", "MIN_TRANSFORMERS", "HFStepModel", "check_model", "custom_generate", "generate",
-           "require_transformers"]
+__all__ = ["ATTENTION_NAME", "MIN_TRANSFORMERS", "HFStepModel", "ModelState", "check_model", "custom_generate",
+           "generate", "model_state", "require_transformers"]

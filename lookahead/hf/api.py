@@ -14,6 +14,7 @@ from lookahead.loop import GenerationResult, decode
 from lookahead.request import Request, SamplingParams, check_stream, parse_request
 
 from .step_model import HFStepModel, check_model, require_transformers
+from .tuning import cost_model_for, save_if_due
 
 DEFAULT_LOOKAHEAD = LookaheadConfig()
 
@@ -43,7 +44,15 @@ def generate(hf_model, input_ids, max_new_tokens: int = 256, lookahead: Lookahea
                             default_eos=_eos(hf_model.generation_config.eos_token_id), static_step=static_step,
                             device_type=step_model.device.type, allow_batch=False, prompt_name="input_ids")
     with torch.no_grad():
-        return decode(step_model, request, stream)
+        return _decode(step_model, request, stream)
+
+
+def _decode(step_model: HFStepModel, request: Request, stream) -> GenerationResult:
+    """The loop on the step model, its steps sized by the model's cost model when the request self-tunes."""
+    try:
+        return decode(step_model, request, stream, cost=cost_model_for(step_model, request))
+    finally:
+        save_if_due(step_model)
 
 
 def _max_positions(model) -> int:
@@ -111,7 +120,7 @@ def _custom_generate(model, input_ids, logits_processor, stopping_criteria, gene
         static = step_model.device.type == "cuda" if static_step is None else static_step
         request = Request((prompt,), new, sampling, lookahead, frozenset(eos), (seed,), static)
         stream = None if streamer is None else lambda accepted: streamer.put(torch.tensor(accepted))
-        tokens = decode(step_model, request, stream).tokens
+        tokens = _decode(step_model, request, stream).tokens
         step_model.trim(len(prompt) + len(tokens) - 1)  # what plain generate leaves: all but the last token
     sequences = torch.cat([input_ids, torch.tensor([tokens], dtype=input_ids.dtype, device=input_ids.device)], -1)
     if generation_config.return_dict_in_generate:

@@ -11,6 +11,7 @@ from .core import (
     StepModel,
     StepOutput,
     first_token,
+    path_step,
     static_steps,
     step_budget,
 )
@@ -18,5 +19,5 @@ from .layout import StepLayout, full_pattern, pack_step
 from .single import decode
 
 __all__ = ["PLAIN_STEP", "BatchStepModel", "GenerationResult", "LookaheadLoop", "Output", "StepLayout", "StepModel",
-           "StepOutput", "decode", "decode_batch", "first_token", "full_pattern", "pack_step", "static_steps",
-           "step_budget"]
+           "StepOutput", "decode", "decode_batch", "first_token", "full_pattern", "pack_step", "path_step",
+           "static_steps", "step_budget"]

@@ -27,6 +27,12 @@ PLAIN_STEP = StepPattern(1, 2, 0)  # one token that sees the whole cache
 Stream = Callable[[list[int]], None]
 
 
+def path_step(tokens: int) -> StepPattern:
+    """A step of `tokens` tokens: the input token and a path of tokens - 1 draft nodes (plain: one token). What a
+    cost model times to learn what steps of each size cost."""
+    return PLAIN_STEP if tokens == 1 else StepPattern(1, 2, tree_end=(tokens - 1,) * (tokens - 1))
+
+
 @dataclass
 class StepOutput:
     """What a step returns: the logits of the requested rows (on the model's device; valid until the model's next

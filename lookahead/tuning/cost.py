@@ -139,6 +139,21 @@ class CostModel:
         """Tokens per second plain decoding would give here at cache length `length` (one token a step)."""
         return 1.0 / self.predict(1, length, kind)
 
+    def extend(self, kind: str, measured: Curve) -> None:
+        """Add a newly measured curve of `kind`: the knots this model already has stay as its steps left them, and
+        `measured`'s beyond them are added."""
+        old = self.curves.get(kind)
+        if old is None:
+            self.curves[kind] = measured
+            return
+        knots, base, per_position = list(old.knots), list(old.base), list(old.per_position)
+        for k, b, p in zip(measured.knots, measured.base, measured.per_position, strict=True):
+            if k > knots[-1]:
+                knots.append(k)
+                base.append(b)
+                per_position.append(p)
+        self.curves[kind] = Curve(knots, base, per_position)
+
     def _curve(self, kind: str) -> Curve:
         curve = self.curves.get(kind)
         if curve is None:

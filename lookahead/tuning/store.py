@@ -1,0 +1,98 @@
+"""Where cost models live between processes: one JSON file per key under the user's cache folder, and the parts of a
+key that say which machine and which software measured it. Shared by the native model (`lookahead.models.tuning`)
+and the transformers plug-in (`lookahead.hf.tuning`), whose keys differ in what describes the model."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import time
+from collections.abc import Callable, Mapping
+from functools import cache
+from importlib import metadata
+from pathlib import Path
+
+from .cost import CostModel, Curve
+
+SAVE_EVERY = 60.0  # seconds between writes of the curves the steps keep current
+
+
+def cache_dir() -> Path:
+    """~/.cache/lookahead/costs."""
+    return Path.home() / ".cache" / "lookahead" / "costs"
+
+
+def cost_path(key: Mapping) -> Path:
+    """The cache file of a key: its name is a digest of the key."""
+    digest = hashlib.blake2b(json.dumps(key, sort_keys=True).encode(), digest_size=10).hexdigest()
+    return cache_dir() / f"{digest}.json"
+
+
+def load_or_new(key: Mapping) -> CostModel:
+    """The cost model cached for `key`, or an empty one (with that key) when there is none or it is not trusted."""
+    return CostModel.load(cost_path(key), key) or CostModel(key=dict(key))
+
+
+def prepared(cost: CostModel | None, key: Mapping, kind: str, tokens: int, measure: Callable[[], Curve],
+             saver: Saver) -> CostModel:
+    """The cost model for `key` with a `kind` curve up to steps of `tokens` tokens: `cost` if it was measured for
+    `key`, else the one cached for it (or a new one); a missing curve or range is measured by `measure` now and
+    the model saved."""
+    if cost is None or cost.key != dict(key):
+        cost = load_or_new(key)
+    if not cost.covers(kind, tokens):
+        cost.extend(kind, measure())
+        saver.now(cost)
+    return cost
+
+
+class Saver:
+    """Writes a measured cost model back to its cache file, at once (`now`) or at most every `SAVE_EVERY` seconds
+    (`if_due`): the next process starts from the curves as this one's steps left them. A cost model with an empty
+    key (set by the user) is never written."""
+
+    def __init__(self) -> None:
+        self.saved = 0.0  # when it last wrote (time.monotonic)
+
+    def now(self, cost: CostModel) -> None:
+        if cost.key:
+            cost.save(cost_path(cost.key))
+            self.saved = time.monotonic()
+
+    def if_due(self, cost: CostModel | None) -> None:
+        if cost is not None and time.monotonic() - self.saved >= SAVE_EVERY:
+            self.now(cost)
+
+
+def device_label(device) -> str:
+    """"cuda:<GPU name>" or "cpu:<processor name>" for a torch device."""
+    if device.type == "cuda":
+        import torch
+
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return f"{device.type}:{_processor_name()}"
+
+
+def versions(*packages: str) -> list[str]:
+    """The installed versions of `packages` ("none" for one that is not installed)."""
+    return [_version(package) for package in packages]
+
+
+@cache  # constant for the process: keys are built before every self-tuned generation
+def _processor_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@cache
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "none"
