@@ -7,6 +7,9 @@
    (T = 120) at L = 1k, 4k, 16k cached positions, and the projected speedup S x t(1) / t(T) with the S
    measured in part 1.
 3. Host time and op count per step (torch profiler), eager vs graphs, greedy vs sampling.
+4. Self-tuned steps: the measured cost curves (SmolLM2 and the 8B shape, graphed buckets of `lookahead="auto"`), the
+   step sizes SmolLM2's self-tuned generations chose in part 1, and the sizes the 8B curve would choose for the same
+   drafts (each logged step's scores, calibration and loop time, replayed against the 8B costs).
 
     python bench/gpu_step.py              # GPU: writes bench/results/gpu-step-cuda.{json,png}
     python bench/gpu_step.py --quick      # CPU: a small random model stands in for the 8B one
@@ -17,11 +20,14 @@ Each part records its error and the script goes on, so one failure does not lose
 from __future__ import annotations
 
 import argparse
+import collections
+import dataclasses
 import statistics
 import time
 import traceback
 
 import torch
+from compression import parse_setting
 
 from common import (
     RESULTS,
@@ -42,11 +48,14 @@ from lookahead.loop.sampling import SampleRequest
 from lookahead.models import Llama, LlamaConfig
 from lookahead.models.generation import runner_for
 from lookahead.request import GREEDY, SamplingParams
+from lookahead.tuning import budget
 
 GPU = torch.cuda.is_available()
-# the package default first (what users run), then the sizes the self-tuned budget moves between
-STEP_CONFIGS = {"plain": None, "1-4-5": LookaheadConfig(), "3-4-3": LookaheadConfig(3, 4, 3),
-                "7-5-7": LookaheadConfig(7, 5, 7), "15-5-15": LookaheadConfig(15, 5, 15)}
+# full-size steps: the package default's maxima first, then the sizes self-tuned steps move between
+STEP_CONFIGS = {"plain": None, **{name: parse_setting(name) for name in ("1-4-5", "3-4-3", "7-5-7", "15-5-15")}}
+# self-tuned (part 1 and 4): the package default, and `lookahead="auto"` on CUDA (deeper maxima)
+TUNED_CONFIGS = {"1-4-5@auto": parse_setting("1-4-5@auto"),
+                 "auto": dataclasses.replace(LookaheadConfig.auto("cuda"), warm=False)}
 LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
                 rms_norm_eps=1e-5)
@@ -55,7 +64,47 @@ SMALL = dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden
 
 
 def label(cfg: LookaheadConfig | None) -> str:
-    return "plain" if cfg is None else f"{cfg.window}-{cfg.ngram}-{cfg.guesses}"
+    if cfg is None:
+        return "plain"
+    shape = f"{cfg.window}-{cfg.ngram}-{cfg.guesses}"
+    return f"{shape}@auto" if cfg.budget == "auto" else shape
+
+
+class ChoiceLog:
+    """Logs every self-tuned step's choice while installed (`StepBudget.choose` wrapped): the draft scores, the
+    branch, L, the budget's calibration and loop time then, and what it chose, so another cost model's choices for
+    the same drafts can be replayed (`replay`)."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict] = []
+        self._original = None
+
+    def __enter__(self):
+        original = self._original = budget.StepBudget.choose
+        log = self
+
+        def choose(self, scores, branch, length):
+            choice = original(self, scores, branch, length)
+            log.steps.append({"scores": [list(row) for row in scores], "branch": branch, "length": length,
+                              "expected": list(self.expected), "accepted": list(self.accepted), "host": self.host,
+                              "tokens": choice.tokens, "cfg": self.cfg, "static": self.sizes is not None})
+            return choice
+
+        budget.StepBudget.choose = choose
+        return self
+
+    def __exit__(self, *exc):
+        budget.StepBudget.choose = self._original
+
+
+def replay(steps: list[dict], cost) -> collections.Counter:
+    """Tokens per step another cost model's budget chooses for logged steps (same drafts, calibration, loop time)."""
+    sizes: collections.Counter = collections.Counter()
+    for step in steps:
+        chooser = budget.StepBudget(step["cfg"], cost, "greedy", step["static"])
+        chooser.expected, chooser.accepted, chooser.host = list(step["expected"]), list(step["accepted"]), step["host"]
+        sizes[chooser.choose(step["scores"], step["branch"], step["length"]).tokens] += 1
+    return sizes
 
 
 def part_tokens_per_second(args) -> dict:
@@ -63,35 +112,77 @@ def part_tokens_per_second(args) -> dict:
     _, model, tokenizer = load_model()
     kinds = ("chat", "code") if args.quick else ("chat", "code", "math", "summarize")
     prompts = [chat_ids(tokenizer, row["prompt"]) for row in load_prompts(args.per_kind, kinds)]
-    configs = [None] + [c for c in STEP_CONFIGS.values() if c is not None]
+    configs = [None, *(c for c in STEP_CONFIGS.values() if c is not None), *TUNED_CONFIGS.values()]
     modes = ["eager", "graphs"] if GPU else ["eager"]
     for cfg in configs:
         for mode in modes:
             model.warmup(cfg, max_tokens=2048, cuda_graph=mode == "graphs")
     totals = {(label(c), m): [0, 0, 0.0, 0] for c in configs for m in modes}  # tokens, steps, seconds, exact
+    sizes = {(label(c), m): collections.Counter() for c in configs for m in modes if c and c.budget == "auto"}
+    log = ChoiceLog()
     for ids in prompts:
         reference = None
         for cfg in configs:
             for mode in modes:
-                result, seconds = timed(lambda: model.generate(ids, max_new_tokens=args.max_new_tokens,  # noqa: B023
-                                                               lookahead=cfg, static_step=GPU,  # noqa: B023
-                                                               cuda_graph=mode == "graphs"))  # noqa: B023
+                with log:
+                    result, seconds = timed(lambda: model.generate(ids, max_new_tokens=args.max_new_tokens,  # noqa: B023
+                                                                   lookahead=cfg, static_step=GPU,  # noqa: B023
+                                                                   cuda_graph=mode == "graphs"))  # noqa: B023
                 reference = reference or result.tokens
                 total = totals[(label(cfg), mode)]
                 total[0] += len(result.tokens)
                 total[1] += result.steps
                 total[2] += seconds
                 total[3] += result.tokens == reference
+                if (label(cfg), mode) in sizes:
+                    sizes[(label(cfg), mode)].update(result.step_sizes)
     rows = []
     base = totals[("plain", modes[-1])]
     for (name, mode), (tokens, steps, seconds, exact) in totals.items():
         rows.append({"method": name, "mode": mode, "S": tokens / steps, "tokens_per_s": tokens / seconds,
-                     "vs_plain": (tokens / seconds) / (base[0] / base[2]), "exact": f"{exact}/{len(prompts)}"})
+                     "vs_plain": (tokens / seconds) / (base[0] / base[2]), "exact": f"{exact}/{len(prompts)}",
+                     **({"step_sizes": dict(sorted(sizes[(name, mode)].items()))} if (name, mode) in sizes else {})})
+    CHOICES.extend(log.steps)
     print(f"\nSmolLM2-135M-Instruct, {model.dtype}, {len(prompts)} prompts, {args.max_new_tokens} new tokens")
     print_table(["method", "mode", "S", "tokens/s", f"vs plain {modes[-1]}", "= plain greedy"],
                 [[r["method"], r["mode"], f"{r['S']:.2f}", f"{r['tokens_per_s']:.1f}", f"{r['vs_plain']:.2f}x",
                   r["exact"]] for r in rows])
-    return {"dtype": str(model.dtype), "prompts": len(prompts), "rows": rows}
+    for r in rows:
+        if "step_sizes" in r:
+            print(f"  {r['method']} ({r['mode']}): tokens per step chosen {r['step_sizes']}")
+    cost = model.cost_model.to_dict() if model.cost_model is not None else None
+    return {"dtype": str(model.dtype), "prompts": len(prompts), "rows": rows, "cost_model": cost}
+
+
+CHOICES: list[dict] = []  # part 1's self-tuned choices, replayed against the 8B costs in part 4
+
+
+def part_self_tuned(args) -> dict:
+    """The 8B shape's cost curve for `lookahead="auto"` (its buckets, graphed on CUDA), measured as `warmup` does,
+    and the sizes it would choose for part 1's logged drafts, beside the sizes SmolLM2 chose for them."""
+    shape, dtype, device = (SMALL, torch.float32, "cpu") if args.quick else (LLAMA_8B, torch.bfloat16, "cuda")
+    model = random_llama(shape, dtype, device)
+    cfg = TUNED_CONFIGS["auto"]
+    model.warmup(cfg, max_tokens=4096)
+    curve = model.cost_model.curves["greedy"]
+    print(f"\ncost curve, {'8B-shaped' if not args.quick else 'small'} model, {cfg.window}-{cfg.ngram}-"
+          f"{cfg.guesses}@auto buckets, {'CUDA graphs' if GPU else 'eager'}")
+    print_table(["T", "ms at L=0", "us per cached position"],
+                [[k, f"{b * 1e3:.2f}", f"{p * 1e6:.3f}"] for k, b, p in zip(curve.knots, curve.base, curve.per_position,
+                                                                            strict=True)])
+    chosen = collections.Counter(step["tokens"] for step in CHOICES)
+    replayed = replay(CHOICES, model.cost_model)
+    print(f"tokens per step for part 1's {len(CHOICES)} self-tuned steps: SmolLM2 chose "
+          f"{dict(sorted(chosen.items()))}; the {'8B' if not args.quick else 'small'} model's costs would choose "
+          f"{dict(sorted(replayed.items()))}")
+    del model
+    return {"cost_model": model_cost(curve), "smollm2_chose": dict(sorted(chosen.items())),
+            "replayed_chose": dict(sorted(replayed.items())), "steps": len(CHOICES)}
+
+
+def model_cost(curve) -> dict:
+    return {"knots": curve.knots, "base_ms": [b * 1e3 for b in curve.base],
+            "per_position_us": [p * 1e6 for p in curve.per_position]}
 
 
 def random_llama(shape: dict, dtype: torch.dtype, device: str) -> Llama:
@@ -251,7 +342,8 @@ def main() -> None:
     parts = [("tokens_per_second", lambda: part_tokens_per_second(args)),
              ("step_time", lambda: part_step_time(args, {r["method"]: r["S"] for r in
                                                          payload.get("tokens_per_second", {}).get("rows", [])})),
-             ("host", lambda: part_host(args))]
+             ("host", lambda: part_host(args)),
+             ("self_tuned", lambda: part_self_tuned(args))]
     for name, run in parts:
         start = time.perf_counter()
         try:
