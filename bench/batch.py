@@ -30,6 +30,7 @@ import torch  # noqa: E402
 from common import (  # noqa: E402
     RESULTS,
     chat_ids,
+    cold,
     device_slug,
     load_model,
     load_prompts,
@@ -59,6 +60,7 @@ def run_sizes(model, prompts, references, sizes, configs, max_new_tokens) -> lis
             if b == 1:
                 names.append("one-prompt path")
             for name in names:
+                cold(model)  # a batch of one would resume the prompt the method before it prefilled
                 if name == "one-prompt path":
                     cfg = LookaheadConfig(*configs[0])
                     result, seconds = timed(lambda: [model.generate(prompts[rows[0]], max_new_tokens=max_new_tokens,  # noqa: B023

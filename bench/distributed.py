@@ -32,7 +32,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from common import chat_ids, load_prompts, machine, print_table, save_json  # noqa: E402
+from common import chat_ids, cold, load_prompts, machine, print_table, save_json  # noqa: E402
 from lookahead import LookaheadConfig  # noqa: E402
 
 PLAIN = "plain"
@@ -96,6 +96,7 @@ def rank_main(rank: int, world: int, store: str, folder: str, prompts: list, met
             run(prompts[0], config, tokens=8)
         for p, ids in enumerate(prompts):
             for name, config in methods:
+                cold(model)  # the whole prompt prefilled by every method
                 dist.barrier()  # every rank starts the generation together
                 if cuda:
                     torch.cuda.synchronize()

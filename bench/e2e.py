@@ -29,7 +29,7 @@ import time
 import torch
 from compression import parse_setting
 
-from common import RESULTS, chat_ids, device_slug, load_model, load_prompts, machine, print_table, save_json, sync
+from common import RESULTS, chat_ids, cold, device_slug, load_model, load_prompts, machine, print_table, save_json, sync
 
 REQUIRED = ["15-5-15", "7-5-7", "5-3-5"]
 QUICKSTART = "Explain what a hash table is in two sentences."  # README's Quickstart prompt
@@ -50,6 +50,7 @@ def make_methods(model, hf, configs, max_new_tokens: int):
         def run(ids):
             policy = budget.BRANCH
             budget.BRANCH = branch or policy
+            cold(model)  # its whole prompt prefilled, as transformers' methods do
             try:
                 result = model.generate(ids, max_new_tokens=max_new_tokens, lookahead=lookahead)
             finally:
@@ -117,7 +118,7 @@ def run(args) -> dict:
                 f"{n} S={outputs[n][0].__len__() / outputs[n][1]:.2f}" for n in methods if n.startswith("look")),
                 flush=True)
     return {"machine": machine(), "max_new_tokens": args.max_new_tokens, "methods": list(methods),
-            "busy_processes": args.busy, "records": records}
+            "busy_processes": args.busy, "cold_prefill": True, "records": records}
 
 
 def summarize(result: dict) -> dict:

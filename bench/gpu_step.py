@@ -32,6 +32,7 @@ from compression import parse_setting
 from common import (
     RESULTS,
     chat_ids,
+    cold,
     device_slug,
     load_model,
     load_prompts,
@@ -124,6 +125,7 @@ def part_tokens_per_second(args) -> dict:
         reference = None
         for cfg in configs:
             for mode in modes:
+                cold(model)  # every method prefills the whole prompt
                 with log:
                     result, seconds = timed(lambda: model.generate(ids, max_new_tokens=args.max_new_tokens,  # noqa: B023
                                                                    lookahead=cfg, static_step=GPU,  # noqa: B023

@@ -107,6 +107,10 @@ def source(*stems: str, link: str = "../") -> list[str]:
                      f"`{command}`")
         if "note" in load(stem):
             lines.append(f"  (the file's note: {load(stem)['note']})")
+        if stem.startswith("e2e-") and not load(stem).get("cold_prefill"):
+            lines.append("  (run before `bench/common.cold`: each of our methods after the first on a prompt resumed "
+                         "that prompt's cached entries, skipping the prefill transformers' methods paid; this "
+                         "flatters ours against transformers, most with short answers and long prompts)")
     return lines
 
 

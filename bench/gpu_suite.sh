@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The GPU suite, from the repository root, on a machine with a CUDA GPU: the tests that need one, then the two GPU
+# benchmarks (bench/results/gpu-step-cuda.* and kernels-cuda.*). Each stage runs on if another fails, and the
+# script exits non-zero if any did. Under 10 minutes on one H100 in all; run a stage alone to split it.
+#
+#     bash bench/gpu_suite.sh            # tests, then the benchmarks
+#     bash bench/gpu_suite.sh tests      # the CUDA tests only
+#     bash bench/gpu_suite.sh bench      # the benchmarks only
+#
+# LOG_DIR (default: a temporary folder) receives each stage's full output.
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+LOG_DIR=${LOG_DIR:-$(mktemp -d)}
+mkdir -p "$LOG_DIR"
+PYTHON=${PYTHON:-python3}
+stage=${1:-all}
+failed=0
+
+run() {  # name, command...
+    local name=$1
+    shift
+    echo "== $name: $*"
+    local start=$SECONDS
+    PYTHONUNBUFFERED=1 "$@" 2>&1 | tee "$LOG_DIR/$name.log"
+    local rc=$?
+    echo "== $name: exit $rc in $((SECONDS - start)) s (log: $LOG_DIR/$name.log)"
+    [ "$rc" -eq 0 ] || failed=1
+}
+
+"$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA GPU visible to torch')" || exit 2
+if ! "$PYTHON" -c "import lookahead.kernels, lookahead.models" 2>/dev/null; then  # this checkout, installed offline
+    "$PYTHON" -m pip install -q --no-deps --no-build-isolation -e . || exit 2
+fi
+if [ "$stage" = all ] || [ "$stage" = tests ]; then
+    run tests "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_kernel.py tests/test_static_step.py \
+        tests/test_batch.py tests/test_graph_emulator.py tests/test_gpu_path.py tests/test_tuning.py
+fi
+if [ "$stage" = all ] || [ "$stage" = bench ]; then
+    run gpu_step "$PYTHON" bench/gpu_step.py
+    run bench_kernels "$PYTHON" bench/bench_kernels.py
+fi
+exit $failed
