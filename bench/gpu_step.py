@@ -261,7 +261,6 @@ def part_fusion(args) -> dict:
                  for r in rows_out])
     print_table(["fusion", "W-N-G", "T", "first step s (compile + capture)"],
                 [[r["fusion"], r["config"], r["T"], f"{r['first_step_s']:.1f}"] for r in first])
-    del runners, models, base
     return {"model": label_, "shape": shape, "rows": rows_out, "first_step": first}
 
 
