@@ -13,6 +13,14 @@ still works; there the Triton kernel runs in its interpreter (TRITON_INTERPRET=1
 Each row also gives the kernel's tiling (`tile_plan`: rows per tile, K/V passes, splits). Results go to
 bench/results/kernels-<device>.json with the machine, versions and commit (the pytest form writes a temporary
 folder, so a test run changes no file of the checkout).
+
+The fused elementwise kernels (`lookahead.kernels.fused`) against the torch ops they replace, as pytest-benchmark
+groups (one per kernel and model shape, the implementations side by side):
+
+    python -m pytest bench/bench_kernels.py -k fused --benchmark-group-by=group
+
+On GPU: bf16 activations of an 8B layer and of SmolLM2 at the default step's 18 tokens, CUDA-synchronised rounds.
+On CPU: tiny fp32 shapes, the Triton side in its interpreter (the timings mean nothing; they check the code runs).
 """
 
 from __future__ import annotations
@@ -26,9 +34,21 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
+import pytest  # noqa: E402
+
 import common  # noqa: E402
 from common import machine, print_table, save_json  # noqa: E402
-from lookahead.kernels import StepAttentionPlan, StepPattern, masked_attention  # noqa: E402
+from lookahead.kernels import (  # noqa: E402
+    StepAttentionPlan,
+    StepPattern,
+    add_rms_norm,
+    add_rms_norm_reference,
+    masked_attention,
+    rotary_,
+    rotary_reference,
+    silu_mul,
+    silu_mul_reference,
+)
 from lookahead.kernels.triton_attention import tile_plan  # noqa: E402
 
 GPU = torch.cuda.is_available()
@@ -167,6 +187,53 @@ def test_kernel_table(tmp_path, monkeypatch):
     """`pytest bench/bench_kernels.py -s` prints the same table (and saves it under a temporary folder)."""
     monkeypatch.setattr(common, "RESULTS", tmp_path)
     report(run())
+
+
+# (hidden, q heads, KV heads, head dim, intermediate, tokens) of the fused kernels' cases
+FUSED_SHAPES = ({"8B": (4096, 32, 8, 128, 14336, 18), "SmolLM2": (576, 9, 3, 64, 1536, 18)} if GPU
+                else {"tiny": (72, 3, 1, 12, 100, 5)})
+FUSED_DTYPE = torch.bfloat16 if GPU else torch.float32
+
+
+def fused_case(kernel: str, impl: str, shape: tuple):
+    """A no-argument callable running one fused kernel ("triton") or the torch ops it replaces ("torch") on a
+    layer's activations."""
+    hidden, heads_q, heads_kv, head_dim, inter, tokens = shape
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(*size):
+        return torch.randn(*size, generator=gen).to(DEVICE, FUSED_DTYPE)
+
+    if kernel == "add_rms_norm":
+        x, residual, weight = randn(1, tokens, hidden), randn(1, tokens, hidden), randn(hidden)
+        fn = add_rms_norm if impl == "triton" else add_rms_norm_reference
+        return lambda: fn(x, weight, 1e-5, residual)
+    if kernel == "rotary":
+        qkv = randn(1, tokens, heads_q + 2 * heads_kv, head_dim)
+        q, k, _ = qkv.split((heads_q, heads_kv, heads_kv), dim=2)
+        positions = torch.arange(4096, 4096 + tokens, device=DEVICE)[None]
+        inv_freq = (1.0 / 500000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim)).to(DEVICE)
+        fn = rotary_ if impl == "triton" else rotary_reference
+        return lambda: fn(q, k, positions, inv_freq)
+    gate_up = randn(1, tokens, 2 * inter)
+    return (lambda: silu_mul(gate_up)) if impl == "triton" else (lambda: silu_mul_reference(gate_up))
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("kernel", ["add_rms_norm", "rotary", "silu_mul"])
+@pytest.mark.parametrize("model", list(FUSED_SHAPES))
+def test_fused(benchmark, model, kernel, impl):
+    """One fused kernel against the torch ops it replaces (which launch 2 to 6 kernels)."""
+    run = fused_case(kernel, impl, FUSED_SHAPES[model])
+
+    def run_and_sync():
+        run()
+        if GPU:
+            torch.cuda.synchronize()
+
+    benchmark.group = f"{kernel} {model}"  # implementations side by side
+    benchmark.extra_info["device"] = machine()["device"]
+    benchmark.pedantic(run_and_sync, rounds=200 if GPU else 3, warmup_rounds=10 if GPU else 1)
 
 
 def main() -> None:

@@ -10,6 +10,9 @@
 4. Self-tuned steps: the measured cost curves (SmolLM2 and the 8B shape, graphed buckets of `lookahead="auto"`), the
    step sizes SmolLM2's self-tuned generations chose in part 1, and the sizes the 8B curve would choose for the same
    drafts (each logged step's scores, calibration and loop time, replayed against the 8B costs).
+5. Fusion: the 8B-shaped step (plain and the default 1-4-5 tree, graphed) with `fusion` "none" / "triton" /
+   "compile", interleaved, at L = 1k and 4k; and each shape's first step (compile + capture) per fusion.
+   (On a CPU: "none" and "compile" on the small model, the 1-4-5 step only; "triton" needs a GPU there.)
 
     python bench/gpu_step.py              # GPU: writes bench/results/gpu-step-cuda.{json,png}
     python bench/gpu_step.py --quick      # CPU: a small random model stands in for the 8B one
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import copy
 import dataclasses
 import statistics
 import time
@@ -43,6 +47,7 @@ from common import (
     timed,
 )
 from lookahead import LookaheadConfig, Request
+from lookahead.backends import choose_fusion
 from lookahead.kernels import StepPattern
 from lookahead.loop import PLAIN_STEP, LookaheadLoop, full_pattern
 from lookahead.loop.sampling import SampleRequest
@@ -187,11 +192,13 @@ def model_cost(curve) -> dict:
             "per_position_us": [p * 1e6 for p in curve.per_position]}
 
 
-def random_llama(shape: dict, dtype: torch.dtype, device: str) -> Llama:
-    """A LLaMA of the given shape with random weights, made on the device (no checkpoint)."""
+def random_llama(shape: dict, dtype: torch.dtype, device: str, fusion: str = "auto") -> Llama:
+    """A LLaMA of the given shape with random weights, made on the device (no checkpoint); fusion as
+    `Llama.from_pretrained` takes it."""
     config = LlamaConfig(**shape)
+    backend = "triton" if device == "cuda" else "torch"
     with torch.device("meta"):
-        model = Llama(config, attn_backend="triton" if device == "cuda" else "torch")
+        model = Llama(config, attn_backend=backend, fusion=choose_fusion(fusion, device, backend))
     model.to(dtype).to_empty(device=device)  # the dtype on meta first: no fp32 copy of 8B parameters
     model._tie_weights()
     gen = torch.Generator(device=device).manual_seed(0)
@@ -297,6 +304,59 @@ def part_host(args) -> dict:
     return {"rows": rows}
 
 
+def with_fusion(model: Llama, fusion: str) -> Llama:
+    """The same weights under another fusion: a shallow copy (modules and parameters shared) with its own runner."""
+    other = copy.copy(model)
+    other.fusion, other.runner, other._compiled_forward = fusion, None, None
+    return other
+
+
+def part_fusion(args) -> dict:
+    """ms per step of plain and the default 1-4-5 step for each fusion, interleaved (graphed on GPU), and the
+    seconds of each shape's first step (its compile under "compile", Triton's JIT on first use, the capture)."""
+    shape, dtype, device = (SMALL, torch.float32, "cpu") if args.quick else (LLAMA_8B, torch.bfloat16, "cuda")
+    fusions = ("none", "compile") if args.quick else ("none", "triton", "compile")
+    names = ("1-4-5",) if args.quick else ("plain", "1-4-5")
+    lengths = (128,) if args.quick else (1024, 4096)
+    torch._dynamo.config.cache_size_limit = 64  # one compile per step shape: keep them all rather than fall back
+    base = random_llama(shape, dtype, device, fusion="none")
+    models = {fusion: with_fusion(base, fusion) for fusion in fusions}
+    steps = {name: full_step(STEP_CONFIGS[name]) for name in names}
+    runners, first = {}, []
+    for fusion, model in models.items():
+        runners[fusion] = runner_for(model, Request([[1]], max(lengths) + 127, lookahead=LookaheadConfig()))
+        for name, (pattern, tokens, rows, requests) in steps.items():
+            runners[fusion].lengths = [lengths[0]]
+            with torch.inference_mode():
+                _, seconds = timed(lambda: runners[fusion].step(tokens, pattern, rows, **requests))  # noqa: B023
+            first.append({"fusion": fusion, "config": name, "T": pattern.num_tokens, "first_step_s": seconds})
+    times: dict[tuple, list[float]] = {}
+    with torch.inference_mode():
+        for prefix_len in lengths:
+            for i in range(args.repeats + 3):
+                for fusion in fusions:  # interleaved: every fusion meets the same machine state
+                    for name, (pattern, tokens, rows, requests) in steps.items():
+                        runner = runners[fusion]
+                        runner.lengths = [prefix_len]
+                        _, seconds = timed(lambda: runner.step(tokens, pattern, rows, **requests))  # noqa: B023
+                        if i >= 3:
+                            times.setdefault((prefix_len, name, fusion), []).append(seconds)
+    rows_out = []
+    for (prefix_len, name, fusion), samples in times.items():
+        ms = statistics.median(samples) * 1e3
+        none_ms = statistics.median(times[(prefix_len, name, "none")]) * 1e3
+        rows_out.append({"L": prefix_len, "config": name, "T": steps[name][0].num_tokens, "fusion": fusion, "ms": ms,
+                         "vs_none": ms / none_ms})
+    label_ = "8B-shaped, random bf16" if not args.quick else "small random (CPU stand-in)"
+    print(f"\nfusion, {label_}, {'CUDA graphs' if GPU else 'eager'}")
+    print_table(["L", "W-N-G", "T", "fusion", "ms/step", "vs none"],
+                [[r["L"], r["config"], r["T"], r["fusion"], f"{r['ms']:.3f}", f"{r['vs_none']:.2f}"]
+                 for r in rows_out])
+    print_table(["fusion", "W-N-G", "T", "first step s (compile + capture)"],
+                [[r["fusion"], r["config"], r["T"], f"{r['first_step_s']:.1f}"] for r in first])
+    return {"model": label_, "shape": shape, "rows": rows_out, "first_step": first}
+
+
 def plot(payload: dict) -> None:
     try:
         import matplotlib
@@ -345,7 +405,8 @@ def main() -> None:
              ("step_time", lambda: part_step_time(args, {r["method"]: r["S"] for r in
                                                          payload.get("tokens_per_second", {}).get("rows", [])})),
              ("host", lambda: part_host(args)),
-             ("self_tuned", lambda: part_self_tuned(args))]
+             ("self_tuned", lambda: part_self_tuned(args)),
+             ("fusion", lambda: part_fusion(args))]
     for name, run in parts:
         start = time.perf_counter()
         try:

@@ -2,17 +2,20 @@
 
 `lookahead_attention` is the Triton kernel (GPU, or CPU under TRITON_INTERPRET=1) and `StepAttentionPlan` its
 pre-checked launch path for a model's per-layer calls; `reference_attention` and `lookahead_mask` are the SDPA
-reference built from the same `StepPattern` rules.
+reference built from the same `StepPattern` rules. `add_rms_norm`, `rotary_` and `silu_mul` are fused elementwise
+kernels of a LLaMA layer (`fused.py`), with their torch references in `fused_reference.py`.
 """
 
 from __future__ import annotations
 
 from .commit import commit_accepted
 from .device import device_binding
+from .fused_reference import add_rms_norm_reference, rotary_reference, silu_mul_reference
 from .pattern import StepPattern, lookahead_mask
 from .reference import masked_attention, reference_attention
 
 try:
+    from .fused import add_rms_norm, rotary_, silu_mul
     from .triton_attention import StepAttentionPlan, interpreting, lookahead_attention
 except ImportError as _triton_missing:  # platforms without Triton keep the torch reference
     _reason = str(_triton_missing)
@@ -25,6 +28,15 @@ except ImportError as _triton_missing:  # platforms without Triton keep the torc
     def interpreting() -> bool:
         return False
 
+    def _unavailable(name: str):
+        def kernel(*args, **kwargs):
+            raise RuntimeError(f"{name} needs Triton, which failed to import ({_reason}); use {name}_reference")
+
+        kernel.__doc__ = "Unavailable: Triton could not be imported."
+        return kernel
+
+    add_rms_norm, rotary_, silu_mul = (_unavailable(n) for n in ("add_rms_norm", "rotary", "silu_mul"))
+
     class StepAttentionPlan:
         """Unavailable: Triton could not be imported."""
 
@@ -35,6 +47,8 @@ except ImportError as _triton_missing:  # platforms without Triton keep the torc
 __all__ = [
     "StepAttentionPlan",
     "StepPattern",
+    "add_rms_norm",
+    "add_rms_norm_reference",
     "commit_accepted",
     "device_binding",
     "interpreting",
@@ -42,4 +56,8 @@ __all__ = [
     "lookahead_mask",
     "masked_attention",
     "reference_attention",
+    "rotary_",
+    "rotary_reference",
+    "silu_mul",
+    "silu_mul_reference",
 ]

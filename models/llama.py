@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lookahead.backends import choose_backend
+from lookahead.backends import choose_backend, choose_fusion
 from lookahead.config import LookaheadConfig
 from lookahead.drafts import DraftMemory
 from lookahead.kernels import interpreting
@@ -22,6 +22,7 @@ from lookahead.tuning.store import Saver
 
 from .attention import Attend, causal
 from .config import LlamaConfig
+from .fusion import MergedLinears, TorchOps, TritonOps
 from .generation import generate, warmup
 from .loading import check_layer_count, check_shapes, load_weights, tensor_names
 from .rope import apply_rotary, inverse_frequencies, rotary_cos_sin
@@ -41,7 +42,9 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
-class Attention(nn.Module):
+class Attention(MergedLinears):
+    MERGED = ("q_proj", "k_proj", "v_proj")
+
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -53,6 +56,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
+        self.merge()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
                 attend: Attend) -> torch.Tensor:
@@ -68,16 +72,34 @@ class Attention(nn.Module):
         out = attend(layer, q.transpose(1, 2), k.transpose(1, 2), v)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
+    def merged_forward(self, x: torch.Tensor, ops: TritonOps | TorchOps, layer: int, attend: Attend) -> torch.Tensor:
+        """q, k and v from one GEMM; RoPE by `ops` on views of its output (in place with the Triton kernel)."""
+        b, t, _ = x.shape
+        qkv = F.linear(x, self.merged_weight, self.merged_bias).view(b, t, -1, self.head_dim)
+        q, k, v = qkv.split((self.heads, self.kv_heads, self.kv_heads), dim=2)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = ops.rotary(q, k)
+        out = attend(layer, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
-class MLP(nn.Module):
+
+class MLP(MergedLinears):
+    MERGED = ("gate_proj", "up_proj")
+
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.merge()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def merged_forward(self, x: torch.Tensor, ops: TritonOps | TorchOps) -> torch.Tensor:
+        """Gate and up from one GEMM, then SiLU(gate) * up by `ops`."""
+        return self.down_proj(ops.silu_mul(F.linear(x, self.merged_weight, self.merged_bias)))
 
 
 class DecoderLayer(nn.Module):
@@ -91,6 +113,15 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, layer: int, attend: Attend) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, attend)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def merged_forward(self, x: torch.Tensor, residual: torch.Tensor | None, ops: TritonOps | TorchOps, layer: int,
+                       attend: Attend) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it is added): each residual add rides with the
+        norm after it, so the next layer (or the final norm) adds the MLP output."""
+        h, residual = ops.norm(x, residual, self.input_layernorm)
+        x = self.self_attn.merged_forward(h, ops, layer, attend)
+        h, residual = ops.norm(x, residual, self.post_attention_layernorm)
+        return self.mlp.merged_forward(h, ops), residual
 
 
 class Backbone(nn.Module):
@@ -107,14 +138,20 @@ class Llama(nn.Module):
     """A LLaMA-shaped causal LM (LLaMA, Mistral, Qwen2/Qwen2.5, Qwen3 dense: `LlamaConfig`'s fields tell them
     apart). Build with `Llama.from_pretrained(folder)`; decode with `generate`."""
 
-    def __init__(self, config: LlamaConfig, attn_backend: str = "torch") -> None:
+    def __init__(self, config: LlamaConfig, attn_backend: str = "torch", fusion: str = "none") -> None:
+        """attn_backend: "torch" or "triton"; fusion: "none", "triton" or "compile" (see `from_pretrained`)."""
         super().__init__()
+        if fusion not in ("none", "triton", "compile"):
+            raise ValueError(f"fusion must be 'none', 'triton' or 'compile' here, got {fusion!r} ('auto' is resolved "
+                             "by from_pretrained, or by lookahead.backends.choose_fusion for a device)")
         self.config = config
         self.model = Backbone(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self._tie_weights()
         self.register_buffer("rope_inv_freq", inverse_frequencies(config.head_dim, config.rope), persistent=False)
         self.attn_backend = attn_backend
+        self.fusion = fusion
+        self._compiled_forward = None  # fusion "compile": the step's forward, compiled on its first step
         self.runner: CachedRunner | None = None  # the KV cache, plans and graphs generations reuse (`generate`)
         self.lock = threading.RLock()  # generations on one model share its runner: they take turns
         # what a step costs on this machine, which self-tuned steps are sized by: read from the disk cache or
@@ -126,7 +163,7 @@ class Llama(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype | str | None = None,
-                        device: torch.device | str = "cpu", attn_backend: str = "auto") -> Llama:
+                        device: torch.device | str = "cpu", attn_backend: str = "auto", fusion: str = "auto") -> Llama:
         """Load a Hugging Face checkpoint folder (config.json + model.safetensors, sharded or not) of model_type
         llama, mistral, qwen2 or qwen3; other architectures are refused (`lookahead.hf` decodes transformers models).
 
@@ -135,6 +172,13 @@ class Llama(nn.Module):
         from a one-token pass, so near-ties can flip.
         attn_backend: "auto" (Triton on CUDA, torch on CPU), "torch", or "triton" (on CPU only under
         TRITON_INTERPRET=1).
+        fusion: how the small ops around the GEMMs and attention run (norms, RoPE, residual adds, SiLU; about 700
+        kernels of an 8B step): "none" (the torch ops, one kernel each), "triton" (q/k/v and gate/up each one GEMM,
+        the rest hand-fused Triton kernels: `lookahead.kernels.add_rms_norm`, `rotary_`, `silu_mul`), "compile"
+        (the same merged GEMMs and torch ops, each step shape's forward compiled by `torch.compile(fullgraph=True,
+        dynamic=False)` on its first use), or "auto": "triton" on CUDA with the Triton attention backend, "none"
+        elsewhere (no compile per step shape, the same code every time, and it captures into CUDA graphs).
+        "triton" on CPU only under TRITON_INTERPRET=1.
 
         device: "cpu" or "cuda" (others, "meta" or "mps" say, are refused).
 
@@ -155,6 +199,7 @@ class Llama(nn.Module):
         device = resolve_device(device)
         dtype = resolve_dtype(dtype if dtype is not None else default_dtype(device))
         backend = resolve_backend(attn_backend, device)
+        fusion = choose_fusion(fusion, device.type, backend, interpreting())
         config = LlamaConfig.from_file(path)
         names = tensor_names(path)
         check_layer_count(names, config.num_hidden_layers, path)  # before building: a damaged count takes hours
@@ -163,7 +208,7 @@ class Llama(nn.Module):
         if both_in_file:  # load both; tied again below only if they are equal (transformers' rule)
             config = dataclasses.replace(config, tie_word_embeddings=False)
         with torch.device("meta"):
-            model = cls(config, attn_backend=backend)
+            model = cls(config, attn_backend=backend, fusion=fusion)
         check_shapes(model, path)  # before allocating: a config.json's absurd size is refused, not allocated
         # the dtype first, on meta (free), then memory at that dtype: ~2 bytes per parameter in 16-bit, where
         # materialising fp32 and casting peaks at 4 + 2 (out of memory for a 34B model on an 80 GB GPU)
@@ -222,13 +267,35 @@ class Llama(nn.Module):
             positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         attend = attention if attention is not None else causal
         x = self.model.embed_tokens(input_ids)
+        if self.fusion != "none":
+            return self._merged_forward(x, positions, attend, rows)
         # fp32 angles, cast once to the model dtype as transformers does; [(B,) T, 1, D] broadcasts over heads
         cos, sin = (c.to(x.dtype).unsqueeze(-2) for c in rotary_cos_sin(self.rope_inv_freq, positions))
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, i, attend)
-        if rows is not None:
-            x = x[:, rows] if rows.ndim == 1 else x.gather(1, rows[..., None].expand(-1, -1, x.shape[-1]))
-        return self.lm_head(self.model.norm(x))
+        return self.lm_head(self.model.norm(_take_rows(x, rows)))
+
+    def _merged_forward(self, x: torch.Tensor, positions: torch.Tensor, attend: Attend,
+                        rows: torch.Tensor | None) -> torch.Tensor:
+        """fusion "triton" or "compile": merged GEMMs, each residual add fused with the norm after it."""
+        ops = (TritonOps(self.rope_inv_freq, positions) if self.fusion == "triton"
+               else TorchOps(self.rope_inv_freq, positions, x.dtype))
+        residual = None
+        for i, layer in enumerate(self.model.layers):
+            x, residual = layer.merged_forward(x, residual, ops, i, attend)
+        x, _ = ops.norm(x, residual, self.model.norm)
+        return self.lm_head(_take_rows(x, rows))
+
+    def step_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attend,
+                     rows: torch.Tensor | None) -> torch.Tensor:
+        """The forward of a runner's step (the region a CUDA graph captures): `forward`, compiled under
+        fusion "compile" (`torch.compile(fullgraph=True, dynamic=False)`: one compile per step shape, on its
+        first use; past torch._dynamo's recompile limit a shape runs eagerly)."""
+        if self.fusion != "compile":
+            return self(input_ids, positions, attention, rows)
+        if self._compiled_forward is None:
+            self._compiled_forward = torch.compile(self.forward, fullgraph=True, dynamic=False)
+        return self._compiled_forward(input_ids, positions, attention, rows)
 
     def _check_input_ids(self, input_ids: torch.Tensor) -> None:
         """Ids a caller hands to `model(ids)`: an integer [B, T] tensor on the model's device, inside the vocabulary.
@@ -316,6 +383,13 @@ class Llama(nn.Module):
         builds them again. The cache grows to the largest request met (a large batch, a long prompt) and stays."""
         with self.lock:
             self.runner = None
+
+
+def _take_rows(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """x [B, T, C] at `rows`: [R] for every row or [B, R] per row (None: all of them)."""
+    if rows is None:
+        return x
+    return x[:, rows] if rows.ndim == 1 else x.gather(1, rows[..., None].expand(-1, -1, x.shape[-1]))
 
 
 def default_dtype(device: torch.device) -> torch.dtype:

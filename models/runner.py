@@ -31,10 +31,12 @@ from .kv_cache import KVCache
 
 
 class StepForward(Protocol):
-    """What a runner needs of its model (a `Llama`): its config, backend, device and dtype, and its forward."""
+    """What a runner needs of its model (a `Llama`): its config, backend, fusion, device and dtype, its forward and
+    its step's forward (compiled under fusion "compile")."""
 
     config: LlamaConfig
     attn_backend: str
+    fusion: str
 
     @property
     def device(self) -> torch.device: ...
@@ -44,6 +46,9 @@ class StepForward(Protocol):
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                  attention: Attend | None = None, rows: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def step_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attend,
+                     rows: torch.Tensor | None) -> torch.Tensor: ...
 
 
 class StepShape(NamedTuple):
@@ -82,6 +87,7 @@ class CachedRunner:
             raise ValueError(f"max_commit ({max_commit}) cannot exceed max_step_tokens ({max_step_tokens})")
         self.model = model
         self.device = model.device
+        self.fusion = model.fusion  # the programs (and graphs) below are built with it
         self.cache = KVCache(cfg.num_hidden_layers, batch, cfg.num_key_value_heads, capacity, cfg.head_dim,
                              model.dtype, model.device)
         self.max_step_tokens, self.max_commit = max_step_tokens, max_commit
@@ -132,7 +138,8 @@ class CachedRunner:
         return (self.cache.capacity >= capacity and self.max_step_tokens >= max_step_tokens
                 and self.cache.batch >= batch
                 and self.max_commit >= max_commit and self.cache.k.dtype == model.dtype
-                and self.cache.k.device == model.device and self.backend.name == model.attn_backend)
+                and self.cache.k.device == model.device and self.backend.name == model.attn_backend
+                and self.fusion == model.fusion)
 
     def prefill(self, tokens: Sequence[int]) -> torch.Tensor:
         return self.prefill_batch([tokens])[0]
@@ -413,9 +420,9 @@ class _StepProgram:
                                            tree_end if self.pattern.is_tree else None)
         try:
             # top-k of every row needs the lm_head on every row, not only on the rows read
-            logits = runner.model(tokens, lengths[:, None] + positions,
-                                  cached(runner.cache, slots, attend, rows=slice(0, self.batch)),
-                                  None if self.topk else rows)
+            logits = runner.model.step_forward(tokens, lengths[:, None] + positions,
+                                               cached(runner.cache, slots, attend, rows=slice(0, self.batch)),
+                                               None if self.topk else rows)
         finally:
             runner.backend.end_step()
         if not self.topk:

@@ -1,9 +1,9 @@
 """A model's cost model (`Llama.cost_model`): read from the disk cache, or measured on the model's own runner, before
 the first self-tuned generation that needs it; saved back as the steps keep it current.
 
-The figures depend on the device, the model's shape, dtype and attention backend, the thread count, CUDA graphs and
-the versions of torch, Triton and this package: that is the cache file's key (its name is a digest of it), so
-another machine, model or setting measures anew, and a file whose key or figures do not match is measured again.
+The figures depend on the device, the model's shape, dtype, attention backend and fusion, the thread count, CUDA
+graphs and the versions of torch, Triton and this package: that is the cache file's key (its name is a digest of it),
+so another machine, model or setting measures anew, and a file whose key or figures do not match is measured again.
 A cost model set by the user (`model.cost_model = CostModel(...)`, with an empty key) is used as it is. The files
 and the saving are `lookahead.tuning.store`'s.
 """
@@ -78,7 +78,8 @@ def cost_key(model, runner: CachedRunner) -> dict:
     """What a step's cost depends on, beyond the step: the cache file's key."""
     cfg = model.config
     return {"device": device_label(model.device), "dtype": str(model.dtype), "backend": model.attn_backend,
-            "threads": torch.get_num_threads(), "cuda_graphs": runner.cuda_graphs, "interpreted": interpreting(),
+            "fusion": model.fusion, "threads": torch.get_num_threads(), "cuda_graphs": runner.cuda_graphs,
+            "interpreted": interpreting(),
             "model": [cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
                       cfg.head_dim, cfg.intermediate_size, cfg.vocab_size],
             "versions": [torch.__version__, *versions("triton", "lookahead")]}

@@ -1,5 +1,6 @@
-"""Compile the lookahead attention kernels for NVIDIA targets on a machine with no GPU, exactly as they launch
-(run as a script: Triton's interpreter must be off, which the test process cannot undo once triton is imported).
+"""Compile the lookahead attention kernels (and the fused elementwise kernels) for NVIDIA targets on a machine with no
+GPU, exactly as they launch (run as a script: Triton's interpreter must be off, which the test process cannot undo
+once triton is imported).
 
 The launches are captured from a real `StepAttentionPlan` call on CPU tensors shaped like the model's (q a
 transposed view of [B, T, Hq, D], k/v a [B, Hkv, S, D] cache), then specialised as Triton's launcher does at run
@@ -9,6 +10,9 @@ kernel is the one that would run. Prints one line per (arch, dtype, head dim, W-
 
     python tests/compile_for_gpu.py          # the cases the test suite checks (DEFAULT)
     python tests/compile_for_gpu.py --all    # every step shape x fp16/bf16 x sm_90/sm_80, fp32, D 64 and 256
+
+The fused kernels (`lookahead.kernels.fused`: add + RMSNorm, RoPE, SiLU-mul) are captured the same way from one call
+each on an 8B layer's and SmolLM2's activations, and reported one line per (arch, dtype, model).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from triton.backends.nvidia.compiler import CUDABackend
 from triton.compiler import ASTSource
 from triton.runtime.jit import native_specialize_impl
 
+import lookahead.kernels.fused as fused
 import lookahead.kernels.triton_attention as launcher
 from lookahead.kernels import StepAttentionPlan, StepPattern
 
@@ -132,12 +137,55 @@ ALL = [(a, d, 128, s) for a in (90, 80) for d in (torch.float16, torch.bfloat16)
 ALL += [(90, torch.float32, 128, s) for s in STEPS] + [(90, torch.float16, d, "W3-N4-G3") for d in (64, 256)]
 
 
+# (hidden, q heads, KV heads, head dim, intermediate) of the models the fused kernels serve, at the default step's 18
+# tokens
+MODELS = {"8B": (4096, 32, 8, 128, 14336), "SmolLM2": (576, 9, 3, 64, 1536)}
+FUSED_DEFAULT = [(90, torch.bfloat16, "8B"), (90, torch.float16, "8B"), (80, torch.bfloat16, "8B"),
+                 (80, torch.float16, "8B"), (90, torch.bfloat16, "SmolLM2")]
+FUSED_ALL = [(a, d, m) for a in (90, 80) for d in (torch.float16, torch.bfloat16) for m in MODELS]
+
+
+def captured_fused_launches(dtype: torch.dtype, model: str, tokens: int = 18) -> list:
+    """The (kernel, args, kwargs) of one call of each fused kernel on a layer's activations, as the model lays them
+    out (q and k views of the merged q/k/v projection; [B, T] positions)."""
+    hidden, heads_q, heads_kv, head_dim, inter = MODELS[model]
+    launches: list = []
+    names = ("_add_rms_norm_kernel", "_rotary_kernel", "_silu_mul_kernel")
+    saved = {name: getattr(fused, name) for name in (*names, "interpreting")}
+    try:
+        for name in names:
+            setattr(fused, name, _Capture(saved[name], launches))
+        fused.interpreting = lambda: True  # CPU tensors stand in for the device's; nothing runs
+        x = torch.empty(1, tokens, hidden, dtype=dtype)
+        fused.add_rms_norm(x, torch.empty(hidden, dtype=dtype), 1e-5, torch.empty_like(x))
+        qkv = torch.empty(1, tokens, heads_q + 2 * heads_kv, head_dim, dtype=dtype)
+        q, k, _ = qkv.split((heads_q, heads_kv, heads_kv), dim=2)
+        fused.rotary_(q, k, torch.zeros(1, tokens, dtype=torch.int64), torch.empty(head_dim // 2))
+        fused.silu_mul(torch.empty(1, tokens, 2 * inter, dtype=dtype))
+    finally:
+        for name, value in saved.items():
+            setattr(fused, name, value)
+    return launches
+
+
+def compile_fused_case(arch: int, dtype: torch.dtype, model: str) -> str:
+    parts = []
+    for kernel, args, kwargs in captured_fused_launches(dtype, model):
+        compiled = compile_launch(kernel, args, kwargs, arch)
+        parts.append(f"{kernel.fn.__name__.strip('_').removesuffix('_kernel')}: {describe(compiled)}")
+    return " | ".join(parts)
+
+
 def main() -> int:
     failed = 0
-    for arch, dtype, head_dim, step in ALL if "--all" in sys.argv else DEFAULT:
-        name = f"sm_{arch} {_TYPES[dtype]} D{head_dim} {step}"
+    every = "--all" in sys.argv
+    cases = [(f"sm_{arch} {_TYPES[dtype]} D{head_dim} {step}", compile_case, (arch, dtype, head_dim, STEPS[step]))
+             for arch, dtype, head_dim, step in (ALL if every else DEFAULT)]
+    cases += [(f"sm_{arch} {_TYPES[dtype]} fused {model}", compile_fused_case, (arch, dtype, model))
+              for arch, dtype, model in (FUSED_ALL if every else FUSED_DEFAULT)]
+    for name, compile_one, args in cases:
         try:
-            print(f"{name} OK {compile_case(arch, dtype, head_dim, STEPS[step])}", flush=True)
+            print(f"{name} OK {compile_one(*args)}", flush=True)
         except Exception as e:  # noqa: BLE001 - report every failure, whatever the compiler raised
             failed += 1
             print(f"{name} FAILED {type(e).__name__}: {e}"[:2000], flush=True)

@@ -215,9 +215,16 @@ class _RecordedKernel:
         return launch
 
 
-def triton_launches(monkeypatch) -> None:
-    """Route the attention kernels' launches through the emulator (the launcher looks them up at each launch)."""
-    import lookahead.kernels.triton_attention as launcher
+# each launcher module and its kernel globals (looked up at each launch)
+KERNELS = {"triton_attention": ("_lookahead_attn_split", "_lookahead_attn_merge"),
+           "fused": ("_add_rms_norm_kernel", "_rotary_kernel", "_silu_mul_kernel")}
 
-    for name in ("_lookahead_attn_split", "_lookahead_attn_merge"):
-        monkeypatch.setattr(launcher, name, _RecordedKernel(getattr(launcher, name)))
+
+def triton_launches(monkeypatch) -> None:
+    """Route the attention and fused kernels' launches through the emulator."""
+    import importlib
+
+    for module, names in KERNELS.items():
+        launcher = importlib.import_module(f"lookahead.kernels.{module}")
+        for name in names:
+            monkeypatch.setattr(launcher, name, _RecordedKernel(getattr(launcher, name)))

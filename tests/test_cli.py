@@ -41,7 +41,7 @@ def test_help_lists_every_option():
     text = generate_help()
     for option in ("--model", "--cache-dir", "--max-new-tokens", "--temperature", "--top-k", "--top-p", "--seed",
                    "--raw", "--window", "--ngram", "--guesses", "--no-lookahead", "--show-steps", "--dtype",
-                   "--device", "--attn-backend", "--debug"):
+                   "--device", "--attn-backend", "--fusion", "--debug"):
         assert option in text
 
 
@@ -61,7 +61,7 @@ def test_help_states_each_default_once():
     """ArgumentDefaultsHelpFormatter added "(default: None)" after helps that state their default in words."""
     text = generate_help()
     blocks = re.split(r"\n(?=  -)", text.split("options:")[1].strip("\n"))
-    assert len(blocks) == 19  # -h and the 18 options
+    assert len(blocks) == 20  # -h and the 19 options
     for block in blocks:
         assert block.count("(default") <= 1, block
     flat = " ".join(text.split())

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from graph_emulator import CaptureViolation, GraphEmulator, aliases, reachable_tensors, triton_launches
+from graph_emulator import KERNELS, CaptureViolation, GraphEmulator, aliases, reachable_tensors, triton_launches
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lookahead.kernels import StepPattern
@@ -104,9 +104,9 @@ def emulate(runner: CachedRunner, shape: StepShape, seed: int = 0) -> GraphEmula
     return graph
 
 
-@pytest.fixture(scope="module")
-def runner(tiny_checkpoint):
-    model = Llama.from_pretrained(tiny_checkpoint("gqa"), attn_backend="triton")
+@pytest.fixture(scope="module", params=["none", "triton"], ids=lambda f: f"fusion-{f}")
+def runner(tiny_checkpoint, request):
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"), attn_backend="triton", fusion=request.param)
     return CachedRunner(model, CAPACITY, max_step_tokens=24, max_commit=MAX_COMMIT, batch=2)
 
 
@@ -129,6 +129,9 @@ def test_step_region_is_capturable_and_replays_as_eager(runner, monkeypatch, nam
     graph = emulate(runner, SHAPES[name])
     layers = runner.model.config.num_hidden_layers
     assert graph.ops.count("triton._lookahead_attn_split") == layers  # the kernel ran inside the region
+    if runner.model.fusion == "triton":  # and the fused ones: 2 norms and RoPE per layer, and the final norm
+        assert graph.ops.count("triton._add_rms_norm_kernel") == 2 * layers + 1
+        assert graph.ops.count("triton._rotary_kernel") == graph.ops.count("triton._silu_mul_kernel") == layers
 
 
 def test_casts_views_and_in_place_writes_replay():
@@ -217,25 +220,31 @@ def device_kernels(graph: GraphEmulator) -> list[str]:
 EIGHT_B_LAYERS = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=32,
                       num_attention_heads=32, num_key_value_heads=8, head_dim=4, max_position_embeddings=4096)
 # device kernels of one graphed step of the 8B layer structure (32 layers, GQA 32/8) in bf16, counted on the CPU;
-# per layer: 7 GEMMs, 2 KV scatters, 2 attention launches, 2 RMSNorms of 4 ops (cast, norm, cast, scale), RoPE's
-# 6 (cat, neg, cat, 2 mul, add), 2 residual adds, SiLU and its product, the output view's copy; a budget that
-# fails if the step grows: lower it when a fusion lands
-BUDGET = {"default-1-4-5": 951, "15-5-15": 951, "default-topk": 956}
+# per layer without fusion: 7 GEMMs, 2 KV scatters, 2 attention launches, 2 RMSNorms of 4 ops (cast, norm, cast,
+# scale), RoPE's 6 (cat, neg, cat, 2 mul, add), 2 residual adds, SiLU and its product, the output view's copy;
+# with fusion "triton": 4 GEMMs (q/k/v one, gate/up one), 2 KV scatters, 2 attention launches, 2 add + RMSNorm
+# launches, RoPE's 1 and SiLU-mul's 1 (12, where 29.7 were). A budget that fails if the step grows: lower it when a
+# fusion lands
+BUDGET = {"default-1-4-5": 951, "15-5-15": 951, "default-topk": 956,
+          "fused-default-1-4-5": 397, "fused-15-5-15": 397, "fused-default-topk": 400}
 
 
 @pytest.mark.parametrize("name", list(BUDGET))
 def test_op_budget_of_an_8b_shaped_step(monkeypatch, name):
     """Aten ops and Triton launches per step (no host sync: the emulator forbids them) of a tiny-width model with
     8B's layer structure, counted in the region a CUDA graph captures."""
-    import lookahead.kernels.triton_attention as launcher
+    import importlib
+
     from lookahead.models import LlamaConfig
     from lookahead.models.rope import inverse_frequencies
 
-    for kernel in ("_lookahead_attn_split", "_lookahead_attn_merge"):
-        monkeypatch.setattr(launcher, kernel, _CountedKernel(kernel))
+    for module, kernels in KERNELS.items():
+        launcher = importlib.import_module(f"lookahead.kernels.{module}")
+        for kernel in kernels:
+            monkeypatch.setattr(launcher, kernel, _CountedKernel(kernel))
     config = LlamaConfig(**EIGHT_B_LAYERS)
     with torch.device("meta"):
-        model = Llama(config, attn_backend="triton")
+        model = Llama(config, attn_backend="triton", fusion="triton" if name.startswith("fused") else "none")
     model.to(torch.float16).to_empty(device="cpu")  # bf16 casts alike; the interpreter refuses bf16 plans
     model.rope_inv_freq = inverse_frequencies(config.head_dim, config.rope)
     for p in model.parameters():

@@ -25,7 +25,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from lookahead.backends import BACKENDS
+from lookahead.backends import BACKENDS, FUSIONS
 from lookahead.config import LookaheadConfig
 
 from .launch import world_size
@@ -123,6 +123,9 @@ def _add_options(command: argparse.ArgumentParser) -> None:
     command.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     command.add_argument("--attn-backend", default="auto", choices=BACKENDS,
                          help="attention implementation (auto: Triton on CUDA, torch on CPU)")
+    command.add_argument("--fusion", default="auto", choices=FUSIONS,
+                         help="the small ops around the GEMMs (auto: fused Triton kernels on CUDA with the Triton "
+                              "backend, none elsewhere; compile: torch.compile per step shape)")
     command.add_argument("--debug", action="store_true", help="on an error, show the full traceback")
 
 

@@ -131,7 +131,8 @@ def load(args: argparse.Namespace, parallel, say):
     device = _device(torch, args.device) if parallel is None else parallel[3]
     backend = _backend(args.attn_backend, device)
     folder = args.model if args.model else default_model_dir(args.cache_dir)
-    model = Llama.from_pretrained(folder, dtype=args.dtype, device=device, attn_backend=backend)
+    model = Llama.from_pretrained(folder, dtype=args.dtype, device=device, attn_backend=backend,
+                                  fusion=args.fusion)
     tokenizer = _tokenizer(folder)
     dtype = str(model.dtype).removeprefix("torch.")
     say(f"loaded in {time.perf_counter() - start:.1f} s ({dtype}, {device}); generating"

@@ -1,0 +1,81 @@
+"""The fused forward's pieces (`Llama(fusion=...)`, rule in `lookahead.backends.choose_fusion`): merged projection
+weights, and the small ops of a merged layer as Triton kernels ("triton") or as torch ops ("compile", which
+`torch.compile` fuses).
+
+Merged weights: a layer's q/k/v (and gate/up) weights live in one tensor, one GEMM computes them all, and the
+Hugging Face-named parameters are views of their rows of it. Loading, `state_dict`, `named_parameters` and shape
+checks see the usual names and shapes; the memory is the same 2 bytes a parameter in 16-bit. `.to()`, `to_empty`
+and the like give each parameter a new tensor, so the owning module merges them again after each (`_apply`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lookahead.kernels import add_rms_norm, rotary_, silu_mul
+
+from .rope import apply_rotary, rotary_cos_sin
+
+
+class MergedLinears(nn.Module):
+    """A module whose linears named in `MERGED` (same input, outputs side by side) share one weight tensor,
+    `merged_weight` [sum of out_features, in_features], and one `merged_bias` (None without biases)."""
+
+    MERGED: tuple[str, ...] = ()
+
+    def merge(self) -> None:
+        """Point the linears' parameters at rows of one new tensor each (call after building or moving them)."""
+        linears = [getattr(self, name) for name in self.MERGED]
+        self.merged_weight = _merge([linear.weight for linear in linears])
+        self.merged_bias = None if linears[0].bias is None else _merge([linear.bias for linear in linears])
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.merge()  # the conversion gave each parameter its own tensor
+        return self
+
+
+def _merge(params: list[nn.Parameter]) -> torch.Tensor:
+    merged = torch.cat([p.detach() for p in params])  # one layer's transient copy, never the model's
+    for p, rows in zip(params, merged.split([p.shape[0] for p in params]), strict=True):
+        p.data = rows
+    return merged
+
+
+class TritonOps:
+    """A merged layer's small ops as the fused Triton kernels (`fusion="triton"`): one launch each."""
+
+    def __init__(self, inv_freq: torch.Tensor, positions: torch.Tensor) -> None:
+        self.inv_freq, self.positions = inv_freq, positions
+
+    def norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module):
+        """(norm(residual + x), residual + x), the residual stream updated in place."""
+        return add_rms_norm(x, norm.weight, norm.eps, residual)
+
+    def rotary(self, q: torch.Tensor, k: torch.Tensor):
+        return rotary_(q, k, self.positions, self.inv_freq)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return silu_mul(gate_up)
+
+
+class TorchOps:
+    """The same ops as torch ops (`fusion="compile"`: what `torch.compile` fuses; eager outside a runner's step)."""
+
+    def __init__(self, inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> None:
+        # fp32 angles, cast once to the model dtype as transformers does; [(B,) T, 1, D] broadcasts over heads
+        self.cos, self.sin = (c.to(dtype).unsqueeze(-2) for c in rotary_cos_sin(inv_freq, positions))
+
+    def norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module):
+        h = x if residual is None else residual + x
+        return norm(h), h
+
+    def rotary(self, q: torch.Tensor, k: torch.Tensor):
+        rotated = apply_rotary(torch.cat((q, k), dim=2), self.cos, self.sin)
+        return rotated.split((q.shape[2], k.shape[2]), dim=2)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
