@@ -50,6 +50,13 @@ def grow_from(build: Callable) -> Callable:
     return grow
 
 
+def flat_cost() -> CostModel:
+    """A cost model in which every step size costs the same: self-tuned steps verify every node worth anything. For
+    tests that assert multi-token steps happen on a real model, where one measured under the test machine's load
+    could make plain steps the better buy."""
+    return CostModel({kind: Curve([1, 1024], [0.01, 0.01], [0.0, 0.0]) for kind in ("greedy", "sampling")})
+
+
 class RandomCost(CostModel):
     """A cost model whose every prediction is drawn at random (seeded), so a self-tuned generation meets every kind
     of step (plain, a bare tree, part of the tree with the branch, all of it, buckets) in an order no rule

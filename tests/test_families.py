@@ -9,6 +9,7 @@ import pytest
 import torch
 import transformers
 
+from helpers import flat_cost
 from lookahead import LookaheadConfig
 from lookahead.models import ConfigError, Llama, LlamaConfig
 
@@ -49,6 +50,7 @@ def test_lookahead_equals_plain_greedy_equals_transformers(tiny_checkpoint, case
     """fp32, torch backend: lookahead's tokens are plain greedy's, and those are transformers' greedy tokens."""
     folder = family_checkpoint(tiny_checkpoint, case)
     model = Llama.from_pretrained(folder, dtype=torch.float32, attn_backend="torch")
+    model.cost_model = flat_cost()  # multi-token steps whatever the machine's load (S > 1 is checked)
     hf = hf_model(folder, FAMILY_CASES[case]["family"])
     for seed in range(2):
         prompt = torch.randint(0, 101, (12,), generator=torch.Generator().manual_seed(seed))
@@ -69,6 +71,7 @@ def test_triton_backend_on_qwen3(tiny_checkpoint):
     plain = Llama.from_pretrained(folder, attn_backend="torch").generate(prompt, max_new_tokens=12, eos_token_id=[])
     assert len(set(plain.tokens)) > 3
     kernel = Llama.from_pretrained(folder, attn_backend="triton")
+    kernel.cost_model = flat_cost()
     result = kernel.generate(prompt, max_new_tokens=12, eos_token_id=[], lookahead=LookaheadConfig(2, 3, 2),
                              static_step=True)
     assert result.tokens == plain.tokens and result.compression > 1.0

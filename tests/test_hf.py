@@ -63,7 +63,7 @@ def test_greedy_equals_transformers_greedy(hf_model, variant):
     for prompt in prompts():
         expected = hf_greedy(model, prompt, 48, **NO_EOS)
         for W, N, G in CONFIGS:
-            result = lh.generate(model, prompt, max_new_tokens=48, lookahead=LookaheadConfig(W, N, G), eos_token_id=[])
+            result = lh.generate(model, prompt, max_new_tokens=48, lookahead=fixed(W, N, G), eos_token_id=[])
             assert result.tokens == expected, f"W{W}-N{N}-G{G} prompt {prompt}"
             if G > 0:
                 tokens, steps = tokens + len(result.tokens), steps + result.steps
@@ -351,7 +351,7 @@ def test_other_architectures_equal_their_own_greedy(family):
                 p.mul_(4.0)
     assert model.config.model_type == family
     expected = hf_greedy(model, REPETITIVE, 20, **NO_EOS)
-    result = lh.generate(model, REPETITIVE, 20, LookaheadConfig(3, 4, 3), eos_token_id=[])
+    result = lh.generate(model, REPETITIVE, 20, fixed(3, 4, 3), eos_token_id=[])
     assert result.tokens == expected and result.compression > 1
 
 
@@ -477,7 +477,7 @@ def test_default_model_greedy_equals_transformers(default_model_dir):
                                              return_dict=True)
     ids = encoding["input_ids"]
     expected = model.generate(**encoding, max_new_tokens=48, do_sample=False, **NO_EOS)
-    result = lh.generate(model, encoding, max_new_tokens=48, lookahead=LookaheadConfig(5, 4, 5), eos_token_id=[])
+    result = lh.generate(model, encoding, max_new_tokens=48, lookahead=fixed(5, 4, 5), eos_token_id=[])
     assert result.tokens == expected[0, ids.shape[1]:].tolist()
     assert result.compression > 1
     out = model.generate(ids, custom_generate=lh.custom_generate, max_new_tokens=48, do_sample=False, **NO_EOS)
