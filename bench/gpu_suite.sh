@@ -33,7 +33,8 @@ if ! "$PYTHON" -c "import lookahead.kernels, lookahead.models" 2>/dev/null; then
 fi
 if [ "$stage" = all ] || [ "$stage" = tests ]; then
     run tests "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_kernel.py tests/test_static_step.py \
-        tests/test_batch.py tests/test_graph_emulator.py tests/test_gpu_path.py tests/test_tuning.py
+        tests/test_batch.py tests/test_graph_emulator.py tests/test_gpu_path.py tests/test_tuning.py \
+        tests/test_fused.py tests/test_fusion.py
 fi
 if [ "$stage" = all ] || [ "$stage" = bench ]; then
     run gpu_step "$PYTHON" bench/gpu_step.py
