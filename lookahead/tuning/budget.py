@@ -14,9 +14,8 @@ It keeps itself honest with what the steps then did:
   large ones high, so one factor for all would misjudge both ends; another model or text drafts better or worse);
 - the cost model learns each step's measured time (`CostModel.observe`), so a machine that gets busier steps
   smaller, and h follows the loop's time outside the model;
-- after `PROBE_AFTER` plain steps in a row it runs its cheapest lookahead step once (the first node alone), so
-  multi-token costs learned on a busy machine are measured again when the machine quietens, at the least loss where
-  drafts do not pay (the other multi-token sizes follow its measurement: `CostModel.observe`).
+- after `PROBE_AFTER` plain steps in a row it runs its best lookahead step once, so multi-token costs learned on a
+  busy machine are measured again when the machine quietens.
 
 The lookahead branch (W(N - 1) tokens of Jacobi iterations) is worth nothing in its own step: its n-grams pay
 later, through the pool. On a CPU (steps of any size) a self-tuned step runs without it: the input token and the
@@ -116,7 +115,7 @@ class StepBudget:
             prefix.append(sums)
         longest = max(map(len, scores), default=0)
         plain = Choice(0, False, 0, 1, float(rows), self._seconds(rows, length))
-        best, best_rate, best_lookahead, cheapest = plain, rows / plain.seconds, None, None
+        best, best_rate, best_lookahead = plain, rows / plain.seconds, None
         candidates = self.sizes or [Choice(n, BRANCH == "always", n, (branch if BRANCH == "always" else 1) + n)
                                     for n in range(1, longest + 1)]
         for size in candidates:
@@ -126,13 +125,11 @@ class StepBudget:
             expected = rows + sum(self.calibrated(sums[min(nodes, len(sums) - 1)]) for sums in prefix)
             seconds = self._seconds(rows * size.tokens, length)
             choice = Choice(nodes, size.branch, size.slots, size.tokens, expected, seconds)
-            cheapest = cheapest or choice  # the candidates come smallest first
             if best_lookahead is None or expected / seconds > best_lookahead.expected / best_lookahead.seconds:
                 best_lookahead = choice
-        if best_lookahead is not None and best_lookahead.expected / best_lookahead.seconds > best_rate:
+        if best_lookahead is not None and (best_lookahead.expected / best_lookahead.seconds > best_rate
+                                           or self.plain_run >= PROBE_AFTER):
             best = best_lookahead
-        elif cheapest is not None and self.plain_run >= PROBE_AFTER:
-            best = cheapest
         self.plain_run = self.plain_run + 1 if best.plain else 0
         return best
 
