@@ -105,8 +105,10 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     cast to the dtype before the weight multiplies it (transformers' LlamaRMSNorm).
     """
     _check_float("x", x)
-    if weight.shape != (x.shape[-1],) or weight.dtype != x.dtype:
-        raise ValueError(f"weight must be [{x.shape[-1]}] in {x.dtype}; got {list(weight.shape)} {weight.dtype}")
+    if weight.shape != (x.shape[-1],) or weight.dtype != x.dtype or weight.stride(0) != 1:
+        raise ValueError(f"weight must be a contiguous [{x.shape[-1]}] in {x.dtype}; got {list(weight.shape)} "
+                         f"{weight.dtype} with stride {weight.stride()}")
+    _check_device(x, weight=weight, residual=residual)
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
                                  or not residual.is_contiguous()):
         raise ValueError(f"residual must be a contiguous {list(x.shape)} {x.dtype} tensor; got "
@@ -146,8 +148,10 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     if positions.dtype.is_floating_point or positions.shape not in ((tokens,), (batch, tokens)):
         raise ValueError(f"positions must be an integer [T] or [B, T] tensor with T = {tokens}, B = {batch}; got "
                          f"{list(positions.shape)} {positions.dtype}")
-    if inv_freq.dtype != torch.float32 or inv_freq.shape != (head_dim // 2,):
-        raise ValueError(f"inv_freq must be fp32 [{head_dim // 2}]; got {list(inv_freq.shape)} {inv_freq.dtype}")
+    if inv_freq.dtype != torch.float32 or inv_freq.shape != (head_dim // 2,) or inv_freq.stride(0) != 1:
+        raise ValueError(f"inv_freq must be a contiguous fp32 [{head_dim // 2}]; got {list(inv_freq.shape)} "
+                         f"{inv_freq.dtype} with stride {inv_freq.stride()}")
+    _check_device(q, k=k, positions=positions, inv_freq=inv_freq)
     if batch * tokens == 0:
         return q, k
     stride_pb = positions.stride(0) if positions.ndim == 2 else 0
@@ -187,6 +191,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def _warps(block: int) -> int:
     """Warps of a one-row kernel: about 8 to 16 fp32 values per thread (4096 columns: 8 warps)."""
     return max(1, min(16, block // 512))
+
+
+def _check_device(x: torch.Tensor, **others: torch.Tensor | None) -> None:
+    """A launch reads every tensor through raw pointers on x's device: one elsewhere would be an illegal access."""
+    for name, other in others.items():
+        if other is not None and other.device != x.device:
+            raise ValueError(f"{name} is on {other.device}, the activations on {x.device}: move it there")
 
 
 def _check_float(name: str, x: torch.Tensor) -> None:

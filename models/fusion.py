@@ -25,16 +25,38 @@ class MergedLinears(nn.Module):
 
     MERGED: tuple[str, ...] = ()
 
-    def merge(self) -> None:
-        """Point the linears' parameters at rows of one new tensor each (call after building or moving them)."""
+    def merge(self) -> bool:
+        """Point the linears' parameters at rows of one new tensor each, unless they already are the rows of the
+        merged tensors (a `.to()` that changed nothing keeps them, so CUDA graphs captured on them stay valid).
+        Call after building, moving or replacing them; returns whether it made new tensors."""
         linears = [getattr(self, name) for name in self.MERGED]
-        self.merged_weight = _merge([linear.weight for linear in linears])
-        self.merged_bias = None if linears[0].bias is None else _merge([linear.bias for linear in linears])
+        weights = [linear.weight for linear in linears]
+        biases = None if linears[0].bias is None else [linear.bias for linear in linears]
+        if _rows_of(getattr(self, "merged_weight", None), weights) and (
+                biases is None or _rows_of(getattr(self, "merged_bias", None), biases)):
+            return False
+        self.merged_weight = _merge(weights)
+        self.merged_bias = None if biases is None else _merge(biases)
+        return True
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
-        self.merge()  # the conversion gave each parameter its own tensor
+        self.merge()  # a conversion that made new tensors gave each parameter its own
         return self
+
+
+def _rows_of(merged: torch.Tensor | None, params: list[nn.Parameter]) -> bool:
+    """Whether `params` are, in order, the consecutive rows of `merged` (same storage, dtype and device)."""
+    if merged is None or any(p.dtype != merged.dtype or p.device != merged.device for p in params):
+        return False
+    if merged.device.type == "meta":
+        return False  # no addresses to compare: meta tensors are merged again, which costs nothing
+    offset, row = 0, merged.stride(0) * merged.element_size()
+    for p in params:
+        if p.data_ptr() != merged.data_ptr() + offset * row:
+            return False
+        offset += p.shape[0]
+    return offset == merged.shape[0]
 
 
 def _merge(params: list[nn.Parameter]) -> torch.Tensor:

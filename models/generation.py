@@ -42,6 +42,8 @@ class Llama(StepForward, Protocol):
 
     def release(self) -> None: ...
 
+    def merge_weights(self) -> bool: ...
+
 
 MIN_CAPACITY = 256
 
@@ -116,6 +118,7 @@ def warmup(model: Llama, lookahead: LookaheadConfig | str | None, max_tokens: in
 def runner_for(model: Llama, request: Request, cuda_graph: bool = True) -> CachedRunner:
     """The model's runner for the request (its prompts, their length, the full step of its lookahead configuration),
     rebuilt (capacity rounded up to a power of two) only when it cannot serve it; reset for a new generation."""
+    model.merge_weights()  # parameters replaced since (load_state_dict(assign=True), ...): a new runner
     full = full_pattern(request.lookahead) if request.lookahead is not None else PLAIN_STEP
     step_tokens, max_commit, batch = full.num_tokens, full.max_commit, len(request.prompts)
     capacity = request.longest + step_tokens

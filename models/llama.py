@@ -29,6 +29,7 @@ from .rope import apply_rotary, inverse_frequencies, rotary_cos_sin
 from .runner import CachedRunner
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+COMPILED_SHAPES = 256  # step shapes fusion="compile" compiles for one model (torch._dynamo's default limit is 8)
 
 
 class RMSNorm(nn.Module):
@@ -261,6 +262,7 @@ class Llama(nn.Module):
         """
         if attention is None:  # a caller's own forward (the runner always passes its attention): check the ids
             self._check_input_ids(input_ids)
+            self.merge_weights()  # parameters a caller replaced reach the merged GEMMs
         elif input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
         if positions is None:
@@ -290,12 +292,23 @@ class Llama(nn.Module):
                      rows: torch.Tensor | None) -> torch.Tensor:
         """The forward of a runner's step (the region a CUDA graph captures): `forward`, compiled under
         fusion "compile" (`torch.compile(fullgraph=True, dynamic=False)`: one compile per step shape, on its
-        first use; past torch._dynamo's recompile limit a shape runs eagerly)."""
+        first use; the recompile limit is raised to `COMPILED_SHAPES` for these calls, since self-tuned sizes and
+        shrinking batches meet many shapes, and `fullgraph` fails past it rather than run eagerly)."""
         if self.fusion != "compile":
             return self(input_ids, positions, attention, rows)
         if self._compiled_forward is None:
             self._compiled_forward = torch.compile(self.forward, fullgraph=True, dynamic=False)
-        return self._compiled_forward(input_ids, positions, attention, rows)
+        with torch._dynamo.config.patch(recompile_limit=COMPILED_SHAPES):
+            return self._compiled_forward(input_ids, positions, attention, rows)
+
+    def merge_weights(self) -> bool:
+        """Merge again the q/k/v and gate/up weights of any layer whose parameters were replaced since (for example
+        by `load_state_dict(..., assign=True)`), so the merged GEMMs read them, and then drop the runner: its KV
+        cache and CUDA graphs hold what the old weights computed. Returns whether any layer was merged again."""
+        merged = any([module.merge() for module in self.modules() if isinstance(module, MergedLinears)])
+        if merged:
+            self.release()
+        return merged
 
     def _check_input_ids(self, input_ids: torch.Tensor) -> None:
         """Ids a caller hands to `model(ids)`: an integer [B, T] tensor on the model's device, inside the vocabulary.
@@ -380,7 +393,8 @@ class Llama(nn.Module):
 
     def release(self) -> None:
         """Free the KV cache, kernel plans and CUDA graphs kept between generations (`runner`); the next generation
-        builds them again. The cache grows to the largest request met (a large batch, a long prompt) and stays."""
+        builds them again. The cache grows to the largest request met (a large batch, a long prompt) and stays.
+        Call it after changing the weights in place: a next prompt resumes from cache entries of the old ones."""
         with self.lock:
             self.runner = None
 

@@ -83,7 +83,7 @@ def test_silu_mul(dtype, shape):
 
 def test_bad_inputs_are_refused_with_the_shapes():
     x = randn(2, 8, dtype=torch.float32)
-    with pytest.raises(ValueError, match=r"weight must be \[8\]"):
+    with pytest.raises(ValueError, match=r"weight must be a contiguous \[8\]"):
         add_rms_norm(x, torch.ones(7, device=DEVICE), 1e-5)
     with pytest.raises(ValueError, match="residual must be"):
         add_rms_norm(x, torch.ones(8, device=DEVICE), 1e-5, randn(2, 9, dtype=torch.float32))
@@ -92,5 +92,20 @@ def test_bad_inputs_are_refused_with_the_shapes():
     q, k = randn(1, 3, 2, 8, dtype=torch.float32), randn(1, 3, 1, 8, dtype=torch.float32)
     with pytest.raises(ValueError, match="positions must be"):
         rotary_(q, k, torch.arange(4, device=DEVICE), torch.ones(4, device=DEVICE))
-    with pytest.raises(ValueError, match="inv_freq must be fp32"):
+    with pytest.raises(ValueError, match="inv_freq must be a contiguous fp32"):
         rotary_(q, k, torch.arange(3, device=DEVICE), torch.ones(8, device=DEVICE))
+
+
+def test_operands_on_another_device_or_strided_are_refused():
+    """The kernels read weight, inv_freq and positions through raw pointers: a wrong device or stride is an error,
+    not an illegal memory access."""
+    x = torch.randn(2, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="contiguous"):
+        add_rms_norm(x, torch.ones(16, device=DEVICE)[::2], 1e-6)
+    with pytest.raises(ValueError, match="is on meta"):
+        add_rms_norm(x, torch.ones(8, device="meta"), 1e-6)
+    q, k = torch.randn(1, 3, 2, 8, device=DEVICE), torch.randn(1, 3, 1, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="positions is on meta"):
+        rotary_(q, k, torch.arange(3, device="meta"), torch.ones(4, device=DEVICE))
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        rotary_(q, k, torch.arange(3, device=DEVICE), torch.ones(8, device=DEVICE)[::2])

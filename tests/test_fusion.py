@@ -109,3 +109,44 @@ def test_compiled_step_gives_the_eager_step(tiny_checkpoint):
         if fusion == "compile":
             assert model._compiled_forward is not None
     assert (out["compile"] - out["none"]).abs().max().item() < 1e-4
+
+
+def test_a_conversion_that_changes_nothing_keeps_the_merged_weights(tiny_checkpoint):
+    """Captured CUDA graphs read the merged tensors: `.to()` to where the model already is must not move them."""
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"), fusion="none")
+    attn = model.model.layers[0].self_attn
+    before = attn.merged_weight.data_ptr()
+    model.to("cpu").float().requires_grad_(False)
+    assert attn.merged_weight.data_ptr() == before == attn.q_proj.weight.data_ptr()
+    model.to(torch.float16)  # a real conversion merges anew, the parameters still its rows
+    assert attn.merged_weight.dtype == torch.float16
+    assert attn.k_proj.weight.data_ptr() == attn.merged_weight[attn.q_proj.weight.shape[0]].data_ptr()
+
+
+def test_replaced_parameters_reach_the_merged_forward_and_drop_the_runner(tiny_checkpoint):
+    """load_state_dict(assign=True) gives the parameters new tensors: the merged GEMMs must read them, and a runner
+    (whose graphs read the old ones) is rebuilt."""
+    a = Llama.from_pretrained(tiny_checkpoint("gqa"), fusion="compile")
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    a.generate([1, 2, 3], max_new_tokens=2)
+    runner = a.runner
+    other = Llama.from_pretrained(tiny_checkpoint("gqa", seed=7), fusion="none")
+    a.load_state_dict(other.state_dict(), assign=True)
+    assert torch.allclose(a(ids), other(ids), atol=1e-6)  # the eager merged forward, with the new weights
+    assert a.generate([1, 2, 3], max_new_tokens=6).tokens == other.generate([1, 2, 3], max_new_tokens=6).tokens
+    assert a.runner is not runner
+    assert not a.merge_weights()
+
+
+def test_the_compiled_step_may_meet_more_shapes_than_dynamos_default(monkeypatch):
+    """Self-tuned sizes and shrinking batches meet many step shapes; with fullgraph=True torch fails past its
+    recompile limit (8 by default), so the compiled step raises it for its calls."""
+    from lookahead.models import llama
+
+    model = Llama.__new__(Llama)
+    torch.nn.Module.__init__(model)
+    model.fusion = "compile"
+    seen = []
+    model._compiled_forward = lambda *args: seen.append(torch._dynamo.config.recompile_limit)
+    model.step_forward(None, None, None, None)
+    assert seen == [llama.COMPILED_SHAPES] and llama.COMPILED_SHAPES > 8 and torch._dynamo.config.recompile_limit == 8
