@@ -1,4 +1,4 @@
-"""A minimal LLaMA: one small module per block, Hugging Face parameter names, safetensors loading."""
+"""A minimal LLaMA (`Llama`, its blocks in `blocks.py`): Hugging Face parameter names, safetensors loading."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lookahead.backends import choose_backend, choose_fusion
@@ -21,118 +20,16 @@ from lookahead.tuning import CostModel
 from lookahead.tuning.store import Saver
 
 from .attention import Attend, causal
+from .blocks import Backbone
 from .config import LlamaConfig
 from .fusion import MergedLinears, TorchOps, TritonOps
 from .generation import generate, warmup
 from .loading import check_layer_count, check_shapes, load_weights, tensor_names
-from .rope import apply_rotary, inverse_frequencies, rotary_cos_sin
+from .rope import inverse_frequencies, rotary_cos_sin
 from .runner import CachedRunner
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 COMPILED_SHAPES = 256  # step shapes fusion="compile" compiles for one model (torch._dynamo's default limit is 8)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalised in fp32, as transformers does; one fused op instead of five
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-
-
-class Attention(MergedLinears):
-    MERGED = ("q_proj", "k_proj", "v_proj")
-
-    def __init__(self, cfg: LlamaConfig) -> None:
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=cfg.o_bias)
-        if cfg.qk_norm:  # Qwen3: each head's q and k normalised over head_dim, before RoPE
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.qk_norm = cfg.qk_norm
-        self.merge()
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
-                attend: Attend) -> torch.Tensor:
-        b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        # rotate q and k together: one set of rotary ops per layer instead of two
-        q, k = apply_rotary(torch.cat((q, k), dim=2), cos, sin).split((self.heads, self.kv_heads), dim=2)
-        # [B, Hq, T, D]; the kernel's is a view of [B, T, Hq, D], so the reshape below copies nothing
-        out = attend(layer, q.transpose(1, 2), k.transpose(1, 2), v)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
-
-    def merged_forward(self, x: torch.Tensor, ops: TritonOps | TorchOps, layer: int, attend: Attend) -> torch.Tensor:
-        """q, k and v from one GEMM; RoPE by `ops` on views of its output (in place with the Triton kernel)."""
-        b, t, _ = x.shape
-        qkv = F.linear(x, self.merged_weight, self.merged_bias).view(b, t, -1, self.head_dim)
-        q, k, v = qkv.split((self.heads, self.kv_heads, self.kv_heads), dim=2)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = ops.rotary(q, k)
-        out = attend(layer, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
-
-
-class MLP(MergedLinears):
-    MERGED = ("gate_proj", "up_proj")
-
-    def __init__(self, cfg: LlamaConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-        self.merge()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-    def merged_forward(self, x: torch.Tensor, ops: TritonOps | TorchOps) -> torch.Tensor:
-        """Gate and up from one GEMM, then SiLU(gate) * up by `ops`."""
-        return self.down_proj(ops.silu_mul(F.linear(x, self.merged_weight, self.merged_bias)))
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
-
-    def forward(self, x, cos, sin, layer: int, attend: Attend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, attend)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-    def merged_forward(self, x: torch.Tensor, residual: torch.Tensor | None, ops: TritonOps | TorchOps, layer: int,
-                       attend: Attend) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this layer's MLP output, the residual stream before it is added): each residual add rides with the
-        norm after it, so the next layer (or the final norm) adds the MLP output."""
-        h, residual = ops.norm(x, residual, self.input_layernorm)
-        x = self.self_attn.merged_forward(h, ops, layer, attend)
-        h, residual = ops.norm(x, residual, self.post_attention_layernorm)
-        return self.mlp.merged_forward(h, ops), residual
-
-
-class Backbone(nn.Module):
-    """`model.*` of a Hugging Face LLaMA checkpoint: embeddings, decoder layers, final norm."""
-
-    def __init__(self, cfg: LlamaConfig) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class Llama(nn.Module):
