@@ -47,6 +47,12 @@ def _read_until_prompts(master: int, seen: bytearray, prompts: int, seconds: flo
             seen += os.read(master, 4096)
 
 
+def _terminal_signals() -> None:
+    """SIGINT as a terminal's foreground process has it. A command a non-interactive shell ran in the background (a
+    CI script's `cmd &`) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler at all."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("end", [b"\x04", signal.SIGINT], ids=["ctrl-d", "ctrl-c"])
 def test_chat_on_a_terminal_prompts_and_ends_cleanly(default_model_dir, end):
@@ -54,7 +60,8 @@ def test_chat_on_a_terminal_prompts_and_ends_cleanly(default_model_dir, end):
     chat with status 0. (The prompt goes where Python's input() puts it: stderr, which is the terminal here too.)"""
     master, slave = os.openpty()
     proc = subprocess.Popen([sys.executable, "-m", "lookahead", "chat", "--cache-dir", str(default_model_dir.parent),
-                             "--max-new-tokens", "8"], stdin=slave, stdout=slave, stderr=slave, env=ENV)
+                             "--max-new-tokens", "8"], stdin=slave, stdout=slave, stderr=slave, env=ENV,
+                            preexec_fn=_terminal_signals)
     os.close(slave)
     seen = bytearray()
     try:
