@@ -11,7 +11,7 @@ from torch import nn
 from .attention import Attend
 from .config import LlamaConfig
 from .fusion import MergedLinears, TorchOps, TritonOps
-from .rope import apply_rotary
+from .rope import apply_rotary_qk
 
 
 class RMSNorm(nn.Module):
@@ -49,8 +49,7 @@ class Attention(MergedLinears):
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        # rotate q and k together: one set of rotary ops per layer instead of two
-        q, k = apply_rotary(torch.cat((q, k), dim=2), cos, sin).split((self.heads, self.kv_heads), dim=2)
+        q, k = apply_rotary_qk(q, k, cos, sin)
         # [B, Hq, T, D]; the kernel's is a view of [B, T, Hq, D], so the reshape below copies nothing
         out = attend(layer, q.transpose(1, 2), k.transpose(1, 2), v)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))

@@ -16,7 +16,7 @@ from torch import nn
 
 from lookahead.kernels import add_rms_norm, rotary_, silu_mul
 
-from .rope import apply_rotary, rotary_cos_sin
+from .rope import apply_rotary_qk, rotary_cos_sin
 
 
 class MergedLinears(nn.Module):
@@ -95,8 +95,7 @@ class TorchOps:
         return norm(h), h
 
     def rotary(self, q: torch.Tensor, k: torch.Tensor):
-        rotated = apply_rotary(torch.cat((q, k), dim=2), self.cos, self.sin)
-        return rotated.split((q.shape[2], k.shape[2]), dim=2)
+        return apply_rotary_qk(q, k, self.cos, self.sin)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)

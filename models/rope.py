@@ -39,6 +39,13 @@ def rotary_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[tor
     return emb.cos(), emb.sin()
 
 
+def apply_rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [B, T, Hq, D] and k [B, T, Hkv, D] together: one set of rotary ops per layer instead of two."""
+    rotated = apply_rotary(torch.cat((q, k), dim=2), cos, sin)
+    return rotated.split((q.shape[2], k.shape[2]), dim=2)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [..., D] by cos, sin broadcastable to it (already in x's dtype, as HF casts them)."""
     half = x.shape[-1] // 2
