@@ -1,32 +1,34 @@
-"""How the layers of one forward pass attend: plain causal, a causal prefill into the cache, or a
-lookahead step through a backend.
+"""How the layers of one forward pass attend: plain causal (a caller's own forward, no cache), or a packed step over the
+paged KV cache through a backend.
 
-A backend prepares once per step (`begin_step`) and returns the per-layer function; the layers call
-it with no checks or re-derivation. "torch" runs SDPA over the first L + T keys with the step's dense
-mask, written into a preallocated buffer (on CPU the fastest choice for a few hundred query rows; it
-reads L on the host, so it cannot be replayed by a CUDA graph). "triton" runs the kernel's prepared
-plan, which reads L from a device tensor, so a captured graph replays it at any L.
-
-A batch of b sequences steps together with one L per row (`lengths` [b] on the device, `prefix_lens`
-the same on the host): "torch" builds a [b, 1, T, max(L) + T] mask from them each step, "triton" hands
-the kernel the [b] lengths.
+A packed step lays every row's step tokens end to end ([ΣT]); each row has its own L, its own pattern (a lookahead
+step, a plain step, a prompt chunk) and its own block table. A backend prepares once per step (`begin_step`) and
+returns the per-layer function, which the layers call with no checks or re-derivation:
+- "torch": gathers each row's keys and values through its table and runs SDPA over rows padded to a common length,
+  with the rows' masks built once per step (rows of very different lengths, a prompt chunk beside one-token steps,
+  go in separate groups, so nothing pads to the longest); a row whose slots are one run takes them as a view. It reads
+  the lengths on the host, so a CUDA graph cannot replay it.
+- "triton": `lookahead.kernels.PagedAttentionPlan`, which computes every row's pattern in the kernel from its (W, N,
+  tree) and reads the cache through the block tables, all from device tensors, so a captured graph replays it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from lookahead.kernels import StepAttentionPlan, StepPattern, masked_attention
+from lookahead.kernels import StepPattern
 
-from .kv_cache import KVCache, row_index
+from .kv_cache import KVPool
 
 # layer, q [B, Hq, T, D], k and v [B, Hkv, T, D] (this layer's new entries) -> [B, Hq, T, D]
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-# layer, q, that layer's whole cache buffers k_all and v_all [B, Hkv, capacity, D] -> [B, Hq, T, D]
+# layer, q [1, Hq, ΣT, D], that layer's whole pool buffers k_all and v_all [Hkv, slots, D] -> [1, Hq, ΣT, D]
 LayerAttention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+SMALL_ROW = 32  # step tokens up to which rows share one padded SDPA call; a longer row (a prompt chunk) runs alone
 
 
 def causal(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -34,166 +36,159 @@ def causal(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tor
     return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, enable_gqa=True)
 
 
-def cached(cache: KVCache, slots: torch.Tensor, attend: LayerAttention, rows: slice = slice(None)) -> Attend:
-    """Write each layer's new K/V into cache rows `rows` at positions `slots` ([T], or [b, T] per row), then
-    attend over those rows of the layer's cache."""
-
-    batch = row_index(slots) if slots.ndim == 2 else None  # once per forward, not once per layer
+def paged(pool: KVPool, slots: torch.Tensor, attend: LayerAttention) -> Attend:
+    """Write each layer's new K/V (of a packed step, [1, Hkv, ΣT, D]) at `slots` [ΣT] of the pool, then attend over
+    the layer's pool."""
 
     def layer_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        k_all, v_all = cache.write(layer, slots, k, v, rows, batch)
+        k_all, v_all = pool.write(layer, slots, k[0], v[0])
         return attend(layer, q, k_all, v_all)
 
     return layer_attention
 
 
-def prefill_attention(prefix_len: int, fold_gqa: bool | None = None) -> LayerAttention:
-    """Causal attention of a prefill written after `prefix_len` cached positions. Past a prefix the mask is built
-    once, by the first layer; fold_gqa (default: on CUDA) as in `TorchBackend`."""
-    built: list[torch.Tensor] = []
+@dataclass(frozen=True)
+class PackedStep:
+    """The host's description of a packed step: per row its L, its pattern (with its tree), its block table (the
+    pool blocks of its positions 0, block_size, 2 block_size, ...) and its offset in the packed tokens."""
 
-    def attend(layer: int, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor) -> torch.Tensor:
-        t = q.shape[2]
-        if prefix_len == 0:
-            return causal(layer, q, k_all[:, :, :t], v_all[:, :, :t])
-        fold = q.is_cuda if fold_gqa is None else fold_gqa
-        if not built:
-            mask = torch.ones(t, prefix_len + t, dtype=torch.bool, device=q.device).tril(prefix_len)
-            built.append(additive_mask(mask, q.shape[1] // k_all.shape[1], q.dtype) if fold else mask)
-        if fold:
-            return folded_attention(q, k_all, v_all, prefix_len, built[0])
-        return masked_attention(q, k_all, v_all, prefix_len, built[0])
+    lengths: Sequence[int]
+    patterns: Sequence[StepPattern]
+    tables: Sequence[Sequence[int]]
+    starts: Sequence[int]
+    block_size: int
 
-    return attend
+    @property
+    def total(self) -> int:
+        return self.starts[-1] + self.patterns[-1].num_tokens if self.patterns else 0
 
 
-def folded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int,
-                     bias: torch.Tensor | None) -> torch.Tensor:
-    """SDPA of q [B, Hq, T, D] over the first prefix_len + T keys of k, v [B, Hkv, S, D] with the GQA group folded
-    into the query rows ([B, Hkv, group x T, D], row g x T + t is head h_kv x group + g, token t) and an additive
-    float mask `bias` ([group x T, L + T] or [B, 1, group x T, L + T], 0 or -inf; None: all visible).
-
-    On CUDA, SDPA with a bool mask and `enable_gqa` can only use its math kernel; with no GQA and a float mask the
-    memory-efficient kernel runs. The same softmax, so the same result up to rounding order."""
-    b, hq, t, d = q.shape
-    hkv = k.shape[1]
-    end = prefix_len + t
-    folded = q.reshape(b, hkv, (hq // hkv) * t, d)
-    out = F.scaled_dot_product_attention(folded, k[:, :, :end], v[:, :, :end], attn_mask=bias)
-    return out.view(b, hq, t, d)
+def row_mask(pattern: StepPattern, length: int, width: int) -> torch.Tensor:
+    """[T, width] bool: a row's step tokens see its prefix (positions < L) and, within the step, what the pattern says;
+    columns past L + T (padding) are never seen."""
+    t = pattern.num_tokens
+    mask = torch.zeros(t, width, dtype=torch.bool)
+    mask[:, :length] = True
+    idx = torch.arange(t)
+    mask[:, length : length + t] = pattern.visible(idx[:, None], idx[None, :])
+    return mask
 
 
-def additive_mask(mask: torch.Tensor | None, group: int, dtype: torch.dtype) -> torch.Tensor | None:
-    """A bool mask [..., T, S] (True = attend) as `folded_attention`'s bias [..., group x T, S] in `dtype`."""
-    if mask is None:
-        return None
-    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-    return bias.repeat(*(1,) * (mask.ndim - 2), group, 1)
+class _Group:
+    """Rows that share one SDPA call, padded to their longest step and their longest key span."""
+
+    def __init__(self, step: PackedStep, rows: list[int], device: torch.device) -> None:
+        tokens = [step.patterns[b].num_tokens for b in rows]
+        spans = [step.lengths[b] + t for b, t in zip(rows, tokens, strict=True)]
+        t_max, s_max, size = max(tokens), max(spans), step.block_size
+        first = [step.starts[b] for b in rows]
+        table = step.tables[rows[0]][: -(-s_max // size)]
+        # one row whose blocks are one run of the pool, and whose tokens are the whole step: views, no gathers
+        self.run = table[0] * size if len(rows) == 1 and _is_run(table) else None
+        self.whole = len(rows) == 1 and tokens[0] == step.total
+        self.span = s_max
+        if self.run is None:
+            blocks = torch.tensor([list(step.tables[b][: -(-s_max // size)]) + [0] * (-(-s_max // size) - len(
+                step.tables[b][: -(-s_max // size)])) for b in rows])
+            slots = (blocks[:, :, None] * size + torch.arange(size)).flatten(1)[:, :s_max]  # [G, S_max]
+            self.keys = slots.to(device)
+        if not self.whole:  # [G, T_max] packed index of each padded query (padding repeats the row's last token)
+            self.queries = torch.tensor([[s + min(j, t - 1) for j in range(t_max)]
+                                         for s, t in zip(first, tokens, strict=True)], device=device)
+        pattern, length = step.patterns[rows[0]], step.lengths[rows[0]]
+        self.mask, self.causal = None, False
+        if len(rows) == 1 and length == 0 and t_max > 1 and _is_path(pattern):
+            self.causal = True  # a first prompt chunk: plain causal attention over itself
+        elif len(rows) > 1 or t_max > 1:
+            mask = torch.zeros(len(rows), 1, t_max, s_max, dtype=torch.bool)
+            for g, b in enumerate(rows):
+                mask[g, 0, : tokens[g]] = row_mask(step.patterns[b], step.lengths[b], s_max)
+                mask[g, 0, tokens[g] :, 0] = True  # padding queries see one key: no row of NaNs
+            self.mask = mask.to(device)
+        # where each real query's output goes: its packed index, and its place in the padded [G x T_max]
+        self.dst = torch.tensor([s + j for s, t in zip(first, tokens, strict=True) for j in range(t)], device=device)
+        self.src = torch.tensor([g * t_max + j for g, t in enumerate(tokens) for j in range(t)], device=device)
+
+    def attend(self, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor) -> torch.Tensor:
+        """q [1, Hq, ΣT, D] -> [Hq, n, D]: this group's real queries' outputs (n of them), in packed order."""
+        if self.run is not None:
+            k = k_all[None, :, self.run : self.run + self.span]
+            v = v_all[None, :, self.run : self.run + self.span]
+        else:
+            k = k_all[:, self.keys].transpose(0, 1)  # [G, Hkv, S, D]
+            v = v_all[:, self.keys].transpose(0, 1)
+        queries = q if self.whole else q[0][:, self.queries].transpose(0, 1)  # [G, Hq, T, D]
+        out = F.scaled_dot_product_attention(queries, k, v, attn_mask=self.mask, is_causal=self.causal,
+                                             enable_gqa=True)
+        if self.whole:
+            return out[0]
+        heads, dim = out.shape[1], out.shape[3]
+        return out.transpose(0, 1).reshape(heads, -1, dim)[:, self.src]
 
 
 class TorchBackend:
-    """SDPA with the step's dense mask in a preallocated [max_tokens, capacity] buffer.
-
-    The buffer's columns stay True except a step's own T x T block, which is written before the
-    forward and reset after it (`end_step`), so no per-step allocation grows with the sequence. A batch
-    step (rows with different L) builds its [b, 1, T, max(L) + T] mask instead: each row sees its own
-    prefix, its own step block at L_b, and nothing past it (another row's longer prefix is not its own).
-    A chains block is built once per pattern; a tree block every step, from the step's tree_end.
-
-    fold_gqa (default: on CUDA): hand SDPA the GQA group folded into the query rows and the mask as an additive
-    float bias, built once per step (`folded_attention`), so CUDA's memory-efficient kernel can run instead of the
-    math kernel; on a CPU the bool mask with `enable_gqa` measured fine and stays.
-    """
+    """SDPA over each group of rows' gathered keys and values with the masks built once per step."""
 
     name, graphable = "torch", False
 
-    def __init__(self, capacity: int, max_tokens: int, device: torch.device, fold_gqa: bool | None = None) -> None:
-        self.fold_gqa = torch.device(device).type == "cuda" if fold_gqa is None else fold_gqa
-        self._mask = torch.ones(max_tokens, capacity, dtype=torch.bool, device=device)
-        self._columns = torch.arange(capacity, device=device)
-        self._step_masks: dict[StepPattern, torch.Tensor] = {}
-        self._block: torch.Tensor | None = None
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
 
-    def begin_step(self, pattern: StepPattern, prefix_lens: list[int], lengths: torch.Tensor,
-                   tree_end: torch.Tensor | None = None) -> LayerAttention:
-        """tree_end: tree form, this step's [b, V] on the device (the pattern stands for the shape only)."""
-        blocks = self._step_blocks(pattern, len(prefix_lens), tree_end)  # [b, T, T]
-        if len(prefix_lens) > 1:
-            return self._batch_step(pattern, prefix_lens, lengths, blocks)
-        t = pattern.num_tokens
-        prefix_len = prefix_lens[0]
-        mask = None
-        if t > 1:
-            self._block = self._mask[:t, prefix_len : prefix_len + t]
-            self._block.copy_(blocks[0])
-            mask = self._mask[:t, : prefix_len + t]
-        return self._attend(prefix_len, mask)
-
-    def _attend(self, prefix_len: int, mask: torch.Tensor | None) -> LayerAttention:
-        if not self.fold_gqa:
-            def attend(layer: int, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor) -> torch.Tensor:
-                return masked_attention(q, k_all, v_all, prefix_len, mask)
-
-            return attend
-        bias: list[torch.Tensor | None] = []  # built by the first layer, which knows the group and the dtype
-
-        def attend_folded(layer: int, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor) -> torch.Tensor:
-            if not bias:
-                bias.append(additive_mask(mask, q.shape[1] // k_all.shape[1], q.dtype))
-            return folded_attention(q, k_all, v_all, prefix_len, bias[0])
-
-        return attend_folded
-
-    def _step_blocks(self, pattern: StepPattern, batch: int, tree_end: torch.Tensor | None) -> torch.Tensor:
-        """Each row's T x T visibility block: [b, T, T]."""
-        if pattern.is_tree:
-            idx = torch.arange(pattern.num_tokens, device=self._mask.device)
-            return torch.stack([pattern.visible(idx[:, None], idx[None, :], row) for row in tree_end])
-        if pattern not in self._step_masks:
-            self._step_masks[pattern] = pattern.materialize(0, device=self._mask.device)
-        return self._step_masks[pattern].expand(batch, -1, -1)
-
-    def _batch_step(self, pattern: StepPattern, prefix_lens: list[int], lengths: torch.Tensor,
-                    blocks: torch.Tensor) -> LayerAttention:
-        t = pattern.num_tokens
-        width = max(prefix_lens) + t
-        offset = self._columns[:width] - lengths[:, None]  # [b, width]: key j of the step sits at L_b + j
-        in_step = (offset >= 0) & (offset < t)
-        rows = torch.arange(len(prefix_lens), device=offset.device)[:, None, None]
-        block = blocks[rows, torch.arange(t, device=offset.device)[None, :, None], offset.clamp(0, t - 1)[:, None]]
-        mask = ((offset < 0)[:, None] | (in_step[:, None] & block))[:, None]  # [b, 1, T, width]
-        return self._attend(width - t, mask)
-
-    def end_step(self) -> None:
-        if self._block is not None:
-            self._block.fill_(True)  # these columns are prefix for the next step
-            self._block = None
-
-
-class TritonBackend:
-    """The Triton kernel through one prepared plan per (step shape, batch size), checked once, launched per
-    layer with the rows' device lengths; a tree comes with each call, as data."""
-
-    name, graphable = "triton", True
-
-    def __init__(self, heads_q: int, heads_kv: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
-        self._shape = dict(heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype,
-                           device=device, max_len=capacity)
-        self._plans: dict[tuple, StepAttentionPlan] = {}
-
-    def begin_step(self, pattern: StepPattern, prefix_lens: list[int], lengths: torch.Tensor,
-                   tree_end: torch.Tensor | None = None) -> LayerAttention:
-        """tree_end: tree form, this step's [b, V] on the device (the pattern stands for the shape only)."""
-        key = (pattern.shape, len(prefix_lens))
-        if key not in self._plans:
-            self._plans[key] = StepAttentionPlan(pattern, batch=len(prefix_lens), **self._shape)
-        plan = self._plans[key]
+    def begin_step(self, step: PackedStep, device_inputs=None) -> LayerAttention:
+        small = [b for b, p in enumerate(step.patterns) if p.num_tokens <= SMALL_ROW]
+        groups = ([small] if small else []) + [[b] for b, p in enumerate(step.patterns) if p.num_tokens > SMALL_ROW]
+        groups = [_Group(step, rows, self.device) for rows in groups]
 
         def attend(layer: int, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor) -> torch.Tensor:
-            return plan(q, k_all, v_all, lengths, tree_end)
+            if len(groups) == 1 and groups[0].whole:
+                return groups[0].attend(q, k_all, v_all)[None]
+            out = torch.empty_like(q)
+            for group in groups:
+                out[0][:, group.dst] = group.attend(q, k_all, v_all)
+            return out
 
         return attend
 
     def end_step(self) -> None:
         pass
+
+
+class TritonBackend:
+    """The paged Triton kernel through one prepared plan, launched per layer with the step's device tensors (the
+    rows' offsets, lengths, W, N, trees and block tables)."""
+
+    name, graphable = "triton", True
+
+    def __init__(self, pool: KVPool, heads_q: int, heads_kv: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, max_rows: int, max_tokens: int, max_len: int) -> None:
+        from lookahead.kernels import PagedAttentionPlan
+
+        self.pool = pool
+        self.plan = PagedAttentionPlan(heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype,
+                                       device=device, block_size=pool.block_size, max_rows=max_rows,
+                                       max_tokens=max_tokens, max_len=max_len)
+
+    def begin_step(self, step: PackedStep, device_inputs) -> LayerAttention:
+        meta = device_inputs
+        pool, plan = self.pool, self.plan
+
+        def attend(layer: int, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor) -> torch.Tensor:
+            out = plan(q[0].transpose(0, 1), pool.blocks(k_all), pool.blocks(v_all), meta["block_table"],
+                       meta["cu_seqlens"], meta["prefix_len"], meta["window"], meta["ngram"], meta["tree_end"])
+            return out.transpose(0, 1)[None]
+
+        return attend
+
+    def end_step(self) -> None:
+        pass
+
+
+def _is_run(blocks: Sequence[int]) -> bool:
+    """Whether the blocks are consecutive in the pool (their slots one run)."""
+    return all(b - a == 1 for a, b in zip(blocks, blocks[1:], strict=False))
+
+
+def _is_path(pattern: StepPattern) -> bool:
+    """Whether the step is a prompt chunk's: one token and a path of nodes under it (causal over the step)."""
+    return pattern.lookahead_len == 1 and pattern.tree_end is not None and all(
+        end == len(pattern.tree_end) for end in pattern.tree_end)

@@ -1,10 +1,10 @@
-"""`Llama.generate`: turns the caller's arguments into one `Request`, finds a runner (cache, graphs) for it, and hands
-both to a driver of the decode loop (`decode` for one prompt, `decode_batch` for a list of prompts,
-`decode_parallel` over a process group).
+"""`Llama.generate`: turns the caller's arguments into one `Request`, finds a runner (the paged KV cache) for it, and
+hands both to the engine (`decode_batch`: one prompt is a batch of one; every row joins at step 0), or to
+`decode_parallel` over a process group.
 
-The model's runner is kept between generations (`Llama.runner`) and grown in powers of two, so its KV cache,
-compiled kernels and captured CUDA graphs are reused. Calls on one model serialise on the model's lock: they share
-that runner and its cache.
+The model's runner is kept between generations (`Llama.runner`) and grown in powers of two, so its KV cache, the
+prefixes cached in it (a conversation's earlier turns, a shared system prompt) and its compiled kernels are reused.
+Calls on one model serialise on the model's lock: they share that runner and its cache.
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ from torch import nn
 
 from lookahead.config import LookaheadConfig
 from lookahead.drafts import DraftMemory
-from lookahead.loop import PLAIN_STEP, GenerationResult, decode, decode_batch, full_pattern, static_steps
-from lookahead.parallel import agree, decode_parallel, sub_step_patterns
+from lookahead.loop import PLAIN_STEP, GenerationResult, decode_batch, full_pattern
+from lookahead.parallel import agree, decode_parallel
 from lookahead.request import Request, check_stream, parse_request
 from lookahead.tuning import CostModel
 from lookahead.tuning.store import Saver
 
-from .runner import CachedRunner, StepForward, StepShape
+from .runner import BLOCK_SIZE, CachedRunner, StepForward
 from .tuning import cost_model_for
 
 
@@ -45,7 +45,7 @@ class Llama(StepForward, Protocol):
     def merge_weights(self) -> bool: ...
 
 
-MIN_CAPACITY = 256
+MIN_BLOCKS = 16  # the smallest pool a runner is built with (256 positions at 16 a block)
 
 
 def generate(model: Llama, prompt_ids: Any, *, stream: Callable | None = None, cuda_graph: bool = True,
@@ -66,23 +66,26 @@ def generate(model: Llama, prompt_ids: Any, *, stream: Callable | None = None, c
         if process_group is not None:
             ranks = _world_size(process_group)
             request = agree(process_group, lambda: build(ranks), fingerprint(model))
-            return decode_parallel(runner_for(model, request, cuda_graph), request, process_group, stream)
+            sequence = runner_for(model, request, cuda_graph).sequence(_positions(request)[0])
+            try:
+                return decode_parallel(sequence, request, process_group, stream)
+            finally:
+                sequence.close()
         request = build()
         runner = runner_for(model, request, cuda_graph)
         cost = cost_model_for(model, runner, request)
-        drivers = {"cost": cost, "memory": model.draft_memory}  # the memory: read and written by warm generations only
         try:
-            if request.batch:
-                return decode_batch(runner, request, stream, **drivers)
-            return decode(runner, request, stream, **drivers)
+            # the memory: read and written by warm generations only
+            results = decode_batch(runner, request, stream, cost=cost, memory=model.draft_memory)
         finally:
             model.cost_saver.if_due(model.cost_model)
+        return results if request.batch else results[0]
 
 
 def warmup(model: Llama, lookahead: LookaheadConfig | str | None, max_tokens: int, cuda_graph: bool, batch: int,
            sampling: bool, process_group=None) -> None:
-    """See `Llama.warmup`: the runner for the largest request, every step shape a generation of it can meet
-    prepared (captured on CUDA), then one short generation that warms the prefill."""
+    """See `Llama.warmup`: the runner for the largest request and its cost model, then one short generation that
+    warms the prefill and a step."""
     for name, value, low in (("max_tokens", max_tokens, 2), ("batch", batch, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
@@ -99,44 +102,40 @@ def warmup(model: Llama, lookahead: LookaheadConfig | str | None, max_tokens: in
     with model.lock:
         with torch.inference_mode():
             runner = runner_for(model, request, cuda_graph)
-            steps = static_steps(request.lookahead)
-            if process_group is not None:  # a rank's sub-steps, of every padded size (sampling adds no program)
-                topk = steps[-1][2]
-                shapes = [StepShape(sub, sub.num_tokens, 1, topk) for sub in sub_step_patterns(request.lookahead)]
-            else:  # every self-tuned size; a batch meets every smaller batch size as its rows finish
-                shapes = [StepShape(pattern, rows, size, topk, sample) for sample in {False, sampling}
-                          for size in range(batch, 0, -1) for pattern, rows, topk in steps]
-            runner.capture(shapes)
             if process_group is None:  # the cost model's curve for this request, measured now if there is none
                 cost_model_for(model, runner, request)
-        if process_group is None:  # the prefill gives one token, so two make exactly one step, of a shape above
+        if process_group is None:  # the prefill gives one token, so two make exactly one step
             cold = request.lookahead and dataclasses.replace(request.lookahead, warm=False)  # nothing to remember
             generate(model, [0], max_new_tokens=2, lookahead=cold, eos_token_id=[], static_step=True,
                      cuda_graph=cuda_graph)
 
 
+def _positions(request: Request) -> list[int]:
+    """The positions each prompt's row may reach: the prompt, the new tokens and the largest step past them."""
+    full = full_pattern(request.lookahead) if request.lookahead is not None else PLAIN_STEP
+    return [len(prompt) + request.max_new_tokens + full.num_tokens for prompt in request.prompts]
+
+
 def runner_for(model: Llama, request: Request, cuda_graph: bool = True) -> CachedRunner:
-    """The model's runner for the request (its prompts, their length, the full step of its lookahead configuration),
-    rebuilt (capacity rounded up to a power of two) only when it cannot serve it; reset for a new generation."""
+    """The model's runner for the request (all its prompts at once, with room for their new tokens and the full step of
+    its lookahead configuration), rebuilt (its pool rounded up to a power of two of blocks) only when it cannot serve
+    it: the pool, and the prefixes cached in it, stay across generations."""
     model.merge_weights()  # parameters replaced since (load_state_dict(assign=True), ...): a new runner
     full = full_pattern(request.lookahead) if request.lookahead is not None else PLAIN_STEP
-    step_tokens, max_commit, batch = full.num_tokens, full.max_commit, len(request.prompts)
-    capacity = request.longest + step_tokens
+    step_tokens, rows = full.num_tokens, len(request.prompts)
+    blocks = sum(-(-positions // BLOCK_SIZE) for positions in _positions(request))
     runner = model.runner
-    if runner is None or not runner.fits(capacity, step_tokens, max_commit, batch):
-        capacity = max(MIN_CAPACITY, 1 << (capacity - 1).bit_length())
-        rows = batch
+    if runner is None or not runner.fits(rows, blocks, step_tokens):
+        blocks = max(MIN_BLOCKS, 1 << (blocks - 1).bit_length())
         if runner is not None:  # keep what the old one could serve, so alternating requests do not rebuild
             step_tokens = max(step_tokens, runner.max_step_tokens)
-            capacity = max(capacity, runner.cache.capacity)
-            max_commit = max(max_commit, runner.max_commit)
-            rows = max(batch, runner.cache.batch)
-        model.release()  # free the old cache before allocating the new one
+            blocks = max(blocks, runner.blocks.num_blocks)
+            rows = max(rows, runner.max_rows)
+        model.release()  # free the old pool before allocating the new one
         del runner
-        model.runner = CachedRunner(model, capacity, step_tokens, max_commit, cuda_graph, rows)
+        model.runner = CachedRunner(model, blocks, step_tokens, cuda_graphs=cuda_graph, max_rows=rows)
     runner = model.runner
-    runner.cuda_graphs = cuda_graph and runner.can_graph  # graphs captured before stay for later generations
-    runner.reset(batch)
+    runner.cuda_graphs = cuda_graph and runner.device.type == "cuda" and runner.backend.graphable
     return runner
 
 

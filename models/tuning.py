@@ -15,7 +15,7 @@ import time
 import torch
 
 from lookahead.kernels import interpreting
-from lookahead.loop import path_step, static_steps
+from lookahead.loop import RowStep, path_step, static_steps
 from lookahead.loop.sampling import SampleRequest
 from lookahead.request import Request
 from lookahead.tuning import Curve, buckets, fit, knots_up_to
@@ -25,6 +25,7 @@ from .runner import CachedRunner
 
 REPEATS = 2  # timed passes per step size at the shortest cache length (one at the longest)
 MIN_SPAN = 256  # cache positions between the two lengths timed; below it the cost per position is not measured
+MAX_SPAN = 2048  # the longer cache length timed, at most
 
 
 def cost_model_for(model, runner: CachedRunner, request: Request):
@@ -46,8 +47,8 @@ def cost_model_for(model, runner: CachedRunner, request: Request):
 def measure(runner: CachedRunner, request: Request, sizes: list[int]) -> Curve:
     """Time steps of `sizes` tokens per row (the request's batch, its top-k and sampling) on the runner, at two
     cache lengths, and fit a curve in tokens per step (all rows). Static steps time the shapes the generation will
-    run (each bucket's, captured on CUDA); otherwise a tree of each size. The runner must be freshly reset: the
-    passes write placeholder entries and commit nothing."""
+    run (each bucket's); otherwise a tree of each size. The passes run on scratch rows of free blocks, whose entries
+    are placeholders and whose blocks are never keyed; they are released after."""
     cfg, batch = request.lookahead, len(request.prompts)
     sample = None if request.sampling.greedy else request.sampling
     if request.static_step:
@@ -56,21 +57,31 @@ def measure(runner: CachedRunner, request: Request, sizes: list[int]) -> Curve:
         topk = static_steps(cfg)[-1][2]
         shapes = [(path_step(size), size, topk) for size in sizes]
     repeats = 1 if interpreting() else REPEATS
-    runner.history = None  # the passes overwrite the entries a next prompt could have resumed from
+    largest = max(pattern.num_tokens for pattern, _, _ in shapes)
+    span = min(runner.blocks.free // batch, -(-(MAX_SPAN + largest) // runner.block_size)) * runner.block_size
+    rows = [runner.admit([], span)[0] for _ in range(batch)]
     samples = []
-    for pattern, rows, topk in shapes:
-        tokens = pattern.num_tokens
-        longest = runner.cache.capacity - max(tokens, runner.max_commit) - 1
-        lengths = [0] * repeats + ([longest] if longest >= MIN_SPAN and not interpreting() else [])
-        for i, length in enumerate([0, *lengths]):  # the first pass is not timed: it prepares the shape
-            runner.lengths = [length] * batch
-            positions = tuple(length + 1 + j for j in range(rows))
-            requests = None if sample is None else [SampleRequest(sample, 0, positions)] * batch
-            start = time.perf_counter()
-            runner.step_batch([[0] * tokens] * batch, pattern, [list(range(rows))] * batch, topk, requests)
-            if i:  # the step's fetch has waited for the device
-                samples.append((batch * tokens, length, time.perf_counter() - start))
-    runner.reset(batch)
+    try:
+        for row in rows:
+            runner.rows[row].tokens = None  # placeholders: never keyed
+        for pattern, outputs, topk in shapes:
+            tokens = pattern.num_tokens
+            longest = span - tokens - 1
+            lengths = [0] * repeats + ([longest] if longest >= MIN_SPAN and not interpreting() else [])
+            for i, length in enumerate([0, *lengths]):  # the first pass is not timed: it prepares the shape
+                steps = []
+                for row in rows:
+                    runner.rows[row].length = length
+                    positions = tuple(length + 1 + j for j in range(outputs))
+                    steps.append(RowStep(row, [0] * tokens, pattern, list(range(outputs)), topk,
+                                         None if sample is None else SampleRequest(sample, 0, positions)))
+                start = time.perf_counter()
+                runner.step(steps)
+                if i:  # the step's fetch has waited for the device
+                    samples.append((batch * tokens, length, time.perf_counter() - start))
+    finally:
+        for row in rows:
+            runner.release(row)
     return fit(samples)
 
 

@@ -158,35 +158,39 @@ class MockStepModel:
         self.committed += [self.step_tokens[i] for i in step_indices]
 
 
-class MockBatchStepModel:
-    """A `BatchStepModel` of one `MockStepModel` per row: each row's logits depend on that row's tokens only, so
-    a loop that mixes rows up, or packs a row's step wrongly, changes tokens. Records every step's batch size
-    and pattern."""
+class MockRowModel:
+    """A `RowModel` of one `MockStepModel` per row: each row's logits depend on that row's tokens only, so an engine
+    that mixes rows up, or packs a row's step wrongly, changes tokens. A prompt chunk runs as a step of its path
+    pattern (as a packed model runs it). Records every step's row count (`batch_sizes`), tokens (`step_tokens`) and
+    the patterns met; `max_rows` rows at most (admit says no beyond)."""
 
-    def __init__(self, vocab: int, logits_fn: Callable[[Sequence[int]], torch.Tensor] | None = None) -> None:
+    def __init__(self, vocab: int, logits_fn: Callable[[Sequence[int]], torch.Tensor] | None = None,
+                 prefill_chunk: int | None = None, max_rows: int | None = None) -> None:
         self.vocab, self.logits_fn = vocab, logits_fn
-        self.rows: list[MockStepModel] = []
+        self.prefill_chunk, self.max_rows = prefill_chunk, max_rows
+        self.rows: dict[int, MockStepModel] = {}
+        self.next_row = 0
         self.batch_sizes: list[int] = []
+        self.step_tokens: list[int] = []
         self.patterns: list[StepPattern] = []
+        self.device = torch.device("cpu")
 
-    def prefill_batch(self, prompts):
-        self.rows = [MockStepModel(self.vocab, self.logits_fn) for _ in prompts]
-        return torch.stack([row.prefill(prompt) for row, prompt in zip(self.rows, prompts, strict=True)])
+    def admit(self, prompt, positions):
+        if self.max_rows is not None and len(self.rows) >= self.max_rows:
+            return None
+        row, self.next_row = self.next_row, self.next_row + 1
+        self.rows[row] = MockStepModel(self.vocab, self.logits_fn)
+        return row, 0
 
-    def step_batch(self, tokens, pattern, rows, topk: int = 0, sample=None):
-        assert len(tokens) == len(rows) == len(self.rows) and len({len(r) for r in rows}) == 1
-        patterns = [pattern] * len(tokens) if isinstance(pattern, StepPattern) else list(pattern)
-        assert len({p.shape for p in patterns}) == 1, "a batch step has one shape"
-        self.batch_sizes.append(len(tokens))
-        self.patterns.extend({p.shape: p for p in patterns}.values())
-        sample = sample or [None] * len(tokens)
-        return [row.step(t, p, r, topk, s)
-                for row, t, p, r, s in zip(self.rows, tokens, patterns, rows, sample, strict=True)]
+    def step(self, steps):
+        assert len({s.row for s in steps}) == len(steps), "a row twice in one step"
+        self.batch_sizes.append(len(steps))
+        self.step_tokens.append(sum(len(s.tokens) for s in steps))
+        self.patterns.extend(s.pattern for s in steps if not s.prefill)
+        return [self.rows[s.row].step(s.tokens, s.pattern, s.rows, s.topk, s.sample) for s in steps]
 
-    def commit_batch(self, step_indices):
-        for row, indices in zip(self.rows, step_indices, strict=True):
-            row.commit(indices)
+    def commit(self, row, step_indices):
+        self.rows[row].commit(step_indices)
 
-    def keep_rows(self, order):
-        assert len(set(order)) == len(order) <= len(self.rows)
-        self.rows = [self.rows[r] for r in order]
+    def release(self, row):
+        del self.rows[row]

@@ -4,7 +4,7 @@ both backends, the default model), finished rows leaving the batch, per-row seed
 import pytest
 import torch
 
-from helpers import MockBatchStepModel, MockStepModel, context_logits, decode_one, decode_rows, fixed
+from helpers import MockRowModel, MockStepModel, context_logits, decode_one, decode_rows, fixed
 from lookahead import LookaheadConfig
 from lookahead.kernels import StepPattern
 from lookahead.loop import full_pattern
@@ -45,7 +45,7 @@ def test_mock_batch_equals_each_prompt_alone(config, known):
     token, length = early_eos(plain)
     eos = [token]
     alone = [decode_one(MockStepModel(vocab, fn), p, 40, lookahead=lookahead, stop=eos) for p in prompts]
-    model = MockBatchStepModel(vocab, fn)
+    model = MockRowModel(vocab, fn)
     batch = decode_rows(model, prompts, 40, lookahead=lookahead, stop=eos)
     assert [r.tokens for r in batch] == [r.tokens for r in alone]
     assert [r.step_tokens for r in batch] == [r.step_tokens for r in alone]
@@ -54,7 +54,7 @@ def test_mock_batch_equals_each_prompt_alone(config, known):
     assert {p.shape for p in model.patterns} == {full.shape}  # static steps: one shape, warm-up included
     assert model.batch_sizes == sorted(model.batch_sizes, reverse=True)
     assert model.batch_sizes[0] == len(prompts) and model.batch_sizes[-1] < len(prompts)  # finished rows left
-    assert len(model.batch_sizes) == max(r.steps for r in batch) - 1  # one forward per step for all rows
+    assert len(model.batch_sizes) == max(r.steps for r in batch)  # one forward per step for all rows, prefill too
     if known and lookahead is not None and lookahead.guesses:
         assert batch[3].compression > 1.5, batch[3].compression
 
@@ -66,11 +66,11 @@ def test_finished_rows_leave_the_batch():
     plain = [decode_one(MockStepModel(vocab), p, 30).tokens for p in prompts]
     eos = [plain[2][1]]  # row 2 ends after its second token; rows whose output lacks it run to the limit
     cfg = LookaheadConfig(3, 4, 3)
-    model = MockBatchStepModel(vocab)
+    model = MockRowModel(vocab)
     batch = decode_rows(model, prompts, 30, lookahead=cfg, stop=eos)
     assert [r.tokens for r in batch] == [decode_one(MockStepModel(vocab), p, 30, lookahead=cfg, stop=eos).tokens
                                          for p in prompts]
-    assert len(batch[2].tokens) == 2 and model.batch_sizes[1] < 4  # gone from the second step on
+    assert len(batch[2].tokens) == 2 and model.batch_sizes[2] < 4  # gone after its first step (step 0: prefills)
 
 
 def test_two_rows_leave_at_once_and_rows_of_different_lengths_move_into_their_places(tiny_checkpoint):
@@ -90,15 +90,15 @@ def test_two_rows_leave_at_once_and_rows_of_different_lengths_move_into_their_pl
 
 def test_rows_done_at_prefill_never_step():
     prompts = ragged_prompts(3, 16)
-    model = MockBatchStepModel(16)
+    model = MockRowModel(16)
     results = decode_rows(model, prompts, 1, lookahead=LookaheadConfig())
-    assert [len(r.tokens) for r in results] == [1, 1, 1] and model.batch_sizes == []
+    assert [len(r.tokens) for r in results] == [1, 1, 1] and model.batch_sizes == [3]  # the prefills only
 
 
 def test_stream_gets_each_rows_tokens():
     prompts = ragged_prompts(3, 16)
     seen: dict[int, list[int]] = {0: [], 1: [], 2: []}
-    results = decode_rows(MockBatchStepModel(16), prompts, 12, lookahead=LookaheadConfig(),
+    results = decode_rows(MockRowModel(16), prompts, 12, lookahead=LookaheadConfig(),
                            stream=lambda row, tokens: seen[row].extend(tokens))
     assert [seen[i] for i in range(3)] == [r.tokens for r in results]
 
@@ -159,7 +159,7 @@ def test_mock_sampling_rows_do_not_touch_each_other():
     prompts = ragged_prompts(3, vocab)
     sampling = SamplingParams(temperature=1.0)
     cfg = LookaheadConfig(3, 4, 3)
-    batch = decode_rows(MockBatchStepModel(vocab), prompts, 30, sampling, cfg, seeds=[5, 6, 7])
+    batch = decode_rows(MockRowModel(vocab), prompts, 30, sampling, cfg, seeds=[5, 6, 7])
     for prompt, seed, row in zip(prompts, [5, 6, 7], batch, strict=True):
         assert decode_one(MockStepModel(vocab), prompt, 30, sampling, cfg, seed=seed).tokens == row.tokens
 

@@ -111,7 +111,7 @@ def test_cached_decoding_equals_full_forward(tiny_checkpoint):
     model = Llama.from_pretrained(tiny_checkpoint("gqa"))
     ids = torch.randint(0, 101, (1, 40), generator=torch.Generator().manual_seed(4))
     full = model(ids)[0]
-    runner = CachedRunner(model, capacity=48)
+    runner = CachedRunner(model, num_blocks=3).sequence(48)
     prefill = runner.prefill(ids[0, :25].tolist())
     assert (prefill - full[24]).abs().max().item() < 1e-4
     from lookahead.loop import PLAIN_STEP
@@ -125,7 +125,7 @@ def test_cached_decoding_equals_full_forward(tiny_checkpoint):
 def test_chunked_prefill_equals_full_forward(tiny_checkpoint):
     model = Llama.from_pretrained(tiny_checkpoint("gqa"))
     ids = torch.randint(0, 101, (1, 30), generator=torch.Generator().manual_seed(6))
-    runner = CachedRunner(model, capacity=32)
+    runner = CachedRunner(model, num_blocks=2).sequence(32)
     runner.prefill(ids[0, :17].tolist())
     assert (runner.prefill(ids[0, 17:].tolist()) - model(ids)[0, -1]).abs().max().item() < 1e-4
 

@@ -9,7 +9,7 @@ import torch
 import lookahead.loop.core as engine
 import lookahead.loop.sampling as sampling
 from helpers import (
-    MockBatchStepModel,
+    MockRowModel,
     MockStepModel,
     RandomCost,
     context_logits,
@@ -299,7 +299,7 @@ def test_seeded_lookahead_sampling_gives_seeded_plain_sampling(params, cfg):
             assert result.tokens == plain, (seed, static)
             accepted += len(result.tokens) > result.steps
     prompts = [PROMPT, PROMPT[:7], PROMPT[3:]]
-    rows = decode_rows(MockBatchStepModel(VOCAB, fn), prompts, 24, params, cfg, seeds=[4, 5, 6])
+    rows = decode_rows(MockRowModel(VOCAB, fn), prompts, 24, params, cfg, seeds=[4, 5, 6])
     alone = [decode_one(MockStepModel(VOCAB, fn), p, 24, params, seed=s).tokens
              for p, s in zip(prompts, [4, 5, 6], strict=True)]
     assert [r.tokens for r in rows] == alone

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from helpers import MockBatchStepModel, MockStepModel, RandomCost, context_logits, decode_one, decode_rows
+from helpers import MockRowModel, MockStepModel, RandomCost, context_logits, decode_one, decode_rows
 from lookahead import LookaheadConfig
 from lookahead.loop import static_steps
 from lookahead.models import Llama
@@ -246,7 +246,7 @@ def test_budget_fixed_keeps_the_full_steps():
 def test_a_batch_with_any_step_sizes_equals_each_row_alone():
     fn = lambda ctx: context_logits(ctx, VOCAB, list(range(4, 24)) * 3)  # noqa: E731
     prompts = [PROMPT, PROMPT[:6] + [4, 5, 6], [9, 8, 7, 4, 5]]
-    model = MockBatchStepModel(VOCAB, fn)
+    model = MockRowModel(VOCAB, fn)
     cfg = LookaheadConfig(3, 3, 3)
     rows = decode_rows(model, prompts, 24, GREEDY, cfg, cost=RandomCost(3))
     assert [r.tokens for r in rows] == [decode_one(MockStepModel(VOCAB, fn), p, 24).tokens for p in prompts]
@@ -265,7 +265,7 @@ def test_seeded_sampling_with_any_step_sizes_is_seeded_plain_sampling(params):
                                 static_step=static, cost=RandomCost(seed))
             assert result.tokens == plain, (seed, static)
     prompts = [PROMPT, PROMPT[:7]]
-    rows = decode_rows(MockBatchStepModel(VOCAB, fn), prompts, 16, params, LookaheadConfig(), seeds=[4, 5],
+    rows = decode_rows(MockRowModel(VOCAB, fn), prompts, 16, params, LookaheadConfig(), seeds=[4, 5],
                        cost=RandomCost(9))
     assert [r.tokens for r in rows] == [decode_one(MockStepModel(VOCAB, fn), p, 16, params, seed=s).tokens
                                         for p, s in zip(prompts, [4, 5], strict=True)]

@@ -9,7 +9,7 @@ import torch
 from test_sampling import DEPTH, P_FLOOR, PROMPT, VOCAB, accept_first_path, distribution_p_values, exact_joint
 
 import lookahead.loop.core as engine
-from helpers import MockBatchStepModel, MockStepModel, context_logits, decode_one, decode_rows
+from helpers import MockRowModel, MockStepModel, context_logits, decode_one, decode_rows
 from lookahead import LookaheadConfig, SamplingParams
 from lookahead.drafts import DraftMemory, NGramPool, RecycleTables
 from lookahead.models import Llama
@@ -147,7 +147,7 @@ def test_warm_false_neither_reads_nor_writes():
     assert footprint(memory) == before
     empty = decode_one(MockStepModel(16), prompt, 40, lookahead=CFG, memory=DraftMemory())
     assert off.step_tokens == empty.step_tokens == decode_one(MockStepModel(16), prompt, 40, lookahead=CFG).step_tokens
-    rows = decode_rows(MockBatchStepModel(16), [prompt, OTHERS[0]], 20, lookahead=COLD, memory=memory)
+    rows = decode_rows(MockRowModel(16), [prompt, OTHERS[0]], 20, lookahead=COLD, memory=memory)
     assert footprint(memory) == before and rows[0].tokens == off.tokens[:20]
 
 
@@ -168,7 +168,7 @@ def test_batch_rows_read_the_memory_as_it_was_and_are_added_at_the_end():
     alone = [decode_one(MockStepModel(16), p, 24, lookahead=CFG, static_step=True, memory=copy.deepcopy(memory))
              for p in prompts]
     before = memory.generations
-    rows = decode_rows(MockBatchStepModel(16), prompts, 24, lookahead=CFG, memory=memory)
+    rows = decode_rows(MockRowModel(16), prompts, 24, lookahead=CFG, memory=memory)
     assert [r.tokens for r in rows] == [r.tokens for r in alone]
     assert [r.step_tokens for r in rows] == [r.step_tokens for r in alone]
     assert memory.generations == before + len(prompts)

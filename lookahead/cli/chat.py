@@ -51,7 +51,7 @@ def run(args: argparse.Namespace, stdin: TextIO | None = None) -> int:
         print(flush=True)
         rate = None if lookahead is None else plain_rate(model, result, len(prompt))
         print(f"{summary(result, seconds, lookahead, plain_rate=rate)}; prompt {len(prompt)} tokens, "
-              f"{model.runner.reused} of them from the cache", file=sys.stderr, flush=True)
+              f"{result.cached_tokens} of them from the cache", file=sys.stderr, flush=True)
     return 0
 
 

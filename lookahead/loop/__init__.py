@@ -1,8 +1,9 @@
-"""The decode loop: the drivers for one prompt (`decode`) and a batch (`decode_batch`), their shared parts
-(`core`: the model protocol, results, the lookahead state), the step's packing (`layout`), verification (`verify`),
-sampling (`sampling`) and the 2D window (`window`)."""
+"""The decode loop: its one driver (`engine`: the `Engine`, with `decode` for one prompt over a one-sequence model and
+`decode_batch` for a request's prompts over a `RowModel`), the requests inside it (`jobs`), what it needs of a model
+(`rows`: `RowModel`, `RowStep`), the shared parts (`core`: the `StepModel` protocol, `StepOutput`, `GenerationResult`,
+`Output`, `LookaheadLoop`), the step's packing and numbering (`layout`), verification (`verify`), sampling
+(`sampling`) and the 2D window (`window`)."""
 
-from .batch import BatchStepModel, decode_batch
 from .core import (
     PLAIN_STEP,
     GenerationResult,
@@ -10,14 +11,17 @@ from .core import (
     Output,
     StepModel,
     StepOutput,
+    TokenLogprob,
     first_token,
     path_step,
     static_steps,
     step_budget,
 )
+from .engine import Engine, QueueFull, decode, decode_batch
+from .jobs import Delta, Handle
 from .layout import StepLayout, full_pattern, pack_step
-from .single import decode
+from .rows import RowModel, RowStep, SingleRowModel
 
-__all__ = ["PLAIN_STEP", "BatchStepModel", "GenerationResult", "LookaheadLoop", "Output", "StepLayout", "StepModel",
-           "StepOutput", "decode", "decode_batch", "first_token", "full_pattern", "pack_step", "path_step",
-           "static_steps", "step_budget"]
+__all__ = ["PLAIN_STEP", "Delta", "Engine", "GenerationResult", "Handle", "LookaheadLoop", "Output", "QueueFull",
+           "RowModel", "RowStep", "SingleRowModel", "StepLayout", "StepModel", "StepOutput", "TokenLogprob", "decode",
+           "decode_batch", "first_token", "full_pattern", "pack_step", "path_step", "static_steps", "step_budget"]

@@ -68,15 +68,31 @@ class StepModel(Protocol):
     def commit(self, step_indices: Sequence[int]) -> None: ...
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model (its raw logits, before temperature or top-k/top-p), and
+    the `top` most likely tokens at that position with theirs, most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class GenerationResult:
-    """New tokens, the model forward passes made (prefill included), the tokens each pass gave, and the tokens each
-    decoding pass fed per row (`step_sizes`: 1 for a plain step; the prefill is not in it)."""
+    """New tokens, the model forward passes made (the prefill counts one, however many chunks it took), the tokens
+    each pass gave, and the tokens each decoding pass fed per row (`step_sizes`: 1 for a plain step; the prefill is
+    not in it). `cached_tokens`: prompt tokens whose KV entries were taken from the cache (a prefix held from earlier
+    sequences) instead of being prefilled. `finish_reason`: "stop" (a stop token or stop string), "length" (the token
+    limit), "cancelled". `logprobs`: each token's log-probability, when asked for."""
 
     tokens: list[int] = field(default_factory=list)
     steps: int = 0
     step_tokens: list[list[int]] = field(default_factory=list)
     step_sizes: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def compression(self) -> float:
@@ -85,31 +101,38 @@ class GenerationResult:
 
 
 class Output:
-    """Collects accepted tokens, stopping exactly at the first stop token or at the token limit."""
+    """Collects accepted tokens, stopping exactly at the first stop token, at the first token after which the text
+    ends with a stop string (`stops_at`), or at the token limit."""
 
-    def __init__(self, limit: int, stop: Iterable[int], stream: Stream | None) -> None:
+    def __init__(self, limit: int, stop: Iterable[int], stream: Stream | None,
+                 stops_at: Callable[[int], bool] | None = None) -> None:
         self.result = GenerationResult()
-        self.limit, self.stop, self.stream = limit, frozenset(stop), stream
+        self.limit, self.stop, self.stream, self.stops_at = limit, frozenset(stop), stream, stops_at
         self.done = False
 
-    def accept(self, tokens: Sequence[int], fed: int | None = None) -> None:
-        """A forward pass's tokens; `fed`: the tokens it fed per row (None: the prefill)."""
-        self.result.steps += 1
+    def accept(self, tokens: Sequence[int], fed: int | None = None) -> list[int]:
+        """A forward pass's tokens; `fed`: the tokens it fed per row (None: the prefill). Returns those taken."""
+        result = self.result
+        result.steps += 1
         if fed is not None:
-            self.result.step_sizes.append(fed)
+            result.step_sizes.append(fed)
         taken: list[int] = []
         for token in tokens:
-            if len(self.result.tokens) + len(taken) == self.limit:
+            if len(result.tokens) + len(taken) == self.limit:
                 break
             taken.append(token)
-            if token in self.stop:
+            if token in self.stop or (self.stops_at is not None and self.stops_at(token)):
                 self.done = True
+                result.finish_reason = "stop"
                 break
-        self.result.tokens.extend(taken)
-        self.result.step_tokens.append(taken)
-        self.done = self.done or len(self.result.tokens) >= self.limit
+        result.tokens.extend(taken)
+        result.step_tokens.append(taken)
+        if not self.done and len(result.tokens) >= self.limit:
+            self.done = True
+            result.finish_reason = "length"
         if self.stream is not None and taken:
             self.stream(taken)
+        return taken
 
 
 def first_token(logits: torch.Tensor, sampling: SamplingParams, seed: int | None, position: int) -> int:

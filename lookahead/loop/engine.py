@@ -1,0 +1,347 @@
+"""`Engine`: the decode loop's one driver. It owns a `RowModel` and runs packed steps over the live rows; requests join
+after their prefill and leave when they stop or are cancelled.
+
+One iteration (`step`): take what was submitted and cancelled since the last one; admit waiting requests while there
+are free rows and the model has room for them (first come, first served); plan every live row's part of one packed
+step (a chunk of its prompt, a plain step, or a lookahead step sized by the budget); run it; hand each row its
+outputs, commit what each accepted, send each request its new tokens; retire the rows that are done.
+
+- **Exact whatever the traffic.** A row's tokens depend on its own prompt, settings and seed only: each row keeps its
+  own lookahead state, seed and sampling settings, the model keeps each row's cache, and sampling draws are keyed by
+  (seed, position) (`sampling.py`). So every request gets what it gets alone, whatever arrives before, beside or after
+  it, and whatever step sizes the budget chose.
+- **Chunked prefill.** A prompt enters in chunks that share steps with the decoding rows: while other rows decode, a
+  step carries at most as many prompt tokens as keep its cost within twice the decoding rows' own (by the cost model;
+  `MIN_CHUNK` at least), so a long prompt delays the others by about one step's time per step; alone, a prompt
+  prefills in chunks of the model's `prefill_chunk`.
+- **Two ways to drive it.** `run(request)` decodes a `Request`'s prompts in the caller's thread, every row joining at
+  step 0 (what `decode` and `decode_batch`, so `Llama.generate`, do). `start()` runs steps on a thread of its own;
+  `submit(...)` from any thread or asyncio task queues a request and returns a `Handle` (its deltas as they come,
+  `cancel()`, `result()`), which is how the server uses it.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from lookahead.config import LookaheadConfig
+from lookahead.drafts import DraftMemory
+from lookahead.request import Request, SamplingParams, token_ids
+from lookahead.tuning import CostModel, StepBudget
+
+from .core import GenerationResult, StepModel, Stream, sampling_seed, step_budget
+from .jobs import MAX_LOGPROBS, Delta, Handle, Job, Sink
+from .rows import RowModel, RowStep, SingleRowModel
+
+MIN_CHUNK = 16  # prompt tokens a step carries at least for a prefilling row, however busy the step
+IDLE_WAIT = 0.5  # seconds the engine's thread sleeps between looks at an empty queue (a submit wakes it at once)
+
+
+class QueueFull(RuntimeError):
+    """The engine's queue of waiting requests is full: try again later."""
+
+
+class Engine:
+    """Runs packed steps over a `RowModel`'s rows. See the module docstring.
+
+    max_rows: live rows at most (None: as many as the model admits). max_queue: waiting requests at most beyond them
+    (`submit` raises `QueueFull` past it; None: no limit). cost: the machine's cost model (sizes self-tuned lookahead
+    steps and prefill chunks; None: full-size steps). memory: the drafting memory rows draft from (warm drafting);
+    each request adds to it when it ends. max_positions: refuse requests that would pass it (the model's positions).
+    """
+
+    def __init__(self, model: RowModel, *, max_rows: int | None = None, max_queue: int | None = None,
+                 cost: CostModel | None = None, memory: DraftMemory | None = None,
+                 max_positions: int | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
+        for name, value in (("max_rows", max_rows), ("max_queue", max_queue)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
+        self.model, self.cost, self.memory, self.clock = model, cost, memory, clock
+        self.max_rows, self.max_queue, self.max_positions = max_rows, max_queue, max_positions
+        self.waiting: collections.deque[Job] = collections.deque()
+        self.active: list[Job] = []
+        self.budget: StepBudget | None = None
+        self._choice, self._expected, self._sized, self._length = None, 0.0, 0, 0  # the step's sizing, for `record`
+        self._inbox: list[Job] = []
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.on_step: Callable[[Sequence[RowStep], float], None] | None = None  # what each step ran (metrics)
+
+    # ----- submitting (any thread) -----
+
+    def submit(self, prompt: Sequence[int], max_new_tokens: int, *, sampling: SamplingParams = SamplingParams(),
+               seed: int | None = None, stop_token_ids: Sequence[int] = (), lookahead: LookaheadConfig | None = None,
+               stops_at: Callable[[int], bool] | None = None, logprobs: int | None = None,
+               sink: Sink | None = None) -> Handle:
+        """Queue one prompt (token ids) for up to `max_new_tokens` new tokens; thread-safe. sampling, seed: as
+        `Llama.generate` (greedy by default; a seed makes sampling reproducible, and without one a fresh seed is
+        drawn). stop_token_ids: tokens that end the output (kept in it). stops_at: called with each new token, True
+        where the text now ends with a stop string. logprobs: with 0..20, each token comes with its log-probability
+        and that many top alternatives. sink: called on the engine's thread with each `Delta` (default: the handle
+        queues them for iteration). Raises ValueError for a bad request, QueueFull when the queue is full."""
+        request = Request([prompt], max_new_tokens, sampling, lookahead, frozenset(token_ids(stop_token_ids,
+                                                                                               "stop_token_ids")),
+                          seed)
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                     or not 0 <= logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an int in 0..{MAX_LOGPROBS} or None, got {logprobs!r}")
+        self._check_positions(request)
+        handle = Handle(lambda: self.cancel(job))
+        job = Job(request, sampling_seed(request, 0), sink or handle.put, stops_at, logprobs)
+        with self._wake:
+            if self._stopping:
+                raise QueueFull("the engine is shutting down")
+            if self.max_queue is not None and len(self.waiting) + len(self._inbox) >= self.max_queue:
+                raise QueueFull(f"{self.max_queue} requests are waiting already")
+            self._inbox.append(job)
+            self._wake.notify()
+        return handle
+
+    def cancel(self, job: Job) -> None:
+        """Cancel a submitted request (applied at the next step boundary)."""
+        job.cancelled = True
+        with self._wake:
+            self._wake.notify()
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a row."""
+        return len(self.waiting) + len(self._inbox)
+
+    # ----- running -----
+
+    def run(self, request: Request, stream: Stream | Callable[[int, list[int]], None] | None = None
+            ) -> list[GenerationResult]:
+        """Decode every prompt of `request` in the caller's thread, all rows joining at step 0; one result per prompt.
+        stream: called with each step's accepted tokens (with the prompt's index first for a batch). What the rows'
+        drafting learned is added to the memory when all have ended, so rows never see each other's."""
+        jobs = []
+        for i, prompt in enumerate(request.prompts):
+            one = Request([prompt], request.max_new_tokens, request.sampling, request.lookahead, request.stop,
+                          request.seeds[i], request.static_step)
+            jobs.append(Job(one, sampling_seed(request, i), _stream_sink(stream, i, request.batch), remember=False))
+        self.waiting.extend(jobs)
+        while self.step():
+            pass
+        for job in jobs:
+            job.remember_drafts()
+        return [job.out.result for job in jobs]
+
+    def step(self) -> bool:
+        """One iteration: admit, one packed step over the live rows, retire. Returns whether work remains."""
+        self._take_inbox()
+        self._retire([job for job in self.active if job.cancelled])
+        self._admit()
+        if not self.active:
+            return bool(self.waiting)
+        jobs, steps = self._plan()
+        start = self.clock()
+        outputs = self.model.step(steps)
+        seconds = self.clock() - start
+        accepted = 0
+        for job, step, output in zip(jobs, steps, outputs, strict=True):
+            commit, taken = job.finish(step, output, self.memory)
+            self.model.commit(job.row, commit)
+            if job.layout is not None and not step.prefill:
+                accepted += len(commit) - 1
+            self._send(job, taken)
+        if self.budget is not None and self._choice is not None:
+            self.budget.record(self._choice, sum(len(s.tokens) for s in steps), self._length, seconds,
+                               self._expected, accepted, self._sized)
+        if self.on_step is not None:
+            self.on_step(steps, seconds)
+        self._retire([job for job in self.active if job.out.done])
+        return bool(self.active or self.waiting)
+
+    def start(self) -> None:
+        """Run steps on a thread of the engine's own until `stop()`."""
+        if self._thread is not None:
+            raise RuntimeError("the engine is running already")
+        self._thread = threading.Thread(target=self._serve, name="lookahead-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Refuse new requests, cancel every waiting and live one (each finishes as "cancelled" at the next step
+        boundary) and end the thread."""
+        with self._wake:
+            self._stopping = True
+            for job in [*self._inbox, *self.waiting, *self.active]:
+                job.cancelled = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _serve(self) -> None:
+        while True:
+            with self._wake:
+                if self._stopping and not (self.active or self.waiting or self._inbox):
+                    return
+                if not (self.active or self.waiting or self._inbox):
+                    self._wake.wait(IDLE_WAIT)
+                    continue
+            try:
+                self.step()
+            except Exception as e:  # noqa: BLE001 -- the engine outlives a failed step: its rows fail, others go on
+                self._fail(self.active, f"{type(e).__name__}: {e}")
+
+    # ----- the parts of a step -----
+
+    def _take_inbox(self) -> None:
+        with self._wake:
+            self.waiting.extend(self._inbox)
+            self._inbox.clear()
+        cancelled = [job for job in self.waiting if job.cancelled]
+        for job in cancelled:
+            self.waiting.remove(job)
+        self._finish(cancelled)
+
+    def _admit(self) -> None:
+        while self.waiting and (self.max_rows is None or len(self.active) < self.max_rows):
+            job = self.waiting[0]
+            try:
+                place = self.model.admit(job.prompt, job.positions)
+            except ValueError as e:  # can never fit: refuse it, admit the next
+                self.waiting.popleft()
+                self._fail([job], str(e))
+                continue
+            if place is None:
+                return
+            self.waiting.popleft()
+            job.admitted(*place)
+            self.active.append(job)
+
+    def _plan(self) -> tuple[list[Job], list[RowStep]]:
+        """Every live row's part of the next step: decoding rows first (sized together by the budget), then prompt
+        chunks within what is left of the step's prefill allowance."""
+        decoding = [job for job in self.active if not job.prefilling]
+        prefilling = [job for job in self.active if job.prefilling]
+        lookahead = [job for job in decoding if job.loop is not None]
+        for job in lookahead:
+            job.draft_now()
+        self._choice = self._size(lookahead)
+        steps = [job.plan(self._choice if job.loop is not None else None) for job in decoding]
+        allowance = self._prefill_allowance(sum(len(s.tokens) for s in steps))
+        jobs = list(decoding)
+        for job in prefilling:
+            if allowance is not None and allowance <= 0 and steps:
+                break
+            step = job.chunk(allowance)
+            steps.append(step)
+            jobs.append(job)
+            allowance = None if allowance is None else allowance - len(step.tokens)
+        return jobs, steps
+
+    def _size(self, lookahead: list[Job]):
+        """One size for every lookahead row's step (the budget's choice; None: full steps)."""
+        self._expected, self._sized = 0.0, len(lookahead)
+        self._length = max((job.loop.length for job in lookahead), default=0)
+        if not lookahead:
+            return None
+        if self.budget is None:
+            first = lookahead[0]
+            self.budget = step_budget(first.loop, self.cost, first.seed is not None)
+        if self.budget is None:
+            return None
+        drafts = [job.draft for job in lookahead]
+        choice = self.budget.choose([d.scores for d in drafts], lookahead[0].loop.branch_tokens, self._length)
+        self._expected = sum(sum(d.scores[: min(choice.nodes, len(d))]) for d in drafts)
+        return choice
+
+    def _prefill_allowance(self, decoding_tokens: int) -> int | None:
+        """Prompt tokens the next step may carry (None: no limit): the model's chunk alone; beside decoding rows as
+        many as keep the step within about twice their own cost."""
+        chunk = self.model.prefill_chunk
+        if decoding_tokens == 0 or chunk is None:
+            return chunk
+        if self.cost is None or not self.cost.curves:
+            return max(MIN_CHUNK, min(chunk, 4 * decoding_tokens))
+        kind = next(iter(self.cost.curves))
+        limit = 2 * self.cost.predict(decoding_tokens, 0, kind)
+        size = MIN_CHUNK
+        while size * 2 <= chunk and self.cost.predict(decoding_tokens + size * 2, 0, kind) <= limit:
+            size *= 2
+        return size
+
+    def _send(self, job: Job, taken: list[int]) -> None:
+        """A step's tokens to the job's sink; a done job's wait for its final delta (`_finish`)."""
+        logprobs = None
+        if job.logprobs is not None:
+            logprobs = job.out.result.logprobs[len(job.out.result.logprobs) - len(taken):] if taken else []
+        if job.out.done:
+            job.pending = Delta(taken, logprobs)
+        elif taken:
+            job.sink(Delta(taken, logprobs))
+
+    def _retire(self, jobs: list[Job]) -> None:
+        """Done or cancelled rows leave: their memory is freed, their drafting remembered, their requests finished."""
+        for job in jobs:
+            self.active.remove(job)
+            self.model.release(job.row)
+            if job.remember:
+                job.remember_drafts()
+        self._finish(jobs)
+
+    def _finish(self, jobs: list[Job]) -> None:
+        """Each job's last delta: its last tokens, the finish reason ("cancelled" unless it was done) and the result."""
+        for job in jobs:
+            result = job.out.result
+            if not job.out.done:
+                result.finish_reason = "cancelled"
+            last = job.pending or Delta([], [] if job.logprobs is not None else None)
+            job.sink(Delta(last.tokens, last.logprobs, result.finish_reason, result))
+
+    def _fail(self, jobs: list[Job], error: str) -> None:
+        for job in list(jobs):
+            if job in self.active:
+                self.active.remove(job)
+                try:
+                    self.model.release(job.row)
+                except Exception:  # noqa: BLE001 -- the row's memory is the model's to recover; the job still ends
+                    pass
+            job.out.result.finish_reason = "error"
+            job.sink(Delta([], None, "error", job.out.result, error))
+
+    def _check_positions(self, request: Request) -> None:
+        (prompt,) = request.prompts
+        if self.max_positions is not None and len(prompt) + request.max_new_tokens > self.max_positions:
+            raise ValueError(f"the prompt ({len(prompt)} tokens) + max_new_tokens ({request.max_new_tokens}) = "
+                             f"{len(prompt) + request.max_new_tokens} exceeds the model's {self.max_positions} "
+                             "positions; shorten the prompt or ask for fewer tokens")
+
+
+def _stream_sink(stream, index: int, batch: bool) -> Sink:
+    """A `Sink` that hands each delta's tokens to `stream` (as stream(index, tokens) for a batch)."""
+    if stream is None:
+        return lambda delta: None
+    if batch:
+        return lambda delta: delta.tokens and stream(index, delta.tokens)
+    return lambda delta: delta.tokens and stream(delta.tokens)
+
+
+def decode(model: StepModel, request: Request, stream: Stream | None = None, *, cost: CostModel | None = None,
+           memory: DraftMemory | None = None) -> GenerationResult:
+    """Generate for the request's one prompt over a one-sequence `StepModel` (the transformers adapter, a mock): the
+    engine over `SingleRowModel`. `request.lookahead` None means plain decoding.
+
+    request.static_step: feed every lookahead step at a static shape (the configuration's full size, or a self-tuned
+    bucket's), missing levels and nodes padded; otherwise each step has the exact size of what it holds. The tokens
+    are the same either way. stream: called with each step's accepted tokens. cost: the machine's cost model, which
+    sizes each step when the configuration's budget is "auto" (None: full-size steps); it learns from this
+    generation's steps. memory: the drafting memory to draft from and add to (with `LookaheadConfig.warm`); it
+    changes drafts only, never tokens.
+    """
+    (result,) = Engine(SingleRowModel(model), cost=cost, memory=memory).run(request, stream)
+    return result
+
+
+def decode_batch(model: RowModel, request: Request, stream: Callable[[int, list[int]], None] | None = None, *,
+                 cost: CostModel | None = None, memory: DraftMemory | None = None) -> list[GenerationResult]:
+    """Generate for every prompt of the request over a `RowModel`, every row joining at step 0: one result per prompt,
+    each what that prompt gives alone. stream: called as stream(prompt index, tokens) for a batch request (as
+    stream(tokens) for a one-prompt one). cost and memory as `decode`; the rows' drafting is added to the memory when
+    all have ended."""
+    return Engine(model, cost=cost, memory=memory).run(request, stream)
