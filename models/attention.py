@@ -134,6 +134,9 @@ class TorchBackend:
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
 
+    def resize(self, pool: KVPool, max_rows: int, max_tokens: int) -> None:
+        pass  # nothing is sized ahead
+
     def begin_step(self, step: PackedStep, device_inputs=None) -> LayerAttention:
         small = [b for b, p in enumerate(step.patterns) if p.num_tokens <= SMALL_ROW]
         groups = ([small] if small else []) + [[b] for b, p in enumerate(step.patterns) if p.num_tokens > SMALL_ROW]
@@ -159,14 +162,19 @@ class TritonBackend:
 
     name, graphable = "triton", True
 
-    def __init__(self, pool: KVPool, heads_q: int, heads_kv: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, max_rows: int, max_tokens: int, max_len: int) -> None:
+    def __init__(self, heads_q: int, heads_kv: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        self._shape = dict(heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype, device=device)
+        self.pool: KVPool | None = None
+        self.plan = None
+
+    def resize(self, pool: KVPool, max_rows: int, max_tokens: int) -> None:
+        """A plan for steps of up to `max_rows` rows and `max_tokens` tokens over `pool` (its grid and split count are
+        fixed for them, so a graph replays it)."""
         from lookahead.kernels import PagedAttentionPlan
 
         self.pool = pool
-        self.plan = PagedAttentionPlan(heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype,
-                                       device=device, block_size=pool.block_size, max_rows=max_rows,
-                                       max_tokens=max_tokens, max_len=max_len)
+        self.plan = PagedAttentionPlan(**self._shape, block_size=pool.block_size, max_rows=max_rows,
+                                       max_tokens=max_tokens, max_len=pool.num_blocks * pool.block_size)
 
     def begin_step(self, step: PackedStep, device_inputs) -> LayerAttention:
         meta = device_inputs

@@ -118,23 +118,22 @@ def _positions(request: Request) -> list[int]:
 
 def runner_for(model: Llama, request: Request, cuda_graph: bool = True) -> CachedRunner:
     """The model's runner for the request (all its prompts at once, with room for their new tokens and the full step of
-    its lookahead configuration), rebuilt (its pool rounded up to a power of two of blocks) only when it cannot serve
-    it: the pool, and the prefixes cached in it, stay across generations."""
+    its lookahead configuration): grown (its pool to a power of two of blocks, its contents kept) when too small, rebuilt
+    only when the model's dtype, device, backend or fusion changed; the pool, and the prefixes cached in it, stay
+    across generations."""
     model.merge_weights()  # parameters replaced since (load_state_dict(assign=True), ...): a new runner
     full = full_pattern(request.lookahead) if request.lookahead is not None else PLAIN_STEP
     step_tokens, rows = full.num_tokens, len(request.prompts)
     blocks = sum(-(-positions // BLOCK_SIZE) for positions in _positions(request))
     runner = model.runner
-    if runner is None or not runner.fits(rows, blocks, step_tokens):
-        blocks = max(MIN_BLOCKS, 1 << (blocks - 1).bit_length())
-        if runner is not None:  # keep what the old one could serve, so alternating requests do not rebuild
-            step_tokens = max(step_tokens, runner.max_step_tokens)
-            blocks = max(blocks, runner.blocks.num_blocks)
-            rows = max(rows, runner.max_rows)
+    if runner is not None and not runner.serves(model):
         model.release()  # free the old pool before allocating the new one
-        del runner
-        model.runner = CachedRunner(model, blocks, step_tokens, cuda_graphs=cuda_graph, max_rows=rows)
-    runner = model.runner
+        runner = None
+    size = max(MIN_BLOCKS, 1 << (blocks - 1).bit_length())
+    if runner is None:
+        model.runner = runner = CachedRunner(model, size, step_tokens, cuda_graphs=cuda_graph, max_rows=rows)
+    elif blocks > runner.blocks.num_blocks or rows > runner.max_rows or step_tokens > runner.max_step_tokens:
+        runner.grow(max(size, runner.blocks.num_blocks), rows, step_tokens)
     runner.cuda_graphs = cuda_graph and runner.device.type == "cuda" and runner.backend.graphable
     return runner
 

@@ -38,6 +38,12 @@ class BlockPool:
         self._block_of: dict[Key, int] = {}  # key -> block
         self._next_id = 0
 
+    def grow(self, num_blocks: int) -> None:
+        """Add free blocks up to `num_blocks` in all (the memory behind them is the caller's)."""
+        self._free.extend(range(self.num_blocks, num_blocks))
+        self.refs += [0] * (num_blocks - self.num_blocks)
+        self.num_blocks = max(self.num_blocks, num_blocks)
+
     @property
     def available(self) -> int:
         """Blocks an allocation can take now: the free ones and the cached ones (evicted to make room)."""

@@ -80,13 +80,13 @@ class CachedRunner:
         self.pool = KVPool(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, num_blocks, block_size,
                            model.dtype, model.device)
         if model.attn_backend == "triton":
-            self.backend = TritonBackend(self.pool, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                                         model.dtype, model.device, max_rows, max_rows * max_step_tokens,
-                                         num_blocks * block_size)
+            self.backend = TritonBackend(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, model.dtype,
+                                         model.device)
         else:
             self.backend = TorchBackend(model.device)
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and self.backend.graphable
         self.prefill_chunk = PREFILL_CHUNK.get(self.device.type, PREFILL_CHUNK["cpu"])
+        self.backend.resize(self.pool, max_rows, max_rows * max_step_tokens + self.prefill_chunk)
         self.rows: dict[int, Row] = {}
         self._next_row = 0
         self._moves: tuple[list[int], list[int]] = ([], [])  # deferred commits: source and destination slots
@@ -101,13 +101,26 @@ class CachedRunner:
         """Positions the pool holds, all rows together."""
         return self.blocks.num_blocks * self.block_size
 
-    def fits(self, rows: int, blocks: int, max_step_tokens: int) -> bool:
-        """Whether this runner can serve `rows` rows needing `blocks` blocks in all, of steps of up to that many tokens,
-        on the model as it is now."""
-        model = self.model
-        return (self.blocks.num_blocks >= blocks and self.max_rows >= rows and self.max_step_tokens >= max_step_tokens
-                and self.pool.k.dtype == model.dtype and self.pool.k.device == model.device
+    def serves(self, model) -> bool:
+        """Whether this runner still fits the model as it is now (its dtype, device, backend and fusion)."""
+        return (self.pool.k.dtype == model.dtype and self.pool.k.device == model.device
                 and self.backend.name == model.attn_backend and self.fusion == model.fusion)
+
+    def grow(self, num_blocks: int, max_rows: int, max_step_tokens: int) -> None:
+        """Make room for at least `num_blocks` blocks, `max_rows` rows and steps of `max_step_tokens` tokens, keeping
+        every row and cached prefix (the pool's contents are copied into the larger one)."""
+        self.max_rows = max(self.max_rows, max_rows)
+        self.max_step_tokens = max(self.max_step_tokens, max_step_tokens)
+        if num_blocks > self.blocks.num_blocks:
+            cfg, old = self.model.config, self.pool
+            self.pool = None  # the old pool's memory is counted free only once it is copied and dropped
+            new = KVPool(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, num_blocks, self.block_size,
+                         old.k.dtype, old.k.device)
+            new.k[:, :, : old.k.shape[2]] = old.k
+            new.v[:, :, : old.v.shape[2]] = old.v
+            self.pool = new
+            self.blocks.grow(num_blocks)
+        self.backend.resize(self.pool, self.max_rows, self.max_rows * self.max_step_tokens + self.prefill_chunk)
 
     # ----- rows -----
 

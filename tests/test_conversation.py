@@ -1,13 +1,17 @@
-"""A conversation's next turn resumes from the cache: a prompt that begins with the last generation's prompt and
-output prefills only what follows, and decodes exactly what a fresh model decodes from the whole history."""
+"""Cached prefixes: a prompt that begins with full blocks of tokens whose entries the cache holds (a conversation's
+earlier turns, a shared system prompt, another row of a batch) takes them instead of prefilling them, and decodes
+exactly what a fresh model decodes from the whole prompt."""
 
 import pytest
 import torch
 
+from helpers import fixed
 from lookahead import LookaheadConfig
 from lookahead.models import Llama
+from lookahead.models.runner import BLOCK_SIZE
 
 TURN1 = [17, 72, 97, 8, 32, 15, 63, 97, 57, 60]  # a prompt the tiny model does not answer with one token repeated
+SYSTEM = [(7 * i + 3) % 101 for i in range(40)]  # a "system prompt" of 2.5 blocks
 
 
 def fed_widths(model, monkeypatch) -> list[int]:
@@ -23,56 +27,77 @@ def fed_widths(model, monkeypatch) -> list[int]:
     return widths
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_a_second_turn_prefills_only_the_new_tokens_and_equals_a_fresh_model(tiny_checkpoint, monkeypatch, backend):
-    model = Llama.from_pretrained(tiny_checkpoint("gqa"), attn_backend=backend)
+def common(a, b) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("budget", ["fixed", "auto"])
+def test_a_second_turn_prefills_only_the_new_tokens_and_equals_a_fresh_model(tiny_checkpoint, monkeypatch, budget):
+    """Both budgets: with fixed steps the first turn's last step accepts draft tokens whose entries still wait for the
+    deferred commit, which must land before the next turn reads them."""
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"))
     fresh = Llama.from_pretrained(tiny_checkpoint("gqa"))
-    cfg = LookaheadConfig(2, 3, 3)
-    # a first turn whose last step accepted draft tokens: their entries still wait for the deferred commit, which
-    # must land before the next turn resumes from them
-    for limit in range(12, 40):
+    cfg = LookaheadConfig(2, 3, 3, budget=budget, warm=False)
+    for limit in range(30, 60):
         first = model.generate(TURN1, max_new_tokens=limit, lookahead=cfg, eos_token_id=[])
-        if len(first.step_tokens[-1]) > 1:
+        if budget == "auto" or len(first.step_tokens[-1]) > 1:
             break
-    assert len(first.step_tokens[-1]) > 1 and len(set(first.tokens)) > 3
+    assert len(set(first.tokens)) > 3 and (budget == "auto" or len(first.step_tokens[-1]) > 1)
     turn2 = TURN1 + first.tokens + [40, 41, 42]  # the answer, then the next message
     widths = fed_widths(model, monkeypatch)
     second = model.generate(turn2, max_new_tokens=16, lookahead=cfg, eos_token_id=[])
-    # every token but the answer's last was fed, so its entry exists; the last step may have committed past the token
-    # limit (entries of accepted tokens the answer cut), which a prompt repeating them reuses as well
+    # every token but the answer's last was fed, so its entry exists: the full blocks of that much are taken
     known = len(TURN1) + len(first.tokens) - 1
-    assert known <= model.runner.reused < len(turn2) and widths[0] == len(turn2) - model.runner.reused
+    assert second.cached_tokens == known // BLOCK_SIZE * BLOCK_SIZE > 0
+    assert widths[0] == len(turn2) - second.cached_tokens
     monkeypatch.undo()
-    assert second.tokens == fresh.generate(turn2, max_new_tokens=16, eos_token_id=[]).tokens
+    assert second.tokens == fresh.generate(turn2, max_new_tokens=16, lookahead=cfg, eos_token_id=[]).tokens
 
 
-def test_what_cannot_be_reused_prefills_as_before(tiny_checkpoint):
-    """A different prompt shares only its common prefix; a batch in between forgets the history."""
+def test_prompts_that_diverge_mid_block_share_the_full_blocks_before(tiny_checkpoint):
     model = Llama.from_pretrained(tiny_checkpoint("gqa"))
     fresh = Llama.from_pretrained(tiny_checkpoint("gqa"))
-    model.generate(TURN1, max_new_tokens=8, eos_token_id=[])
-    other = TURN1[:3] + [60, 61, 62]
-    assert model.generate(other, max_new_tokens=8, eos_token_id=[]).tokens == \
-        fresh.generate(other, max_new_tokens=8, eos_token_id=[]).tokens
-    assert model.runner.reused == 3
-    model.generate([TURN1, other], max_new_tokens=4, eos_token_id=[])
-    model.generate(TURN1, max_new_tokens=4, eos_token_id=[])
-    assert model.runner.reused == 0
-    assert model.generate(TURN1, max_new_tokens=8, eos_token_id=[]).tokens == \
-        fresh.generate(TURN1, max_new_tokens=8, eos_token_id=[]).tokens
-    assert model.runner.reused == len(TURN1) - 1  # the whole prompt but its last token, whose logits are needed
+    first = model.generate(SYSTEM + [1, 2, 3], max_new_tokens=8, eos_token_id=[])
+    assert first.cached_tokens == 0
+    other = SYSTEM[:37] + [60, 61, 62, 63]  # diverges inside the third block
+    second = model.generate(other, max_new_tokens=8, eos_token_id=[], lookahead=fixed(2, 3, 2))
+    assert second.cached_tokens == 32
+    assert second.tokens == fresh.generate(other, max_new_tokens=8, eos_token_id=[]).tokens
+    # the whole prompt cached but its last token, whose logits are needed: that block runs again
+    again = model.generate(SYSTEM[:32], max_new_tokens=4, eos_token_id=[])
+    assert again.cached_tokens == 16
 
 
-def test_preparing_shapes_forgets_the_history(tiny_checkpoint):
-    """A capture writes placeholder entries from each row's L on, over entries a next prompt could have resumed from:
-    after one, the next prompt prefills whole."""
+def test_rows_of_a_batch_leave_their_prefixes_for_later_requests(tiny_checkpoint):
     model = Llama.from_pretrained(tiny_checkpoint("gqa"))
-    model.generate(TURN1, max_new_tokens=8, eos_token_id=[])
-    model.warmup(LookaheadConfig(2, 3, 2), max_tokens=64, process_group=None, sampling=True)  # ends with [0]'s turn
-    with torch.inference_mode():  # as generation runs the runner
-        model.runner.reset()
-        assert model.runner.history  # [0] and its answer: the warm-up's generation
-        model.runner.capture([])
-    assert model.runner.history is None
-    model.generate(TURN1, max_new_tokens=8, eos_token_id=[])
-    assert model.runner.reused == 0
+    fresh = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    batch = model.generate([SYSTEM + [5], TURN1 * 3], max_new_tokens=6, eos_token_id=[], seed=3, temperature=0.8)
+    assert [r.cached_tokens for r in batch] == [0, 0]
+    later = [SYSTEM + [9, 9], TURN1 * 3 + [4]]
+    results = model.generate(later, max_new_tokens=10, eos_token_id=[], seed=[5, 6], temperature=0.9, top_p=0.9)
+    assert [r.cached_tokens for r in results] == [32, 16]
+    expected = fresh.generate(later, max_new_tokens=10, eos_token_id=[], seed=[5, 6], temperature=0.9, top_p=0.9)
+    assert [r.tokens for r in results] == [r.tokens for r in expected]
+
+
+def test_weights_changed_in_place_drop_the_cached_prefixes(tiny_checkpoint):
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    other = Llama.from_pretrained(tiny_checkpoint("gqa", seed=1))
+    model.generate(SYSTEM, max_new_tokens=4, eos_token_id=[])
+    with torch.no_grad():
+        model.load_state_dict(other.state_dict())  # in place: no release(), no new parameters
+    result = model.generate(SYSTEM + [1], max_new_tokens=12, eos_token_id=[])
+    assert result.cached_tokens == 0
+    assert result.tokens == other.generate(SYSTEM + [1], max_new_tokens=12, eos_token_id=[]).tokens
+
+
+def test_measuring_the_cost_model_keeps_the_cached_prefixes(tiny_checkpoint):
+    """The timed passes run on scratch rows whose placeholder entries are never keyed."""
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    model.generate(SYSTEM, max_new_tokens=4, eos_token_id=[])
+    model.cost_model = None
+    model.warmup(LookaheadConfig(2, 3, 2), max_tokens=64, sampling=True)
+    assert model.generate(SYSTEM + [1], max_new_tokens=4, eos_token_id=[]).cached_tokens == 32

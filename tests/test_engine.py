@@ -1,0 +1,239 @@
+"""The engine: requests that join, leave and are cancelled at random times, with their own sampling settings and
+seeds, each get exactly what they get alone (a property test over random arrival schedules, on the mock model and the
+tiny LLaMA); its thread, handles, limits and failures."""
+
+import random
+import threading
+
+import pytest
+
+from helpers import MockRowModel, MockStepModel, RandomCost, context_logits, decode_one
+from lookahead import LookaheadConfig
+from lookahead.loop import Engine, QueueFull
+from lookahead.models import Llama
+from lookahead.request import SamplingParams
+
+VOCAB = 24
+TARGET = [7, 3, 9, 12, 4, 8, 1, 11, 5, 14, 6, 10, 13] * 6  # each token determines the next: drafts pay
+
+
+def logits_fn(ctx):
+    return context_logits(ctx, VOCAB, target=[1, 2] + TARGET)
+
+
+SETTINGS = [SamplingParams(), SamplingParams(0.8), SamplingParams(1.0, top_p=0.8), SamplingParams(0.7, top_k=5)]
+CONFIGS = [None, LookaheadConfig(1, 4, 5, warm=False), LookaheadConfig(2, 3, 2, warm=False),
+           LookaheadConfig(3, 4, 3, budget="fixed", warm=False)]
+
+
+def random_request(rng: random.Random) -> dict:
+    prompt = [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 30))]
+    if rng.random() < 0.4:  # some follow the known text: multi-token steps happen
+        prompt = [1, 2] + TARGET[: rng.randrange(4, 20)]
+    return dict(prompt=prompt, max_new_tokens=rng.randrange(1, 40), sampling=rng.choice(SETTINGS),
+                seed=rng.randrange(1000), lookahead=rng.choice(CONFIGS),
+                stop=[rng.randrange(VOCAB)] if rng.random() < 0.3 else [])
+
+
+def alone(spec: dict):
+    seed = None if spec["sampling"].greedy else spec["seed"]
+    return decode_one(MockStepModel(VOCAB, logits_fn), spec["prompt"], spec["max_new_tokens"], spec["sampling"],
+                      spec["lookahead"], stop=spec["stop"], seed=seed)
+
+
+def submit(engine: Engine, spec: dict, **extra):
+    return engine.submit(spec["prompt"], spec["max_new_tokens"], sampling=spec["sampling"],
+                         seed=None if spec["sampling"].greedy else spec["seed"], stop_token_ids=spec["stop"],
+                         lookahead=spec["lookahead"], **extra)
+
+
+@pytest.mark.parametrize("schedule", range(12), ids=lambda s: f"schedule{s}")
+def test_any_arrival_schedule_gives_every_request_what_it_gets_alone(schedule):
+    """Arrivals at random steps, random cancellations, a few rows at most (the rest wait), prompts prefilled in chunks
+    beside decoding rows, step sizes drawn at random: each finished request equals its run alone, and a cancelled
+    one is a prefix of it."""
+    rng = random.Random(schedule)
+    specs = [random_request(rng) for _ in range(10)]
+    arrivals = sorted(rng.randrange(25) for _ in specs)
+    cancels = {i: arrivals[i] + rng.randrange(1, 8) for i in range(len(specs)) if rng.random() < 0.2}
+    model = MockRowModel(VOCAB, logits_fn, prefill_chunk=rng.choice([None, 4, 9]), max_rows=rng.choice([2, 3, 8]))
+    engine = Engine(model, cost=RandomCost(schedule))
+    handles: dict[int, object] = {}
+    for step in range(400):
+        for i, at in enumerate(arrivals):
+            if at == step:
+                handles[i] = submit(engine, specs[i])
+            if cancels.get(i) == step and i in handles:
+                handles[i].cancel()
+        if not engine.step() and len(handles) == len(specs):
+            break
+    assert len(handles) == len(specs) and not engine.active and not engine.waiting
+    for i, spec in enumerate(specs):
+        result, expected = handles[i].result(), alone(spec)
+        if result.finish_reason == "cancelled":
+            assert i in cancels and result.tokens == expected.tokens[: len(result.tokens)]
+        else:
+            assert result.tokens == expected.tokens, (i, spec)
+            assert result.finish_reason == ("stop" if expected.tokens[-1:] and expected.tokens[-1] in spec["stop"]
+                                            else "length")
+    assert not model.rows  # every row released
+
+
+def test_deltas_stream_the_tokens_and_the_last_carries_the_result():
+    engine = Engine(MockRowModel(VOCAB, logits_fn))
+    spec = dict(prompt=[1, 2, 7, 3], max_new_tokens=20, sampling=SamplingParams(), seed=0,
+                lookahead=LookaheadConfig(2, 3, 2, warm=False), stop=[])
+    handle = submit(engine, spec, logprobs=2)
+    while engine.step():
+        pass
+    deltas = list(handle)
+    assert [t for d in deltas for t in d.tokens] == alone(spec).tokens == handle.result().tokens
+    assert [d.finish_reason for d in deltas] == [None] * (len(deltas) - 1) + ["length"]
+    assert deltas[-1].result is handle.result() and any(len(d.tokens) > 1 for d in deltas)
+    logprobs = [lp for d in deltas for lp in d.logprobs]
+    assert [lp.token for lp in logprobs] == handle.result().tokens and all(len(lp.top) == 2 for lp in logprobs)
+
+
+def test_logprobs_equal_plain_decodings():
+    """Each token's log-probability is log_softmax of the logits that chose it: what plain decoding computes."""
+    import torch
+
+    engine = Engine(MockRowModel(VOCAB, logits_fn))
+    prompt = [5, 1, 2, 7, 3, 9]
+    handle = engine.submit(prompt, 24, lookahead=LookaheadConfig(2, 3, 2, warm=False), logprobs=3)
+    while engine.step():
+        pass
+    result = handle.result()
+    assert any(len(t) > 1 for t in result.step_tokens)  # multi-token steps did happen
+    for i, lp in enumerate(result.logprobs):
+        expected = torch.log_softmax(logits_fn(prompt + result.tokens[:i]).float(), -1)
+        assert abs(lp.logprob - expected[lp.token].item()) < 1e-5
+        assert [t for t, _ in lp.top] == expected.topk(3).indices.tolist()
+
+
+def test_a_stop_string_inside_a_multi_token_step_ends_the_output_where_plain_decoding_would():
+    """stops_at sees each token in turn: the tokens after the one that completes the stop are never taken."""
+    spec = dict(prompt=[1, 2] + TARGET[:15], max_new_tokens=30, sampling=SamplingParams(), seed=0,
+                lookahead=LookaheadConfig(2, 3, 2, warm=False), stop=[])
+    reference = alone(spec)
+    full = reference.tokens
+    # the stop "string": tokens full[cut - 1], full[cut] in a row, where full[cut] is inside a step of 3+ tokens
+    done = 0
+    for taken in reference.step_tokens:
+        if len(taken) >= 3 and done > 0:
+            cut = done + 1
+            break
+        done += len(taken)
+    seen: list[int] = []
+
+    def stops_at(token):
+        seen.append(token)
+        return seen[-2:] == full[cut - 1 : cut + 1]
+
+    engine = Engine(MockRowModel(VOCAB, logits_fn))
+    handle = submit(engine, spec, stops_at=stops_at)
+    while engine.step():
+        pass
+    result = handle.result()
+    assert result.tokens == full[: cut + 1] and result.finish_reason == "stop"
+    assert len(result.step_tokens[-1]) < len(reference.step_tokens[len(result.step_tokens) - 1])  # cut mid-step
+
+
+def test_the_engine_thread_serves_submitters_of_many_threads():
+    engine = Engine(MockRowModel(VOCAB, logits_fn, max_rows=3), cost=RandomCost(5))
+    engine.start()
+    specs = [random_request(random.Random(100 + i)) for i in range(12)]
+    results: dict[int, list[int]] = {}
+
+    def client(i):
+        results[i] = list(submit(engine, specs[i]).tokens())
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(specs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    engine.stop(10)
+    assert {i: results[i] for i in range(len(specs))} == {i: alone(s).tokens for i, s in enumerate(specs)}
+
+
+def test_stop_cancels_what_is_left_and_refuses_new_requests():
+    engine = Engine(MockRowModel(VOCAB, logits_fn, max_rows=1))
+    first = engine.submit([1, 2, 3], 30)
+    second = engine.submit([4, 5], 30)
+    engine.step()
+    engine.stop()
+    while engine.step():
+        pass
+    assert first.result().finish_reason == second.result().finish_reason == "cancelled"
+    with pytest.raises(QueueFull, match="shutting down"):
+        engine.submit([1], 2)
+
+
+def test_the_queue_limit_and_bad_requests_are_refused_at_submit():
+    engine = Engine(MockRowModel(VOCAB, logits_fn), max_queue=2, max_positions=20)
+    engine.submit([1], 2)
+    engine.submit([1], 2)
+    with pytest.raises(QueueFull, match="2 requests are waiting"):
+        engine.submit([1], 2)
+    for bad, message in [(dict(prompt=[], max_new_tokens=2), "at least one prompt"),
+                         (dict(prompt=[1] * 15, max_new_tokens=10), "exceeds the model's 20 positions"),
+                         (dict(prompt=[1], max_new_tokens=0), "max_new_tokens"),
+                         (dict(prompt=[1], max_new_tokens=2, logprobs=21), "logprobs"),
+                         (dict(prompt=[1], max_new_tokens=2, stop_token_ids=[-1]), "stop_token_ids")]:
+        with pytest.raises((ValueError, TypeError), match=message):
+            engine.submit(**bad)
+
+
+def test_a_failing_step_fails_its_rows_and_the_engine_goes_on():
+    model = MockRowModel(VOCAB, logits_fn)
+    engine = Engine(model)
+    engine.start()
+    broken = model.step
+    calls = []
+
+    def step(steps):
+        calls.append(len(steps))
+        if len(calls) == 2:
+            raise RuntimeError("device lost")
+        return broken(steps)
+
+    model.step = step
+    first = engine.submit([1, 2, 3], 5)
+    with pytest.raises(RuntimeError, match="device lost"):
+        first.result(30)
+    second = engine.submit([1, 2, 3], 5)
+    assert second.result(30).tokens == decode_one(MockStepModel(VOCAB, logits_fn), [1, 2, 3], 5).tokens
+    engine.stop(10)
+
+
+def test_tiny_llama_rows_joining_a_running_batch_equal_each_alone(tiny_checkpoint):
+    """The real runner: rows join while others decode (a long prompt prefilled in chunks beside them), with their own
+    sampling settings; each equals its own `Llama.generate`."""
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    reference = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    from lookahead.models.generation import runner_for
+    from lookahead.request import Request
+
+    runner = runner_for(model, Request([[0] * 60] * 4, 40, lookahead=LookaheadConfig()))
+    runner.prefill_chunk = 16
+    engine = Engine(runner, cost=RandomCost(1))
+    rng = random.Random(7)
+    specs = []
+    for i in range(6):
+        prompt = [rng.randrange(101) for _ in range(rng.choice([3, 9, 50]))]
+        sampling = SETTINGS[i % len(SETTINGS)]
+        specs.append((prompt, sampling, None if sampling.greedy else 10 + i,
+                      [None, LookaheadConfig(2, 3, 2, warm=False)][i % 2]))
+    handles = []
+    for i, (prompt, sampling, seed, cfg) in enumerate(specs):
+        handles.append(engine.submit(prompt, 20, sampling=sampling, seed=seed, lookahead=cfg))
+        for _ in range(i % 3):
+            engine.step()
+    while engine.step():
+        pass
+    for handle, (prompt, sampling, seed, cfg) in zip(handles, specs, strict=True):
+        expected = reference.generate(prompt, max_new_tokens=20, temperature=sampling.temperature,
+                                      top_k=sampling.top_k, top_p=sampling.top_p, seed=seed, eos_token_id=[])
+        assert handle.result().tokens == expected.tokens
+    assert not runner.rows and runner.blocks.held == 0
