@@ -141,7 +141,8 @@ class StepPattern:
 
     def subtree_end(self, k_idx: torch.Tensor, tree_end: torch.Tensor | None = None) -> torch.Tensor:
         """One past the step index of the last token in verification token k_idx's subtree (chains: the end of its
-        candidate). Only meaningful for k_idx >= lookahead_len; mirrors `_chain_end` / the tree load in the kernel.
+        candidate). Only meaningful for k_idx >= lookahead_len; mirrors the tree load in the kernel (which reads chains
+        as their tree).
 
         tree_end: tree form, an integer tensor [V] on k_idx's device that replaces the pattern's own (as the kernel
         takes the tree per call: a model keeps one program per shape and gets each step's tree as data).
@@ -172,7 +173,8 @@ class StepPattern:
 
 
 def _visible_rule(q_idx, k_idx, k_end, W: int, N: int):
-    """The rule on step indices; `k_end` = subtree_end(k_idx). Line for line the kernel's `_visible`."""
+    """The rule on step indices; `k_end` = subtree_end(k_idx). Line for line the kernel's `_visible`, where W and N
+    are per-row run-time values."""
     LA = W * (N - 1)
     q_la = q_idx < LA
     k_la = k_idx < LA

@@ -1,6 +1,7 @@
-"""PyTorch reference of the lookahead attention: SDPA with the dense mask of `StepPattern`.
+"""PyTorch references of the lookahead attention: SDPA with the dense mask of `StepPattern`, over a dense cache
+(`reference_attention`) or packed steps over a paged cache (`paged_reference_attention`).
 
-Importable by other codebases' tests, like FlagAttention's `testing` module. It is also the CPU
+Importable by other codebases' tests, like FlagAttention's `testing` module. The dense one is also the CPU
 backend of the model, where a dense mask of a few hundred rows costs nothing next to the matmuls.
 """
 
@@ -85,3 +86,42 @@ def masked_attention(
         q, k, v = q.float(), k.float(), v.float()
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=sm_scale, enable_gqa=True)
     return out.to(dtype)
+
+
+def paged_reference_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    prefix_len: torch.Tensor,
+    window: torch.Tensor,
+    ngram: torch.Tensor,
+    tree_end: torch.Tensor,
+    sm_scale: float | None = None,
+    upcast: bool = False,
+) -> torch.Tensor:
+    """`paged_attention` by SDPA, one row at a time: gather the row's L_b + T_b keys/values through its block table,
+    build its mask with `StepPattern(W_b, N_b, tree_end=...).materialize(L_b)`, attend.
+
+    Shapes as `paged_attention`: q [ΣT, Hq, D]; k_cache, v_cache [num_blocks, Hkv, block_size, D]; block_table
+    [B, max_blocks]; cu_seqlens [B + 1]; prefix_len, window, ngram [B]; tree_end [ΣT] aligned with q. Returns
+    [ΣT, Hq, D] in q's dtype (zeros for tokens of no row). `upcast` as in `reference_attention`. Values are read on
+    the host; inputs are not checked (the kernel's entry checks them).
+    """
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    block_size = k_cache.shape[2]
+    cu, ends = cu_seqlens.tolist(), tree_end.tolist()
+    for b, (length, w, n) in enumerate(zip(prefix_len.tolist(), window.tolist(), ngram.tolist(), strict=True)):
+        start, stop = cu[b], cu[b + 1]
+        if stop == start:
+            continue
+        pattern = StepPattern(w, n, 0, tuple(ends[start + w * (n - 1) : stop]))
+        positions = torch.arange(length + stop - start, device=k_cache.device)
+        blocks = block_table[b].to(k_cache.device)[positions // block_size]
+        k = k_cache[blocks, :, positions % block_size].transpose(0, 1)[None]  # [1, Hkv, L + T, D]
+        v = v_cache[blocks, :, positions % block_size].transpose(0, 1)[None]
+        rows = q[start:stop].transpose(0, 1)[None]  # [1, Hq, T, D]
+        mask = pattern.materialize(length, device=q.device)
+        out[start:stop] = masked_attention(rows, k, v, length, mask, sm_scale, upcast)[0].transpose(0, 1)
+    return out

@@ -1,10 +1,13 @@
-"""The lookahead attention on Triton: `lookahead_attention` (public, checked) and `StepAttentionPlan` (the model's
-pre-checked launch path), both launching the split and merge kernels of `attention_kernels.py`.
+"""Launching the lookahead attention kernels of `attention_kernels.py`: `PagedAttentionPlan` (packed steps over a paged
+KV cache, the one launch path), and the classic dense contract on top of it: `StepAttentionPlan` (the model's
+pre-checked launch of one step shape) and `lookahead_attention` (public, checked).
 
-A plan fixes the shapes of one step once (tiles, split count, grids); calling it only allocates the output and
-the partials and launches two kernels: no validation, no host sync, nothing recompiled after the first call, so
-it can run inside a CUDA graph. The kernels are looked up through this module's globals at each launch and
-every compile-time argument is passed by keyword, so a test can wrap a global and record the constexprs used.
+A plan fixes the tiles, the split count and the compile-time arguments once; calling it only allocates the output and
+the partials and launches two kernels: no validation, no host read of a device value, nothing recompiled after the
+first call whatever the rows' T, L, W, N, trees and tables, so it can run inside a CUDA graph. The dense layout is the
+paged one with one block of S positions per row (block_table[b] = [b]) and every row the same step; chains are their
+tree. The kernels are looked up through this module's globals at each launch and every compile-time argument is passed
+by keyword, so a test can wrap a global and record the constexprs used.
 """
 
 from __future__ import annotations
@@ -20,8 +23,8 @@ from .attention_kernels import _lookahead_attn_merge, _lookahead_attn_split, int
 from .device import device_binding
 from .pattern import StepPattern, check_tree_end
 
-__all__ = ["StepAttentionPlan", "TilePlan", "interpreting", "launch_config", "lookahead_attention", "num_splits_for",
-           "tile_plan"]
+__all__ = ["PagedAttentionPlan", "StepAttentionPlan", "TilePlan", "interpreting", "launch_config",
+           "lookahead_attention", "num_splits_for", "tile_plan"]
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_HEAD_DIM = 256
@@ -32,22 +35,23 @@ _MERGE_ROWS = 16
 _LOG2E = 1.4426950408889634
 
 
-def launch_config(pattern: StepPattern, group: int, head_dim: int, dtype: torch.dtype,
+def launch_config(tokens: int, group: int, head_dim: int, dtype: torch.dtype,
                   capability: tuple[int, int] | None = None) -> dict:
-    """Tiles, padded head dim, dot precision, warps and stages of the split kernel.
+    """Tiles, padded head dim, dot precision, warps and stages of the split kernel for rows of at most `tokens` step
+    tokens.
 
     Chosen from sm_90/sm_80 compilations without a GPU (tests/compile_for_gpu.py: registers, spills, shared
-    memory), not from timings. BLOCK_M tiles the (step token, query head) rows of one KV head, T x group: it covers
-    all of them up to 128 (64 for D > 128), so each program reads its K/V blocks once for the whole step where that
-    fits (every query tile re-reads the K/V: `tile_plan` counts the passes). A static generation has one T, so one
-    compiled kernel; exact-size steps meet at most four tile sizes (16, 32, 64, 128). fp32 runs its dots as tf32x3
-    (three TF32 products, ~fp32 accuracy) instead of IEEE FMA code; its operand splitting needs registers, so it
-    takes the smallest tiles (the fewest spills measured).
+    memory), not from timings. BLOCK_M tiles the (step token, query head) rows of one KV head of one row, T x group:
+    it covers all of them up to 128 (64 for D > 128), so each program reads its K/V blocks once for the whole step
+    where that fits (every query tile re-reads the K/V: `tile_plan` counts the passes). A static generation has one T,
+    so one compiled kernel; exact-size steps meet at most four tile sizes (16, 32, 64, 128). fp32 runs its dots as
+    tf32x3 (three TF32 products, ~fp32 accuracy) instead of IEEE FMA code; its operand splitting needs registers, so
+    it takes the smallest tiles (the fewest spills measured).
     """
     if dtype == torch.float32:
         block_m, block_n = 16, 16
     else:
-        rows = pattern.num_tokens * group  # the step's real rows, lookahead and verification branches together
+        rows = tokens * group  # a row's step, lookahead and verification branches together
         block_m = min(128 if head_dim <= 128 else 64, max(16, triton.next_power_of_2(rows)))
         block_n = 64 if head_dim <= 128 else 32
     hopper = capability is None or capability[0] >= 9
@@ -83,29 +87,40 @@ class TilePlan:
 
 def tile_plan(pattern: StepPattern, *, heads_q: int, heads_kv: int, head_dim: int, dtype: torch.dtype, max_len: int,
               batch: int = 1, sm_count: int = _NOMINAL_SMS, capability: tuple[int, int] | None = None) -> TilePlan:
-    """The tiling a `StepAttentionPlan` of these shapes launches (on a GPU with `sm_count` SMs)."""
+    """The tiling a `StepAttentionPlan` of these shapes launches (on a GPU with `sm_count` SMs); a
+    `PagedAttentionPlan` tiles rows of max_row_tokens tokens the same way."""
     group = heads_q // heads_kv
     rows = pattern.num_tokens * group
-    config = launch_config(pattern, group, head_dim, dtype, capability)
+    config = launch_config(pattern.num_tokens, group, head_dim, dtype, capability)
     passes = triton.cdiv(rows, config["BLOCK_M"])
     splits = num_splits_for(passes * batch * heads_kv, rows, max_len, config["BLOCK_N"], sm_count)
     return TilePlan(rows, config["BLOCK_M"], passes, splits)
 
 
-class StepAttentionPlan:
-    """Launches of one step's attention for fixed shapes: checked once, then called per layer with no checks."""
+def _check_int(name: str, value, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
 
-    def __init__(self, pattern: StepPattern, *, batch: int, heads_q: int, heads_kv: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, max_len: int, sm_scale: float | None = None,
+
+class PagedAttentionPlan:
+    """Launches of the attention of packed steps over a paged KV cache, for fixed model shapes: checked once, then
+    called per layer with device tensors and no checks.
+
+    Fixed at construction: heads_q, heads_kv, head_dim, dtype, device, the scale, and from max_rows (B), max_row_tokens
+    (the most step tokens of one row, T_b) and max_len (the most prefix positions of one row, L_b) the row tile and
+    the split count of the prefix (`launch_config`, `num_splits_for`). Each call brings its own number of rows and
+    tokens (tensor shapes, read on the host: a CUDA graph captures one), and its own T_b, L_b, W_b, N_b, trees, block
+    tables and block size (values on the device, or the pool's shape): none recompiles the kernels. Calls must keep
+    T_b <= max_row_tokens (the grid covers that many query tiles per row; longer rows would be cut, unchecked).
+    """
+
+    def __init__(self, *, heads_q: int, heads_kv: int, head_dim: int, dtype: torch.dtype, device: torch.device | str,
+                 max_rows: int, max_row_tokens: int, max_len: int, sm_scale: float | None = None,
                  num_splits: int | None = None) -> None:
-        """max_len: the most prefix positions any call will have (the cache capacity); the split count is chosen
-        from it (fixed for a CUDA graph) unless num_splits is given."""
-        if not isinstance(pattern, StepPattern):
-            raise TypeError(f"pattern must be a StepPattern, got {type(pattern).__name__}")
-        for name, value, low in (("batch", batch, 1), ("heads_q", heads_q, 1), ("heads_kv", heads_kv, 1),
-                                 ("head_dim", head_dim, 1), ("max_len", max_len, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        for name, value, low in (("heads_q", heads_q, 1), ("heads_kv", heads_kv, 1), ("head_dim", head_dim, 1),
+                                 ("max_rows", max_rows, 1), ("max_row_tokens", max_row_tokens, 1),
+                                 ("max_len", max_len, 0)):
+            _check_int(name, value, low)
         if heads_q % heads_kv:
             raise ValueError(f"query heads ({heads_q}) must be a multiple of KV heads ({heads_kv})")
         if head_dim > _MAX_HEAD_DIM:
@@ -115,60 +130,117 @@ class StepAttentionPlan:
         if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
                                        or not 1 <= num_splits <= 65535):
             raise ValueError(f"num_splits must be an int in [1, 65535] or None, got {num_splits!r}")
-        if batch * heads_kv > 65535:
-            raise ValueError(f"batch x KV heads = {batch * heads_kv} exceeds the grid's 65535")
+        if max_rows * heads_kv > 65535:
+            raise ValueError(f"rows x KV heads = {max_rows} x {heads_kv} exceeds the grid's 65535")
         device = torch.device(device)
-        self.pattern = pattern
-        self.batch, self.heads_q, self.heads_kv, self.head_dim = batch, heads_q, heads_kv, head_dim
-        self.dtype, self.device = dtype, device
+        self.heads_q, self.heads_kv, self.head_dim, self.dtype, self.device = heads_q, heads_kv, head_dim, dtype, device
+        self.max_rows, self.max_row_tokens, self.max_len = max_rows, max_row_tokens, max_len
         self.group = heads_q // heads_kv
-        self.tokens = pattern.num_tokens
-        self.rows = self.tokens * self.group
         self.qk_scale = (sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)) * _LOG2E
         capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-        config = launch_config(pattern, self.group, head_dim, dtype, capability)
+        config = launch_config(max_row_tokens, self.group, head_dim, dtype, capability)
         self.options = {"num_warps": config.pop("num_warps"), "num_stages": config.pop("num_stages")}
-        self.constexprs = dict(W=pattern.window, N=pattern.ngram, GROUP=self.group, HEAD_DIM=head_dim,
-                               TREE=pattern.is_tree, **config)
-        m_tiles = triton.cdiv(self.rows, config["BLOCK_M"])
+        self.constexprs = dict(GROUP=self.group, HEAD_DIM=head_dim, **config)
+        self.row_tiles = triton.cdiv(max_row_tokens * self.group, config["BLOCK_M"])
         if num_splits is None:
             sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
-            num_splits = num_splits_for(m_tiles * batch * heads_kv, self.rows, max_len, config["BLOCK_N"],
-                                        sms or _NOMINAL_SMS)
+            num_splits = num_splits_for(self.row_tiles * max_rows * heads_kv, max_row_tokens * self.group, max_len,
+                                        config["BLOCK_N"], sms or _NOMINAL_SMS)
         self.num_splits = num_splits
-        self.split_grid = (m_tiles, batch * heads_kv, num_splits + 1)
-        self.merge_grid = (triton.cdiv(self.rows, _MERGE_ROWS), batch * heads_kv)
-        self.merge_constexprs = dict(GROUP=self.group, HEAD_DIM=head_dim, BLOCK_D=config["BLOCK_D"],
-                                     BLOCK_R=_MERGE_ROWS)
-        # a fixed tree is kept on the device once; per-step trees come with each call
-        self._tree_end = (torch.tensor(pattern.tree_end or (0,), dtype=torch.int64, device=device)
-                          if pattern.is_tree else None)
+        self.merge_constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=config["BLOCK_D"], BLOCK_R=_MERGE_ROWS)
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                 cu_seqlens: torch.Tensor, prefix_len: torch.Tensor, window: torch.Tensor, ngram: torch.Tensor,
+                 tree_end: torch.Tensor) -> torch.Tensor:
+        """q [ΣT, Hq, D] any strides; k_cache, v_cache [num_blocks, Hkv, block_size, D] any strides; block_table
+        [B, max_blocks]; cu_seqlens [B + 1]; prefix_len, window, ngram [B] contiguous; tree_end [ΣT] aligned with q;
+        all integer tensors on the device (int32 or int64), as `paged_attention` documents them (unchecked here).
+        Returns [ΣT, Hq, D] contiguous in q's dtype; tokens past cu_seqlens[B] (padding of no row) get zeros."""
+        stride = tree_end.stride(0)
+        return self._launch(q, k_cache, v_cache, block_table, cu_seqlens, prefix_len, window, ngram, tree_end,
+                            (0, stride, stride))
+
+    def _launch(self, q, k, v, block_table, cu_seqlens, prefix_len, window, ngram, tree_end, tree_strides):
+        """tree_strides: node j of row b's tree is at b * [0] + (cu_b + LA_b) * [1] + j * [2] (so a dense [B, V] or
+        [V] tree is read in place)."""
+        tokens, batch = q.shape[0], block_table.shape[0]
+        out = torch.empty(tokens, self.heads_q, self.head_dim, dtype=q.dtype, device=q.device)
+        parts = (self.num_splits + 1) * tokens * self.heads_q
+        partial_out = torch.empty(parts, self.head_dim, dtype=torch.float32, device=q.device)
+        partial_lse = torch.empty(parts, dtype=torch.float32, device=q.device)
+        row_tiles = min(self.row_tiles, triton.cdiv(tokens * self.group, self.constexprs["BLOCK_M"]))
+        with device_binding(self.device):  # Triton launches on the current device and stream: make them the plan's
+            if row_tiles and batch:
+                _lookahead_attn_split[(row_tiles, batch * self.heads_kv, self.num_splits + 1)](
+                    q, k, v, block_table, cu_seqlens, prefix_len, window, ngram, tree_end, partial_out, partial_lse,
+                    *q.stride(), *k.stride(), *v.stride(), *block_table.stride(), *tree_strides,
+                    k.shape[2], tokens, self.qk_scale, self.heads_kv,
+                    **self.constexprs, **self.options,
+                )  # fmt: skip
+            if tokens:
+                _lookahead_attn_merge[(triton.cdiv(tokens * self.heads_q, _MERGE_ROWS),)](
+                    partial_out, partial_lse, out, cu_seqlens, *out.stride(), tokens, batch, self.heads_q,
+                    self.num_splits, **self.merge_constexprs, num_warps=4, num_stages=1,
+                )  # fmt: skip
+        return out
+
+
+def _chain_tree_end(ngram: int, candidates: int) -> tuple[int, ...]:
+    """The chains form as its tree: candidate c's token k (node c(N - 1) + k - 1) ends where the candidate ends."""
+    return tuple((j // (ngram - 1) + 1) * (ngram - 1) for j in range(candidates * (ngram - 1)))
+
+
+class StepAttentionPlan:
+    """Launches of one step's attention over a dense cache for fixed shapes: checked once, then called per layer with
+    no checks. A thin layer over `PagedAttentionPlan`: row b's cache is block b of S positions, its tokens rows
+    b T .. b T + T - 1 of q viewed as [B T, Hq, D], every row the pattern's (W, N); chains are their tree."""
+
+    def __init__(self, pattern: StepPattern, *, batch: int, heads_q: int, heads_kv: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device, max_len: int, sm_scale: float | None = None,
+                 num_splits: int | None = None) -> None:
+        """max_len: the most prefix positions any call will have (the cache capacity); the split count is chosen
+        from it (fixed for a CUDA graph) unless num_splits is given."""
+        if not isinstance(pattern, StepPattern):
+            raise TypeError(f"pattern must be a StepPattern, got {type(pattern).__name__}")
+        _check_int("batch", batch, 1)
+        self.pattern, self.batch, self.tokens = pattern, batch, pattern.num_tokens
+        self.plan = PagedAttentionPlan(heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype,
+                                       device=device, max_rows=batch, max_row_tokens=max(1, self.tokens),
+                                       max_len=max_len, sm_scale=sm_scale, num_splits=num_splits)
+        self.num_splits = self.plan.num_splits
+        tree = pattern.tree_end if pattern.is_tree else _chain_tree_end(pattern.ngram, pattern.candidates)
+        self._tree = tree or (0,)
+        self._constants: tuple[torch.Tensor, ...] = ()
+
+    def _device_constants(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """cu_seqlens, block table, W, N and the pattern's own tree on q's device, made on the first call (a warm-up
+        run before any graph capture; a plan is called on one device): a dense batch is B rows of T tokens, row b's
+        cache in block b."""
+        if not self._constants or self._constants[0].device != device:
+            batch, tokens, p = self.batch, self.tokens, self.pattern
+            ints = dict(dtype=torch.int32, device=device)
+            self._constants = (torch.arange(batch + 1, **ints) * tokens, torch.arange(batch, **ints)[:, None],
+                               torch.full((batch,), p.window, **ints), torch.full((batch,), p.ngram, **ints),
+                               torch.tensor(self._tree, dtype=torch.int64, device=device))
+        return self._constants
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: torch.Tensor,
                  tree_end: torch.Tensor | None = None) -> torch.Tensor:
-        """q [B, Hq, T, D] any strides; k, v [B, Hkv, S, D], S >= max_len + T; prefix_len int64 [B] on the device;
-        tree_end (tree plans) [V] or [B, V] on the device, contiguous in V, default the pattern's.
-        Returns [B, Hq, T, D], a transposed view of a contiguous [B, T, Hq, D]."""
-        batch, tokens, heads_q, head_dim = self.batch, self.tokens, self.heads_q, self.head_dim
-        out = torch.empty(batch, tokens, heads_q, head_dim, dtype=q.dtype, device=q.device).transpose(1, 2)
-        parts = batch * self.heads_kv * (self.num_splits + 1) * self.rows
-        partial_out = torch.empty(parts, head_dim, dtype=torch.float32, device=q.device)
-        partial_lse = torch.empty(parts, dtype=torch.float32, device=q.device)
-        if tree_end is None:
-            tree_end = self._tree_end if self._tree_end is not None else prefix_len  # never read by chains
-        stride_tree_b = tree_end.stride(0) if tree_end.ndim == 2 else 0
-        with device_binding(self.device):  # Triton launches on the current device and stream: make them the plan's
-            _lookahead_attn_split[self.split_grid](
-                q, k, v, prefix_len, tree_end, partial_out, partial_lse,
-                *q.stride(), *k.stride(), *v.stride(),
-                stride_tree_b, tokens, self.qk_scale, self.heads_kv,
-                **self.constexprs, **self.options,
-            )  # fmt: skip
-            _lookahead_attn_merge[self.merge_grid](
-                partial_out, partial_lse, out, *out.stride(), tokens, self.heads_kv, self.num_splits,
-                **self.merge_constexprs, num_warps=4, num_stages=1,
-            )  # fmt: skip
-        return out
+        """q [B, Hq, T, D] any strides (free when it is a transposed view of a contiguous [B, T, Hq, D]); k, v
+        [B, Hkv, S, D] any strides, S >= max_len + T; prefix_len int64 [B] on the device; tree_end (tree plans) [V]
+        or [B, V] on the device, default the pattern's. Returns [B, Hq, T, D], a transposed view of a contiguous
+        [B, T, Hq, D]."""
+        batch, tokens = self.batch, self.tokens
+        cu_seqlens, table, window, ngram, own_tree = self._device_constants(q.device)
+        if tree_end is None or not self.pattern.is_tree:
+            tree_end, strides = own_tree, (0, 0, own_tree.stride(0))
+        elif tree_end.ndim == 2:
+            strides = (tree_end.stride(0), 0, tree_end.stride(1))
+        else:
+            strides = (0, 0, tree_end.stride(0))
+        packed = q.transpose(1, 2).reshape(batch * tokens, q.shape[1], q.shape[3])
+        out = self.plan._launch(packed, k, v, table, cu_seqlens, prefix_len, window, ngram, tree_end, strides)
+        return out.view(batch, tokens, q.shape[1], q.shape[3]).transpose(1, 2)
 
 
 def _check_dtype(dtype: torch.dtype) -> None:
@@ -186,12 +258,21 @@ def _check_sm_scale(sm_scale) -> None:
 
 
 def _check_integer_tensor(name: str, x: torch.Tensor, device: torch.device, shapes: Sequence[tuple]) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be an integer tensor, got {type(x).__name__}")
     if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
         raise TypeError(f"{name} must be an integer tensor, got {x.dtype}")
     if tuple(x.shape) not in shapes:
         raise ValueError(f"{name} must have shape {' or '.join(str(list(s)) for s in shapes)}, got {list(x.shape)}")
     if x.device != device:
         raise ValueError(f"{name} must be on q's device {device}, got {x.device}")
+
+
+def _check_runnable(device: torch.device, name: str, reference: str) -> None:
+    if device.type == "cpu" and not interpreting():
+        raise ValueError(f"{name} got CPU tensors, but Triton runs on CPU only in its interpreter "
+                         f"(set TRITON_INTERPRET=1 before importing triton); on CPU use {reference} "
+                         "(the model's attn_backend='torch')")
 
 
 def _check_inputs(q, k, v, prefix_len, window, ngram, guesses, sm_scale, tree_end) -> tuple[StepPattern, list[int]]:
@@ -246,10 +327,7 @@ def _check_inputs(q, k, v, prefix_len, window, ngram, guesses, sm_scale, tree_en
         raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
     if head_dim > _MAX_HEAD_DIM:
         raise ValueError(f"head dim {head_dim} is larger than the kernel's maximum {_MAX_HEAD_DIM}")
-    if q.device.type == "cpu" and not interpreting():
-        raise ValueError("lookahead_attention got CPU tensors, but Triton runs on CPU only in its interpreter "
-                         "(set TRITON_INTERPRET=1 before importing triton); on CPU use reference_attention "
-                         "(the model's attn_backend='torch')")
+    _check_runnable(q.device, "lookahead_attention", "reference_attention")
     _check_sm_scale(sm_scale)
     return pattern, lengths
 
@@ -284,7 +362,7 @@ def lookahead_attention(
     """
     pattern, lengths = _check_inputs(q, k, v, prefix_len, window, ngram, guesses, sm_scale, tree_end)
     batch, heads_q, tokens, head_dim = q.shape
-    if batch == 0:
+    if batch == 0 or tokens == 0:
         return torch.empty(batch, tokens, heads_q, head_dim, dtype=q.dtype, device=q.device).transpose(1, 2)
     if isinstance(prefix_len, torch.Tensor):
         prefix_len = prefix_len.to(torch.int64).contiguous()

@@ -3,10 +3,12 @@ GPU, exactly as they launch (run as a script: Triton's interpreter must be off, 
 once triton is imported).
 
 The launches are captured from a real `StepAttentionPlan` call on CPU tensors shaped like the model's (q a
-transposed view of [B, T, Hq, D], k/v a [B, Hkv, S, D] cache), then specialised as Triton's launcher does at run
-time (16-byte divisible pointers and ints, ints equal to 1 folded, `do_not_specialize` honoured), so the compiled
-kernel is the one that would run. Prints one line per (arch, dtype, head dim, W-N-G): OK with registers, spilled
-(stack) bytes, shared memory and whether async copies / wgmma are used, for the split and merge kernels; or FAILED.
+transposed view of [B, T, Hq, D], k/v a [B, Hkv, S, D] cache), or from a `PagedAttentionPlan` call on a packed batch
+over a block pool (`PAGED`: k/v a permuted view of a per-layer [Hkv, num_blocks * block_size, D] buffer, int32 block
+tables), then specialised as Triton's launcher does at run time (16-byte divisible pointers and ints, ints equal to 1
+folded, `do_not_specialize` honoured), so the compiled kernel is the one that would run. Prints one line per (arch,
+dtype, head dim, step): OK with registers, spilled (stack) bytes, shared memory and whether async copies / wgmma are
+used, for the split and merge kernels; or FAILED.
 
     python tests/compile_for_gpu.py          # the cases the test suite checks (DEFAULT)
     python tests/compile_for_gpu.py --all    # every step shape x fp16/bf16 x sm_90/sm_80, fp32, D 64 and 256
@@ -33,7 +35,7 @@ from triton.runtime.jit import native_specialize_impl
 
 import lookahead.kernels.fused as fused
 import lookahead.kernels.triton_attention as launcher
-from lookahead.kernels import StepAttentionPlan, StepPattern
+from lookahead.kernels import PagedAttentionPlan, StepAttentionPlan, StepPattern
 
 _TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 _LAUNCH_OPTIONS = ("num_warps", "num_stages")
@@ -50,8 +52,9 @@ class _Capture:
         return lambda *args, **kwargs: self.launches.append((self.kernel, args, kwargs))
 
 
-def captured_launches(pattern: StepPattern, dtype: torch.dtype, head_dim: int, arch: int) -> list:
-    """The (kernel, args, kwargs) of one plan call with the model's layouts, tiles chosen for `arch`."""
+def captured_launches(step: StepPattern | dict, dtype: torch.dtype, head_dim: int, arch: int) -> list:
+    """The (kernel, args, kwargs) of one plan call with the model's layouts, tiles chosen for `arch`: a
+    `StepAttentionPlan` for a pattern, a `PagedAttentionPlan` for a `PAGED` batch."""
     launches: list = []
     saved = {name: getattr(launcher, name) for name in ("_lookahead_attn_split", "_lookahead_attn_merge",
                                                         "launch_config")}
@@ -59,18 +62,44 @@ def captured_launches(pattern: StepPattern, dtype: torch.dtype, head_dim: int, a
         for name in ("_lookahead_attn_split", "_lookahead_attn_merge"):
             setattr(launcher, name, _Capture(saved[name], launches))
         # the plan asks the device for its capability; here the target's stands in
-        launcher.launch_config = lambda pattern, group, head_dim, dtype, capability=None: saved["launch_config"](
-            pattern, group, head_dim, dtype, (arch // 10, arch % 10))
-        b, hq, hkv, max_len, t = *SHAPE.values(), pattern.num_tokens
-        plan = StepAttentionPlan(pattern, batch=b, heads_q=hq, heads_kv=hkv, head_dim=head_dim, dtype=dtype,
-                                 device=torch.device("cpu"), max_len=max_len)
-        q = torch.empty(b, t, hq, head_dim, dtype=dtype).transpose(1, 2)
-        k = torch.empty(b, hkv, max_len + t, head_dim, dtype=dtype)
-        plan(q, k, torch.empty_like(k), torch.full((b,), max_len // 2), None)
+        launcher.launch_config = lambda tokens, group, head_dim, dtype, capability=None: saved["launch_config"](
+            tokens, group, head_dim, dtype, (arch // 10, arch % 10))
+        if isinstance(step, StepPattern):
+            call_step_plan(step, dtype, head_dim)
+        else:
+            call_paged_plan(step, dtype, head_dim)
     finally:
         for name, value in saved.items():
             setattr(launcher, name, value)
     return launches
+
+
+def call_step_plan(pattern: StepPattern, dtype: torch.dtype, head_dim: int) -> None:
+    b, hq, hkv, max_len, t = *SHAPE.values(), pattern.num_tokens
+    plan = StepAttentionPlan(pattern, batch=b, heads_q=hq, heads_kv=hkv, head_dim=head_dim, dtype=dtype,
+                             device=torch.device("cpu"), max_len=max_len)
+    q = torch.empty(b, t, hq, head_dim, dtype=dtype).transpose(1, 2)
+    k = torch.empty(b, hkv, max_len + t, head_dim, dtype=dtype)
+    plan(q, k, torch.empty_like(k), torch.full((b,), max_len // 2), None)
+
+
+def call_paged_plan(batch: dict, dtype: torch.dtype, head_dim: int) -> None:
+    """A packed batch of `rows` rows of `row_tokens` tokens each over a pool of `block_size`-position blocks, the
+    pool a permuted view of the per-layer [Hkv, num_blocks * block_size, D] buffer the model keeps."""
+    rows, row_tokens, block_size = batch["rows"], batch["row_tokens"], batch["block_size"]
+    hq, hkv, max_len = SHAPE["heads_q"], SHAPE["heads_kv"], SHAPE["max_len"]
+    max_blocks = -(-(max_len + row_tokens) // block_size)
+    plan = PagedAttentionPlan(heads_q=hq, heads_kv=hkv, head_dim=head_dim, dtype=dtype, device=torch.device("cpu"),
+                              max_rows=rows, max_row_tokens=row_tokens, max_len=max_len)
+    tokens = rows * row_tokens
+    q = torch.empty(tokens, hq, head_dim, dtype=dtype)
+    pool = torch.empty(hkv, rows * max_blocks * block_size, head_dim, dtype=dtype)
+    k = pool.view(hkv, rows * max_blocks, block_size, head_dim).permute(1, 0, 2, 3)
+    ints = dict(dtype=torch.int32)
+    table = torch.arange(rows * max_blocks, **ints).view(rows, max_blocks)
+    cu = torch.arange(rows + 1, **ints) * row_tokens
+    plan(q, k, k, table, cu, torch.full((rows,), max_len // 2, **ints), torch.ones(rows, **ints),
+         torch.full((rows,), 2, **ints), torch.zeros(tokens, **ints))
 
 
 def compile_launch(kernel, args, kwargs, arch: int):
@@ -112,9 +141,9 @@ def describe(compiled) -> str:
             f"warps {compiled.metadata.num_warps}, {'+'.join(ops) or 'no async copy / mma'}")
 
 
-def compile_case(arch: int, dtype: torch.dtype, head_dim: int, pattern: StepPattern) -> str:
+def compile_case(arch: int, dtype: torch.dtype, head_dim: int, step: StepPattern | dict) -> str:
     parts = []
-    for kernel, args, kwargs in captured_launches(pattern, dtype, head_dim, arch):
+    for kernel, args, kwargs in captured_launches(step, dtype, head_dim, arch):
         compiled = compile_launch(kernel, args, kwargs, arch)
         parts.append(f"{kernel.fn.__name__.removeprefix('_lookahead_attn_')}: {describe(compiled)}")
     return " | ".join(parts)
@@ -126,14 +155,24 @@ STEPS = {"W15-N5-G15": StepPattern(15, 5, 15), "W3-N4-G3": StepPattern(3, 4, 3),
          "W1-N4-tree15": StepPattern(1, 4, tree_end=(6, 3, 3, 5, 5, 6, 11, 8, 9, 10, 11, 13, 13, 15, 15)),
          "substep64": StepPattern(1, 2, tree_end=(8, 3, 3, 5, 5, 8, 7, 8, *range(9, 64))),
          "W15-N5-tree60": StepPattern(15, 5, tree_end=tuple(range(1, 61)))}
-# what the test suite checks: the default, 15-5-15 and sub-step shapes in both 16-bit types on Hopper, the rest once
+# packed batches over a paged pool (block size 16): a decode batch of 16 rows of the default step (18 tokens), and
+# 4 prefill chunks of 512 tokens
+PAGED = {"paged-decode16": dict(rows=16, row_tokens=18, block_size=16),
+         "paged-prefill512": dict(rows=4, row_tokens=512, block_size=16)}
+STEPS.update(PAGED)
+# what the test suite checks: the default, 15-5-15 and sub-step shapes in both 16-bit types on Hopper, the rest once;
+# the paged batches on both archs, in both 16-bit types and head dims 64 and 128
 DEFAULT = [(90, torch.bfloat16, 128, "W1-N4-tree15"), (90, torch.float16, 128, "W1-N4-tree15"),
            (90, torch.bfloat16, 128, "W15-N5-G15"), (90, torch.float16, 128, "W15-N5-G15"),
            (90, torch.bfloat16, 128, "substep64"), (90, torch.bfloat16, 128, "W15-N5-tree60"),
            (90, torch.bfloat16, 128, "W3-N4-G3"), (90, torch.float16, 128, "plain"),
            (90, torch.bfloat16, 128, "W3-N4-tree9"), (80, torch.bfloat16, 128, "W1-N4-tree15"),
-           (80, torch.float16, 128, "W15-N5-G15"), (80, torch.bfloat16, 128, "substep64")]
+           (80, torch.float16, 128, "W15-N5-G15"), (80, torch.bfloat16, 128, "substep64"),
+           (90, torch.bfloat16, 128, "paged-decode16"), (90, torch.float16, 64, "paged-decode16"),
+           (90, torch.bfloat16, 128, "paged-prefill512"), (80, torch.float16, 128, "paged-decode16"),
+           (80, torch.bfloat16, 64, "paged-decode16"), (80, torch.float16, 64, "paged-prefill512")]
 ALL = [(a, d, 128, s) for a in (90, 80) for d in (torch.float16, torch.bfloat16) for s in STEPS]
+ALL += [(a, d, 64, s) for a in (90, 80) for d in (torch.float16, torch.bfloat16) for s in PAGED]
 ALL += [(90, torch.float32, 128, s) for s in STEPS] + [(90, torch.float16, d, "W3-N4-G3") for d in (64, 256)]
 
 

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from lookahead.kernels import StepPattern, lookahead_mask
-from lookahead.kernels.attention_kernels import _chain_end, _visible
+from lookahead.kernels.attention_kernels import _visible
 
 CASES = [(1, 2, 0), (1, 2, 3), (5, 4, 2), (3, 3, 0), (4, 5, 3), (15, 5, 15), (2, 6, 1)]
 IDS = [f"W{w}-N{n}-G{g}" for w, n, g in CASES]
@@ -167,26 +167,43 @@ def test_max_commit_chains(W, N, g, expected):
 
 
 @triton.jit
-def _mask_tile_kernel(Out, TreeEnd, T: tl.constexpr, BLOCK: tl.constexpr, W: tl.constexpr, N: tl.constexpr,
-                      TREE: tl.constexpr):
-    LA: tl.constexpr = W * (N - 1)
+def _mask_tile_kernel(Out, TreeEnd, Window, Ngram, T, BLOCK: tl.constexpr):
+    """The kernel's predicate with W and N read from memory (run-time values, as every row of a packed call has its
+    own), over one T x T tile."""
+    W = tl.load(Window)
+    N = tl.load(Ngram)
+    LA = W * (N - 1)
     offs = tl.arange(0, BLOCK)
-    if TREE:
-        k_end = LA + tl.load(TreeEnd + offs - LA, mask=(offs >= LA) & (offs < T), other=0)
-    else:
-        k_end = _chain_end(offs, W, N)
+    k_end = LA + tl.load(TreeEnd + offs - LA, mask=(offs >= LA) & (offs < T), other=0)
     vis = _visible(offs[:, None], offs[None, :], k_end[None, :], W, N)
     ok = (offs[:, None] < T) & (offs[None, :] < T)
     tl.store(Out + offs[:, None] * T + offs[None, :], vis.to(tl.int8), mask=ok)
 
 
-def triton_mask(p):
+@triton.jit
+def _mask_tile_kernel_constexpr(Out, TreeEnd, T, BLOCK: tl.constexpr, W: tl.constexpr, N: tl.constexpr):
+    """The same predicate with W and N as compile-time constants (the one `_visible` serves both)."""
+    LA: tl.constexpr = W * (N - 1)
+    offs = tl.arange(0, BLOCK)
+    k_end = LA + tl.load(TreeEnd + offs - LA, mask=(offs >= LA) & (offs < T), other=0)
+    vis = _visible(offs[:, None], offs[None, :], k_end[None, :], W, N)
+    ok = (offs[:, None] < T) & (offs[None, :] < T)
+    tl.store(Out + offs[:, None] * T + offs[None, :], vis.to(tl.int8), mask=ok)
+
+
+def triton_mask(p, constexpr=False):
+    """The Triton predicate's T x T mask of pattern p; chains go in as their tree, as the kernel reads them."""
     t = p.num_tokens
     device = "cuda" if torch.cuda.is_available() else "cpu"
     out = torch.zeros(t, t, dtype=torch.int8, device=device)
-    tree = torch.tensor(p.tree_end or (0,), dtype=torch.int64, device=device)
-    _mask_tile_kernel[(1,)](out, tree, T=t, BLOCK=max(16, triton.next_power_of_2(t)), W=p.window, N=p.ngram,
-                            TREE=p.is_tree)
+    ends = p.tree_end if p.is_tree else chain_tree(p.ngram, p.candidates)
+    tree = torch.tensor(ends or (0,), dtype=torch.int64, device=device)
+    block = max(16, triton.next_power_of_2(t))
+    if constexpr:
+        _mask_tile_kernel_constexpr[(1,)](out, tree, t, BLOCK=block, W=p.window, N=p.ngram)
+    else:
+        params = [torch.tensor([x], dtype=torch.int32, device=device) for x in (p.window, p.ngram)]
+        _mask_tile_kernel[(1,)](out, tree, *params, t, BLOCK=block)
     return out.bool().cpu()
 
 
@@ -194,7 +211,8 @@ def triton_mask(p):
 def test_triton_predicate_equals_torch_predicate(W, N, g):
     p = StepPattern(W, N, g)
     assert torch.equal(triton_mask(p), p.materialize(0))
-    as_tree = StepPattern(W, N, tree_end=chain_tree(N, g))  # the kernel's tree path on chains written as trees
+    assert torch.equal(triton_mask(p, constexpr=True), p.materialize(0))
+    as_tree = StepPattern(W, N, tree_end=chain_tree(N, g))  # chains written as trees: the same pattern
     assert torch.equal(triton_mask(as_tree), p.materialize(0))
 
 
@@ -202,6 +220,20 @@ def test_triton_predicate_equals_torch_predicate(W, N, g):
 def test_triton_tree_predicate_equals_torch_predicate(W, N, name):
     p = StepPattern(W, N, tree_end=tree_end_of(TREES[name]))
     assert torch.equal(triton_mask(p), p.materialize(0))
+
+
+def test_predicates_are_written_line_for_line_alike():
+    """The torch rule and the Triton predicate: the same statements, in the same order, after their headers."""
+    import inspect
+
+    from lookahead.kernels.pattern import _visible_rule
+
+    def body(source):
+        lines = [line.strip() for line in source.splitlines()]
+        start = next(i for i, line in enumerate(lines) if line.startswith("LA ="))
+        return [line for line in lines[start:] if line and not line.startswith("#")]
+
+    assert body(inspect.getsource(_visible_rule)) == body(inspect.getsource(_visible.fn))
 
 
 @pytest.mark.parametrize("bad, message", [
