@@ -134,7 +134,7 @@ class TorchBackend:
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
 
-    def resize(self, pool: KVPool, max_rows: int, max_tokens: int) -> None:
+    def resize(self, pool: KVPool, max_rows: int, row_tokens: Sequence[int]) -> None:
         pass  # nothing is sized ahead
 
     def begin_step(self, step: PackedStep, device_inputs=None) -> LayerAttention:
@@ -157,28 +157,31 @@ class TorchBackend:
 
 
 class TritonBackend:
-    """The paged Triton kernel through one prepared plan, launched per layer with the step's device tensors (the
-    rows' offsets, lengths, W, N, trees and block tables)."""
+    """The paged Triton kernel, launched per layer with the step's device tensors (the rows' offsets, lengths, W, N,
+    trees and block tables) through one of two prepared plans: one sized for decoding steps, one for steps that carry
+    a prompt chunk (a plan's row tile and prefix splits are fixed by the longest row it serves, and a plan sized for
+    chunks would split a decoding step's prefix too little)."""
 
     name, graphable = "triton", True
 
     def __init__(self, heads_q: int, heads_kv: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
         self._shape = dict(heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype, device=device)
         self.pool: KVPool | None = None
-        self.plan = None
+        self.plans: list = []  # (max row tokens, plan), smallest first
 
-    def resize(self, pool: KVPool, max_rows: int, max_tokens: int) -> None:
-        """A plan for steps of up to `max_rows` rows and `max_tokens` tokens over `pool` (its grid and split count are
-        fixed for them, so a graph replays it)."""
+    def resize(self, pool: KVPool, max_rows: int, row_tokens: Sequence[int]) -> None:
+        """Plans for steps of up to `max_rows` rows, one per limit on a row's tokens in `row_tokens`, over `pool`."""
         from lookahead.kernels import PagedAttentionPlan
 
         self.pool = pool
-        self.plan = PagedAttentionPlan(**self._shape, block_size=pool.block_size, max_rows=max_rows,
-                                       max_tokens=max_tokens, max_len=pool.num_blocks * pool.block_size)
+        self.plans = [(t, PagedAttentionPlan(**self._shape, max_rows=max_rows, max_row_tokens=t,
+                                             max_len=pool.num_blocks * pool.block_size))
+                      for t in sorted(set(row_tokens))]
 
     def begin_step(self, step: PackedStep, device_inputs) -> LayerAttention:
-        meta = device_inputs
-        pool, plan = self.pool, self.plan
+        longest = max(p.num_tokens for p in step.patterns)
+        plan = next(plan for tokens, plan in self.plans if tokens >= longest)
+        meta, pool = device_inputs, self.pool
 
         def attend(layer: int, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor) -> torch.Tensor:
             out = plan(q[0].transpose(0, 1), pool.blocks(k_all), pool.blocks(v_all), meta["block_table"],

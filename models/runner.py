@@ -86,7 +86,7 @@ class CachedRunner:
             self.backend = TorchBackend(model.device)
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and self.backend.graphable
         self.prefill_chunk = PREFILL_CHUNK.get(self.device.type, PREFILL_CHUNK["cpu"])
-        self.backend.resize(self.pool, max_rows, max_rows * max_step_tokens + self.prefill_chunk)
+        self.backend.resize(self.pool, max_rows, (max_step_tokens, self.prefill_chunk))
         self.rows: dict[int, Row] = {}
         self._next_row = 0
         self._moves: tuple[list[int], list[int]] = ([], [])  # deferred commits: source and destination slots
@@ -113,14 +113,13 @@ class CachedRunner:
         self.max_step_tokens = max(self.max_step_tokens, max_step_tokens)
         if num_blocks > self.blocks.num_blocks:
             cfg, old = self.model.config, self.pool
-            self.pool = None  # the old pool's memory is counted free only once it is copied and dropped
             new = KVPool(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, num_blocks, self.block_size,
-                         old.k.dtype, old.k.device)
+                         old.k.dtype, old.k.device)  # refused before anything changes if it cannot fit
             new.k[:, :, : old.k.shape[2]] = old.k
             new.v[:, :, : old.v.shape[2]] = old.v
             self.pool = new
             self.blocks.grow(num_blocks)
-        self.backend.resize(self.pool, self.max_rows, self.max_rows * self.max_step_tokens + self.prefill_chunk)
+        self.backend.resize(self.pool, self.max_rows, (self.max_step_tokens, self.prefill_chunk))
 
     # ----- rows -----
 
@@ -209,9 +208,9 @@ class CachedRunner:
             finally:
                 self.backend.end_step()
             fetched = [logits.argmax(-1)]
-            k = max((s.topk for s in steps), default=0)
+            k = min(max((s.topk for s in steps), default=0), logits.shape[-1])  # a vocabulary may be smaller
             if k:
-                fetched.append(logits.topk(min(k, logits.shape[-1]), dim=-1).indices.flatten())
+                fetched.append(logits.topk(k, dim=-1).indices.flatten())
             for params, (heads, seeds, positions) in packed.samples.items():
                 # each sampled row as its own sequence of one row: its seed, its position
                 fetched.append(sample_positions(logits[torch.tensor(heads, device=self.device)][:, None], params,
@@ -249,6 +248,9 @@ class _Packing:
             t, start = len(s.tokens), len(tokens)
             if t != s.pattern.num_tokens:
                 raise ValueError(f"row {s.row}: {t} tokens for a pattern of {s.pattern.num_tokens}")
+            if t > max(runner.max_step_tokens, runner.prefill_chunk):
+                raise ValueError(f"row {s.row}: a step of {t} tokens exceeds the runner's "
+                                 f"{max(runner.max_step_tokens, runner.prefill_chunk)}")
             if row.length + t > len(row.blocks) * runner.block_size:
                 raise ValueError(f"row {s.row}: {t} tokens at L={row.length} overflow its "
                                  f"{len(row.blocks) * runner.block_size} positions")
@@ -338,8 +340,12 @@ class RowSequence:
         return self.runner.rows[self.row].length
 
     def prefill(self, tokens: Sequence[int]) -> torch.Tensor:
-        (output,) = self.runner.step([RowStep.chunk(self.row, tokens)])
-        self.runner.commit(self.row, range(len(tokens)))
+        """The prompt in chunks of the runner's `prefill_chunk`; the logits [V] of its last token."""
+        chunk = self.runner.prefill_chunk
+        for start in range(0, len(tokens), chunk):
+            part = tokens[start : start + chunk]
+            (output,) = self.runner.step([RowStep.chunk(self.row, part)])
+            self.runner.commit(self.row, range(len(part)))
         return output.logits[0]
 
     def step(self, tokens: Sequence[int], pattern: StepPattern, rows: Sequence[int], topk: int = 0,

@@ -27,7 +27,7 @@ def run_cases(rank: int, world: int, store: str, folder: str, cases: list, resul
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout))
     models = {}
-    original = CachedRunner.step_batch
+    original = CachedRunner.step
     out = {}
     for name, kwargs, overrides, fail_at in cases:
         calls = [0]
@@ -38,7 +38,7 @@ def run_cases(rank: int, world: int, store: str, folder: str, cases: list, resul
                 raise RuntimeError(f"injected failure on rank {rank}")
             return original(self, *args, **kw)
 
-        CachedRunner.step_batch = failing
+        CachedRunner.step = failing
         if fail_at is not None and fail_at == (rank, "stream"):
             kwargs = {**kwargs, "stream": _failing_stream(rank)}
         start = time.perf_counter()
@@ -60,7 +60,7 @@ def run_cases(rank: int, world: int, store: str, folder: str, cases: list, resul
         except Exception as e:  # reported to the test, which asserts on it
             out[name] = ("error", type(e).__name__, str(e), traceback.format_exc(limit=3))
         out[name + ":seconds"] = time.perf_counter() - start
-        CachedRunner.step_batch = original
+        CachedRunner.step = original
     results.put((rank, out))
     try:
         dist.destroy_process_group()

@@ -103,7 +103,7 @@ def test_compiled_step_gives_the_eager_step(tiny_checkpoint):
     out = {}
     for fusion in ("none", "compile"):
         model = Llama.from_pretrained(folder, fusion=fusion)
-        runner = CachedRunner(model, 64, max_step_tokens=pattern.num_tokens, max_commit=3)
+        runner = CachedRunner(model, 4, max_step_tokens=pattern.num_tokens).sequence(32)
         runner.prefill([3, 17, 22, 3])
         out[fusion] = runner.step(tokens, pattern, [0, 4, 5]).logits
         if fusion == "compile":

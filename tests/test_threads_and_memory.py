@@ -45,20 +45,22 @@ def test_a_kv_cache_that_cannot_fit_is_refused_before_allocating(tiny_checkpoint
     model = Llama.from_pretrained(tiny_checkpoint("gqa"))
     model.generate([1, 2, 3], max_new_tokens=4)
     monkeypatch.setattr(kv_cache, "free_bytes", lambda device: 2**20)  # 1 MiB free
-    with pytest.raises(ValueError, match=r"the KV cache for 1024 sequence\(s\) of 256 positions needs .* GiB on "
-                                         r"cpu, where 0.0 GiB are free: give fewer prompts"):
+    runner = model.runner
+    with pytest.raises(ValueError, match=r"the KV cache of 1024 blocks of 16 positions needs .* GiB on "
+                                         r"cpu, where 0.00 GiB are free: give fewer prompts"):
         model.generate([[1, 2, 3]] * 1024, max_new_tokens=4)
     monkeypatch.undo()
-    assert model.generate([1, 2, 3], max_new_tokens=4).tokens  # nothing left half-built
+    assert model.runner is runner and runner.pool.k.shape[2] == 256  # nothing left half-built
+    assert model.generate([1, 2, 3], max_new_tokens=4).tokens
 
 
 def test_release_frees_the_cache_generations_keep(tiny_checkpoint):
     model = Llama.from_pretrained(tiny_checkpoint("gqa"))
     model.generate([[1, 2, 3]] * 8, max_new_tokens=4)
-    cache = weakref.ref(model.runner.cache)
+    cache = weakref.ref(model.runner.pool)
     model.release()
     assert model.runner is None and cache() is None  # freed at once, no garbage collection needed
-    assert model.generate([1, 2, 3], max_new_tokens=4).tokens and model.runner.cache.batch == 1
+    assert model.generate([1, 2, 3], max_new_tokens=4).tokens and not model.runner.rows
 
 
 def test_warmup_auto_prepares_what_auto_runs(tiny_checkpoint):
