@@ -195,8 +195,8 @@ class CachedRunner:
         """Run every row's step in one forward pass; one `StepOutput` per step (see `RowModel.step`)."""
         rows = [self.rows[s.row] for s in steps]
         packed = _Packing(steps, rows, self)
-        inputs = packed.tensors(self.device)
-        with device_binding(self.device):
+        with torch.inference_mode(), device_binding(self.device):  # any thread may drive it (an engine's own)
+            inputs = packed.tensors(self.device)
             src, dst = (torch.tensor(x, dtype=torch.int64, device=self.device) for x in self._moves)
             self._moves = ([], [])
             if src.numel():

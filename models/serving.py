@@ -1,0 +1,62 @@
+"""`engine_for`: a `Llama` behind an `Engine` of its own, for serving many requests at once (the server's, or a
+program's own).
+
+The engine gets a runner of its own (its own paged KV cache, sized here: by `kv_cache_bytes`, else for `max_batch`
+rows of the model's full length within a share of the free memory) and a drafting memory of its own, so it never
+shares them with `Llama.generate` calls on the same model, which keep the model's runner. It shares the weights and
+the machine's cost model (measured here, before the first request, if the cache folder has none).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lookahead.config import LookaheadConfig
+from lookahead.drafts import DraftMemory
+from lookahead.loop import PLAIN_STEP, Engine, full_pattern
+from lookahead.request import Request
+
+from .generation import Llama
+from .kv_cache import free_bytes, pool_bytes
+from .runner import BLOCK_SIZE, CachedRunner
+from .tuning import cost_model_for
+
+MEMORY_SHARE = 0.4  # of the free memory, the most a default-sized KV cache takes
+
+
+def engine_for(model: Llama, *, max_batch: int = 8, lookahead: LookaheadConfig | str | None = "auto",
+               max_queue: int | None = 256, kv_cache_bytes: int | None = None, warm: bool = True) -> Engine:
+    """An `Engine` over `model` for up to `max_batch` rows at once and `max_queue` waiting requests (None: no limit).
+
+    lookahead: the configuration requests may decode with ("auto": `LookaheadConfig.auto` for the model's device;
+    None: plain decoding only); it sizes the runner's steps and the cost model measured. kv_cache_bytes: the KV
+    cache's size (default: `max_batch` rows of the model's full length, at most `MEMORY_SHARE` of the free memory,
+    at least one full-length row). warm: rows draft from a memory of what earlier requests taught (shared by all
+    rows, bounded). Start it with `engine.start()` (or drive it with `engine.step()`); `engine.stop()` ends it."""
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+        raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
+    if isinstance(lookahead, str) and lookahead == "auto":
+        lookahead = LookaheadConfig.auto(model.device.type)
+    if lookahead is not None and not isinstance(lookahead, LookaheadConfig):
+        raise TypeError(f"lookahead must be a LookaheadConfig, 'auto' or None, got {lookahead!r}")
+    cfg = model.config
+    step = full_pattern(lookahead).num_tokens if lookahead is not None else PLAIN_STEP.num_tokens
+    row_blocks = -(-(cfg.max_position_embeddings + step) // BLOCK_SIZE)
+    per_block = pool_bytes(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, model.dtype, BLOCK_SIZE)
+    if kv_cache_bytes is None:
+        free = free_bytes(model.device)
+        fits = max_batch * row_blocks if free is None else int(free * MEMORY_SHARE) // per_block
+        blocks = max(row_blocks, min(max_batch * row_blocks, fits))
+    else:
+        if isinstance(kv_cache_bytes, bool) or not isinstance(kv_cache_bytes, int) or kv_cache_bytes < per_block:
+            raise ValueError(f"kv_cache_bytes must be an int >= one block ({per_block} bytes), got {kv_cache_bytes!r}")
+        blocks = kv_cache_bytes // per_block
+    with model.lock, torch.inference_mode():
+        model.merge_weights()
+        runner = CachedRunner(model, blocks, step, cuda_graphs=True, max_rows=max_batch)
+        if lookahead is not None:  # the cost model a self-tuned step is sized by, measured now if there is none
+            cost = cost_model_for(model, runner, Request([[0]] * min(max_batch, 4), 1, lookahead=lookahead))
+        else:
+            cost = model.cost_model
+    return Engine(runner, max_rows=max_batch, max_queue=max_queue, cost=cost,
+                  memory=DraftMemory() if warm else None, max_positions=cfg.max_position_embeddings)
