@@ -23,7 +23,7 @@ from lookahead.tuning.store import device_label, prepared, versions
 
 from .runner import CachedRunner
 
-REPEATS = 2  # timed passes per step size at the shortest cache length (one at the longest)
+REPEATS = 3  # timed passes per step size at the shortest cache length (one at the longest): a median
 MIN_SPAN = 256  # cache positions between the two lengths timed; below it the cost per position is not measured
 MAX_SPAN = 2048  # the longer cache length timed, at most
 

@@ -172,6 +172,7 @@ class MockRowModel:
         self.next_row = 0
         self.batch_sizes: list[int] = []
         self.step_tokens: list[int] = []
+        self.row_sizes: list[list[int]] = []  # per step, each decoding row's tokens
         self.patterns: list[StepPattern] = []
         self.device = torch.device("cpu")
 
@@ -186,6 +187,7 @@ class MockRowModel:
         assert len({s.row for s in steps}) == len(steps), "a row twice in one step"
         self.batch_sizes.append(len(steps))
         self.step_tokens.append(sum(len(s.tokens) for s in steps))
+        self.row_sizes.append([len(s.tokens) for s in steps if not s.prefill])
         self.patterns.extend(s.pattern for s in steps if not s.prefill)
         return [self.rows[s.row].step(s.tokens, s.pattern, s.rows, s.topk, s.sample) for s in steps]
 

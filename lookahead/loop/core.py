@@ -155,13 +155,15 @@ def static_steps(cfg: LookaheadConfig | None) -> list[tuple[StepPattern, int, in
     return [(layout.pattern, len(layout.rows), layout.topk) for layout in layouts]
 
 
-def step_budget(loop: LookaheadLoop, cost: CostModel | None, sampling: bool) -> StepBudget | None:
-    """The generation's per-step size chooser: with a cost model and a self-tuned configuration (`loop.tunable`),
-    else None (full-size steps). A cost model without a curve of sampled steps sizes them by its greedy curve."""
+def step_budget(loop: LookaheadLoop, cost: CostModel | None, sampling: bool, model=None) -> StepBudget | None:
+    """The per-step size chooser of an engine's rows: with a cost model and a self-tuned configuration
+    (`loop.tunable`), else None (full-size steps). A cost model without a curve of sampled steps sizes them by its
+    greedy curve. A model that rounds its steps up to captured sizes says so by a `round_up(tokens)` method."""
     if cost is None or not loop.tunable:
         return None
     kind = "sampling" if sampling and "sampling" in cost.curves else "greedy"
-    return StepBudget(loop.cfg, cost, kind, loop.static) if kind in cost.curves else None
+    round_up = getattr(model, "round_up", None)
+    return StepBudget(loop.cfg, cost, kind, loop.static, round_up=round_up) if kind in cost.curves else None
 
 
 def sampling_seed(request: Request, row: int) -> int | None:
@@ -218,22 +220,6 @@ class LookaheadLoop:
     def branch_tokens(self) -> int:
         """Tokens of the lookahead branch in the next step (all N - 1 levels when padded)."""
         return self.cfg.window * (self.cfg.ngram - 1 if self.static else len(self.window.levels))
-
-    def step(self, model: StepModel, budget: StepBudget | None = None) -> tuple[Verdict, StepLayout]:
-        """One forward pass, of the size `budget` chooses (None: the full step: lookahead branch + verification
-        tree); commits the accepted KV entries. Returns the verdict and the step's layout."""
-        draft, length = self.draft(), self.length
-        choice = None if budget is None else budget.choose([draft.scores], self.branch_tokens, length)
-        layout = self.pack(draft, choice)
-        start = 0.0 if budget is None else budget.clock()
-        output = model.step(layout.tokens, layout.pattern, layout.rows, **self.step_requests(layout))
-        seconds = 0.0 if budget is None else budget.clock() - start
-        verdict = self.finish(layout, output)
-        model.commit(layout.commit_indices(verdict))
-        if budget is not None:
-            budget.record(choice, layout.pattern.num_tokens, length, seconds,
-                          sum(draft.scores[: len(layout.tree)]), len(verdict.tokens) - 1)
-        return verdict, layout
 
     def draft(self) -> BestFirst:
         """The next step's draft nodes under the input token (the last token of the sequence), best first: the tree

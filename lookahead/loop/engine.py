@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from lookahead.config import LookaheadConfig
 from lookahead.drafts import DraftMemory
 from lookahead.request import Request, SamplingParams, token_ids
-from lookahead.tuning import CostModel, StepBudget
+from lookahead.tuning import CostModel, Fixed, StepBudget
 
 from .core import GenerationResult, StepModel, Stream, sampling_seed, step_budget
 from .jobs import MAX_LOGPROBS, Delta, Handle, Job, Sink
@@ -64,7 +64,8 @@ class Engine:
         self.waiting: collections.deque[Job] = collections.deque()
         self.active: list[Job] = []
         self.budget: StepBudget | None = None
-        self._choice, self._expected, self._sized, self._length = None, 0.0, 0, 0  # the step's sizing, for `record`
+        self._expected: dict[Job, float] = {}  # the sized rows' expected nodes, for the budget's record
+        self._sized, self._lengths = False, []
         self._inbox: list[Job] = []
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -142,16 +143,18 @@ class Engine:
         start = self.clock()
         outputs = self.model.step(steps)
         seconds = self.clock() - start
-        accepted = 0
+        accepted = {}
         for job, step, output in zip(jobs, steps, outputs, strict=True):
             commit, taken = job.finish(step, output, self.memory)
             self.model.commit(job.row, commit)
-            if job.layout is not None and not step.prefill:
-                accepted += len(commit) - 1
+            if job in self._expected:
+                accepted[job] = len(commit) - 1
             self._send(job, taken)
-        if self.budget is not None and self._choice is not None:
-            self.budget.record(self._choice, sum(len(s.tokens) for s in steps), self._length, seconds,
-                               self._expected, accepted, self._sized)
+        if self._sized:
+            tokens = sum(len(s.tokens) for s in steps)
+            weight = sum(len(s.tokens) * length for s, length in zip(steps, self._lengths, strict=True))
+            self.budget.record(tokens, weight // max(tokens, 1), seconds, list(self._expected.values()),
+                               [accepted[job] for job in self._expected])
         if self.on_step is not None:
             self.on_step(steps, seconds)
         self._retire([job for job in self.active if job.out.done])
@@ -215,41 +218,51 @@ class Engine:
             self.active.append(job)
 
     def _plan(self) -> tuple[list[Job], list[RowStep]]:
-        """Every live row's part of the next step: decoding rows first (sized together by the budget), then prompt
-        chunks within what is left of the step's prefill allowance."""
+        """Every live row's part of the next step: prompt chunks within the step's prefill allowance, then the
+        decoding rows, the lookahead ones sized together by the budget around the rest."""
         decoding = [job for job in self.active if not job.prefilling]
-        prefilling = [job for job in self.active if job.prefilling]
+        plain = [job for job in decoding if job.loop is None]
         lookahead = [job for job in decoding if job.loop is not None]
-        for job in lookahead:
-            job.draft_now()
-        self._choice = self._size(lookahead)
-        steps = [job.plan(self._choice if job.loop is not None else None) for job in decoding]
-        allowance = self._prefill_allowance(sum(len(s.tokens) for s in steps))
-        jobs = list(decoding)
-        for job in prefilling:
-            if allowance is not None and allowance <= 0 and steps:
-                break
-            step = job.chunk(allowance)
-            steps.append(step)
+        allowance = self._prefill_allowance(len(plain) + sum(1 + len(job.loop.window.levels) for job in lookahead))
+        jobs, steps = [], []
+        for job in self.active:
+            if not job.prefilling or (allowance is not None and allowance <= 0 and (steps or decoding)):
+                continue
+            steps.append(job.chunk(allowance))
             jobs.append(job)
-            allowance = None if allowance is None else allowance - len(step.tokens)
+            allowance = None if allowance is None else allowance - len(steps[-1].tokens)
+        for job in plain:
+            jobs.append(job)
+            steps.append(job.plan(None))
+        fixed = Fixed(sum(len(s.tokens) for s in steps), float(len(plain)),
+                      sum(len(s.tokens) * self._length_of(job) for job, s in zip(jobs, steps, strict=True)))
+        for job, choice in zip(lookahead, self._size(lookahead, fixed), strict=True):
+            jobs.append(job)
+            steps.append(job.plan(choice))
+        self._lengths = [self._length_of(job) for job in jobs]
         return jobs, steps
 
-    def _size(self, lookahead: list[Job]):
-        """One size for every lookahead row's step (the budget's choice; None: full steps)."""
-        self._expected, self._sized = 0.0, len(lookahead)
-        self._length = max((job.loop.length for job in lookahead), default=0)
-        if not lookahead:
-            return None
-        if self.budget is None:
+    @staticmethod
+    def _length_of(job: Job) -> int:
+        """The row's cache length L before the step."""
+        return job.filled if job.prefilling else len(job.prompt) + len(job.out.result.tokens) - 1
+
+    def _size(self, lookahead: list[Job], fixed: Fixed) -> list:
+        """Each lookahead row's size for this step: the budget's choice (None: full steps)."""
+        self._expected, self._sized = {}, False
+        for job in lookahead:
+            job.draft_now()
+        if lookahead and self.budget is None:
             first = lookahead[0]
-            self.budget = step_budget(first.loop, self.cost, first.seed is not None)
-        if self.budget is None:
-            return None
-        drafts = [job.draft for job in lookahead]
-        choice = self.budget.choose([d.scores for d in drafts], lookahead[0].loop.branch_tokens, self._length)
-        self._expected = sum(sum(d.scores[: min(choice.nodes, len(d))]) for d in drafts)
-        return choice
+            self.budget = step_budget(first.loop, self.cost, first.seed is not None, self.model)
+        if self.budget is None or not lookahead:
+            return [None] * len(lookahead)
+        self._sized = True
+        choices = self.budget.choose([job.draft.scores for job in lookahead], lookahead[0].loop.branch_tokens,
+                                     [job.loop.length for job in lookahead], fixed)
+        self._expected = {job: sum(job.draft.scores[: min(choice.nodes, len(job.draft))])
+                          for job, choice in zip(lookahead, choices, strict=True) if choice.nodes}
+        return choices
 
     def _prefill_allowance(self, decoding_tokens: int) -> int | None:
         """Prompt tokens the next step may carry (None: no limit): the model's chunk alone; beside decoding rows as

@@ -45,7 +45,7 @@ class Delta:
 Sink = Callable[[Delta], None]
 
 
-@dataclass
+@dataclass(eq=False)  # a job is itself: compared and hashed by identity
 class Job:
     """One request's row. request: one prompt, checked (`Request`); its seed resolved by the engine (None: greedy).
     stops_at: called with each new token, True where the text now ends with a stop string (the token ends the

@@ -1,33 +1,38 @@
-"""`StepBudget`: how much of its draft each step of one generation verifies, by what it is worth on this machine.
+"""`StepBudget`: how much of its draft each row of a packed step verifies, by what it is worth on this machine, for the
+whole step at once.
 
-Before a step runs, the draft tree knows what each node is worth: grown best first, node i's score is the chance
-that the step accepts it (`lookahead.drafts.edges`), so a step verifying the first n nodes expects
+Before a step runs, each row's draft tree knows what each node is worth: grown best first, node i's score is the
+chance that the step accepts it (`lookahead.drafts.edges`), so a row verifying its first n nodes expects
 E(n) = 1 + c * (score_0 + ... + score_{n-1}) tokens (the 1: the model's own next token, which every step gives).
-The cost model knows what a step of T tokens costs here, t(T, L). A step takes the n that maximises E / (t + h)
-(h: the loop's own time per step, measured), or a plain one-token step when nothing beats plain decoding's
-1 / (t(1) + h). Everything it reads is known before the step, so the
-tokens are the same whatever it picks (greedy: plain greedy's; sampling: keyed by position).
+The cost model knows what a step of T tokens over cache length L costs here, t(T, L) (all rows together: T the
+step's tokens, L their mean cache length). The step takes (row, node) slots in decreasing calibrated worth, a row's
+node only after its parent, and keeps the count of slots that maximises the step's expected tokens per second,
+sum E / (t + h) (h: the loop's own time per step, measured); where no count beats every row decoding plainly, the
+step is plain. So a row whose draft is worth six tokens takes thirty nodes while another takes none, and a batch
+never pays for drafts that do not pay: on a busy machine or a large batch the slots stop paying sooner. Everything
+it reads is known before the step, so the tokens are the same whatever it picks (greedy: plain greedy's; sampling:
+keyed by position).
 
 It keeps itself honest with what the steps then did:
-- c, the draft scores' calibration: accepted nodes over expected ones so far, per band of the expected sum (the
+- c, the draft scores' calibration: accepted nodes over expected ones so far, per band of a row's expected sum (the
   edge model was fitted on one model and one prompt set, and its sums are too flat: small sums come out low and
   large ones high, so one factor for all would misjudge both ends; another model or text drafts better or worse);
 - the cost model learns each step's measured time (`CostModel.observe`), so a machine that gets busier steps
   smaller, and h follows the loop's time outside the model;
-- after `PROBE_AFTER` plain steps in a row it runs its best lookahead step once, so multi-token costs learned on a
+- after `PROBE_AFTER` plain steps in a row it takes its best lookahead count once, so multi-token costs learned on a
   busy machine are measured again when the machine quietens.
 
 The lookahead branch (W(N - 1) tokens of Jacobi iterations) is worth nothing in its own step: its n-grams pay
-later, through the pool. On a CPU (steps of any size) a self-tuned step runs without it: the input token and the
-first n nodes, so the cheapest lookahead step is 2 tokens, not W(N - 1) + 1 (`BRANCH`; measured against steps that
-carry it: docs/results.md, "Self-tuned steps"). On CUDA with static steps the sizes come from a few buckets
-(`buckets`), each one shape captured as a CUDA graph at warm-up, which carries the branch (a pass of a few more
-tokens costs a GPU about nothing) and verifies as many nodes as fit.
+later, through the pool. On a CPU (steps of any size) a lookahead row runs without it: the input token and its n
+nodes, so the cheapest lookahead row is 2 tokens, not W(N - 1) + 1 (`BRANCH`; measured against steps that carry it:
+docs/results.md, "Self-tuned steps"). With static steps (CUDA graphs) the step's tokens are rounded up to a captured
+size, and every lookahead row carries the branch (a few more tokens cost a GPU about nothing).
 """
 
 from __future__ import annotations
 
 import bisect
+import heapq
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -78,17 +83,32 @@ def bucket_choices(cfg: LookaheadConfig) -> list[Choice]:
             for size in buckets(cfg)]
 
 
-class StepBudget:
-    """The per-step size chooser of one generation (one prompt, or a batch stepping together).
+@dataclass(frozen=True)
+class Fixed:
+    """The part of a step the budget does not size: rows that decode plainly (a request without lookahead) and prompt
+    chunks. `tokens` they feed, `expected` tokens they give (a plain row 1, a chunk its first token only when it is the
+    prompt's last), `weight`: the sum of their tokens' cache lengths (what their attention reads)."""
 
-    cost: the machine's `CostModel` (it is updated in place). kind: its curve ("greedy", "sampling"). static: step
-    sizes from `buckets` (CUDA graphs) rather than any size. clock: seconds, for the loop's timings (tests give a
-    fake one)."""
+    tokens: int = 0
+    expected: float = 0.0
+    weight: int = 0
+
+
+class StepBudget:
+    """The per-step size chooser of the rows an engine steps together: how many draft nodes each lookahead row
+    verifies in the next packed step (a row may take none: a plain one-token row, while another takes thirty).
+
+    cost: the machine's `CostModel` (it is updated in place). kind: its curve ("greedy", "sampling"). static: steps
+    are rounded up to captured shapes (CUDA graphs): every lookahead row carries its lookahead branch (a few more
+    tokens cost a GPU about nothing), and a step's cost is that of `round_up(tokens)` tokens. clock: seconds, for the
+    loop's timings (tests give a fake one)."""
 
     def __init__(self, cfg: LookaheadConfig, cost: CostModel, kind: str = "greedy", static: bool = False,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter,
+                 round_up: Callable[[int], int] | None = None) -> None:
         self.cfg, self.cost, self.kind, self.clock = cfg, cost, kind, clock
-        self.sizes = bucket_choices(cfg)[1:] if static else None  # the lookahead shapes, smallest first
+        self.static, self.round_up = static, round_up or (lambda tokens: tokens)
+        self.branch = static or BRANCH == "always"  # whether lookahead rows carry the lookahead branch
         self.expected = [0.0] * (len(CALIBRATION_BANDS) + 1)  # per band: nodes the scores expected, and accepted
         self.accepted = [0.0] * (len(CALIBRATION_BANDS) + 1)
         self.host = 0.0  # seconds per step the loop spends outside the model
@@ -97,55 +117,75 @@ class StepBudget:
 
     def calibrated(self, expected: float) -> float:
         """A row's expected accepted nodes by its draft scores, times c of its band: the nodes accepted per node
-        expected, so far in this generation, by steps whose rows expected about as many."""
+        expected, so far, by rows that expected about as many."""
         band = bisect.bisect_right(CALIBRATION_BANDS, expected)
         return expected * (self.accepted[band] + CALIBRATION_PRIOR) / (self.expected[band] + CALIBRATION_PRIOR)
 
-    def choose(self, scores: Sequence[Sequence[float]], branch: int, length: int) -> Choice:
-        """The size of the next step. scores: each row's draft node scores, best first (a prefix of a best-first
-        tree is a tree); branch: the lookahead branch's tokens per row (W times the window's levels); length: the
-        cache length L (a batch: its longest row)."""
+    def choose(self, scores: Sequence[Sequence[float]], branch: int, lengths: Sequence[int],
+               fixed: Fixed = Fixed()) -> list[Choice]:
+        """Each lookahead row's size for the next step. scores: each row's draft node scores, best first (a prefix
+        of a best-first tree is a tree); branch: the lookahead branch's tokens per row (W times the window's levels;
+        carried only when `self.branch`); lengths: each row's cache length L; fixed: the rest of the step.
+
+        The step takes (row, node) slots in decreasing calibrated worth (a row's node only after its parent, so each
+        row's share is a prefix of its draft), and of every count of slots keeps the one that maximises the whole
+        step's expected tokens per second, (expected tokens) / (t(tokens, L) + h), against every lookahead row
+        decoding plainly. After `PROBE_AFTER` plain steps in a row it takes its best lookahead count once."""
         rows = len(scores)
-        prefix = []  # per row, the expected accepted nodes of its first n nodes, n = 0, 1, ...
-        for row in scores:
-            sums, total = [0.0], 0.0
-            for score in row:
-                total += score
-                sums.append(total)
-            prefix.append(sums)
-        longest = max(map(len, scores), default=0)
-        plain = Choice(0, False, 0, 1, float(rows), self._seconds(rows, length))
-        best, best_rate, best_lookahead = plain, rows / plain.seconds, None
-        candidates = self.sizes or [Choice(n, BRANCH == "always", n, (branch if BRANCH == "always" else 1) + n)
-                                    for n in range(1, longest + 1)]
-        for size in candidates:
-            nodes = min(size.slots, longest)
-            if nodes == 0:
-                continue
-            expected = rows + sum(self.calibrated(sums[min(nodes, len(sums) - 1)]) for sums in prefix)
-            seconds = self._seconds(rows * size.tokens, length)
-            choice = Choice(nodes, size.branch, size.slots, size.tokens, expected, seconds)
-            if best_lookahead is None or expected / seconds > best_lookahead.expected / best_lookahead.seconds:
-                best_lookahead = choice
-        if best_lookahead is not None and (best_lookahead.expected / best_lookahead.seconds > best_rate
-                                           or self.plain_run >= PROBE_AFTER):
-            best = best_lookahead
-        self.plain_run = self.plain_run + 1 if best.plain else 0
-        return best
+        carry = branch if self.branch else 1
+        base_tokens, base_expected = fixed.tokens + rows * carry, fixed.expected + rows
+        # the step's mean cache length, with every row at its base size: what each added slot's attention reads on
+        # average (a slot of a longer row reads more; a second-order effect the choice ignores)
+        length = (fixed.weight + sum(lengths) * carry) // max(base_tokens, 1)
+        plain = self._rate(fixed.tokens + rows, length, base_expected)
+        best_rate, best_taken = plain, None
+        taken = [0] * rows
+        worth = [self._worths(row) for row in scores]  # the calibrated worth of each row's n-th node
+        heads = [(-w[0], r) for r, w in enumerate(worth) if w]  # each row's next node
+        heapq.heapify(heads)
+        tokens, expected = base_tokens, base_expected
+        options = [(self._rate(tokens, length, expected), list(taken))] if self.branch else []
+        while heads:
+            value, r = heapq.heappop(heads)
+            taken[r] += 1
+            tokens, expected = tokens + 1, expected - value
+            if taken[r] < len(worth[r]):
+                heapq.heappush(heads, (-worth[r][taken[r]], r))
+            options.append((self._rate(tokens, length, expected), list(taken)))
+        lookahead = max(options, key=lambda option: option[0][0], default=None)
+        if lookahead is not None and (lookahead[0][0] > best_rate[0] or self.plain_run >= PROBE_AFTER):
+            best_rate, best_taken = lookahead
+        self.plain_run = self.plain_run + 1 if best_taken is None or not any(best_taken) else 0
+        if best_taken is None:
+            return [Choice(0, False, 0, 1, 1.0, best_rate[1]) for _ in scores]
+        return [Choice(n, self.branch, n, carry + n, 1 + self.calibrated(sum(row[:n])), best_rate[1])
+                for n, row in zip(best_taken, scores, strict=True)]
 
-    def _seconds(self, tokens: int, length: int) -> float:
-        return self.cost.predict(tokens, length, self.kind) + self.host
+    def _worths(self, scores: Sequence[float]) -> list[float]:
+        """The calibrated expected nodes each further node of a row's draft adds."""
+        worths, total, before = [], 0.0, 0.0
+        for score in scores:
+            total += score
+            now = self.calibrated(total)
+            worths.append(now - before)
+            before = now
+        return worths
 
-    def record(self, choice: Choice, tokens: int, length: int, step_seconds: float, expected_nodes: float,
-               accepted_nodes: int, rows: int = 1) -> None:
-        """What a step did: it fed `tokens` tokens (all `rows` rows) at cache length `length`, the model took
-        `step_seconds` (the rest of the time since the last record is the loop's own), and its rows accepted
-        `accepted_nodes` draft nodes where their scores expected `expected_nodes` (uncalibrated)."""
+    def _rate(self, tokens: int, length: int, expected: float) -> tuple[float, float]:
+        """(expected tokens per second, seconds) of a step of `tokens` tokens over mean cache length `length`."""
+        seconds = self.cost.predict(self.round_up(tokens), length, self.kind) + self.host
+        return expected / seconds, seconds
+
+    def record(self, tokens: int, length: int, step_seconds: float, expected: Sequence[float],
+               accepted: Sequence[int]) -> None:
+        """What a step did: it fed `tokens` tokens (every row) whose mean cache length was `length`, the model took
+        `step_seconds` (the rest of the time since the last record is the loop's own), and each lookahead row that
+        verified nodes accepted `accepted[i]` of them where its scores expected `expected[i]` (uncalibrated)."""
         now = self.clock()
-        self.cost.observe(tokens, length, step_seconds, self.kind)
+        self.cost.observe(self.round_up(tokens), length, step_seconds, self.kind)
         self.host += HOST_RATE * (max(now - self.last - step_seconds, 0.0) - self.host)
         self.last = now
-        if not choice.plain:
-            band = bisect.bisect_right(CALIBRATION_BANDS, expected_nodes / rows)
-            self.expected[band] += expected_nodes
-            self.accepted[band] += accepted_nodes
+        for promised, got in zip(expected, accepted, strict=True):
+            band = bisect.bisect_right(CALIBRATION_BANDS, promised)
+            self.expected[band] += promised
+            self.accepted[band] += got

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -56,6 +57,15 @@ class Curve:
             raise ValueError(f"a cost curve's base costs must be finite and positive, got {self.base}")
         if not all(math.isfinite(x) and x >= 0 for x in self.per_position):
             raise ValueError(f"a cost curve's per-position costs must be finite and >= 0, got {self.per_position}")
+        self._monotone()
+
+    def _monotone(self) -> None:
+        """A step of more tokens, or over a longer cache, never costs less: a curve that falls as T grows is noise (one
+        slow pass at a small size, a quiet moment at a large one), not a machine. Both coefficient lists become their
+        closest non-decreasing fit (pool-adjacent-violators, least squares), so the chooser is never lured into a
+        larger step by a dip."""
+        self.base[:] = nondecreasing(self.base)
+        self.per_position[:] = nondecreasing(self.per_position)
 
     def _bracket(self, tokens: int) -> tuple[int, int, float]:
         """The knots i, j whose segment holds `tokens` (the last segment beyond the ends) and its weight on j."""
@@ -89,15 +99,29 @@ class Curve:
             scale = 1.0 + UPDATE_RATE * share * (ratio - 1.0)
             self.base[k] *= scale
             self.per_position[k] *= scale
+        self._monotone()
 
     def to_dict(self) -> dict:
         return {"knots": list(self.knots), "base": list(self.base), "per_position": list(self.per_position)}
 
 
+def nondecreasing(values: Sequence[float]) -> list[float]:
+    """The non-decreasing sequence closest to `values` in least squares (pool-adjacent-violators)."""
+    blocks: list[list[float]] = []  # [sum, count] of each pooled run
+    for value in values:
+        blocks.append([value, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [total / count for total, count in blocks for _ in range(count)]
+
+
 def fit(samples: Iterable[tuple[int, int, float]]) -> Curve:
-    """A curve through timed steps (tokens, cache length, seconds): at each token count, the mean at the shortest
+    """A curve through timed steps (tokens, cache length, seconds): at each token count, the median at the shortest
     and at the longest length measured give the base and the cost per cached position (0 where one length only, or
-    where noise makes it negative)."""
+    where noise makes it negative); one stray pass among the repeats does not move it. The curve is then made
+    non-decreasing in T (`Curve`)."""
     grouped: dict[int, dict[int, list[float]]] = {}
     for tokens, length, seconds in samples:
         grouped.setdefault(tokens, {}).setdefault(length, []).append(seconds)
@@ -107,7 +131,7 @@ def fit(samples: Iterable[tuple[int, int, float]]) -> Curve:
     for tokens in knots:
         by_length = grouped[tokens]
         short, long = min(by_length), max(by_length)
-        at_short, at_long = (sum(by_length[x]) / len(by_length[x]) for x in (short, long))
+        at_short, at_long = (statistics.median(by_length[x]) for x in (short, long))
         slope = max((at_long - at_short) / (long - short), 0.0) if long > short else 0.0
         base.append(max(at_short - slope * short, 1e-3 * at_short))
         per_position.append(slope)
