@@ -50,16 +50,19 @@ def paged(pool: KVPool, slots: torch.Tensor, attend: LayerAttention) -> Attend:
 @dataclass(frozen=True)
 class PackedStep:
     """The host's description of a packed step: per row its L, its pattern (with its tree), its block table (the
-    pool blocks of its positions 0, block_size, 2 block_size, ...) and its offset in the packed tokens."""
+    pool blocks of its positions 0, block_size, 2 block_size, ...) and its offset in the packed tokens; and the tokens
+    fed in all."""
 
     lengths: Sequence[int]
     patterns: Sequence[StepPattern]
     tables: Sequence[Sequence[int]]
     starts: Sequence[int]
     block_size: int
+    fed: int  # the tokens fed, padding included (a static step's padding follows the rows' tokens)
 
     @property
     def total(self) -> int:
+        """The rows' tokens."""
         return self.starts[-1] + self.patterns[-1].num_tokens if self.patterns else 0
 
 
@@ -85,7 +88,7 @@ class _Group:
         table = step.tables[rows[0]][: -(-s_max // size)]
         # one row whose blocks are one run of the pool, and whose tokens are the whole step: views, no gathers
         self.run = table[0] * size if len(rows) == 1 and _is_run(table) else None
-        self.whole = len(rows) == 1 and tokens[0] == step.total
+        self.whole = len(rows) == 1 and tokens[0] == step.fed
         self.span = s_max
         if self.run is None:
             blocks = torch.tensor([list(step.tables[b][: -(-s_max // size)]) + [0] * (-(-s_max // size) - len(
@@ -145,7 +148,7 @@ class TorchBackend:
         def attend(layer: int, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor) -> torch.Tensor:
             if len(groups) == 1 and groups[0].whole:
                 return groups[0].attend(q, k_all, v_all)[None]
-            out = torch.empty_like(q)
+            out = torch.zeros_like(q) if step.fed > step.total else torch.empty_like(q)  # padding: seen by no one
             for group in groups:
                 out[0][:, group.dst] = group.attend(q, k_all, v_all)
             return out

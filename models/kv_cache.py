@@ -31,7 +31,8 @@ def pool_bytes(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, po
 
 
 class KVPool(nn.Module):
-    """k, v [layers, Hkv, blocks x block_size, D]: position p of a block b is slot b x block_size + p.
+    """k, v [layers, Hkv, (blocks + 1) x block_size, D]: position p of a block b is slot b x block_size + p. The last
+    block is scratch, owned by no row: a static step's padding tokens write their entries there.
 
     A layer's buffer is [Hkv, slots, D]; `blocks(layer)` views it as [blocks, Hkv, block_size, D], the layout the
     paged kernel reads through block tables. Writes and moves take device index tensors (no host value decides a
@@ -42,15 +43,16 @@ class KVPool(nn.Module):
     def __init__(self, layers: int, kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
-        self.block_size, self.num_blocks = block_size, num_blocks
-        need = pool_bytes(layers, kv_heads, head_dim, dtype, num_blocks * block_size)
+        self.block_size, self.num_blocks = block_size, num_blocks + 1  # the rows' blocks, then the scratch one
+        self.scratch_slot = num_blocks * block_size
+        need = pool_bytes(layers, kv_heads, head_dim, dtype, self.num_blocks * block_size)
         free = free_bytes(torch.device(device))
         if free is not None and need > free:
             raise ValueError(f"the KV cache of {num_blocks} blocks of {block_size} positions needs "
                              f"{need / 2**30:.2f} GiB on {device}, where {free / 2**30:.2f} GiB are free: give fewer "
                              "prompts at once, a shorter prompt or fewer max_new_tokens (or call release() on models "
                              "you no longer use)")
-        shape = (layers, kv_heads, num_blocks * block_size, head_dim)
+        shape = (layers, kv_heads, self.num_blocks * block_size, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         assert math.prod(shape) == self.k.numel()

@@ -23,12 +23,13 @@ import torch
 
 from lookahead.kernels import StepPattern, device_binding
 from lookahead.loop import RowStep, StepOutput
-from lookahead.loop.sampling import SampleRequest, sample_positions, seed_bits
+from lookahead.loop.sampling import SampleRequest, sample_positions
 
-from .attention import Attend, PackedStep, TorchBackend, TritonBackend, paged
+from .attention import Attend, TorchBackend, TritonBackend
 from .config import LlamaConfig
 from .kv_cache import KVPool
 from .paging import BlockPool
+from .programs import MIN_TOKENS, Packing, StepProgram, StepShape, table_width
 
 BLOCK_SIZE = 16  # positions per block
 PREFILL_CHUNK = {"cpu": 512, "cuda": 2048}  # prompt tokens one step carries for one row at most
@@ -85,7 +86,12 @@ class CachedRunner:
         else:
             self.backend = TorchBackend(model.device)
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and self.backend.graphable
+        self.static = self.device.type == "cuda"  # steps padded to a few shapes (`StepShape`): one program each
+        self.programs: dict[StepShape, StepProgram] = {}
+        self.graph_pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         self.prefill_chunk = PREFILL_CHUNK.get(self.device.type, PREFILL_CHUNK["cpu"])
+        self.table_width = table_width(cfg.max_position_embeddings + max(max_step_tokens, self.prefill_chunk),
+                                       block_size)
         self.backend.resize(self.pool, max_rows, (max_step_tokens, self.prefill_chunk))
         self.rows: dict[int, Row] = {}
         self._next_row = 0
@@ -119,6 +125,7 @@ class CachedRunner:
             new.v[:, :, : old.v.shape[2]] = old.v
             self.pool = new
             self.blocks.grow(num_blocks)
+            self.programs.clear()  # their graphs read the old pool
         self.backend.resize(self.pool, self.max_rows, (self.max_step_tokens, self.prefill_chunk))
 
     # ----- rows -----
@@ -158,8 +165,8 @@ class CachedRunner:
         src, dst = self._moves
         for j, index in enumerate(step_indices):
             if index != j:
-                src.append(self._slot(state, start + index))
-                dst.append(self._slot(state, start + j))
+                src.append(self.slot(state, start + index))
+                dst.append(self.slot(state, start + j))
         state.length += len(step_indices)
         if state.tokens is not None:
             state.tokens += [state.step_tokens[i] for i in step_indices]
@@ -172,7 +179,11 @@ class CachedRunner:
             parent = row.keys[-1] if row.keys else -1
             row.keys.append(self.blocks.publish(row.blocks[b], parent, row.tokens[b * size : (b + 1) * size]))
 
-    def _slot(self, row: Row, position: int) -> int:
+    @property
+    def scratch_slot(self) -> int:
+        return self.pool.scratch_slot
+
+    def slot(self, row: Row, position: int) -> int:
         size = self.block_size
         return row.blocks[position // size] * size + position % size
 
@@ -192,34 +203,69 @@ class CachedRunner:
     # ----- the packed step -----
 
     def step(self, steps: Sequence[RowStep]) -> list[StepOutput]:
-        """Run every row's step in one forward pass; one `StepOutput` per step (see `RowModel.step`)."""
-        rows = [self.rows[s.row] for s in steps]
-        packed = _Packing(steps, rows, self)
+        """Run every row's step in one forward pass; one `StepOutput` per step (see `RowModel.step`). With static
+        steps it runs padded to its `StepShape`'s program (captured as a CUDA graph with `cuda_graphs`); otherwise
+        at its exact size."""
+        packing = Packing(steps, self)
+        shape = packing.shape(self.static)
+        program = self.programs.get(shape) if self.static else None
+        if program is None:
+            program = StepProgram(self, shape, self.table_width if self.static else
+                                  max(len(t) for t in packing.step.tables))
+            if self.static:
+                self.programs[shape] = program
         with torch.inference_mode(), device_binding(self.device):  # any thread may drive it (an engine's own)
-            inputs = packed.tensors(self.device)
-            src, dst = (torch.tensor(x, dtype=torch.int64, device=self.device) for x in self._moves)
-            self._moves = ([], [])
-            if src.numel():
-                self.pool.move(src, dst)
-            attend = self.backend.begin_step(packed.step, inputs)
-            try:
-                logits = self.model.step_forward(inputs["tokens"][None], inputs["positions"][None],
-                                                 paged(self.pool, inputs["slots"], attend), inputs["head"])[0]
-            finally:
-                self.backend.end_step()
-            fetched = [logits.argmax(-1)]
-            k = min(max((s.topk for s in steps), default=0), logits.shape[-1])  # a vocabulary may be smaller
-            if k:
-                fetched.append(logits.topk(k, dim=-1).indices.flatten())
-            for params, (heads, seeds, positions) in packed.samples.items():
-                # each sampled row as its own sequence of one row: its seed, its position
+            self._apply_moves()
+            logits, fetched = program.run(self, packing, self.cuda_graphs)
+            fetched = [fetched]
+            for params, (heads, seeds, positions) in packing.samples.items():
+                # after the graph, from its logits: each sampled row as a sequence of one, its seed, its position
                 fetched.append(sample_positions(logits[torch.tensor(heads, device=self.device)][:, None], params,
                                                 torch.tensor(seeds, device=self.device),
                                                 torch.tensor(positions, device=self.device)[:, None])[:, 0])
-        host = torch.cat(fetched).cpu().tolist()  # the step's one device-to-host copy
-        for s, row in zip(steps, rows, strict=True):
-            row.step_tokens = s.tokens
-        return packed.outputs(logits, host, k)
+            host = torch.cat(fetched).cpu().tolist()  # the step's one device-to-host copy
+        for s in steps:
+            self.rows[s.row].step_tokens = s.tokens
+        return packing.outputs(logits, host, min(shape.topk, logits.shape[-1]))
+
+    def _apply_moves(self) -> None:
+        """The deferred commits: every accepted entry to its place, one gather and one scatter over every layer."""
+        src, dst = self._moves
+        if src:
+            self._moves = ([], [])
+            self.pool.move(torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device))
+
+    def round_up(self, tokens: int) -> int:
+        """The tokens a step of `tokens` tokens feeds (padded to its static shape): what it costs."""
+        return StepShape.of(tokens, 1, 1, 0, False, self.static).tokens
+
+    @property
+    def step_shapes(self) -> list[StepShape]:
+        """The static step shapes prepared so far, one program (one CUDA graph on CUDA) each."""
+        return list(self.programs)
+
+    def capture(self, shapes: Sequence[StepShape]) -> None:
+        """Prepare the program of each static step shape now (with CUDA graphs: compile its kernels and capture its
+        graph), so that no request pays for it mid-way. Runs placeholder steps of padding alone (every token writes
+        the scratch slot; no row's entries change)."""
+        if not self.static:
+            raise ValueError("capture prepares static step shapes; this runner steps at exact sizes (static=False)")
+        for shape in shapes:
+            if not isinstance(shape, StepShape):
+                raise TypeError(f"shapes must hold StepShape values, got {type(shape).__name__}")
+            if shape.tokens > max(self.max_step_tokens, self.prefill_chunk) * max(shape.rows, 1) + MIN_TOKENS:
+                raise ValueError(f"a StepShape of {shape.tokens} tokens exceeds this runner's steps")
+        with torch.inference_mode(), device_binding(self.device):
+            self._apply_moves()
+            for shape in shapes:
+                program = self.programs.setdefault(shape, StepProgram(self, shape, self.table_width))
+                if program.graph is not None or not self.cuda_graphs and self.device.type != "cuda":
+                    continue
+                program.stage(Packing([], self), self.scratch_slot)
+                if self.cuda_graphs:
+                    program.capture(self)
+                else:  # the kernels compile
+                    program.forward(self)
 
     # ----- one sequence (lookahead parallelism, timing) -----
 
@@ -232,96 +278,6 @@ class CachedRunner:
 def weights_version(model) -> int:
     """A number that changes whenever a parameter of the model is written in place (torch's version counters)."""
     return sum(p._version for p in model.parameters())
-
-
-class _Packing:
-    """One packed step laid out on the host: tokens, positions, write slots, the logits' rows (`head`), each row's
-    offsets, sampling's rows grouped by their settings."""
-
-    def __init__(self, steps: Sequence[RowStep], rows: Sequence[Row], runner: CachedRunner) -> None:
-        self.steps = steps
-        tokens, positions, slots, head = [], [], [], []
-        starts, tables, lengths, patterns = [], [], [], []
-        self.heads: list[tuple[list[int], int]] = []  # per step: its output rows' places in `head`, its top-k start
-        self.samples: dict = {}  # params -> (head places, seeds, absolute positions)
-        for s, row in zip(steps, rows, strict=True):
-            t, start = len(s.tokens), len(tokens)
-            if t != s.pattern.num_tokens:
-                raise ValueError(f"row {s.row}: {t} tokens for a pattern of {s.pattern.num_tokens}")
-            if t > max(runner.max_step_tokens, runner.prefill_chunk):
-                raise ValueError(f"row {s.row}: a step of {t} tokens exceeds the runner's "
-                                 f"{max(runner.max_step_tokens, runner.prefill_chunk)}")
-            if row.length + t > len(row.blocks) * runner.block_size:
-                raise ValueError(f"row {s.row}: {t} tokens at L={row.length} overflow its "
-                                 f"{len(row.blocks) * runner.block_size} positions")
-            tokens += s.tokens
-            positions += [row.length + p for p in s.pattern.relative_positions.tolist()]
-            slots += [runner._slot(row, row.length + i) for i in range(t)]
-            first = len(head)
-            if s.topk:
-                head += range(start, start + t)
-                places = [first + r for r in s.rows]
-            else:
-                head += [start + r for r in s.rows]
-                places = list(range(first, first + len(s.rows)))
-            self.heads.append((places, first if s.topk else -1))
-            if s.sample is not None:
-                group = self.samples.setdefault(s.sample.params, ([], [], []))
-                group[0].extend(places)
-                group[1].extend([seed_bits(s.sample.seed)] * len(places))
-                group[2].extend(s.sample.positions)
-            starts.append(start)
-            tables.append(row.blocks)
-            lengths.append(row.length)
-            patterns.append(s.pattern)
-        self.lists = {"tokens": tokens, "positions": positions, "slots": slots, "head": head}
-        self.step = PackedStep(lengths, patterns, tables, starts, runner.block_size)
-        self.kernel = runner.backend.name == "triton"
-
-    def tensors(self, device: torch.device) -> dict[str, torch.Tensor]:
-        """The step's inputs on the device (one host-to-device copy): tokens, positions, slots, head, and for the
-        Triton kernel the rows' offsets, lengths, W, N, trees and block tables."""
-        sections = dict(self.lists)
-        if self.kernel:
-            step = self.step
-            sections["cu_seqlens"] = [*step.starts, step.total]
-            sections["prefix_len"] = list(step.lengths)
-            sections["window"] = [p.window for p in step.patterns]
-            sections["ngram"] = [p.ngram for p in step.patterns]
-            tree_end = []
-            for p in step.patterns:
-                tree_end += [0] * p.lookahead_len + list(p.tree_end or [])
-            sections["tree_end"] = tree_end
-            width = max(len(t) for t in step.tables)
-            sections["block_table"] = [b for t in step.tables for b in [*t, *[0] * (width - len(t))]]
-        flat = torch.tensor([x for values in sections.values() for x in values], dtype=torch.int64)
-        flat = flat.to(device, non_blocking=True)
-        out, offset = {}, 0
-        for name, values in sections.items():
-            out[name] = flat[offset : offset + len(values)]
-            offset += len(values)
-        if self.kernel:
-            out["block_table"] = out["block_table"].view(len(self.step.tables), -1)
-        return out
-
-    def outputs(self, logits: torch.Tensor, host: list[int], topk: int) -> list[StepOutput]:
-        """One `StepOutput` per step from the head rows' logits [H, V] and the fetched argmax, top-k and winners."""
-        h = logits.shape[0]
-        argmax, rest = host[:h], host[h:]
-        top = torch.tensor(rest[: h * topk]).view(h, topk) if topk else None
-        winners, offset = {}, h * topk
-        for heads, _, _ in self.samples.values():
-            for place, token in zip(heads, rest[offset : offset + len(heads)], strict=True):
-                winners[place] = token
-            offset += len(heads)
-        outputs = []
-        for s, (places, top_start) in zip(self.steps, self.heads, strict=True):
-            contiguous = places == list(range(places[0], places[0] + len(places)))
-            row_logits = logits[places[0] : places[0] + len(places)] if contiguous else logits[places]
-            row_top = None if top_start < 0 else top[top_start : top_start + len(s.tokens)]
-            sampled = None if s.sample is None else [winners[p] for p in places]
-            outputs.append(StepOutput(row_logits, [argmax[p] for p in places], row_top, sampled))
-        return outputs
 
 
 class RowSequence:
@@ -358,7 +314,7 @@ class RowSequence:
     def step_entries(self, step_indices: Sequence[int]) -> torch.Tensor:
         """The KV entries [2, layers, Hkv, n, D] the last step wrote at these step indices (before its commit)."""
         row = self.runner.rows[self.row]
-        slots = [self.runner._slot(row, row.length + int(i)) for i in step_indices]
+        slots = [self.runner.slot(row, row.length + int(i)) for i in step_indices]
         return self.runner.pool.entries(torch.tensor(slots, device=self.device))
 
     def empty_entries(self, count: int) -> torch.Tensor:
@@ -376,7 +332,7 @@ class RowSequence:
             runner.pool.move(torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device))
             runner._moves = ([], [])
         count = entries.shape[3]
-        slots = [runner._slot(row, row.length + j) for j in range(count)]
+        slots = [runner.slot(row, row.length + j) for j in range(count)]
         runner.pool.put_entries(torch.tensor(slots, device=self.device), entries.to(self.device, runner.pool.k.dtype))
         row.length += count
         row.tokens = None  # entries whose tokens this runner was not told: nothing of this row is keyed from here

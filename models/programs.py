@@ -1,0 +1,217 @@
+"""A packed step on the host (`Packing`: every row's tokens, positions, write slots, logits rows, sampling) and on the
+device (`StepProgram`: one int64 input buffer filled by one host-to-device copy, the forward that reads only it, and
+on CUDA its captured graph).
+
+A program is keyed by a `StepShape`. With static steps (CUDA graphs) a step is padded up to its shape's sizes, each a
+power of two (`StepShape.of`), so a few shapes serve every step and each is captured once: padding tokens are
+seen by no row (the kernel computes nothing for them), write their KV entries into a scratch slot no row owns, and
+their logits are never read; padding rows hold no tokens. Without static steps a program has the step's exact sizes
+and is used once (a CPU's steps: padding would cost real compute).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from lookahead.loop import RowStep, StepOutput
+from lookahead.loop.sampling import seed_bits
+
+from .attention import PackedStep, paged
+
+MIN_TOKENS = 8  # the smallest padded token count of a static step
+
+
+class StepShape(NamedTuple):
+    """What one step program (one CUDA graph) is keyed by: the tokens fed, the rows, the logits rows (`heads`), the
+    top-k fetched per logits row, and whether a row carries a prompt chunk (the kernel's plan for long rows)."""
+
+    tokens: int
+    rows: int
+    heads: int
+    topk: int = 0
+    chunk: bool = False
+
+    @staticmethod
+    def of(tokens: int, rows: int, heads: int, topk: int, chunk: bool, static: bool) -> StepShape:
+        """The shape of a step of these exact sizes: rounded up to powers of two when static."""
+        if not static:
+            return StepShape(tokens, rows, heads, topk, chunk)
+        padded = max(MIN_TOKENS, _power_of_two(tokens))
+        return StepShape(padded, _power_of_two(rows), min(padded, max(MIN_TOKENS, _power_of_two(heads))), topk, chunk)
+
+
+def _power_of_two(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+class Packing:
+    """One packed step laid out on the host: tokens, positions (L + relative), write slots (L + step index, through
+    the row's table), the logits rows (`head`: a top-k row's every token, else its output rows), each row's offsets,
+    and sampling's rows grouped by their settings. `runner` gives the rows' tables and the slot arithmetic."""
+
+    def __init__(self, steps: Sequence[RowStep], runner) -> None:
+        self.steps = steps
+        tokens, positions, slots, head, tree_end = [], [], [], [], []
+        starts, tables, lengths, patterns = [], [], [], []
+        self.heads: list[tuple[list[int], int]] = []  # per step: its output rows' places in `head`, its top-k start
+        self.samples: dict = {}  # params -> (head places, seeds, absolute positions)
+        limit = max(runner.max_step_tokens, runner.prefill_chunk)
+        for s in steps:
+            row = runner.rows[s.row]
+            t, start = len(s.tokens), len(tokens)
+            if t != s.pattern.num_tokens:
+                raise ValueError(f"row {s.row}: {t} tokens for a pattern of {s.pattern.num_tokens}")
+            if t > limit:
+                raise ValueError(f"row {s.row}: a step of {t} tokens exceeds the runner's {limit}")
+            if row.length + t > len(row.blocks) * runner.block_size:
+                raise ValueError(f"row {s.row}: {t} tokens at L={row.length} overflow its "
+                                 f"{len(row.blocks) * runner.block_size} positions")
+            tokens += s.tokens
+            positions += [row.length + p for p in s.pattern.relative_positions.tolist()]
+            slots += [runner.slot(row, row.length + i) for i in range(t)]
+            tree_end += [0] * s.pattern.lookahead_len + list(s.pattern.tree_end or ())
+            first = len(head)
+            if s.topk:
+                head += range(start, start + t)
+                places = [first + r for r in s.rows]
+            else:
+                head += [start + r for r in s.rows]
+                places = list(range(first, first + len(s.rows)))
+            self.heads.append((places, first if s.topk else -1))
+            if s.sample is not None:
+                group = self.samples.setdefault(s.sample.params, ([], [], []))
+                group[0].extend(places)
+                group[1].extend([seed_bits(s.sample.seed)] * len(places))
+                group[2].extend(s.sample.positions)
+            starts.append(start)
+            tables.append(row.blocks)
+            lengths.append(row.length)
+            patterns.append(s.pattern)
+        self.tokens, self.positions, self.slots, self.head, self.tree_end = tokens, positions, slots, head, tree_end
+        self.step = PackedStep(lengths, patterns, tables, starts, runner.block_size, len(tokens))
+        self.topk = max((s.topk for s in steps), default=0)
+        self.chunk = any(s.prefill for s in steps) and max(len(s.tokens) for s in steps) > runner.max_step_tokens
+
+    def shape(self, static: bool) -> StepShape:
+        return StepShape.of(len(self.tokens), len(self.steps), len(self.head), self.topk, self.chunk, static)
+
+    def outputs(self, logits: torch.Tensor, host: list[int], topk: int) -> list[StepOutput]:
+        """One `StepOutput` per step from the logits rows [H, V] (H padded) and the fetched argmax [H], top-k [H, k]
+        and winners (per sampling group, in order)."""
+        h = logits.shape[0]
+        argmax, rest = host[:h], host[h:]
+        top = torch.tensor(rest[: h * topk]).view(h, topk) if topk else None
+        winners, offset = {}, h * topk
+        for heads, _, _ in self.samples.values():
+            for place, token in zip(heads, rest[offset : offset + len(heads)], strict=True):
+                winners[place] = token
+            offset += len(heads)
+        outputs = []
+        for s, (places, top_start) in zip(self.steps, self.heads, strict=True):
+            contiguous = places == list(range(places[0], places[0] + len(places)))
+            row_logits = logits[places[0] : places[0] + len(places)] if contiguous else logits[places]
+            row_top = None if top_start < 0 else top[top_start : top_start + len(s.tokens)]
+            sampled = None if s.sample is None else [winners[p] for p in places]
+            outputs.append(StepOutput(row_logits, [argmax[p] for p in places], row_top, sampled))
+        return outputs
+
+
+class StepProgram:
+    """One step shape on the device: the input buffer (sections at fixed offsets), the forward that reads only it,
+    and with `graphs` its CUDA graph, captured on first use after two warm-up runs and replayed after. It keeps no
+    reference to its runner (passed to each call), so a dropped runner frees its pool and graphs at once."""
+
+    def __init__(self, runner, shape: StepShape, table_width: int) -> None:
+        self.shape, self.table_width = shape, table_width
+        t, b, h = shape.tokens, shape.rows, shape.heads
+        self._sizes = {"tokens": t, "positions": t, "slots": t, "tree_end": t, "head": h, "cu_seqlens": b + 1,
+                       "prefix_len": b, "window": b, "ngram": b, "block_table": b * table_width}
+        device = runner.device
+        self.inputs = torch.zeros(sum(self._sizes.values()), dtype=torch.int64, device=device)
+        self.staging = torch.zeros(self.inputs.numel(), dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._host = self.staging.numpy()  # writes through to the (pinned) staging buffer
+        self.views, offset = {}, 0
+        for name, size in self._sizes.items():
+            self.views[name] = self.inputs[offset : offset + size]
+            offset += size
+        self.views["block_table"] = self.views["block_table"].view(b, table_width)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.outputs: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.step: PackedStep | None = None  # the host's view of the step staged last (what a torch backend reads)
+
+    def stage(self, packing: Packing, scratch: int) -> None:
+        """The step's one host-to-device copy (from pinned memory on CUDA), padded to the shape: padding tokens write
+        the scratch slot and belong to no row; padding rows hold no tokens."""
+        shape, step = self.shape, packing.step
+        real, rows = len(packing.tokens), len(step.lengths)
+        pad, pad_rows = shape.tokens - real, shape.rows - rows
+        sections = {
+            "tokens": packing.tokens + [0] * pad,
+            "positions": packing.positions + [0] * pad,
+            "slots": packing.slots + [scratch] * pad,
+            "tree_end": packing.tree_end + [0] * pad,
+            "head": packing.head + [0] * (shape.heads - len(packing.head)),
+            "cu_seqlens": [*step.starts, real] + [real] * pad_rows,
+            "prefix_len": list(step.lengths) + [0] * pad_rows,
+            "window": [p.window for p in step.patterns] + [1] * pad_rows,
+            "ngram": [p.ngram for p in step.patterns] + [2] * pad_rows,
+        }
+        table = np.zeros((shape.rows, self.table_width), dtype=np.int64)
+        for b, blocks in enumerate(step.tables):
+            table[b, : len(blocks)] = blocks
+        offset = 0
+        for name, size in self._sizes.items():
+            self._host[offset : offset + size] = table.reshape(-1) if name == "block_table" else sections[name]
+            offset += size
+        self.inputs.copy_(self.staging, non_blocking=True)
+        self.step = dataclasses.replace(step, fed=shape.tokens)
+
+    def forward(self, runner) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step from the input buffer alone: the logits rows [H, V], and the int64 [H (+ H x k)] the host fetches
+        (each logits row's argmax, then its top-k if asked). This is the region a CUDA graph captures."""
+        v = self.views
+        attend = runner.backend.begin_step(self.step, v)
+        try:
+            logits = runner.model.step_forward(v["tokens"][None], v["positions"][None],
+                                               paged(runner.pool, v["slots"], attend), v["head"])[0]
+        finally:
+            runner.backend.end_step()
+        k = min(self.shape.topk, logits.shape[-1])  # a vocabulary may be smaller than k
+        if not k:
+            return logits, logits.argmax(-1)
+        return logits, torch.cat([logits.argmax(-1), logits.topk(k, dim=-1).indices.flatten()])
+
+    def run(self, runner, packing: Packing, graphs: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        self.stage(packing, runner.scratch_slot)
+        if not graphs:
+            return self.forward(runner)
+        if self.graph is None:
+            self.capture(runner)
+        self.graph.replay()
+        return self.outputs
+
+    def capture(self, runner) -> None:
+        """Two warm-up runs on a side stream (they compile the kernels), then the capture, of what is staged. Called
+        under the runner's device binding."""
+        side = torch.cuda.Stream(device=runner.device)
+        side.wait_stream(torch.cuda.current_stream(runner.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.forward(runner)
+        torch.cuda.current_stream(runner.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread-local: a capture mid-serving must not fail on what other threads do meanwhile
+        with torch.cuda.graph(graph, pool=runner.graph_pool, capture_error_mode="thread_local"):
+            self.outputs = self.forward(runner)
+        self.graph = graph
+
+
+def table_width(max_positions: int, block_size: int) -> int:
+    """Blocks a row's table holds at most."""
+    return math.ceil(max_positions / block_size)
