@@ -21,7 +21,9 @@ setup(
     install_requires=[
         "torch>=2.4",  # CUDA builds of torch bring triton with them; the CPU path never runs it
         "safetensors>=0.4",
-        "transformers>=4.45",  # tokenizers and chat templates only; models run without it
+        # tokenizers, chat templates and lookahead.hf (whose MIN_TRANSFORMERS is this bound); models run without it.
+        # Tested from this bound (.ci/transformers-lowest) to the newest pip resolves (.ci/run)
+        "transformers>=5.0",
         "gguf>=0.10",  # reads the embedded default model's GGUF file once, to convert it
         "numpy",
         "tqdm",
