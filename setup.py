@@ -1,9 +1,12 @@
 """Installs the three top-level folders as `lookahead` (with its sub-packages), `lookahead.kernels` and
 `lookahead.models`, and the `lookahead` command."""
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
-ROOMS = ("loop", "drafts", "parallel", "hf", "cli")  # lookahead's sub-packages
+FOLDERS = {"lookahead": "lookahead", "lookahead.kernels": "kernels", "lookahead.models": "models"}
+# every package under the three folders, found rather than listed: a listed one left out (lookahead.tuning once)
+# is missing from the wheel, which an editable install never shows
+PACKAGES = [f"{name}.{sub}".rstrip(".") for name, folder in FOLDERS.items() for sub in ["", *find_packages(folder)]]
 TRITON = "triton>=3.0; platform_system == 'Linux' and platform_machine == 'x86_64'"
 
 setup(
@@ -13,12 +16,14 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=["lookahead", *(f"lookahead.{room}" for room in ROOMS), "lookahead.kernels", "lookahead.models"],
-    package_dir={"lookahead": "lookahead", "lookahead.kernels": "kernels", "lookahead.models": "models"},
+    packages=PACKAGES,
+    package_dir=FOLDERS,
     install_requires=[
         "torch>=2.4",  # CUDA builds of torch bring triton with them; the CPU path never runs it
         "safetensors>=0.4",
-        "transformers>=4.45",  # tokenizers and chat templates only; models run without it
+        # tokenizers, chat templates and lookahead.hf (whose MIN_TRANSFORMERS is this bound); models run without it.
+        # Tested from this bound (.ci/transformers-lowest) to the newest pip resolves (.ci/run)
+        "transformers>=5.0",
         "gguf>=0.10",  # reads the embedded default model's GGUF file once, to convert it
         "numpy",
         "tqdm",

@@ -1,6 +1,7 @@
 """lookahead.hf on transformers' own LlamaForCausalLM: exact against its greedy generate, the same through
 custom_generate, the model left as it was, sampling keeps the distribution, and what it refuses."""
 
+import importlib.metadata
 import re
 import subprocess
 import sys
@@ -181,8 +182,9 @@ def test_custom_generate_returns_plain_greedy_sequences(hf_model, variant):
                          max_new_tokens=30, return_dict_in_generate=True, **NO_EOS)
     assert torch.equal(out.sequences, expected.sequences)
     # the cache is left as plain generate leaves it: every token but the last
-    assert out.past_key_values.get_seq_length() == expected.past_key_values.get_seq_length() == ids.shape[1] + 29
-    for ours, theirs in zip(out.past_key_values.layers, expected.past_key_values.layers, strict=True):
+    our_cache, their_cache = (getattr(o, hf_step_model.cache_keyword(model)) for o in (out, expected))  # 5.24 renamed
+    assert our_cache.get_seq_length() == their_cache.get_seq_length() == ids.shape[1] + 29
+    for ours, theirs in zip(our_cache.layers, their_cache.layers, strict=True):
         assert (ours.keys - theirs.keys).abs().max().item() < 1e-4
 
 
@@ -444,7 +446,7 @@ def test_decoding_past_max_position_embeddings_is_refused(hf_model):
 def test_a_filled_cache_is_refused(hf_model):
     model = hf_model("gqa")
     cache = transformers.DynamicCache(config=model.config)
-    model(torch.tensor([[1, 2, 3]]), past_key_values=cache)
+    model(torch.tensor([[1, 2, 3]]), **{hf_step_model.cache_keyword(model): cache})
     with pytest.raises(ValueError, match="already holds 3 positions"):
         lh.HFStepModel(model, cache)
 
@@ -457,13 +459,28 @@ def test_a_filled_cache_is_refused(hf_model):
 def test_transformers_without_the_hooks_gets_a_clear_error(hf_model, monkeypatch, module, missing, named):
     model = hf_model("gqa")
     monkeypatch.delattr(module, missing)
-    message = (f"needs transformers >= {lh.MIN_TRANSFORMERS} (tested with 5.23); found transformers "
-               f"{transformers.__version__}, which lacks {named}")
+    message = (f"needs transformers >= {lh.MIN_TRANSFORMERS}; found transformers {transformers.__version__}, "
+               f"which lacks {named}")
     with pytest.raises(ImportError, match=re.escape(message)):
         lh.generate(model, [1, 2, 3], max_new_tokens=4)
-    if module is not transformers.GenerationMixin:  # without it transformers' own generate breaks first
+    if _plain_generate_runs(model):  # else transformers' own generate breaks first, before it calls custom_generate
         with pytest.raises(ImportError, match=re.escape(message)):
             model.generate(torch.tensor([[1, 2, 3]]), custom_generate=lh.custom_generate, max_new_tokens=4)
+
+
+def test_the_install_requires_what_the_adapter_needs():
+    """setup.py cannot import the package, so it states MIN_TRANSFORMERS again: the two must agree."""
+    assert f"transformers>={lh.MIN_TRANSFORMERS}" in importlib.metadata.requires("lookahead")
+
+
+def _plain_generate_runs(model) -> bool:
+    """Whether transformers' own generate still runs with a hook removed (then it reaches custom_generate): without
+    GenerationMixin's it never does; without DynamicLayer, 5.24's does where older ones build no cache."""
+    try:
+        model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=1, do_sample=False, **NO_EOS)
+    except (AttributeError, NameError):
+        return False
+    return True
 
 
 @pytest.mark.slow

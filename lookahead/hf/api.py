@@ -13,7 +13,7 @@ from lookahead.config import LookaheadConfig
 from lookahead.loop import GenerationResult, decode
 from lookahead.request import Request, SamplingParams, check_stream, parse_request
 
-from .step_model import HFStepModel, check_model, require_transformers
+from .step_model import HFStepModel, cache_keyword, check_model, require_transformers
 from .tuning import cost_model_for, save_if_due
 
 DEFAULT_LOOKAHEAD = LookaheadConfig()
@@ -85,7 +85,7 @@ def custom_generate(model, input_ids: torch.Tensor, logits_processor=None, stopp
     other logits processors (repetition_penalty, min_new_tokens, ...) and stopping criteria, score outputs,
     padding and batches are refused. A `streamer` given to `generate` gets what transformers' own decoding gives it:
     the prompt (transformers puts it), the new tokens as they are accepted (one `put` per step, a 1-D tensor of that
-    step's tokens) and `end()`. transformers (5.23) hands a custom_generate callable no streamer, so it is read from
+    step's tokens) and `end()`. transformers hands a custom_generate callable no streamer, so it is read from
     the calling `generate`'s arguments.
     """
     if streamer is None:
@@ -105,7 +105,7 @@ def _custom_generate(model, input_ids, logits_processor, stopping_criteria, gene
     _check_generation_config(generation_config, input_ids)
     sampling = _sampling_params(generation_config, logits_processor or [], transformers)
     max_length, eos = _stopping(stopping_criteria or [], transformers)
-    cache = model_kwargs.pop("past_key_values", None)
+    cache = model_kwargs.pop(cache_keyword(model), None)
     _check_model_kwargs(model_kwargs, input_ids)
     if seed is None and not sampling.greedy:
         seed = int(torch.randint(2**62, (), generator=torch.default_generator))
@@ -125,7 +125,7 @@ def _custom_generate(model, input_ids, logits_processor, stopping_criteria, gene
     sequences = torch.cat([input_ids, torch.tensor([tokens], dtype=input_ids.dtype, device=input_ids.device)], -1)
     if generation_config.return_dict_in_generate:
         return transformers.generation.GenerateDecoderOnlyOutput(sequences=sequences,
-                                                                 past_key_values=step_model.cache)
+                                                                 **{step_model.cache_keyword: step_model.cache})
     return sequences
 
 

@@ -27,7 +27,7 @@ from lookahead.kernels import StepAttentionPlan, StepPattern, commit_accepted, i
 from lookahead.loop import StepOutput
 from lookahead.loop.sampling import SampleRequest
 
-MIN_TRANSFORMERS = "4.56"  # AttentionInterface, DynamicCache layers, callable custom_generate
+MIN_TRANSFORMERS = "5.0"  # the lowest tested (.ci/transformers-lowest); setup.py requires the same
 ATTENTION_NAME = "lookahead"
 # attention with q/k/v projections, RoPE by position_ids and the generic attention dispatch
 # each held to transformers' own greedy output by tests/test_hf.py (architectures whose attention transformers runs
@@ -59,12 +59,27 @@ def require_transformers() -> Any:
          and hasattr(mixin, "_extract_generation_mode_kwargs")),
     ) if not ok]
     if missing:
-        raise ImportError(f"lookahead.hf needs transformers >= {MIN_TRANSFORMERS} (tested with 5.23); found "
-                          f"transformers {transformers.__version__}, which lacks {', '.join(missing)}")
+        raise ImportError(f"lookahead.hf needs transformers >= {MIN_TRANSFORMERS}; found transformers "
+                          f"{transformers.__version__}, which lacks {', '.join(missing)}")
     interface = modeling_utils.AttentionInterface
     if interface().get(ATTENTION_NAME) is not _step_attention:
         interface.register(ATTENTION_NAME, _step_attention)
     return transformers
+
+
+def cache_keyword(model) -> str:
+    """The name the model's forward takes its cache by: `cache` since transformers 5.24, `past_key_values` before (5.24
+    still takes the old name, with a FutureWarning, until 5.40). generate's model_kwargs and its output name the cache
+    the same way, so read from the forward's signature this one answer serves all three."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _drop_last(cache, count: int) -> None:
+    """Remove the last `count` positions of a cache or cache layer. `crop(-count)` means that in every transformers
+    this adapter supports, but `crop(0)` does not: older releases (5.0 among them) read a count >= 0 as the length to
+    keep, so crop(0) emptied the cache, where newer ones remove nothing."""
+    if count > 0:
+        cache.crop(-count)
 
 
 def _register_step_name(own: str | None) -> str:
@@ -130,7 +145,10 @@ def _own_attention(module, own: str | None) -> Callable:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
-    function = ALL_ATTENTION_FUNCTIONS.get_interface(own, eager)
+    if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):  # the forward's own pick since 5.1, which checks the name
+        function = ALL_ATTENTION_FUNCTIONS.get_interface(own, eager)
+    else:  # what 5.0's forward does itself
+        function = eager if own in (None, "eager") else ALL_ATTENTION_FUNCTIONS[own]
     if function is None:
         raise RuntimeError(f"{type(module).__name__} has no eager_attention_forward to run as its own attention")
     return function
@@ -232,14 +250,15 @@ class HFStepModel:
         if cache.get_seq_length() > 0:
             raise ValueError(f"the cache already holds {cache.get_seq_length()} positions; start from an empty one")
         self.cache = cache
+        self.cache_keyword = cache_keyword(model)
         self.length = 0  # L: committed positions
 
     @torch.no_grad()
     def prefill(self, tokens: Sequence[int]) -> torch.Tensor:
         ids = torch.tensor([list(tokens)], device=self.device)
         positions = torch.arange(self.length, self.length + len(tokens), device=self.device)[None]
-        out = self.model(input_ids=ids, position_ids=positions, past_key_values=self.cache, use_cache=True,
-                         logits_to_keep=1)
+        out = self.model(input_ids=ids, position_ids=positions, use_cache=True, logits_to_keep=1,
+                         **{self.cache_keyword: self.cache})
         self.length += len(tokens)
         return out.logits[0, -1]
 
@@ -257,8 +276,8 @@ class HFStepModel:
         with _step_implementation(self.model):
             # top-k of every row needs the head on every row (logits_to_keep=0: all of them); a 4-D attention_mask is
             # passed on as it is, so transformers builds no mask of its own for the step
-            out = self.model(input_ids=ids, position_ids=positions, past_key_values=self.cache, use_cache=True,
-                             attention_mask=_NO_MASK, logits_to_keep=0 if topk else rows, **{_STEP_KWARG: step})
+            out = self.model(input_ids=ids, position_ids=positions, use_cache=True, attention_mask=_NO_MASK,
+                             logits_to_keep=0 if topk else rows, **{self.cache_keyword: self.cache, _STEP_KWARG: step})
         logits = out.logits[0]
         top = logits.topk(min(topk, logits.shape[-1]), dim=-1).indices if topk else None
         if topk:
@@ -276,12 +295,12 @@ class HFStepModel:
         keep = self.length + len(step_indices)
         for layer in self.cache.layers:
             commit_accepted(layer.keys, layer.values, self.length, step_indices)
-            layer.crop(keep - layer.get_seq_length())
+            _drop_last(layer, layer.get_seq_length() - keep)
         self.length = keep
 
     def trim(self, length: int) -> None:
         """Crop the cache to its first `length` positions (after a generation: prompt + output - 1)."""
         if not 0 <= length <= self.length:
             raise ValueError(f"length must be in [0, {self.length}], got {length}")
-        self.cache.crop(length - self.length)
+        _drop_last(self.cache, self.length - length)
         self.length = length
