@@ -61,7 +61,8 @@ class Request:
     stop: token ids that end a prompt's generation (the stop token is kept in the output).
     seeds: one per prompt (None: fresh randomness); an int s given for all gives prompt i the seed s + i (mod 2**64),
         so prompt i samples what it samples alone with seed s + i.
-    static_step: pad every lookahead step to the configuration's full shape (one shape per generation).
+    static_step: pad every lookahead step to a static shape (the configuration's, or a self-tuned size's), and
+        the runner pads a packed step to a few sizes (CUDA graphs).
     batch: whether the caller asked with a batch (so gets a list of results back).
     """
 
@@ -109,7 +110,7 @@ def parse_request(prompt_ids: Any, *, vocab_size: int, max_positions: int, max_n
 
     lookahead: None, a LookaheadConfig or "auto" (`LookaheadConfig.auto` for `device_type`; with `ranks` (lookahead
     parallelism over that many processes) the default scaled by them, full-size steps).
-    static_step None: on CUDA only (a batch always runs static steps). eos_token_id None: `default_eos`.
+    static_step None: on CUDA only (where steps are captured as CUDA graphs). eos_token_id None: `default_eos`.
     """
     prompts = prompt_batch(prompt_ids, vocab_size, prompt_name) if allow_batch else None
     batch = prompts is not None
@@ -143,10 +144,7 @@ def parse_request(prompt_ids: Any, *, vocab_size: int, max_positions: int, max_n
         raise TypeError(f"seed must be an int or None for one prompt (a list of seeds is for a batch), got {seed!r}")
     if static_step is not None and not isinstance(static_step, bool):
         raise TypeError(f"static_step must be a bool or None, got {static_step!r}")
-    if batch and static_step is False:
-        raise ValueError("static_step=False: a batch always runs static steps (every row at the full pattern, "
-                         "one shape per step); leave static_step at None or True")
-    static = (device_type == "cuda" or batch) if static_step is None else static_step
+    static = device_type == "cuda" if static_step is None else static_step
     stop = tuple(default_eos) if eos_token_id is None else token_ids(eos_token_id, "eos_token_id")
     return Request(tuple(map(tuple, prompts)), max_new_tokens, SamplingParams(temperature, top_k, top_p), lookahead,
                    frozenset(stop), seed, static, batch)

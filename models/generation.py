@@ -20,12 +20,13 @@ from torch import nn
 
 from lookahead.config import LookaheadConfig
 from lookahead.drafts import DraftMemory
-from lookahead.loop import PLAIN_STEP, GenerationResult, decode_batch, full_pattern
-from lookahead.parallel import agree, decode_parallel
+from lookahead.loop import PLAIN_STEP, GenerationResult, decode_batch, full_pattern, static_steps
+from lookahead.parallel import agree, decode_parallel, sub_step_patterns
 from lookahead.request import Request, check_stream, parse_request
 from lookahead.tuning import CostModel
 from lookahead.tuning.store import Saver
 
+from .programs import StepShape
 from .runner import BLOCK_SIZE, CachedRunner, StepForward
 from .tuning import cost_model_for
 
@@ -83,9 +84,9 @@ def generate(model: Llama, prompt_ids: Any, *, stream: Callable | None = None, c
 
 
 def warmup(model: Llama, lookahead: LookaheadConfig | str | None, max_tokens: int, cuda_graph: bool, batch: int,
-           sampling: bool, process_group=None) -> None:
-    """See `Llama.warmup`: the runner for the largest request and its cost model, then one short generation that
-    warms the prefill and a step."""
+           sampling: bool, process_group=None, static_step: bool | None = None) -> None:
+    """See `Llama.warmup`: the runner for the largest request, every static shape its decoding steps can have (each
+    a CUDA graph on CUDA), its cost model, then one short generation that warms the prefill and a step."""
     for name, value, low in (("max_tokens", max_tokens, 2), ("batch", batch, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
@@ -97,16 +98,25 @@ def warmup(model: Llama, lookahead: LookaheadConfig | str | None, max_tokens: in
     # the request a generation of that size makes: "auto" and the parallel checks resolved as generate does
     request = parse_request([[0]] * batch if batch > 1 else [0], vocab_size=model.config.vocab_size,
                             max_positions=limit, max_new_tokens=max_tokens - 1, lookahead=lookahead,
-                            device_type=model.device.type,
+                            device_type=model.device.type, static_step=static_step,
+                            temperature=1.0 if sampling else 0.0,
                             ranks=None if process_group is None else _world_size(process_group))
     with model.lock:
         with torch.inference_mode():
             runner = runner_for(model, request, cuda_graph)
+            if runner.static:  # every decoding step's shape, captured now (a CUDA graph each on CUDA)
+                topk = static_steps(request.lookahead)[-1][2]
+                if process_group is not None:  # a rank's sub-steps, of every padded size: every token a logits row
+                    runner.capture([StepShape.of(sub.num_tokens, 1, sub.num_tokens, topk, False, True)
+                                    for sub in sub_step_patterns(request.lookahead)])
+                else:
+                    step = full_pattern(request.lookahead).num_tokens if request.lookahead is not None else 1
+                    runner.capture(runner.decode_shapes(batch, step, topk))
             if process_group is None:  # the cost model's curve for this request, measured now if there is none
                 cost_model_for(model, runner, request)
         if process_group is None:  # the prefill gives one token, so two make exactly one step
             cold = request.lookahead and dataclasses.replace(request.lookahead, warm=False)  # nothing to remember
-            generate(model, [0], max_new_tokens=2, lookahead=cold, eos_token_id=[], static_step=True,
+            generate(model, [0], max_new_tokens=2, lookahead=cold, eos_token_id=[], static_step=request.static_step,
                      cuda_graph=cuda_graph)
 
 
@@ -135,6 +145,7 @@ def runner_for(model: Llama, request: Request, cuda_graph: bool = True) -> Cache
     elif blocks > runner.blocks.num_blocks or rows > runner.max_rows or step_tokens > runner.max_step_tokens:
         runner.grow(max(size, runner.blocks.num_blocks), rows, step_tokens)
     runner.cuda_graphs = cuda_graph and runner.device.type == "cuda" and runner.backend.graphable
+    runner.static = request.static_step  # padded to a few step shapes (CUDA's default), or exact sizes
     return runner
 
 

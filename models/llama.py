@@ -279,14 +279,16 @@ class Llama(nn.Module):
                         cuda_graph=cuda_graph, process_group=process_group)
 
     def warmup(self, lookahead: LookaheadConfig | str | None = None, max_tokens: int = 2048,
-               cuda_graph: bool = True, batch: int = 1, sampling: bool = False, process_group=None) -> None:
-        """Allocate the KV cache and compile the kernels and capture the CUDA graphs that generations with
-        `lookahead` of up to `max_tokens` tokens (prompt + output) and up to `batch` prompts will use, so that no
-        generation pays for them midway: every batch size from `batch` down (rows finish), and with `sampling`
-        the sampling step's program too; with `process_group` (lookahead parallelism, called on every rank)
-        every padded sub-step size a rank can run. Static steps (the default on CUDA) meet only these shapes.
-        Without it each shape is prepared on its first use."""
-        warmup(self, lookahead, max_tokens, cuda_graph, batch, sampling, process_group)
+               cuda_graph: bool = True, batch: int = 1, sampling: bool = False, process_group=None,
+               static_step: bool | None = None) -> None:
+        """Allocate the KV cache, measure the machine's cost model if there is none, and with static steps (the
+        default on CUDA; `static_step`) compile the kernels and capture the CUDA graphs of every step shape that
+        generations with `lookahead` of up to `max_tokens` tokens (prompt + output) and up to `batch` prompts will
+        decode with (every row count up to `batch`, every padded size their steps can take), so that no generation
+        pays for them midway. Steps that carry a prompt chunk run eagerly. Without it each shape is prepared on its
+        first use. `sampling` measures the sampled steps' cost curve too; with `process_group` (lookahead
+        parallelism, called on every rank) it prepares the runner only."""
+        warmup(self, lookahead, max_tokens, cuda_graph, batch, sampling, process_group, static_step)
 
     def release(self) -> None:
         """Free the KV cache, kernel plans and CUDA graphs kept between generations (`runner`); the next generation

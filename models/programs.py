@@ -133,8 +133,9 @@ class StepProgram:
         self._sizes = {"tokens": t, "positions": t, "slots": t, "tree_end": t, "head": h, "cu_seqlens": b + 1,
                        "prefix_len": b, "window": b, "ngram": b, "block_table": b * table_width}
         device = runner.device
-        self.inputs = torch.zeros(sum(self._sizes.values()), dtype=torch.int64, device=device)
-        self.staging = torch.zeros(self.inputs.numel(), dtype=torch.int64, pin_memory=device.type == "cuda")
+        with torch.inference_mode(False):  # normal tensors: staged into whether or not the caller is in inference mode
+            self.inputs = torch.zeros(sum(self._sizes.values()), dtype=torch.int64, device=device)
+            self.staging = torch.zeros(self.inputs.numel(), dtype=torch.int64, pin_memory=device.type == "cuda")
         self._host = self.staging.numpy()  # writes through to the (pinned) staging buffer
         self.views, offset = {}, 0
         for name, size in self._sizes.items():

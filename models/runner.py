@@ -207,16 +207,18 @@ class CachedRunner:
         steps it runs padded to its `StepShape`'s program (captured as a CUDA graph with `cuda_graphs`); otherwise
         at its exact size."""
         packing = Packing(steps, self)
-        shape = packing.shape(self.static)
-        program = self.programs.get(shape) if self.static else None
+        # decoding steps run padded to a few shapes (graphed on CUDA); steps with a prompt chunk run at their size
+        static = self.static and not any(s.prefill for s in steps)
+        shape = packing.shape(static)
+        program = self.programs.get(shape) if static else None
         if program is None:
-            program = StepProgram(self, shape, self.table_width if self.static else
+            program = StepProgram(self, shape, self.table_width if static else
                                   max(len(t) for t in packing.step.tables))
-            if self.static:
+            if static:
                 self.programs[shape] = program
         with torch.inference_mode(), device_binding(self.device):  # any thread may drive it (an engine's own)
             self._apply_moves()
-            logits, fetched = program.run(self, packing, self.cuda_graphs)
+            logits, fetched = program.run(self, packing, self.cuda_graphs and static)
             fetched = [fetched]
             for params, (heads, seeds, positions) in packing.samples.items():
                 # after the graph, from its logits: each sampled row as a sequence of one, its seed, its position
@@ -243,6 +245,17 @@ class CachedRunner:
     def step_shapes(self) -> list[StepShape]:
         """The static step shapes prepared so far, one program (one CUDA graph on CUDA) each."""
         return list(self.programs)
+
+    def decode_shapes(self, rows: int, step_tokens: int, topk: int) -> list[StepShape]:
+        """Every static shape a decoding step of up to `rows` rows of up to `step_tokens` tokens each can have: per
+        padded row count, each padded token count from its rows' one token each to their full steps (every logits
+        row's top-k fetched when `topk`: a lookahead row's logits rows are all its tokens; else one per row)."""
+        shapes = set()
+        for real in range(1, rows + 1):
+            for tokens in range(real, real * step_tokens + 1):
+                heads = tokens if topk else real
+                shapes.add(StepShape.of(tokens, real, heads, topk, False, True))
+        return sorted(shapes)
 
     def capture(self, shapes: Sequence[StepShape]) -> None:
         """Prepare the program of each static step shape now (with CUDA graphs: compile its kernels and capture its

@@ -50,7 +50,7 @@ def run_cases(rank: int, world: int, store: str, folder: str, cases: list, resul
             model = models[backend]
             if args.pop("warmup", False):  # prepare every sub-step shape first; count what the generation adds
                 model.release()  # nothing prepared by earlier cases
-                model.warmup(args["lookahead"], max_tokens=64, process_group=dist.group.WORLD)
+                model.warmup(args["lookahead"], max_tokens=64, process_group=dist.group.WORLD, static_step=True)
                 prepared = set(model.runner.step_shapes)
             result = model.generate(**args, process_group=dist.group.WORLD)
             out[name] = (result.tokens, result.steps)

@@ -116,9 +116,10 @@ def test_tiny_llama_batch_equals_each_prompt_alone(tiny_checkpoint, config):
     assert [r.steps for r in batch] == [r.steps for r in alone]
     assert len(batch[0].tokens) == length and max(len(r.tokens) for r in batch) > length
     runner = model.runner
-    shapes = {(key[0], key[2]) for key in runner.step_shapes}  # programs: (shape, rows, batch, top-k, sampling)
-    full = PLAIN if lookahead is None else full_pattern(lookahead)
-    assert {shape for shape, _ in shapes} == {full.shape} and 4 in {size for _, size in shapes}
+    assert not runner.rows and runner.blocks.held == 0 and not runner.step_shapes  # exact-size steps on a CPU
+    static = model.generate(prompts, max_new_tokens=24, eos_token_id=eos, lookahead=lookahead, static_step=True)
+    assert [r.tokens for r in static] == [r.tokens for r in alone]  # padded to a few shapes, the same tokens
+    assert {shape.rows for shape in runner.step_shapes} == {1, 2, 4}  # 4 rows, then fewer as they finish
     # a batch of one, tensors as rows, and the model's runner reused for a single prompt afterwards
     assert [r.tokens for r in model.generate([torch.tensor(prompts[2])], max_new_tokens=24, eos_token_id=eos,
                                              lookahead=lookahead)] == [alone[2].tokens]
@@ -182,7 +183,6 @@ def test_row_seeds():
     (dict(prompt_ids=[[1], [2]], seed=[1, -2]), ValueError, r"seed\[1\] must be an int in \[0, 2\*\*64\), got -2"),
     (dict(prompt_ids=[[1], [2]], seed="7"), TypeError, "seed must be an int, a list of ints"),
     (dict(prompt_ids=[1, 2], seed=[1]), TypeError, "seed must be an int or None for one prompt"),
-    (dict(prompt_ids=[[1], [2]], static_step=False), ValueError, "static_step=False: a batch always runs static"),
     (dict(prompt_ids=[[1], [2]], lookahead="fast"), TypeError, "lookahead must be None, 'auto' or a LookaheadConfig"),
     (dict(prompt_ids=[[1], list(range(1, 100)) * 6]), ValueError, r"prompt_ids\[1\] \(594 tokens\) \+ max_new"),
 ])

@@ -7,8 +7,9 @@ import pytest
 import torch
 from test_pattern import random_parents
 
-from helpers import MockStepModel, context_logits, decode_one, fixed, grow_from
+from helpers import MockStepModel, RandomCost, context_logits, decode_one, fixed, grow_from
 from lookahead.drafts import DraftBuilder, DraftTree, chain_trie
+from lookahead import LookaheadConfig
 from lookahead.kernels import StepPattern
 from lookahead.loop import full_pattern, pack_step
 from lookahead.loop.verify import Verdict
@@ -118,8 +119,8 @@ def test_runner_is_reused_across_generations(tiny_checkpoint):
     plain = model.generate([4, 5], max_new_tokens=10, eos_token_id=[])
     assert model.runner is runner and again.tokens == first.tokens
     assert plain.tokens == model.generate([4, 5], max_new_tokens=10, eos_token_id=[], static_step=True).tokens
-    model.generate([1, 2, 3], max_new_tokens=400, lookahead=cfg, eos_token_id=[])  # needs a larger cache
-    assert model.runner is not runner and model.runner.cache.capacity == 512
+    model.generate([1, 2, 3], max_new_tokens=400, lookahead=cfg, eos_token_id=[])  # needs a larger cache: grown
+    assert model.runner is runner and runner.capacity == 512 and not runner.rows
 
 
 def test_full_pattern_is_the_configured_budget():
@@ -202,18 +203,20 @@ def test_a_static_generation_compiles_the_kernel_once(tiny_checkpoint, monkeypat
     result = model.generate(prompt, max_new_tokens=8, eos_token_id=[], lookahead=fixed(15, 5, 15, form=form),
                             static_step=static)
     assert result.steps >= 5  # the 3 warm-up steps and at least one full one
-    assert len(launches.constexpr_sets) == (result.steps - 1) * model.config.num_hidden_layers
+    # every forward pass runs the kernel, the prompt's too (a prompt chunk is a row of a packed step)
+    assert len(launches.constexpr_sets) == result.steps * model.config.num_hidden_layers
     assert model.dtype == torch.float32 and len(set(launches.constexpr_sets)) == 1, set(launches.constexpr_sets)
 
 
 def test_warmup_prepares_the_runner_the_generation_uses(tiny_checkpoint):
     model = Llama.from_pretrained(tiny_checkpoint("gqa"))
     cfg = fixed(3, 4, 3)
-    model.warmup(cfg, max_tokens=300)
+    model.warmup(cfg, max_tokens=300, static_step=True)
     runner = model.runner
-    assert runner.cache.capacity >= 300 and [key[0] for key in runner.step_shapes] == [full_pattern(cfg).shape]
+    prepared = set(runner.step_shapes)
+    assert runner.capacity >= 300 and prepared == set(runner.decode_shapes(1, full_pattern(cfg).num_tokens, 8))
     result = model.generate(list(range(1, 40)), max_new_tokens=200, lookahead=cfg, eos_token_id=[], static_step=True)
-    assert model.runner is runner and len(runner.step_shapes) == 1
+    assert model.runner is runner and set(runner.step_shapes) == prepared  # nothing met mid-generation
     assert result.tokens == model.generate(list(range(1, 40)), max_new_tokens=200, eos_token_id=[]).tokens
     with pytest.raises(ValueError, match="max_tokens must be an int >= 2"):
         model.warmup(cfg, max_tokens=1)
@@ -221,20 +224,21 @@ def test_warmup_prepares_the_runner_the_generation_uses(tiny_checkpoint):
         model.warmup(cfg, max_tokens=10**6)
 
 
-def test_warmup_prepares_every_shape_of_a_batch_and_of_sampling(tiny_checkpoint):
-    """A batch meets every smaller batch size as its rows finish, and sampling has a program of its own: a warm-up
-    for them prepares all, so the generations after it prepare nothing new."""
+def test_warmup_prepares_every_shape_of_a_batch(tiny_checkpoint):
+    """Rows finish and join: a warm-up for up to 3 rows prepares every shape their decoding steps can take (greedy or
+    sampling alike: sampling draws after the step), so the generations after it prepare nothing new."""
     model = Llama.from_pretrained(tiny_checkpoint("gqa"))
-    cfg = fixed(2, 3, 2)
-    model.warmup(cfg, max_tokens=64, batch=3, sampling=True)
+    cfg = LookaheadConfig(2, 3, 2)
+    model.warmup(cfg, max_tokens=64, batch=3, sampling=True, static_step=True)
     prepared = set(model.runner.step_shapes)
-    assert len(prepared) == 2 * 3  # greedy and sampling, at batch sizes 3, 2, 1
+    assert {shape.rows for shape in prepared} == {1, 2, 4} and {shape.topk for shape in prepared} == {8}
     prompts = [[5, 6, 7], [9, 8], [3, 4, 5, 6]]
     reference = Llama.from_pretrained(tiny_checkpoint("gqa"))
     plain = [reference.generate(p, max_new_tokens=12, eos_token_id=[]).tokens for p in prompts]
     eos = [plain[0][3]]  # row 0 finishes early: the batch shrinks
-    model.generate(prompts, max_new_tokens=12, eos_token_id=eos, lookahead=cfg)
-    model.generate(prompts, max_new_tokens=12, lookahead=cfg, temperature=0.8, seed=1)
+    model.cost_model = RandomCost(4)  # every size of step
+    model.generate(prompts, max_new_tokens=12, eos_token_id=eos, lookahead=cfg, static_step=True)
+    model.generate(prompts, max_new_tokens=12, lookahead=cfg, temperature=0.8, seed=1, static_step=True)
     model.generate(prompts[0], max_new_tokens=12, lookahead=cfg, static_step=True, temperature=0.8, seed=1)
     model.generate(prompts[1], max_new_tokens=12, lookahead=cfg, static_step=True)
     assert set(model.runner.step_shapes) == prepared

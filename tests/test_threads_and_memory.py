@@ -9,7 +9,6 @@ import pytest
 import lookahead.models.kv_cache as kv_cache
 from lookahead import LookaheadConfig
 from lookahead.models import Llama
-from lookahead.tuning import buckets
 
 
 def test_threads_calling_generate_on_one_model_each_get_their_own_tokens(tiny_checkpoint):
@@ -50,7 +49,7 @@ def test_a_kv_cache_that_cannot_fit_is_refused_before_allocating(tiny_checkpoint
                                          r"cpu, where 0.00 GiB are free: give fewer prompts"):
         model.generate([[1, 2, 3]] * 1024, max_new_tokens=4)
     monkeypatch.undo()
-    assert model.runner is runner and runner.pool.k.shape[2] == 256  # nothing left half-built
+    assert model.runner is runner and runner.capacity == 256  # nothing left half-built
     assert model.generate([1, 2, 3], max_new_tokens=4).tokens
 
 
@@ -64,10 +63,11 @@ def test_release_frees_the_cache_generations_keep(tiny_checkpoint):
 
 
 def test_warmup_auto_prepares_what_auto_runs(tiny_checkpoint):
-    """warmup(lookahead="auto") prepares every step shape generate(lookahead="auto") can run: each bucket, plain
-    included, at each batch size."""
+    """warmup(lookahead="auto") with static steps prepares every step shape generate(lookahead="auto") can run at
+    each batch size, plain steps included."""
     model = Llama.from_pretrained(tiny_checkpoint("gqa"))
-    model.warmup("auto", max_tokens=64, batch=2)
+    model.warmup("auto", max_tokens=64, batch=2, static_step=True)
     prepared = set(model.runner.step_shapes)
-    model.generate([[1, 2, 3, 1, 2, 3], [4, 5]], max_new_tokens=16, lookahead="auto")
-    assert set(model.runner.step_shapes) == prepared and len(prepared) == 2 * len(buckets(LookaheadConfig.auto("cpu")))
+    model.generate([[1, 2, 3, 1, 2, 3], [4, 5]], max_new_tokens=16, lookahead="auto", static_step=True)
+    model.generate([1, 2, 3, 1, 2, 3], max_new_tokens=16, lookahead="auto", static_step=True)
+    assert set(model.runner.step_shapes) == prepared and {shape.rows for shape in prepared} == {1, 2}

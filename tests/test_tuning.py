@@ -10,7 +10,6 @@ import pytest
 
 from helpers import MockRowModel, MockStepModel, RandomCost, context_logits, decode_one, decode_rows
 from lookahead import LookaheadConfig
-from lookahead.loop import static_steps
 from lookahead.models import Llama
 from lookahead.models import tuning as model_tuning
 from lookahead.request import GREEDY, SamplingParams
@@ -344,16 +343,16 @@ def test_the_cost_model_is_measured_once_then_read_from_its_cache(tiny_checkpoin
     assert measured == [1, 1, 1] and fourth.cost_model is mine and fifth.cost_model is None
 
 
-def test_warmup_prepares_every_bucket_of_a_batch(tiny_checkpoint, cache_dir):
+def test_warmup_measures_the_cost_model_and_prepares_every_shape(tiny_checkpoint, cache_dir):
     model = Llama.from_pretrained(tiny_checkpoint())
     cfg = LookaheadConfig(2, 3, 8)
-    model.warmup(cfg, max_tokens=64, batch=2)
+    model.warmup(cfg, max_tokens=64, batch=2, static_step=True)
     assert model.cost_model is not None and "greedy" in model.cost_model.curves
     prepared = set(model.runner.step_shapes)
-    expected = {(pattern.shape, batch) for batch in (1, 2) for pattern, _, _ in static_steps(cfg)}
-    assert {(shape[0], shape[2]) for shape in prepared} == expected
+    assert prepared == set(model.runner.decode_shapes(2, cfg.step_tokens, 8))
     model.cost_model = RandomCost(2)
-    model.generate([[1, 2, 3, 1, 2, 3], [4, 5, 6]], max_new_tokens=20, lookahead=cfg, eos_token_id=[])
+    model.generate([[1, 2, 3, 1, 2, 3], [4, 5, 6]], max_new_tokens=20, lookahead=cfg, eos_token_id=[],
+                   static_step=True)
     assert set(model.runner.step_shapes) == prepared  # no shape met mid-generation
 
 
