@@ -93,6 +93,15 @@ class StepPattern:
         return self.lookahead_len + self.verify_len
 
     @property
+    def node_ends(self) -> tuple[int, ...]:
+        """The verification branch as a tree: `tree_end`, or for chains each candidate a path of N - 1 nodes (node
+        c(N - 1) + k - 1 ends where its candidate does). What a kernel that takes trees only reads."""
+        if self.is_tree:
+            return self.tree_end
+        span = self.ngram - 1
+        return tuple((j // span + 1) * span for j in range(self.candidates * span))
+
+    @property
     def shape(self) -> tuple:
         """What a compiled step (a kernel plan, a CUDA graph) depends on: W, N, T, the form and, for chains, g. A
         tree's structure is left out: it changes every step and reaches the kernel as data (`tree_end`)."""

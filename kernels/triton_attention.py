@@ -185,11 +185,6 @@ class PagedAttentionPlan:
         return out
 
 
-def _chain_tree_end(ngram: int, candidates: int) -> tuple[int, ...]:
-    """The chains form as its tree: candidate c's token k (node c(N - 1) + k - 1) ends where the candidate ends."""
-    return tuple((j // (ngram - 1) + 1) * (ngram - 1) for j in range(candidates * (ngram - 1)))
-
-
 class StepAttentionPlan:
     """Launches of one step's attention over a dense cache for fixed shapes: checked once, then called per layer with
     no checks. A thin layer over `PagedAttentionPlan`: row b's cache is block b of S positions, its tokens rows
@@ -208,7 +203,7 @@ class StepAttentionPlan:
                                        device=device, max_rows=batch, max_row_tokens=max(1, self.tokens),
                                        max_len=max_len, sm_scale=sm_scale, num_splits=num_splits)
         self.num_splits = self.plan.num_splits
-        tree = pattern.tree_end if pattern.is_tree else _chain_tree_end(pattern.ngram, pattern.candidates)
+        tree = pattern.node_ends
         self._tree = tree or (0,)
         self._constants: tuple[torch.Tensor, ...] = ()
 

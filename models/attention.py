@@ -182,7 +182,7 @@ class TritonBackend:
                       for t in sorted(set(row_tokens))]
 
     def begin_step(self, step: PackedStep, device_inputs) -> LayerAttention:
-        longest = max(p.num_tokens for p in step.patterns)
+        longest = max((p.num_tokens for p in step.patterns), default=0)
         plan = next(plan for tokens, plan in self.plans if tokens >= longest)
         meta, pool = device_inputs, self.pool
 

@@ -75,7 +75,7 @@ class Packing:
             tokens += s.tokens
             positions += [row.length + p for p in s.pattern.relative_positions.tolist()]
             slots += [runner.slot(row, row.length + i) for i in range(t)]
-            tree_end += [0] * s.pattern.lookahead_len + list(s.pattern.tree_end or ())
+            tree_end += [0] * s.pattern.lookahead_len + list(s.pattern.node_ends)
             first = len(head)
             if s.topk:
                 head += range(start, start + t)

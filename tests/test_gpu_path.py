@@ -64,14 +64,16 @@ def test_load_peaks_near_two_bytes_per_parameter(tiny_checkpoint, dtype):
 
 def test_a_dropped_runner_is_freed_without_garbage_collection(tiny_checkpoint):
     model = Llama.from_pretrained(tiny_checkpoint("gqa"))
-    runner = CachedRunner(model, 64, max_step_tokens=18, max_commit=4)
-    runner.prefill([1, 2, 3])
-    runner.step([5, 6, 7, 8, 9, 10, 11, 12, 13], StepPattern(3, 4, 0), [0, 6, 7, 8])
-    assert runner._programs
-    runner_ref, cache_ref = weakref.ref(runner), weakref.ref(runner.cache.k)
+    runner = CachedRunner(model, 8, max_step_tokens=18)
+    runner.static = True
+    sequence = runner.sequence(64)
+    sequence.prefill([1, 2, 3])
+    sequence.step([5, 6, 7, 8, 9, 10, 11, 12, 13], StepPattern(3, 4, 0), [0, 6, 7, 8])
+    assert runner.programs
+    runner_ref, cache_ref = weakref.ref(runner), weakref.ref(runner.pool.k)
     gc.disable()
     try:
-        del runner
+        del runner, sequence
         assert runner_ref() is None and cache_ref() is None
     finally:
         gc.enable()
@@ -172,17 +174,18 @@ def test_runner_binds_its_device_for_streams_captures_replays_and_launches(tiny_
     for name in ("_lookahead_attn_split", "_lookahead_attn_merge"):
         monkeypatch.setattr(launcher, name, RecordedLaunch(fake, name))
     model = Llama.from_pretrained(tiny_checkpoint("gqa"), attn_backend="triton")
-    runner = CachedRunner(model, 64, max_step_tokens=18, max_commit=4, batch=2)
-    runner.can_graph = runner.cuda_graphs = True  # what a CUDA device gives
-    tree = StepPattern(1, 4, tree_end=(3, 2, 3, 4, 5, 6))
-    shapes = [StepShape(StepPattern(1, 2, 0), 1), StepShape(tree, 4), StepShape(tree, 4, batch=2)]
+    runner = CachedRunner(model, 16, max_step_tokens=18, max_rows=2)
+    runner.static = runner.cuda_graphs = True  # what a CUDA device gives
+    shapes = [StepShape(8, 1, 8), StepShape(16, 1, 16, 8), StepShape(32, 2, 32, 8)]
     runner.capture(shapes)
     runner.capture(shapes)  # already captured: nothing happens
     assert [what for what, _ in fake.events].count("capture") == 3
-    runner.prefill([1, 2, 3])
-    runner.step(list(range(9)), tree, [0, 3, 4, 5])
+    sequence = runner.sequence(64)
+    sequence.prefill([1, 2, 3])  # a prompt chunk runs eagerly: no capture
+    tree = StepPattern(1, 4, tree_end=(3, 2, 3, 4, 5, 6))
+    sequence.step(list(range(9)), tree, [0, 3, 4, 5], topk=8)  # 9 tokens: the 16-token shape
     assert [what for what, _ in fake.events].count("capture") == 3 and fake.events[-1][0] == "replay"
-    runner.step(list(range(6)), StepPattern(2, 3, 1), [0, 4, 5])  # a new shape: captured on first use
+    sequence.step(list(range(6)), StepPattern(2, 3, 1), [0, 4, 5], topk=8)  # a new shape: captured on first use
     assert [what for what, _ in fake.events].count("capture") == 4
     assert fake.events and all(device == model.device for _, device in fake.events), fake.events
     assert {what.split("(")[0] for what, _ in fake.events} >= {"stream", "capture", "replay", "_lookahead_attn_split"}
@@ -197,17 +200,17 @@ def test_step_logits_are_read_within_the_step(tiny_checkpoint, monkeypatch):
     cfg = LookaheadConfig(3, 4, 3)
     want = [model.generate([3, 17, 22, 3, 17], lookahead=cfg, **kwargs).tokens,
             [r.tokens for r in model.generate([[3, 17, 22], [5, 9, 5, 9]], lookahead=cfg, **kwargs)]]
-    run, handed = runner_module._StepProgram.run, []
+    step, handed = runner_module.CachedRunner.step, []
 
-    def poisoning_run(self, *args, **kw):
+    def poisoning_step(self, *args, **kw):
         for logits in handed:
             logits.fill_(float("nan"))
         handed.clear()
-        outputs = run(self, *args, **kw)
+        outputs = step(self, *args, **kw)
         handed.extend(output.logits for output in outputs)
         return outputs
 
-    monkeypatch.setattr(runner_module._StepProgram, "run", poisoning_run)
+    monkeypatch.setattr(runner_module.CachedRunner, "step", poisoning_step)
     got = [model.generate([3, 17, 22, 3, 17], lookahead=cfg, **kwargs).tokens,
            [r.tokens for r in model.generate([[3, 17, 22], [5, 9, 5, 9]], lookahead=cfg, **kwargs)]]
     assert got == want
@@ -230,50 +233,3 @@ def test_tile_table_reads_kv_once_where_it_fits(name, pattern, table):
     assert pattern.num_tokens == {"default-1-4-5": 18, "3-4-3": 18, "15-5-15": 120, "substep-64": 64}.get(name, 1)
     assert tile_plan(pattern, **EIGHT_B) == table
     assert table.kv_passes == -(-table.rows // table.rows_per_tile)
-
-
-@pytest.mark.parametrize("batch", [1, 2])
-def test_folded_sdpa_gives_the_bool_mask_step(tiny_checkpoint, monkeypatch, batch):
-    """The torch backend's CUDA form (GQA folded into the query rows, an additive float mask: SDPA's efficient
-    kernel can run) gives the CPU form's step, and hands SDPA no GQA and no bool mask."""
-    from lookahead.models.attention import TorchBackend
-
-    model = Llama.from_pretrained(tiny_checkpoint("gqa"))
-    tree = StepPattern(2, 3, tree_end=(3, 2, 3, 5, 5))
-    prompts = [[3, 17, 22, 3, 17], [5, 9, 5, 9, 1, 2, 3]][:batch]
-    tokens = [[7, 8, 9, 10, 11, 12, 13, 14, 15], [1, 2, 3, 4, 5, 6, 7, 8, 9]][:batch]
-    rows = [[0, 4, 5, 6]] * batch
-    outputs, calls = [], []
-    real = torch.nn.functional.scaled_dot_product_attention
-
-    def spy(q, k, v, attn_mask=None, **kwargs):
-        calls.append((q.shape[1] == k.shape[1], None if attn_mask is None else attn_mask.dtype,
-                      kwargs.get("enable_gqa", False)))
-        return real(q, k, v, attn_mask=attn_mask, **kwargs)
-
-    for fold in (False, True):
-        runner = CachedRunner(model, 64, max_step_tokens=18, max_commit=4, batch=2)
-        runner.backend = TorchBackend(64, 18, model.device, fold_gqa=fold)
-        runner.reset(batch)
-        runner.prefill_batch(prompts)
-        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
-        calls.clear()
-        outputs.append(runner.step_batch(tokens, tree, rows))
-        monkeypatch.undo()
-    assert set(calls) == {(True, torch.float32, False)}  # the folded step's calls: no GQA, a float mask
-    for plain, folded in zip(*outputs, strict=True):
-        torch.testing.assert_close(folded.logits, plain.logits, rtol=1e-5, atol=1e-5)
-        assert folded.argmax == plain.argmax
-
-
-def test_folded_prefill_after_a_prefix_gives_the_bool_mask_prefill():
-    """A prefill after L cached positions (a continued conversation), folded as on CUDA, gives the CPU form's."""
-    from lookahead.models.attention import prefill_attention
-
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 6, 5, 8, generator=gen)
-    k, v = torch.randn(2, 1, 2, 32, 8, generator=gen)
-    plain = [prefill_attention(11, fold_gqa=False)(0, q, k, v)]
-    folded = prefill_attention(11, fold_gqa=True)
-    torch.testing.assert_close(folded(0, q, k, v), plain[0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(folded(1, q, k, v), plain[0], rtol=1e-5, atol=1e-5)  # the mask built once, reused
