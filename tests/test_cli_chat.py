@@ -33,7 +33,7 @@ def test_chat_through_standard_input(default_model_dir):
     assert len(turns) == 3 and "lookahead: a new conversation" in run.stderr
     (answer1, prompt1, _), (_, prompt2, cached2), (_, prompt3, _) = turns
     assert prompt2 > prompt1 + answer1  # the second turn's prompt holds the first turn
-    assert cached2 >= prompt1 + answer1 - 1  # ... and prefilled only what it added
+    assert cached2 >= (prompt1 + answer1 - 1) // 16 * 16 > 0  # ... and prefilled only what it added (whole blocks)
     assert prompt3 == prompt1  # after /reset: the first message again, alone
     assert run.stdout.count("\n") >= 3 and "Traceback" not in run.stderr
 
