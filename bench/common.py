@@ -89,12 +89,12 @@ def sync() -> None:
 
 
 def cold(model) -> None:
-    """Forget which tokens the model's KV cache holds, so its next generation prefills its whole prompt. A model
-    resumes a prompt that begins with its last generation's tokens (a conversation's next turn), so when methods
-    take turns on one prompt, every one after the first would otherwise skip the prefill that transformers' methods
-    pay: call this before each timed generation of a one-prompt comparison (bench/warm.py measures the reuse)."""
+    """Forget the prefixes the model's KV cache holds, so its next generation prefills its whole prompt. A model
+    takes the cached blocks a prompt begins with (a conversation's next turn), so when methods take turns on one
+    prompt, every one after the first would otherwise skip the prefill that transformers' methods pay: call this
+    before each timed generation of a one-prompt comparison (bench/warm.py measures the reuse)."""
     if model.runner is not None:
-        model.runner.history = None
+        model.runner.clear_cache()
 
 
 def timed(fn):

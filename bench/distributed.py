@@ -46,7 +46,8 @@ def kv_sync_costs(model, group, prompt: list[int], tokens: int, repeats: int = 1
     from lookahead.kernels import StepPattern
     from lookahead.models.generation import runner_for
 
-    runner = runner_for(model, Request([prompt], tokens + 8, lookahead=LookaheadConfig(2, 4, 5)))  # 21-token steps
+    request = Request([prompt], tokens + 8, lookahead=LookaheadConfig(2, 4, 5))  # 21-token steps
+    runner = runner_for(model, request).sequence(len(prompt) + tokens + 32)
     runner.prefill(prompt)
     costs = {"broadcast_ms": {}, "forward_ms": {}}
     for n in (1, 2, 3):

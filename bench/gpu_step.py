@@ -89,12 +89,13 @@ class ChoiceLog:
         original = self._original = budget.StepBudget.choose
         log = self
 
-        def choose(self, scores, branch, length):
-            choice = original(self, scores, branch, length)
-            log.steps.append({"scores": [list(row) for row in scores], "branch": branch, "length": length,
-                              "expected": list(self.expected), "accepted": list(self.accepted), "host": self.host,
-                              "tokens": choice.tokens, "cfg": self.cfg, "static": self.sizes is not None})
-            return choice
+        def choose(self, scores, branch, lengths, fixed=budget.Fixed()):
+            choices = original(self, scores, branch, lengths, fixed)
+            log.steps.append({"scores": [list(row) for row in scores], "branch": branch, "lengths": list(lengths),
+                              "fixed": fixed, "expected": list(self.expected), "accepted": list(self.accepted),
+                              "host": self.host, "tokens": sum(c.tokens for c in choices), "cfg": self.cfg,
+                              "static": self.static, "round_up": self.round_up})
+            return choices
 
         budget.StepBudget.choose = choose
         return self
@@ -107,9 +108,10 @@ def replay(steps: list[dict], cost) -> collections.Counter:
     """Tokens per step another cost model's budget chooses for logged steps (same drafts, calibration, loop time)."""
     sizes: collections.Counter = collections.Counter()
     for step in steps:
-        chooser = budget.StepBudget(step["cfg"], cost, "greedy", step["static"])
+        chooser = budget.StepBudget(step["cfg"], cost, "greedy", step["static"], round_up=step["round_up"])
         chooser.expected, chooser.accepted, chooser.host = list(step["expected"]), list(step["accepted"]), step["host"]
-        sizes[chooser.choose(step["scores"], step["branch"], step["length"]).tokens] += 1
+        choices = chooser.choose(step["scores"], step["branch"], step["lengths"], step["fixed"])
+        sizes[sum(c.tokens for c in choices)] += 1
     return sizes
 
 
@@ -228,14 +230,17 @@ def full_step(cfg: LookaheadConfig | None, sampling: SamplingParams = GREEDY) ->
 def step_seconds(model: Llama, cfg: LookaheadConfig | None, prefix_len: int, repeats: int) -> float:
     """Median seconds of one step of `cfg`'s full shape at L = prefix_len (graphed on GPU)."""
     pattern, tokens, rows, requests = full_step(cfg)
-    runner = runner_for(model, Request([[1]], prefix_len + 63, lookahead=cfg))
-    runner.lengths = [prefix_len]  # the cache content does not change the step's cost
+    runner = runner_for(model, Request([[1]], prefix_len + 63, lookahead=cfg)).sequence(prefix_len + 64)
+    runner.length = prefix_len  # the cache content does not change the step's cost
     times = []
-    with torch.inference_mode():
-        for i in range(repeats + 3):
-            _, seconds = timed(lambda: runner.step(tokens, pattern, rows, **requests))  # noqa: B023
-            if i >= 3:
-                times.append(seconds)
+    try:
+        with torch.inference_mode():
+            for i in range(repeats + 3):
+                _, seconds = timed(lambda: runner.step(tokens, pattern, rows, **requests))  # noqa: B023
+                if i >= 3:
+                    times.append(seconds)
+    finally:
+        runner.close()
     return statistics.median(times)
 
 
@@ -278,7 +283,9 @@ def part_host(args) -> dict:
         for sampling in (SamplingParams(), SamplingParams(0.8, top_p=0.95)):
             pattern, tokens, rows_idx, requests = full_step(cfg, sampling)
             runner = runner_for(model, Request([[1]], 1023, lookahead=cfg), cuda_graph=mode == "graphs")
-            runner.lengths = [512]
+            runner.static = GPU
+            runner = runner.sequence(1024)
+            runner.length = 512
             with torch.inference_mode():
                 for _ in range(3):
                     runner.step(tokens, pattern, rows_idx, **requests)
@@ -289,6 +296,7 @@ def part_host(args) -> dict:
                     for _ in range(args.repeats):
                         runner.step(tokens, pattern, rows_idx, **requests)
                     sync()
+            runner.close()
             events = prof.key_averages()
             ops = sum(e.count for e in events if e.key.startswith("aten::")) / args.repeats
             device_us = sum(getattr(e, "self_device_time_total", 0) for e in events) / args.repeats if GPU else 0.0
@@ -325,8 +333,10 @@ def part_fusion(args) -> dict:
     runners, first = {}, []
     for fusion, model in models.items():
         runners[fusion] = runner_for(model, Request([[1]], max(lengths) + 127, lookahead=LookaheadConfig()))
+        runners[fusion].static = GPU
+        runners[fusion] = runners[fusion].sequence(max(lengths) + 128)
         for name, (pattern, tokens, rows, requests) in steps.items():
-            runners[fusion].lengths = [lengths[0]]
+            runners[fusion].length = lengths[0]
             with torch.inference_mode():
                 _, seconds = timed(lambda: runners[fusion].step(tokens, pattern, rows, **requests))  # noqa: B023
             first.append({"fusion": fusion, "config": name, "T": pattern.num_tokens, "first_step_s": seconds})
@@ -337,7 +347,7 @@ def part_fusion(args) -> dict:
                 for fusion in fusions:  # interleaved: every fusion meets the same machine state
                     for name, (pattern, tokens, rows, requests) in steps.items():
                         runner = runners[fusion]
-                        runner.lengths = [prefix_len]
+                        runner.length = prefix_len
                         _, seconds = timed(lambda: runner.step(tokens, pattern, rows, **requests))  # noqa: B023
                         if i >= 3:
                             times.setdefault((prefix_len, name, fusion), []).append(seconds)

@@ -37,7 +37,7 @@ def generate(model, ids, config, max_new_tokens: int) -> dict:
                             stream=lambda _: first or first.append(time.perf_counter()))
     seconds = time.perf_counter() - start
     return {"tokens": len(result.tokens), "steps": result.steps, "seconds": seconds, "ttft": first[0] - start,
-            "reused": model.runner.reused, "ids": result.tokens}
+            "reused": result.cached_tokens, "ids": result.tokens}
 
 
 def held(model) -> dict:

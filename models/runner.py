@@ -306,7 +306,16 @@ class RowSequence:
 
     @property
     def length(self) -> int:
+        """L: the positions before the next step's."""
         return self.runner.rows[self.row].length
+
+    @length.setter
+    def length(self, value: int) -> None:
+        """Move L (for timing steps at a cache length: the entries before it are placeholders, never keyed)."""
+        row = self.runner.rows[self.row]
+        if not 0 <= value <= len(row.blocks) * self.runner.block_size:
+            raise ValueError(f"length must be in 0..{len(row.blocks) * self.runner.block_size}, got {value}")
+        row.length, row.tokens = value, None
 
     def prefill(self, tokens: Sequence[int]) -> torch.Tensor:
         """The prompt in chunks of the runner's `prefill_chunk`; the logits [V] of its last token."""
