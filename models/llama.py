@@ -236,12 +236,11 @@ class Llama(nn.Module):
         prompt_ids: one prompt (a list of ints, a 1-D or [1, T] tensor, a tokenizer's output) returns one
             `GenerationResult`; a batch (a list of prompts, each a list of ints or a 1-D tensor, lengths may
             differ; `[[1, 2, 3]]` is a batch of one) returns a list of them, one per prompt, each what that
-            prompt would give alone. A batch decodes all rows in one forward pass per step, always with
-            static steps; a row that finishes (EOS, token limit) leaves the batch.
+            prompt would give alone. A batch decodes all rows in one forward pass per step (each row's step its
+            own size); a row that finishes (EOS, token limit) leaves the batch.
         lookahead: None for plain decoding, a `lookahead.LookaheadConfig` for lookahead decoding (per row), or
-            "auto": by batch size and device (`LookaheadConfig.for_batch`): smaller W and G per row as the
-            batch grows, plain decoding above 32 rows on CUDA; plain decoding on a CPU, where no batch size
-            measured faster with lookahead (docs/results.md).
+            "auto": `LookaheadConfig.auto` for the model's device, self-tuned per row and step (a row takes only
+            the draft nodes that pay for the whole step, none where nothing does).
         Exact: with temperature 0 the output is plain greedy decoding's, token for token, in float32 (in
         16-bit types a multi-token pass rounds differently from a one-token pass, so near-ties can
         flip); with sampling the output distribution is unchanged.
@@ -251,9 +250,9 @@ class Llama(nn.Module):
         eos_token_id: an int or a list (default: the checkpoint's; [] never stops early).
         stream: called with each step's accepted tokens (a list of ints) as they are decided; for a batch,
             called as stream(prompt index, tokens).
-        static_step: pad every lookahead step to the configuration's full size (W + G)(N - 1), so the
-            whole generation has one step shape (one kernel compile, one CUDA graph); None = on CUDA
-            only (on a CPU padding costs real compute). The tokens are the same either way.
+        static_step: pad every decoding step to one of a few shapes (each row to its chosen size's full shape, and
+            the packed step to a power-of-two size), so a generation meets few step shapes (one CUDA graph each);
+            None = on CUDA only (on a CPU padding costs real compute). The tokens are the same either way.
         cuda_graph: on CUDA with static steps and the Triton backend, capture each step shape once as
             a CUDA graph and replay it; False runs every step eagerly (for debugging).
 
@@ -267,11 +266,14 @@ class Llama(nn.Module):
             G = 5K). One prompt only; gloo on CPU, NCCL on CUDA; set a timeout in `init_process_group` so a
             rank that dies makes the others raise. `stream` is each rank's own (pass one on rank 0 to print once).
 
-        Returns a `lookahead.GenerationResult` with `tokens`, `steps` (forward passes, prefill included)
-        and `compression` (tokens / steps).
+        Returns a `lookahead.GenerationResult` with `tokens`, `steps` (forward passes, the prefill counted once)
+        and `compression` (tokens / steps), and `cached_tokens`: the prompt positions taken from the KV cache
+        (full blocks of a prefix earlier generations computed: a conversation's earlier turns, a shared system
+        prompt) instead of prefilled.
 
         Threads: calls on one model take turns (a lock): they share its KV cache (`runner`). For concurrent
-        generations, batch the prompts into one call, or load one model per thread.
+        generations, batch the prompts into one call, or serve them through an engine
+        (`lookahead.models.engine_for(model)`: requests join and leave a running batch from any thread).
         """
         return generate(self, prompt_ids, max_new_tokens=max_new_tokens, lookahead=lookahead,
                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
