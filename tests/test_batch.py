@@ -4,7 +4,7 @@ both backends, the default model), finished rows leaving the batch, per-row seed
 import pytest
 import torch
 
-from helpers import MockRowModel, MockStepModel, context_logits, decode_one, decode_rows, fixed
+from helpers import MockRowModel, MockStepModel, RandomCost, context_logits, decode_one, decode_rows, fixed
 from lookahead import LookaheadConfig
 from lookahead.kernels import StepPattern
 from lookahead.loop import full_pattern
@@ -243,3 +243,6 @@ def test_default_model_batch_equals_each_prompt_alone(default_model_dir):
     for lookahead in (None, LookaheadConfig()):
         batch = model.generate(prompts, max_new_tokens=20, eos_token_id=eos, lookahead=lookahead)
         assert [r.tokens for r in batch] == alone, lookahead
+    model.cost_model = RandomCost(3)  # every row its own random size, every step
+    batch = model.generate(prompts, max_new_tokens=20, eos_token_id=eos, lookahead=LookaheadConfig())
+    assert [r.tokens for r in batch] == alone and len({s for r in batch for s in r.step_sizes}) > 2

@@ -207,10 +207,12 @@ def test_a_failing_step_fails_its_rows_and_the_engine_goes_on():
     engine.stop(10)
 
 
-def test_tiny_llama_rows_joining_a_running_batch_equal_each_alone(tiny_checkpoint):
-    """The real runner: rows join while others decode (a long prompt prefilled in chunks beside them), with their own
-    sampling settings; each equals its own `Llama.generate`."""
-    model = Llama.from_pretrained(tiny_checkpoint("gqa"))
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_tiny_llama_rows_joining_a_running_batch_equal_each_alone(tiny_checkpoint, backend):
+    """The real runner on both attention backends: rows join while others decode (a long prompt prefilled in chunks
+    beside them), with their own sampling settings, at step sizes drawn at random; each equals its own
+    `Llama.generate`."""
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"), attn_backend=backend)
     reference = Llama.from_pretrained(tiny_checkpoint("gqa"))
     from lookahead.models.generation import runner_for
     from lookahead.request import Request
@@ -220,20 +222,22 @@ def test_tiny_llama_rows_joining_a_running_batch_equal_each_alone(tiny_checkpoin
     engine = Engine(runner, cost=RandomCost(1))
     rng = random.Random(7)
     specs = []
-    for i in range(6):
+    for i in range(6 if backend == "torch" else 3):  # the interpreter is slow
         prompt = [rng.randrange(101) for _ in range(rng.choice([3, 9, 50]))]
         sampling = SETTINGS[i % len(SETTINGS)]
         specs.append((prompt, sampling, None if sampling.greedy else 10 + i,
                       [None, LookaheadConfig(2, 3, 2, warm=False)][i % 2]))
     handles = []
     for i, (prompt, sampling, seed, cfg) in enumerate(specs):
-        handles.append(engine.submit(prompt, 20, sampling=sampling, seed=seed, lookahead=cfg))
+        handles.append(engine.submit(prompt, 20 if backend == "torch" else 8, sampling=sampling, seed=seed,
+                                     lookahead=cfg))
         for _ in range(i % 3):
             engine.step()
     while engine.step():
         pass
     for handle, (prompt, sampling, seed, cfg) in zip(handles, specs, strict=True):
-        expected = reference.generate(prompt, max_new_tokens=20, temperature=sampling.temperature,
+        expected = reference.generate(prompt, max_new_tokens=20 if backend == "torch" else 8,
+                                      temperature=sampling.temperature,
                                       top_k=sampling.top_k, top_p=sampling.top_p, seed=seed, eos_token_id=[])
         assert handle.result().tokens == expected.tokens
     assert not runner.rows and runner.blocks.held == 0

@@ -9,10 +9,12 @@ import torch
 
 from helpers import MockStepModel, context_logits, decode_one
 from lookahead import LookaheadConfig, Request
+from lookahead.kernels import StepPattern
 from lookahead.loop import Engine, RowStep, path_step
 from lookahead.models import Llama
 from lookahead.models.paging import BlockPool
 from lookahead.models.runner import CachedRunner
+from lookahead.request import SamplingParams
 
 
 def test_blocks_are_free_held_or_cached_and_none_leak_under_random_use():
@@ -97,16 +99,12 @@ def test_one_packed_step_of_every_kind_of_row_equals_each_row_alone(tiny_checkpo
     for row, prompt in zip([rows[0], rows[2], rows[3]], [prompts[0], prompts[2], prompts[3]], strict=True):
         runner.step([RowStep.chunk(row, prompt)])
         runner.commit(row, range(len(prompt)))
-    pattern = LookaheadConfig(2, 3, 2)
-    from lookahead.kernels import StepPattern
-
     tree = StepPattern(2, 3, tree_end=(3, 3, 3))  # W=2, N=3: 4 branch tokens, then a path of 3 nodes
     la_tokens = [prompts[3][-1], 5, 6, 7, 8, 9, 10]
     steps = [RowStep.chunk(rows[1], prompts[1][:5]), RowStep(rows[2], [prompts[2][-1]], path_step(1), [0]),
              RowStep(rows[3], la_tokens, tree, list(range(7)), topk=3),
              RowStep.chunk(rows[0], [1, 2, 3])]
     outputs = runner.step(steps)
-    assert pattern  # the configuration the tree's shape comes from
     expected_chunk = full_logits(model, prompts[1][:5])[-1]
     assert (outputs[0].logits[0] - expected_chunk).abs().max() < 1e-4
     assert (outputs[1].logits[0] - full_logits(model, prompts[2] + [prompts[2][-1]])[-1]).abs().max() < 1e-4
@@ -162,3 +160,125 @@ def test_mock_engine_prefill_in_chunks_equals_one_prefill():
     assert result.tokens == decode_one(MockStepModel(vocab, fn), prompt, 12,
                                        lookahead=LookaheadConfig(2, 3, 2, warm=False)).tokens
     assert model.step_tokens[:6] == [7] * 5 + [5] and result.steps == len(model.step_tokens) - 5
+
+
+def random_tree(size: int, rng: random.Random) -> tuple[int, ...]:
+    """A random pre-order tree of `size` nodes under the input token, as tree_end."""
+    parents = [-1] + [rng.randrange(-1, j) for j in range(1, size)]
+    ends = list(range(1, size + 1))
+    for j in reversed(range(size)):
+        p = parents[j]
+        while p >= 0 and ends[p] < ends[j]:
+            ends[p] = ends[j]
+            p = parents[p]
+    try:
+        StepPattern(1, 2, tree_end=tuple(ends))
+        return tuple(ends)
+    except ValueError:
+        return tuple(range(1, size + 1))
+
+
+@pytest.mark.parametrize("case", range(6), ids=lambda c: f"case{c}")
+def test_the_torch_backend_equals_the_paged_reference(case):
+    """The model's CPU attention over packed rows and block tables (random, shuffled, shared blocks, partial last
+    blocks, trees, per-row L, W and N, plain rows, prompt chunks, GQA) against `paged_reference_attention`, which
+    builds each row's mask independently with `StepPattern.materialize`."""
+    from lookahead.kernels import paged_reference_attention
+    from lookahead.models.attention import PackedStep, TorchBackend
+    from lookahead.models.kv_cache import KVPool
+
+    rng = random.Random(case)
+    gen = torch.Generator().manual_seed(case)
+    heads_q, heads_kv, dim, size = rng.choice([(4, 4, 8), (4, 2, 16), (6, 2, 8)]) + (rng.choice([4, 16]),)
+    pool = KVPool(1, heads_kv, dim, 64, size, torch.float32, "cpu")
+    pool.k.normal_(generator=gen)
+    pool.v.normal_(generator=gen)
+    shared = rng.sample(range(64), 2)  # a prefix two rows share
+    patterns, lengths, tables, starts, free = [], [], [], [], [b for b in range(64) if b not in shared]
+    rng.shuffle(free)
+    for row in range(rng.randrange(1, 6)):
+        kind = rng.choice(["plain", "chunk", "tree", "window"])
+        if kind == "plain":
+            pattern = StepPattern(1, 2, 0)
+        elif kind == "chunk":
+            pattern = path_step(rng.randrange(2, 40))
+        elif kind == "tree":
+            pattern = StepPattern(1, 2, tree_end=random_tree(rng.randrange(1, 9), rng))
+        else:
+            w, n = rng.randrange(1, 4), rng.randrange(2, 5)
+            pattern = StepPattern(w, n, tree_end=random_tree(rng.randrange(0, 7), rng))
+        length = rng.randrange(0, 50)
+        need = -(-(length + pattern.num_tokens) // size)
+        table = (shared if row < 2 else []) + [free.pop() for _ in range(need)]
+        patterns.append(pattern)
+        lengths.append(length)
+        tables.append(table[:max(need, 2 if row < 2 else 0)])
+        starts.append(sum(p.num_tokens for p in patterns[:-1]))
+    total = sum(p.num_tokens for p in patterns)
+    q = torch.randn(1, heads_q, total, dim, generator=gen)
+    step = PackedStep(lengths, patterns, tables, starts, size, total)
+    out = TorchBackend(torch.device("cpu")).begin_step(step)(0, q, pool.k[0], pool.v[0])
+    width = max(len(t) for t in tables)
+    block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    tree_end = torch.tensor([e for p in patterns for e in [0] * p.lookahead_len + list(p.node_ends)])
+    reference = paged_reference_attention(
+        q[0].transpose(0, 1), pool.blocks(pool.k[0]), pool.blocks(pool.v[0]), block_table,
+        torch.tensor([*starts, total]), torch.tensor(lengths), torch.tensor([p.window for p in patterns]),
+        torch.tensor([p.ngram for p in patterns]), tree_end, upcast=True)
+    torch.testing.assert_close(out[0].transpose(0, 1), reference, rtol=1e-5, atol=1e-5)
+
+
+def test_requests_sharing_a_system_prompt_under_eviction_get_a_fresh_models_answers(tiny_checkpoint):
+    """A pool too small to hold every request's blocks and every cached prefix: requests share a system prompt (its
+    blocks held by several rows at once), wait for room, evict cached blocks, and sample with their own settings; each
+    answer is a fresh model's, and no block leaks."""
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    fresh = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    runner = CachedRunner(model, num_blocks=20, max_step_tokens=8, block_size=4, max_rows=3)
+    engine = Engine(runner)
+    rng = random.Random(5)
+    system = [rng.randrange(101) for _ in range(13)]
+    specs = []
+    for i in range(7):
+        prompt = system + [rng.randrange(101) for _ in range(rng.randrange(1, 12))]
+        specs.append((prompt, 0.0 if i % 2 else 0.9, 100 + i))
+    handles = [engine.submit(p, 9, sampling=SamplingParams(t, top_p=0.9) if t else SamplingParams(), seed=s,
+                             lookahead=LookaheadConfig(2, 3, 2, warm=False)) for p, t, s in specs]
+    while engine.step():
+        runner.blocks.check()
+    shared = [h.result().cached_tokens for h in handles]
+    assert max(shared) >= 12 and runner.blocks.held == 0
+    for (prompt, temperature, seed), handle in zip(specs, handles, strict=True):
+        expected = fresh.generate(prompt, max_new_tokens=9, temperature=temperature, top_p=0.9, seed=seed,
+                                  eos_token_id=[])
+        assert handle.result().tokens == expected.tokens
+
+
+def test_no_block_leaks_whatever_is_cancelled_when(tiny_checkpoint):
+    """A property test on the real runner: requests submitted and cancelled at random steps (waiting, prefilling,
+    decoding); afterwards every block is free or cached, and the finished requests' answers are a fresh model's."""
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    fresh = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    runner = CachedRunner(model, num_blocks=24, max_step_tokens=8, block_size=4, max_rows=3)
+    runner.prefill_chunk = 5
+    engine = Engine(runner)
+    rng = random.Random(11)
+    handles, prompts = [], []
+    for step in range(60):
+        if rng.random() < 0.3:
+            prompts.append([rng.randrange(101) for _ in range(rng.randrange(1, 15))])
+            handles.append(engine.submit(prompts[-1], rng.randrange(1, 10),
+                                         lookahead=rng.choice([None, LookaheadConfig(2, 3, 2, warm=False)])))
+        if handles and rng.random() < 0.15:
+            rng.choice(handles).cancel()
+        engine.step()
+        runner.blocks.check()
+    while engine.step():
+        runner.blocks.check()
+    assert runner.blocks.held == 0 and not runner.rows
+    reasons = [h.result().finish_reason for h in handles]
+    assert "cancelled" in reasons and "length" in reasons
+    for prompt, handle in zip(prompts, handles, strict=True):
+        result = handle.result()
+        expected = fresh.generate(prompt, max_new_tokens=10, eos_token_id=[]).tokens
+        assert result.tokens == expected[: len(result.tokens)]

@@ -266,15 +266,15 @@ class Engine:
 
     def _prefill_allowance(self, decoding_tokens: int) -> int | None:
         """Prompt tokens the next step may carry (None: no limit): the model's chunk alone; beside decoding rows as
-        many as keep the step within about twice their own cost."""
+        many as keep the step within about twice their own cost (`MIN_CHUNK` at least), never past the chunk."""
         chunk = self.model.prefill_chunk
         if decoding_tokens == 0 or chunk is None:
             return chunk
         if self.cost is None or not self.cost.curves:
-            return max(MIN_CHUNK, min(chunk, 4 * decoding_tokens))
+            return min(chunk, max(MIN_CHUNK, 4 * decoding_tokens))
         kind = next(iter(self.cost.curves))
         limit = 2 * self.cost.predict(decoding_tokens, 0, kind)
-        size = MIN_CHUNK
+        size = min(chunk, MIN_CHUNK)
         while size * 2 <= chunk and self.cost.predict(decoding_tokens + size * 2, 0, kind) <= limit:
             size *= 2
         return size
