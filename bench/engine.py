@@ -113,7 +113,7 @@ def main() -> None:
                   f"{x['exact']}/{x['prompts']}"] for x in summary])
     payload = {"machine": machine(), "command": "python bench/engine.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" if not isinstance(v, bool) else f"--{k}" for k, v in vars(args).items()
-        if v not in (None, False) and k != "name"), "max_new_tokens": max_new, "summary": summary,
+        if v not in (None, False) and k != "name"), "form": "tree", "max_new_tokens": max_new, "summary": summary,
         "records": records}
     path = save_json(args.name, payload)
     plot(summary, records, path.with_suffix(".png"))

@@ -146,6 +146,7 @@ def main() -> None:
                 [[s["kind"], s["requests"], f"{s['prompt_tokens']:.0f}", f"{s['cached']:.0f}", f"{s['shared_ms']:.0f}",
                   f"{s['cold_ms']:.0f}", f"{s['ratio']:.2f}x"] for s in summary])
     path = save_json("paging", {"machine": machine(), "command": "python bench/paging.py" + (" --quick" * args.quick),
+                                "form": "plain decoding",
                                 "memory": mem, "ttft": summary, "records": rows})
     print(path)
 

@@ -101,7 +101,7 @@ def source(*stems: str, link: str = "../") -> list[str]:
     lines = []
     for stem in stems:
         m = load(stem)["machine"]
-        command, form = command_of(stem), RUNS.get(stem, ("", "not recorded"))[1]
+        command, form = command_of(stem), load(stem).get("form") or RUNS.get(stem, ("", "not recorded"))[1]
         lines.append(f"- [`{stem}.json`]({link}bench/results/{stem}.json): {m['device']}, {m['cpu_threads']} "
                      f"threads, torch {m['torch']}, commit `{m['commit']}`, {m['date']}; form: {form}; "
                      f"`{command}`")
@@ -316,7 +316,9 @@ def section_batch() -> list[str]:
         kept = sum(r["seconds"] for r in data["drop"] if r["lookahead"] == lookahead and not r["drop"])
         dropped = sum(r["seconds"] for r in data["drop"] if r["lookahead"] == lookahead and r["drop"])
         drop.append(["lookahead" if lookahead else "plain", f"{kept:.1f}", f"{dropped:.1f}", x(kept / dropped)])
-    return ["## Batches", "",
+    return ["## Batches (before packed steps)", "",
+            "Measured when every row of a batch stepped at one padded shape (the engine's packed steps replaced that: "
+            "see \"Continuous batching\" above). "
             f"{data['prompts']} dev prompts, {data['max_new_tokens']} new tokens, fp32, greedy; exact: rows identical "
             "to plain greedy alone; \"vs plain\": against plain decoding at the same batch size, interleaved.", "",
             *table(["b", "method", "S", "tokens/s", "vs plain", "exact"], rows), "", *plot("batch-cpu"), "",
@@ -325,6 +327,42 @@ def section_batch() -> list[str]:
             f"Finished rows leaving the batch against kept as padding (b = {data['drop'][0]['batch']}, seconds "
             "summed over the batches):", "", *table(["decoding", "kept s", "dropped s", "dropping is"], drop), "",
             *source("batch-cpu")]
+
+
+def section_engine() -> list[str]:
+    if not (RESULTS / "engine-cpu.json").is_file():
+        return []
+    data = load("engine-cpu")
+    rows = [[r["concurrency"], f"{r['plain_tok_s']:.1f}", f"{r['lookahead_tok_s']:.1f}", x(r["ratio"]),
+             f"{r['S']:.2f}", f"{r['plain_row_steps']:.0%}", f"{r['mean_nodes']:.1f}", f"{r['exact']}/{r['prompts']}"]
+            for r in data["summary"]]
+    return ["## Continuous batching: lookahead rows against plain rows", "",
+            f"The engine with c requests in flight (a closed loop over {data['summary'][0]['prompts']} dev prompts, "
+            f"{data['max_new_tokens']} new tokens each, fp32, greedy; a finished request's row is taken by the next "
+            "prompt after its chunked prefill); plain rows against lookahead rows (the default, each row sized per "
+            "step by the batch-wide budget), interleaved, the prefix cache cleared and no drafting memory. 'rows "
+            "plain': the share of lookahead row steps that verified no draft node; 'nodes/row': the mean draft "
+            "nodes a lookahead row verified per step; exact: lookahead answers identical to the plain ones.", "",
+            *table(["in flight", "plain tok/s", "lookahead tok/s", "lookahead / plain", "S", "rows plain",
+                    "nodes/row", "exact"], rows), "", *plot("engine-cpu"), "", *source("engine-cpu")]
+
+
+def section_paging() -> list[str]:
+    if not (RESULTS / "paging-cpu.json").is_file():
+        return []
+    data = load("paging-cpu")
+    mem = data["memory"]
+    rows = [[r["kind"], r["requests"], f"{r['prompt_tokens']:.0f}", f"{r['cached']:.0f}", f"{r['shared_ms']:.0f}",
+             f"{r['cold_ms']:.0f}", x(r["ratio"])] for r in data["ttft"]]
+    return ["## Paged KV cache and prefix sharing", "",
+            f"Memory: {mem['requests']} dev prompts held at once, {min(mem['lengths'])} to {max(mem['lengths'])} "
+            "positions each (prompt and answer): a dense cache reserves every row the longest row's capacity (a "
+            f"power of two), {mem['dense_bytes'] / 2**20:.1f} MiB; the paged pool held {mem['peak_blocks']} blocks of "
+            f"16 at the peak of a real run, {mem['paged_bytes'] / 2**20:.1f} MiB ({mem['ratio']:.2f}x).", "",
+            "Time to first token (median), with the cached prefix against the prefix cache cleared, the two "
+            "alternating per request; fp32, the default model, plain decoding, one request at a time:", "",
+            *table(["requests", "n", "prompt tokens", "cached tokens", "TTFT shared ms", "TTFT cold ms",
+                    "shared / cold"], rows), "", *source("paging-cpu")]
 
 
 def section_distributed() -> list[str]:
@@ -440,9 +478,9 @@ def section_warm() -> list[str]:
 
 
 def render_page() -> str:
-    sections = [section_index(), section_e2e(), section_tree(), section_overhead(), section_sampling(),
-                section_scaling(), section_batch(), section_distributed(), section_tuned(), section_warm(),
-                section_gpu()]
+    sections = [section_index(), section_e2e(), section_engine(), section_paging(), section_tree(),
+                section_overhead(), section_sampling(), section_scaling(), section_batch(), section_distributed(),
+                section_tuned(), section_warm(), section_gpu()]
     head = ["# Results", "",
             "<!-- generated by bench/results_page.py from bench/results/*.json; edit the script, not this page -->",
             "",
