@@ -1,5 +1,6 @@
 """`lookahead serve`: its help answers before torch or fastapi load, bad flags are one line naming the flag, and the
-real command stops on SIGTERM mid-stream: the stream ends with a last chunk, the process exits 0 within seconds."""
+real command stops on SIGTERM (or Ctrl-C's SIGINT) mid-stream: the stream ends with a last chunk, the process exits
+0 within seconds."""
 
 import json
 import os
@@ -80,7 +81,8 @@ def test_the_api_key_comes_from_the_environment_unless_given():
     assert args.api_key is None
 
 
-def test_sigterm_mid_stream_ends_the_stream_with_a_last_chunk_and_exits_0(served_dir, tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_mid_stream_ends_the_stream_with_a_last_chunk_and_exits_0(served_dir, tmp_path, signum):
     env = {**os.environ, "HOME": str(tmp_path), "OMP_WAIT_POLICY": "PASSIVE"}  # its cost model cached there
     command = [sys.executable, "-m", "lookahead", "serve", "--model", str(served_dir), "--port", "0", "--max-batch",
                "2", "--served-model-name", "tiny", "--log-level", "warning"]
@@ -106,7 +108,7 @@ def test_sigterm_mid_stream_ends_the_stream_with_a_last_chunk_and_exits_0(served
         for _ in range(3):
             assert read_event(response) not in (None, "[DONE]")
         stopped = time.monotonic()
-        server.send_signal(signal.SIGTERM)
+        server.send_signal(signum)
         events = []
         while (data := read_event(response)) is not None:
             events.append(data)
