@@ -13,7 +13,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -55,7 +55,7 @@ def _chat_prompt(tokenizer, body: ChatCompletionRequest) -> list[int]:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     except (TemplateError, ValueError, TypeError, KeyError, IndexError) as e:  # the template refused the messages
         raise bad_request(f"messages: the chat template refused them: {e}", "messages") from None
-    return list(ids)
+    return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)  # some versions return an encoding anyway
 
 
 def _check_ids(ids: list[int], vocab_size: int, param: str) -> None:
