@@ -35,3 +35,31 @@ def default_model_dir(tmp_path_factory):
     from lookahead.models.default_model import default_model_dir as convert
 
     return convert(tmp_path_factory.mktemp("cache"), progress=False)
+
+
+@pytest.fixture(scope="session")
+def served_dir(tmp_path_factory):
+    """A tiny random LLaMA with a byte-level tokenizer (`helpers.save_tiny_tokenizer`), for the server's tests."""
+    from helpers import save_tiny_tokenizer
+
+    folder = tmp_path_factory.mktemp("tiny-served")
+    save_tiny_checkpoint(folder, vocab_size=260, bos_token_id=256, eos_token_id=257, pad_token_id=257)
+    return save_tiny_tokenizer(folder)
+
+
+@pytest.fixture(scope="session")
+def served_reference(served_dir):
+    """The served model on its own, for each answer's reference (`Llama.generate` alone)."""
+    from lookahead.models import Llama
+
+    return Llama.from_pretrained(served_dir)
+
+
+@pytest.fixture(scope="module")
+def warm_server(served_dir):
+    """A server on `served_dir` with the default engine: self-tuned lookahead steps, warm drafting memory."""
+    from served import Running
+
+    server = Running(served_dir, max_batch=4, max_queue=16)
+    yield server
+    server.stop()

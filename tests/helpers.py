@@ -196,3 +196,43 @@ class MockRowModel:
 
     def release(self, row):
         del self.rows[row]
+
+
+TINY_SPECIALS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")  # ids 256, 257 (EOS), 258 of the tiny tokenizer
+TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                      "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def save_tiny_tokenizer(folder):
+    """Write a byte-level tokenizer to `folder`: token b (0..255) is byte b, then `TINY_SPECIALS` (259 tokens), with a
+    ChatML template; EOS is <|im_end|> (257). A tiny model's random output is then arbitrary bytes, so its text meets
+    incomplete and invalid UTF-8 everywhere (what a server's incremental detokenizer must get right). Pair it with
+    `save_tiny_checkpoint(folder, vocab_size=260, eos_token_id=257, ...)`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = _byte_alphabet()
+    vocab = {alphabet[b]: b for b in range(256)} | {s: 256 + i for i, s in enumerate(TINY_SPECIALS)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(list(TINY_SPECIALS))
+    start, end, unknown = TINY_SPECIALS
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=start, eos_token=end, unk_token=unknown,
+                                        pad_token=end, clean_up_tokenization_spaces=False)
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """Byte-level BPE's printable stand-in for each byte (GPT-2's table)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    out, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out

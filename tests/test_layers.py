@@ -75,14 +75,16 @@ RULES = {
     "lookahead.config": ("lookahead.",),
     "lookahead.backends": ("lookahead.",),
     "lookahead.request": ("lookahead.loop", "lookahead.drafts", "lookahead.parallel", "lookahead.hf", "lookahead.cli",
-                          "lookahead.models"),
+                          "lookahead.models", "lookahead.serve"),
     "lookahead.tuning": ("lookahead.loop", "lookahead.drafts", "lookahead.request", "lookahead.parallel",
-                         "lookahead.hf", "lookahead.cli", "lookahead.models", "lookahead.kernels"),
-    "lookahead.drafts": ("lookahead.loop", "lookahead.parallel", "lookahead.hf", "lookahead.cli", "lookahead.models"),
-    "lookahead.loop": ("lookahead.parallel", "lookahead.hf", "lookahead.cli", "lookahead.models"),
-    "lookahead.parallel": ("lookahead.hf", "lookahead.cli", "lookahead.models"),
-    "lookahead.hf": ("lookahead.parallel", "lookahead.cli", "lookahead.models"),
-    "lookahead.models": ("lookahead.hf", "lookahead.cli"),
+                         "lookahead.hf", "lookahead.cli", "lookahead.models", "lookahead.kernels", "lookahead.serve"),
+    "lookahead.drafts": ("lookahead.loop", "lookahead.parallel", "lookahead.hf", "lookahead.cli", "lookahead.models",
+                         "lookahead.serve"),
+    "lookahead.loop": ("lookahead.parallel", "lookahead.hf", "lookahead.cli", "lookahead.models", "lookahead.serve"),
+    "lookahead.parallel": ("lookahead.hf", "lookahead.cli", "lookahead.models", "lookahead.serve"),
+    "lookahead.hf": ("lookahead.parallel", "lookahead.cli", "lookahead.models", "lookahead.serve"),
+    "lookahead.models": ("lookahead.hf", "lookahead.cli", "lookahead.serve"),
+    "lookahead.serve": ("lookahead.hf", "lookahead.cli"),  # the HTTP layer: over models, loop, request, config
 }
 
 
@@ -116,7 +118,7 @@ print(' '.join(sorted(m for m in sys.modules if m.startswith(('lookahead', 'torc
     ("lookahead.kernels", ("lookahead.loop", "lookahead.models", "lookahead.drafts", "lookahead.request")),
     ("lookahead.loop", ("lookahead.models", "lookahead.cli", "lookahead.parallel", "lookahead.hf")),
     ("lookahead", ("lookahead.loop", "lookahead.models", "torch")),
-    ("lookahead.cli", ("lookahead.loop", "lookahead.models", "torch")),  # --help answers before torch loads
+    ("lookahead.cli", ("lookahead.loop", "lookahead.models", "lookahead.serve", "torch")),  # --help answers at once
 ])
 def test_a_fresh_interpreter_loads_nothing_above_the_layer(module, forbidden):
     out = subprocess.run([sys.executable, "-c", LOADED.format(module=module)], capture_output=True, text=True,

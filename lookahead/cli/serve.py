@@ -1,0 +1,86 @@
+"""The work of `lookahead serve`: load the checkpoint and its tokenizer, put the model behind an engine of its own
+(`lookahead.models.engine_for`), and serve it over HTTP (`lookahead.serve`) until SIGTERM or Ctrl-C, which end the
+requests in flight and the process with status 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+from pathlib import Path
+
+from lookahead.config import LookaheadConfig
+
+from .generate import _backend, _device, _tokenizer
+from .launch import world_size
+
+GIB = 2**30
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve for `lookahead.cli`'s checked arguments; errors of the setup are raised for the front to print."""
+    if world_size(os.environ) > 1:
+        raise ValueError("lookahead serve runs in one process; unset WORLD_SIZE (torchrun is for lookahead generate)")
+    _say(f"loading torch and {args.model or 'the default model'} ...")
+    start = time.perf_counter()
+    import torch
+
+    from lookahead.models import Llama, default_model_dir, engine_for
+    from lookahead.serve import Server, create_app
+
+    device = _device(torch, args.device)
+    folder = Path(args.model if args.model else default_model_dir(args.cache_dir))
+    model = Llama.from_pretrained(folder, dtype=args.dtype, device=device,
+                                  attn_backend=_backend(args.attn_backend, device), fusion=args.fusion)
+    tokenizer = _tokenizer(folder)
+    lookahead = lookahead_config(args, model.device.type)
+    dtype = str(model.dtype).removeprefix("torch.")
+    _say(f"loaded in {time.perf_counter() - start:.1f} s ({dtype}, {device}); preparing the engine "
+         f"({args.max_batch} rows{'' if lookahead is None else ', measuring step costs if not cached'})")
+    if dtype != "float32" and lookahead is not None:
+        _say(f"note: in {dtype} a greedy answer may differ from plain greedy decoding where two tokens are nearly "
+             "tied (a multi-token pass rounds differently from a one-token pass); float32 is token-exact")
+    kv_bytes = None if args.kv_cache_gb is None else int(args.kv_cache_gb * GIB)
+    engine = engine_for(model, max_batch=args.max_batch, lookahead=lookahead, max_queue=args.max_queue,
+                        kv_cache_bytes=kv_bytes)
+    _check_cache(engine, model.config.max_position_embeddings, args.kv_cache_gb)
+    name = args.served_model_name or folder.name
+    app = create_app(engine, tokenizer, name, api_key=args.api_key, lookahead=lookahead,
+                     eos_token_ids=model.config.eos_token_id, vocab_size=model.config.vocab_size,
+                     max_body_bytes=args.max_body_bytes)
+    mode = "plain decoding" if lookahead is None else (f"lookahead W={lookahead.window} N={lookahead.ngram} "
+                                                       f"G={lookahead.guesses}")
+
+    def started(server: Server) -> None:
+        key = "; API key required" if args.api_key else ""
+        _say(f"serving {name} ({mode}) on {server.url}/v1 for up to {args.max_batch} requests at once{key}; "
+             "Ctrl-C stops")
+
+    Server(app, args.host, args.port, log_level=args.log_level, on_started=started).run()
+    _say("stopped")
+    return 0
+
+
+def lookahead_config(args: argparse.Namespace, device_type: str) -> LookaheadConfig | None:
+    """What every request decodes with: the device's `LookaheadConfig.auto`, with the W, N, G given in its place."""
+    if args.no_lookahead:
+        return None
+    auto = LookaheadConfig.auto(device_type)
+    given = {name: getattr(args, name) for name in ("window", "ngram", "guesses") if getattr(args, name) is not None}
+    return dataclasses.replace(auto, **given, **({"budget": "fixed"} if args.fixed_steps else {}))
+
+
+def _check_cache(engine, max_positions: int, kv_cache_gb: float | None) -> None:
+    """--kv-cache-gb must hold one sequence of the model's full length (else long requests could never start)."""
+    runner = engine.model
+    held = runner.capacity
+    if held < max_positions + runner.max_step_tokens:
+        raise ValueError(f"--kv-cache-gb {kv_cache_gb} holds {held} positions, fewer than one sequence of the "
+                         f"model's {max_positions} positions needs; raise it (or leave it out for the default)")
+
+
+def _say(message: str) -> None:
+    print(f"lookahead: {message}", file=sys.stderr, flush=True)

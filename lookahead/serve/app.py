@@ -1,0 +1,242 @@
+"""The FastAPI app: its routes, the API key, the body's size limit, the engine's life.
+
+`create_app` takes an `Engine` over a model (`lookahead.models.engine_for`) and the model's tokenizer and returns the
+app; the app starts the engine's thread when it starts and stops it (cancelling what is left) when it stops. The
+routes only translate (`completions.py` for the two generating endpoints): no handler touches the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+
+from lookahead.config import LookaheadConfig
+from lookahead.loop import Engine
+
+from .completions import chat, complete
+from .errors import APIError, bad_request, install, overloaded
+from .metrics import CONTENT_TYPE, Metrics
+from .protocol import ChatCompletionRequest, CompletionRequest, FieldError
+from .text import TokenText
+
+MAX_BODY_BYTES = 4 * 1024 * 1024  # a request body's default limit (413 beyond)
+STOP_TIMEOUT_S = 10.0  # how long the app waits for the engine's thread to end when it stops
+
+
+@dataclass
+class Served:
+    """What the handlers need: the engine, the tokenizers (the loop's, and a copy for the engine's thread), the model's
+    name and limits, the decoding every request gets (lookahead, stop tokens), the metrics."""
+
+    engine: Engine
+    tokenizer: object
+    model_name: str
+    lookahead: LookaheadConfig | None
+    eos_token_ids: tuple[int, ...]
+    vocab_size: int
+    max_positions: int | None
+    api_key: str | None
+    max_body_bytes: int
+    metrics: Metrics
+    engine_tokenizer: object = field(init=False)
+    token_text: TokenText = field(init=False)
+    created: int = field(default_factory=lambda: int(time.time()))
+    serving: bool = False
+
+    def __post_init__(self) -> None:
+        self.engine_tokenizer = copy.deepcopy(self.tokenizer)  # fast tokenizers must not be shared between threads
+        self.token_text = TokenText(self.tokenizer)
+
+    def begin_shutdown(self) -> None:
+        """Stop serving: refuse new requests and cancel every one in flight (each ends at the next step boundary;
+        streams get their last chunk). The engine's thread is joined when the app stops."""
+        self.serving = False
+        self.engine.stop(0)
+
+
+def create_app(engine: Engine, tokenizer, model_name: str, *, api_key: str | None = None,
+               lookahead: LookaheadConfig | str | None = "auto", eos_token_ids=None, vocab_size: int | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The OpenAI-compatible app over `engine` (not started: the app starts and stops it).
+
+    tokenizer: the model's (a transformers tokenizer with its chat template). model_name: the `model` requests name
+    (others get 404). api_key: required as `Authorization: Bearer KEY` on /v1/* when set (/health and /metrics stay
+    open). lookahead: what every request decodes with, the configuration the engine was built for ("auto":
+    `LookaheadConfig.auto` for the engine's device, as `engine_for` resolves it; None: plain decoding).
+    eos_token_ids: the tokens that end an answer (default: the tokenizer's EOS; the server passes the model config's,
+    as `Llama.generate` does). vocab_size: token ids a prompt may hold (default: the tokenizer's length).
+    max_body_bytes: a larger request body gets 413.
+    """
+    if isinstance(lookahead, str):
+        if lookahead != "auto":
+            raise ValueError(f"lookahead must be a LookaheadConfig, 'auto' or None, got {lookahead!r}")
+        lookahead = LookaheadConfig.auto(engine.model.device.type)
+    eos = tokenizer.eos_token_id if eos_token_ids is None else eos_token_ids
+    eos = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be an int >= 1, got {max_body_bytes!r}")
+    if api_key is not None and not api_key:
+        raise ValueError("api_key is empty; give a key or None")
+    served = Served(engine, tokenizer, model_name, lookahead, eos, vocab_size or len(tokenizer),
+                    engine.max_positions, api_key, max_body_bytes, Metrics(engine, model_name))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        previous = engine.on_step
+        engine.on_step = served.metrics.on_step if previous is None else _both(previous, served.metrics.on_step)
+        engine.start()
+        served.serving = True
+        try:
+            yield
+        finally:
+            served.serving = False
+            await asyncio.to_thread(engine.stop, STOP_TIMEOUT_S)
+
+    app = FastAPI(title="lookahead", summary="OpenAI-compatible serving with exact lookahead decoding",
+                  lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.served = served
+    install(app, served.metrics.reject)
+    app.include_router(_routes(served))
+    return app
+
+
+def _routes(served: Served) -> APIRouter:
+    router = APIRouter()
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_authorizer(served))])
+
+    @router.get("/health")
+    async def health() -> JSONResponse:
+        if not served.serving:
+            return JSONResponse({"status": "stopping"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @router.get("/metrics")
+    async def metrics() -> Response:
+        return Response(served.metrics.render(), media_type=CONTENT_TYPE)
+
+    @v1.get("/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [_model_card(served)]}
+
+    @v1.get("/models/{model:path}")
+    async def model(model: str) -> dict:
+        _check_model(served, model)
+        return _model_card(served)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await chat(served, request, await _parse(request, served, ChatCompletionRequest))
+
+    @v1.post("/completions")
+    async def completions(request: Request) -> Response:
+        return await complete(served, request, await _parse(request, served, CompletionRequest))
+
+    router.include_router(v1)
+    return router
+
+
+def _authorizer(served: Served):
+    key = None if served.api_key is None else served.api_key.encode()
+
+    async def authorize(request: Request) -> None:
+        if key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key):  # constant time
+            raise APIError(401, "missing or incorrect API key: send the header 'Authorization: Bearer KEY'",
+                           code="invalid_api_key")
+
+    return authorize
+
+
+async def _parse(request: Request, served: Served, model: type[BaseModel]):
+    """The body, read within the size limit and validated: 413 past the limit, 400 naming the field, 404 for
+    another model."""
+    if not served.serving:
+        raise overloaded("the server is shutting down")
+    raw = await _read_body(request, served.max_body_bytes)
+    try:
+        body = model.model_validate_json(raw)
+    except FieldError as e:
+        raise bad_request(e.message, e.param) from None
+    except ValidationError as e:
+        raise _validation_error(e, raw) from None
+    _check_model(served, body.model)
+    return body
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    length = request.headers.get("content-length")
+    if length is not None:
+        if not length.isdigit():
+            raise bad_request(f"Content-Length is not a number: {length[:40]!r}")
+        if int(length) > limit:
+            raise APIError(413, f"the request body ({length} bytes) is larger than the server's limit of {limit} "
+                           "bytes", code="request_too_large")
+    body = bytearray()
+    async for chunk in request.stream():  # a body sent in chunks, without a length, is held to the limit too
+        body += chunk
+        if len(body) > limit:
+            raise APIError(413, f"the request body is larger than the server's limit of {limit} bytes",
+                           code="request_too_large")
+    return bytes(body)
+
+
+def _validation_error(error: ValidationError, raw: bytes) -> APIError:
+    """pydantic's first complaint as OpenAI's error, naming the field as a path (messages[0].role)."""
+    first = error.errors(include_url=False)[0]
+    param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"]).lstrip(".") or None
+    kind, message = first["type"], first["msg"].removeprefix("Value error, ")
+    if kind == "json_invalid":
+        return bad_request(f"the body is not valid JSON ({message}); send a JSON object",
+                           code="invalid_json" if raw.strip() else "empty_body")
+    if kind == "model_type" and param is None:
+        return bad_request(f"the body must be a JSON object, got {_json_kind(raw)}")
+    if kind == "extra_forbidden":
+        return bad_request(f"Unrecognized request argument supplied: {param}", param)
+    if kind == "missing":
+        return bad_request(f"{param}: a required field is missing", param)
+    got = first.get("input")
+    suffix = "" if kind.startswith("value_error") or got is None else f", got {_short(got)}"
+    return bad_request(f"{param}: {message}{suffix}" if param else f"{message}{suffix}", param)
+
+
+def _check_model(served: Served, name: str) -> None:
+    if name != served.model_name:
+        raise APIError(404, f"The model `{name}` does not exist; this server serves `{served.model_name}`",
+                       param="model", code="model_not_found")
+
+
+def _model_card(served: Served) -> dict:
+    return {"id": served.model_name, "object": "model", "created": served.created, "owned_by": "lookahead",
+            "max_model_len": served.max_positions}
+
+
+def _json_kind(raw: bytes) -> str:
+    try:
+        return type(json.loads(raw)).__name__
+    except ValueError:
+        return "something else"
+
+
+def _short(value, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _both(first, second):
+    def on_step(steps, seconds):
+        first(steps, seconds)
+        second(steps, seconds)
+
+    return on_step

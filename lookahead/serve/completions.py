@@ -1,0 +1,264 @@
+"""The two generating endpoints, translated: a checked body becomes a prompt's token ids and one engine submission;
+the submission's events become OpenAI's response (`chat.completion`, `text_completion`) or its stream of chunks
+(server-sent events: `data: {...}`, then `data: [DONE]`).
+
+A client that goes away ends its request: a stream's response cancels the submission when it ends for any reason
+(its client disconnected, a send failed), and a non-streamed request races the engine against the client's
+disconnect. Either way the row leaves at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+
+from fastapi import Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from jinja2 import TemplateError
+
+from lookahead.loop import QueueFull, TokenLogprob
+
+from .errors import APIError, bad_request, overloaded
+from .protocol import ChatCompletionRequest, CompletionRequest
+from .submission import Submission
+
+# the engine's finish reasons as the API shows them: a request the server ended (it is shutting down) is "abort",
+# vLLM's name for it; the openai client takes any string here
+FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort"}
+CLIENT_CLOSED = 499  # the status logged for a request whose client left before its answer (nginx's)
+
+
+async def chat(served, request: Request, body: ChatCompletionRequest) -> Response:
+    prompt = _chat_prompt(served.tokenizer, body)
+    return await _generate(served, request, body, prompt, ChatFormat(served, body), "messages")
+
+
+async def complete(served, request: Request, body: CompletionRequest) -> Response:
+    if isinstance(body.prompt, str):
+        prompt = list(served.tokenizer(body.prompt, add_special_tokens=True)["input_ids"])
+        if not prompt:
+            raise bad_request("prompt: the prompt is empty (it encodes to no tokens)", "prompt")
+    else:
+        prompt = body.prompt
+        _check_ids(prompt, served.vocab_size, "prompt")
+    return await _generate(served, request, body, prompt, CompletionFormat(served, body), "prompt")
+
+
+def _chat_prompt(tokenizer, body: ChatCompletionRequest) -> list[int]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise bad_request("messages: this model's tokenizer has no chat template; use /v1/completions", "messages")
+    messages = [message.for_template() for message in body.messages]
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    except (TemplateError, ValueError, TypeError, KeyError, IndexError) as e:  # the template refused the messages
+        raise bad_request(f"messages: the chat template refused them: {e}", "messages") from None
+    return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)  # some versions return an encoding anyway
+
+
+def _check_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise bad_request(f"{param}: token id(s) {bad[:5]} outside the vocabulary [0, {vocab_size})", param)
+
+
+async def _generate(served, request: Request, body, prompt: list[int], fmt, prompt_param: str) -> Response:
+    arrival = time.perf_counter()
+    limit = _limit(served, body, len(prompt), prompt_param)
+    stop_ids = () if body.ignore_eos else served.eos_token_ids
+    if body.stop_token_ids:
+        _check_ids(body.stop_token_ids, served.vocab_size, "stop_token_ids")
+        stop_ids = (*stop_ids, *body.stop_token_ids)
+    try:
+        submission = Submission(served.engine, served.engine_tokenizer, served.metrics, prompt, limit,
+                                sampling=body.sampling(), seed=body.engine_seed(), stop_token_ids=stop_ids,
+                                lookahead=served.lookahead, stop=body.stop, logprobs=body.engine_logprobs,
+                                arrival=arrival)
+    except QueueFull as e:
+        raise overloaded(f"the server is busy ({e}); try again later") from None
+    except ValueError as e:  # the engine's own checks (the request is checked before: a backstop)
+        raise bad_request(str(e)) from None
+    if body.stream:
+        return _Stream(_sse(submission, fmt, body.include_usage, len(prompt)), submission)
+    final = await _until_done(submission, request)
+    if final is None:  # the client has gone: nobody reads this
+        return Response(status_code=CLIENT_CLOSED)
+    text, logprobs, last = final
+    if last.finish_reason == "error":
+        raise APIError(500, f"generation failed: {last.error}")
+    return JSONResponse(fmt.response(text, logprobs, FINISH_REASONS[last.finish_reason],
+                                     usage(last.result, len(prompt))))
+
+
+def _limit(served, body, prompt_tokens: int, prompt_param: str) -> int:
+    """max_tokens for the engine: the request's, or what remains of the model's positions; 400 past them."""
+    positions = served.max_positions
+    limit = body.limit
+    if positions is None:
+        return limit if limit is not None else 256  # no known limit: a default the engine cannot overrun
+    if limit is None:
+        limit = positions - prompt_tokens
+    if limit < 1 or prompt_tokens + limit > positions:
+        param = prompt_param if body.limit is None or prompt_tokens >= positions else body.limit_param
+        raise bad_request(f"This model's maximum context length is {positions} tokens. However, you requested "
+                          f"{prompt_tokens + max(limit, 1)} tokens ({prompt_tokens} in the {prompt_param}, "
+                          f"{max(limit, 1)} in the completion). Please reduce the length of the {prompt_param} "
+                          "or completion.", param, code="context_length_exceeded")
+    return limit
+
+
+async def _until_done(submission: Submission, request: Request):
+    """The whole answer (text, logprobs, last event), or None if the client disconnected first (then cancelled)."""
+
+    async def collect():
+        pieces, logprobs = [], []
+        async for event in submission.events():
+            pieces.append(event.text)
+            logprobs.extend(event.logprobs or ())
+            if event.finish_reason is not None:
+                return "".join(pieces), logprobs, event
+
+    answer = asyncio.ensure_future(collect())
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not answer.done():
+            answer.cancel()
+            submission.cancel()
+    return answer.result() if not answer.cancelled() else None
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body is read, so the next ASGI message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _Stream(StreamingResponse):
+    """Server-sent events that cancel their submission when the response ends unfinished, whatever ended it (the
+    client disconnected, a send failed, the server's shutdown timed out)."""
+
+    def __init__(self, content, submission: Submission) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.submission = submission
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.submission.cancel()
+
+
+async def _sse(submission: Submission, fmt, include_usage: bool, prompt_tokens: int) -> AsyncIterator[str]:
+    try:
+        for chunk in fmt.start():
+            yield _data(chunk, include_usage)
+        async for event in submission.events():
+            if event.finish_reason == "error":
+                yield _data(APIError(500, f"generation failed: {event.error}").body(), False)
+                break
+            if event.text or event.logprobs:
+                yield _data(fmt.chunk(event.text, event.logprobs or [], None), include_usage)
+            if event.finish_reason is not None:
+                yield _data(fmt.chunk("", [], FINISH_REASONS[event.finish_reason]), include_usage)
+                if include_usage:
+                    yield _data(fmt.usage_chunk(usage(event.result, prompt_tokens)), False)
+        yield "data: [DONE]\n\n"
+    finally:
+        submission.cancel()  # ended early (the client went): the row leaves at the next step boundary
+
+
+def _data(chunk: dict, include_usage: bool) -> str:
+    if include_usage and "usage" not in chunk:
+        chunk["usage"] = None
+    return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+
+
+def usage(result, prompt_tokens: int) -> dict:
+    """OpenAI's usage, with the cached prompt tokens and the forward passes (S = tokens per forward pass)."""
+    tokens = len(result.tokens)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": tokens, "total_tokens": prompt_tokens + tokens,
+            "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
+            "lookahead": {"steps": result.steps, "compression": round(result.compression, 4)}}
+
+
+class ChatFormat:
+    """`chat.completion` and `chat.completion.chunk` objects."""
+
+    def __init__(self, served, body: ChatCompletionRequest) -> None:
+        self.id, self.created, self.model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), served.model_name
+        self.token_text = served.token_text
+
+    def _object(self, kind: str, choices: list) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+
+    def start(self) -> list[dict]:
+        return [self._object("chat.completion.chunk", [
+            {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])]
+
+    def chunk(self, text: str, logprobs: list[TokenLogprob], finish: str | None) -> dict:
+        delta = {"content": text} if text or not finish else {}
+        return self._object("chat.completion.chunk", [
+            {"index": 0, "delta": delta, "logprobs": self._logprobs(logprobs) if logprobs else None,
+             "finish_reason": finish}])
+
+    def usage_chunk(self, usage: dict) -> dict:
+        return {**self._object("chat.completion.chunk", []), "usage": usage}
+
+    def response(self, text: str, logprobs: list[TokenLogprob] | None, finish: str, usage: dict) -> dict:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "logprobs": self._logprobs(logprobs) if logprobs else None, "finish_reason": finish}
+        return {**self._object("chat.completion", [choice]), "usage": usage}
+
+    def _logprobs(self, logprobs: list[TokenLogprob]) -> dict:
+        def entry(token: int, logprob: float) -> dict:
+            text, data = self.token_text(token)
+            return {"token": text, "logprob": max(logprob, -9999.0), "bytes": data}
+
+        return {"content": [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, p) for t, p in lp.top]}
+                            for lp in logprobs], "refusal": None}
+
+
+class CompletionFormat:
+    """`text_completion` objects, streamed or not; logprobs in the legacy shape (tokens, token_logprobs,
+    top_logprobs, text_offset)."""
+
+    def __init__(self, served, body: CompletionRequest) -> None:
+        self.id, self.created, self.model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), served.model_name
+        self.token_text = served.token_text
+        self.offset = 0  # text_offset of the next token
+
+    def _object(self, choices: list) -> dict:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def start(self) -> list[dict]:
+        return []
+
+    def chunk(self, text: str, logprobs: list[TokenLogprob], finish: str | None) -> dict:
+        return self._object([{"index": 0, "text": text, "logprobs": self._logprobs(logprobs) if logprobs else None,
+                              "finish_reason": finish}])
+
+    def usage_chunk(self, usage: dict) -> dict:
+        return {**self._object([]), "usage": usage}
+
+    def response(self, text: str, logprobs: list[TokenLogprob] | None, finish: str, usage: dict) -> dict:
+        choice = {"index": 0, "text": text, "logprobs": self._logprobs(logprobs) if logprobs else None,
+                  "finish_reason": finish}
+        return {**self._object([choice]), "usage": usage}
+
+    def _logprobs(self, logprobs: list[TokenLogprob]) -> dict:
+        tokens, offsets = [], []
+        for lp in logprobs:
+            text = self.token_text(lp.token)[0]
+            tokens.append(text)
+            offsets.append(self.offset)
+            self.offset += len(text)
+        return {"tokens": tokens, "token_logprobs": [max(lp.logprob, -9999.0) for lp in logprobs],
+                "top_logprobs": [{self.token_text(t)[0]: max(p, -9999.0) for t, p in lp.top} for lp in logprobs],
+                "text_offset": offsets}

@@ -1,0 +1,267 @@
+"""The request bodies of `POST /v1/chat/completions` and `POST /v1/completions`, as the OpenAI API defines them,
+checked by pydantic before the engine sees them.
+
+Strict: a field of the wrong type is refused, not coerced ("10" is not a number of tokens), numbers must be finite,
+and a field this server does not know is refused as OpenAI refuses it ("Unrecognized request argument"). A field it
+knows but cannot honour (tools, logit_bias, a penalty, best_of > 1, echo, ...) is accepted at its neutral value and
+refused, naming it, at any other: nothing is silently ignored. Accepted beside OpenAI's fields, as vLLM accepts them:
+`top_k` (-1 or 0: off), `ignore_eos`, `stop_token_ids`.
+
+Defaults are OpenAI's: temperature 1 and top_p 1 (temperature 0 is greedy); `max_tokens` is what remains of the
+model's positions for a chat completion and 16 for a completion.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from lookahead.request import SamplingParams
+
+MAX_STOPS = 4  # stop strings per request (OpenAI's limit)
+MAX_LOGPROBS = 20  # top log-probabilities per token (OpenAI's limit for chat; the engine's)
+COMPLETION_MAX_TOKENS = 16  # /v1/completions' default max_tokens, as OpenAI's
+SEED_SPAN = 2**64  # seeds in [-2**63, 2**64): a negative seed s is s mod 2**64
+
+
+class FieldError(Exception):
+    """A request that names a field this server refuses (raised from validators: pydantic lets it through as is)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param, self.message = param, message
+
+
+def _neutral(value: Any, *neutral: Any) -> bool:
+    return value is None or any(value == n and type(value) is type(n) for n in neutral)
+
+
+# fields OpenAI (or vLLM) defines that this server cannot honour: each is accepted only at a neutral value
+UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "tools": (([],), "tool calling is not supported"),
+    "tool_choice": (("none",), "tool calling is not supported"),
+    "functions": (([],), "function calling is not supported"),
+    "function_call": (("none",), "function calling is not supported"),
+    "response_format": (({"type": "text"},), "only plain text output is supported (response_format type 'text')"),
+    "logit_bias": (({},), "logit_bias is not supported"),
+    "presence_penalty": ((0, 0.0), "penalties are not supported (only 0)"),
+    "frequency_penalty": ((0, 0.0), "penalties are not supported (only 0)"),
+    "repetition_penalty": ((1, 1.0), "penalties are not supported (only 1)"),
+    "min_p": ((0, 0.0), "min_p is not supported (only 0)"),
+    "min_tokens": ((0,), "min_tokens is not supported (only 0)"),
+    "modalities": ((["text"],), "only the text modality is supported"),
+    "audio": ((), "audio output is not supported"),
+    "prediction": ((), "predicted outputs are not supported"),
+    "store": ((False,), "stored completions are not supported"),
+    "best_of": ((1,), "best_of > 1 is not supported (one sequence per request)"),
+    "echo": ((False,), "echo is not supported"),
+    "suffix": (("",), "suffix (insertion) is not supported"),
+}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_Body):
+    include_usage: bool | None = None
+
+
+class _Generation(_Body):
+    """What both endpoints share: the model, the limits, the sampling, the stops, the stream."""
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    seed: int | None = Field(None, ge=-(2**63), lt=SEED_SPAN)
+    stop: Any = Field(None, validate_default=True)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: Literal["auto", "default"] | None = None
+    # accepted at their neutral values only (UNSUPPORTED)
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: bool | None = None
+    response_format: Any = None
+    logit_bias: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None
+    min_p: Any = None
+    min_tokens: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    store: Any = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, (neutral, why) in UNSUPPORTED.items():
+                if name in data and name in cls.model_fields and not _neutral(data[name], *neutral):
+                    raise FieldError(name, f"{name}: {why}; got {_short(data[name])}")
+        return data
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, value: Any) -> tuple[str, ...]:
+        stops = () if value is None else (value,) if isinstance(value, str) else value
+        if not isinstance(stops, list | tuple) or not all(isinstance(s, str) for s in stops):
+            raise ValueError(f"must be a string or a list of strings, got {_short(value)}")
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop strings, got {len(stops)}")
+        if any(not s for s in stops):
+            raise ValueError("a stop string must not be empty")
+        return tuple(stops)
+
+    @model_validator(mode="after")
+    def _check_together(self):
+        if self.n is not None and self.n != 1:
+            raise FieldError("n", f"n: only n=1 is supported (one choice per request), got {self.n}")
+        if self.stream_options is not None and not self.stream:
+            raise FieldError("stream_options", "stream_options: only allowed when stream is true")
+        return self
+
+    # ----- what the engine is asked for -----
+
+    def sampling(self) -> SamplingParams:
+        """OpenAI's defaults: temperature 1, top_p 1; temperature 0 is greedy; top_k -1 or 0 is off."""
+        temperature = 1.0 if self.temperature is None else float(self.temperature)
+        top_p = 1.0 if self.top_p is None else float(self.top_p)
+        return SamplingParams(temperature, max(self.top_k or 0, 0), top_p)
+
+    def engine_seed(self) -> int | None:
+        """The seed for the engine, in [0, 2**64)."""
+        return None if self.seed is None else self.seed % SEED_SPAN
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class _TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    """One message. content: a string or a list of text parts (joined with newlines, as vLLM joins them)."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Any = None
+    name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, value: Any) -> str | None:
+        if value is None or isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise ValueError(f"must be a string or a list of text parts, got {_short(value)}")
+        texts = []
+        for i, part in enumerate(value):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ValueError(f"part {i}: only text parts ({{'type': 'text', 'text': ...}}) are supported, "
+                                 f"got {_short(kind)}")
+            texts.append(part["text"])
+        return "\n".join(texts)
+
+    @model_validator(mode="after")
+    def _has_content(self):
+        if self.content is None:
+            raise ValueError("content is missing (tool calls are not supported)")
+        return self
+
+    def for_template(self) -> dict:
+        """The message as chat templates read it ("developer" is OpenAI's newer name for "system")."""
+        message = {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionRequest(_Generation):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+
+    @model_validator(mode="after")
+    def _check_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise FieldError("top_logprobs", "top_logprobs: needs logprobs set to true")
+        for name in ("reasoning_effort", "web_search_options"):
+            if getattr(self, name) is not None:
+                raise FieldError(name, f"{name}: not supported by this model server")
+        return self
+
+    @property
+    def limit(self) -> int | None:
+        """The requested token limit (max_completion_tokens over the older max_tokens); None: what remains."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def limit_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    @property
+    def engine_logprobs(self) -> int | None:
+        """The engine's logprobs: top alternatives per token (0: the chosen token's only), None: none."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(_Generation):
+    """prompt: a string or a list of token ids (one prompt; a list of several is refused: n is 1)."""
+
+    prompt: Any
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    best_of: Any = None
+    echo: Any = None
+    suffix: Any = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, value: Any) -> str | list[int]:
+        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
+            value = value[0]  # a batch of one
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+            return value
+        if isinstance(value, list) and value and all(isinstance(p, str | list) for p in value):
+            raise ValueError(f"holds {len(value)} prompts; this server answers one prompt per request (n=1): send "
+                             "one request each")
+        if isinstance(value, list) and not value:
+            raise ValueError("is empty; give a string or a list of token ids")
+        raise ValueError(f"must be a string or a list of token ids, got {_short(value)}")
+
+    @property
+    def limit(self) -> int:
+        return COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+
+    @property
+    def limit_param(self) -> str:
+        return "max_tokens"
+
+    @property
+    def engine_logprobs(self) -> int | None:
+        return self.logprobs
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,124 @@
+"""`lookahead serve`: its help answers before torch or fastapi load, bad flags are one line naming the flag, and the
+real command stops on SIGTERM (or Ctrl-C's SIGINT) mid-stream: the stream ends with a last chunk, the process exits
+0 within seconds."""
+
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from lookahead.cli import build_parser, check_args, main
+from served import open_stream, read_event, request
+
+FLAGS = ("--model", "--cache-dir", "--host", "--port", "--served-model-name", "--api-key", "--max-batch",
+         "--max-queue", "--kv-cache-gb", "--max-body-bytes", "--window", "--ngram", "--guesses", "--no-lookahead",
+         "--fixed-steps", "--log-level", "--dtype", "--device", "--attn-backend", "--fusion", "--debug")
+
+HELP = """
+import sys
+from lookahead.cli import main
+try:
+    main(["serve", "--help"])
+except SystemExit as e:
+    assert e.code == 0, e.code
+print(" ".join(sorted({m.split(".")[0] for m in sys.modules} & {"torch", "fastapi", "uvicorn", "transformers"})),
+      file=sys.stderr)
+"""
+
+
+def test_help_lists_the_flags_without_loading_torch_or_fastapi():
+    run = subprocess.run([sys.executable, "-c", HELP], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stderr.strip() == "", f"--help loaded {run.stderr.strip()}"
+    for flag in FLAGS:
+        assert flag in run.stdout, flag
+    assert "LOOKAHEAD_API_KEY" in run.stdout and "127.0.0.1" in run.stdout
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--port", "70000"], "--port must be in 0..65535"),
+    (["--port", "http"], "argument --port: invalid int value"),
+    (["--max-batch", "0"], "--max-batch must be >= 1"),
+    (["--max-queue", "-1"], "--max-queue must be >= 1"),
+    (["--kv-cache-gb", "-2"], "--kv-cache-gb must be a number of GiB > 0"),
+    (["--kv-cache-gb", "nan"], "--kv-cache-gb must be a number of GiB > 0"),
+    (["--max-body-bytes", "0"], "--max-body-bytes must be >= 1"),
+    (["--api-key", " "], "--api-key is empty"),
+    (["--host", ""], "--host is empty"),
+    (["--served-model-name", ""], "--served-model-name is empty"),
+    (["-W", "0"], "--window/-W must be >= 1"),
+    (["-N", "1"], "--ngram/-N must be >= 2"),
+    (["--device", "tpu"], "--device must be cpu, cuda or cuda:N"),
+    (["--model", "/nonexistent/model"], "is not a folder"),
+    (["--log-level", "loud"], "argument --log-level: invalid choice"),
+], ids=lambda v: "=".join(v) if isinstance(v, list) else None)
+def test_bad_flags_are_one_line_naming_the_flag(capsys, argv, message):
+    try:
+        code = main(["serve", *argv])
+    except SystemExit as e:  # argparse's own refusals (a type, a choice)
+        code = e.code
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and message in err, err
+
+
+def test_the_api_key_comes_from_the_environment_unless_given():
+    parse = build_parser().parse_args
+    args = parse(["serve"])
+    check_args(args, {"LOOKAHEAD_API_KEY": "from-env"})
+    assert args.api_key == "from-env"
+    args = parse(["serve", "--api-key", "flag"])
+    check_args(args, {"LOOKAHEAD_API_KEY": "from-env"})
+    assert args.api_key == "flag"
+    args = parse(["serve"])
+    check_args(args, {"LOOKAHEAD_API_KEY": ""})
+    assert args.api_key is None
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_mid_stream_ends_the_stream_with_a_last_chunk_and_exits_0(served_dir, tmp_path, signum):
+    env = {**os.environ, "HOME": str(tmp_path), "OMP_WAIT_POLICY": "PASSIVE"}  # its cost model cached there
+    command = [sys.executable, "-m", "lookahead", "serve", "--model", str(served_dir), "--port", "0", "--max-batch",
+               "2", "--served-model-name", "tiny", "--log-level", "warning"]
+    server = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in server.stderr], daemon=True).start()
+    try:
+        port, said, deadline = None, [], time.monotonic() + 180
+        while port is None:
+            assert server.poll() is None and time.monotonic() < deadline, "".join(said)
+            try:
+                said.append(lines.get(timeout=1))
+            except queue.Empty:
+                continue
+            found = re.search(r"serving (\S+) .* on http://127\.0\.0\.1:(\d+)/v1", said[-1])
+            if found:
+                assert found[1] == "tiny", said[-1]
+                port = int(found[2])
+        assert request(port, "GET", "/health", None, {})[0] == 200
+        conn, response = open_stream(port, "/v1/chat/completions", dict(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=480, ignore_eos=True,
+            temperature=0, stream=True))
+        for _ in range(3):
+            assert read_event(response) not in (None, "[DONE]")
+        stopped = time.monotonic()
+        server.send_signal(signum)
+        events = []
+        while (data := read_event(response)) is not None:
+            events.append(data)
+        conn.close()
+        assert events[-1] == "[DONE]", events[-3:]
+        finish = [choice["finish_reason"] for data in events[:-1] for choice in json.loads(data)["choices"]]
+        assert finish[-1] == "abort" and all(f is None for f in finish[:-1])
+        assert server.wait(timeout=15) == 0
+        assert time.monotonic() - stopped < 15
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(10)
