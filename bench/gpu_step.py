@@ -89,7 +89,7 @@ class ChoiceLog:
         original = self._original = budget.StepBudget.choose
         log = self
 
-        def choose(self, scores, branch, lengths, fixed=budget.Fixed()):
+        def choose(self, scores, branch, lengths, fixed=budget.NOTHING_FIXED):
             choices = original(self, scores, branch, lengths, fixed)
             log.steps.append({"scores": [list(row) for row in scores], "branch": branch, "lengths": list(lengths),
                               "fixed": fixed, "expected": list(self.expected), "accepted": list(self.accepted),

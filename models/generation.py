@@ -128,9 +128,9 @@ def _positions(request: Request) -> list[int]:
 
 def runner_for(model: Llama, request: Request, cuda_graph: bool = True) -> CachedRunner:
     """The model's runner for the request (all its prompts at once, with room for their new tokens and the full step of
-    its lookahead configuration): grown (its pool to a power of two of blocks, its contents kept) when too small, rebuilt
-    only when the model's dtype, device, backend or fusion changed; the pool, and the prefixes cached in it, stay
-    across generations."""
+    its lookahead configuration): grown (its pool to a power of two of blocks, its contents kept) when too small,
+    rebuilt only when the model's dtype, device, backend or fusion changed; the pool, and the prefixes cached in it,
+    stay across generations."""
     model.merge_weights()  # parameters replaced since (load_state_dict(assign=True), ...): a new runner
     full = full_pattern(request.lookahead) if request.lookahead is not None else PLAIN_STEP
     step_tokens, rows = full.num_tokens, len(request.prompts)

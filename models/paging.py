@@ -1,5 +1,5 @@
-"""`BlockPool`: the bookkeeping of a paged KV cache. Which blocks are free, which rows hold which (reference counts), and
-which full blocks hold a known prefix that a later sequence may take instead of prefilling it.
+"""`BlockPool`: the bookkeeping of a paged KV cache. Which blocks are free, which rows hold which (reference counts),
+and which full blocks hold a known prefix that a later sequence may take instead of prefilling it.
 
 A block is in exactly one of three states:
 - **free**: nothing in it is kept;
@@ -140,6 +140,7 @@ class BlockPool:
         assert len(free) == len(self._free) and not free & cached
         for block in range(self.num_blocks):
             states = (block in free) + (block in cached) + (self.refs[block] > 0)
-            assert states == 1, f"block {block}: free {block in free}, cached {block in cached}, refs {self.refs[block]}"
+            refs = self.refs[block]
+            assert states == 1, f"block {block}: free {block in free}, cached {block in cached}, refs {refs}"
         assert all(block in self._key_of for block in cached)
         assert {self._block_of[k] for k in self._block_of} == set(self._key_of)

@@ -235,7 +235,7 @@ def test_tiny_llama_rows_joining_a_running_batch_equal_each_alone(tiny_checkpoin
             engine.step()
     while engine.step():
         pass
-    for handle, (prompt, sampling, seed, cfg) in zip(handles, specs, strict=True):
+    for handle, (prompt, sampling, seed, _) in zip(handles, specs, strict=True):
         expected = reference.generate(prompt, max_new_tokens=20 if backend == "torch" else 8,
                                       temperature=sampling.temperature,
                                       top_k=sampling.top_k, top_p=sampling.top_p, seed=seed, eos_token_id=[])

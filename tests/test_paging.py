@@ -264,7 +264,7 @@ def test_no_block_leaks_whatever_is_cancelled_when(tiny_checkpoint):
     engine = Engine(runner)
     rng = random.Random(11)
     handles, prompts = [], []
-    for step in range(60):
+    for _ in range(60):
         if rng.random() < 0.3:
             prompts.append([rng.randrange(101) for _ in range(rng.randrange(1, 15))])
             handles.append(engine.submit(prompts[-1], rng.randrange(1, 10),

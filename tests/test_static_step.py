@@ -8,8 +8,8 @@ import torch
 from test_pattern import random_parents
 
 from helpers import MockStepModel, RandomCost, context_logits, decode_one, fixed, grow_from
-from lookahead.drafts import DraftBuilder, DraftTree, chain_trie
 from lookahead import LookaheadConfig
+from lookahead.drafts import DraftBuilder, DraftTree, chain_trie
 from lookahead.kernels import StepPattern
 from lookahead.loop import full_pattern, pack_step
 from lookahead.loop.verify import Verdict

@@ -13,7 +13,7 @@ from lookahead import LookaheadConfig
 from lookahead.models import Llama
 from lookahead.models import tuning as model_tuning
 from lookahead.request import GREEDY, SamplingParams
-from lookahead.tuning import CostModel, Curve, StepBudget, buckets, budget, fit, knots_up_to, store
+from lookahead.tuning import CostModel, Curve, StepBudget, budget, fit, knots_up_to, store
 from lookahead.tuning import cost as cost_module
 
 VOCAB = 40

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 
 from lookahead.config import LookaheadConfig
 from lookahead.drafts import DraftMemory
-from lookahead.request import Request, SamplingParams, token_ids
+from lookahead.request import GREEDY, Request, SamplingParams, token_ids
 from lookahead.tuning import CostModel, Fixed, StepBudget
 
 from .core import GenerationResult, StepModel, Stream, sampling_seed, step_budget
@@ -74,7 +74,7 @@ class Engine:
 
     # ----- submitting (any thread) -----
 
-    def submit(self, prompt: Sequence[int], max_new_tokens: int, *, sampling: SamplingParams = SamplingParams(),
+    def submit(self, prompt: Sequence[int], max_new_tokens: int, *, sampling: SamplingParams = GREEDY,
                seed: int | None = None, stop_token_ids: Sequence[int] = (), lookahead: LookaheadConfig | None = None,
                stops_at: Callable[[int], bool] | None = None, logprobs: int | None = None,
                sink: Sink | None = None) -> Handle:

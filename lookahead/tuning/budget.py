@@ -94,6 +94,9 @@ class Fixed:
     weight: int = 0
 
 
+NOTHING_FIXED = Fixed()  # a step of lookahead rows only
+
+
 class StepBudget:
     """The per-step size chooser of the rows an engine steps together: how many draft nodes each lookahead row
     verifies in the next packed step (a row may take none: a plain one-token row, while another takes thirty).
@@ -122,7 +125,7 @@ class StepBudget:
         return expected * (self.accepted[band] + CALIBRATION_PRIOR) / (self.expected[band] + CALIBRATION_PRIOR)
 
     def choose(self, scores: Sequence[Sequence[float]], branch: int, lengths: Sequence[int],
-               fixed: Fixed = Fixed()) -> list[Choice]:
+               fixed: Fixed = NOTHING_FIXED) -> list[Choice]:
         """Each lookahead row's size for the next step. scores: each row's draft node scores, best first (a prefix
         of a best-first tree is a tree); branch: the lookahead branch's tokens per row (W times the window's levels;
         carried only when `self.branch`); lengths: each row's cache length L; fixed: the rest of the step.
