@@ -347,6 +347,23 @@ def section_engine() -> list[str]:
                     "nodes/row", "exact"], rows), "", *plot("engine-cpu"), "", *source("engine-cpu")]
 
 
+def section_serve() -> list[str]:
+    if not (RESULTS / "serve-cpu.json").is_file():
+        return []
+    data = load("serve-cpu")
+    rows = [[r["rate"], r["method"], f"{r['throughput']:.1f}", f"{r['ttft_p50']:.2f}", f"{r['ttft_p99']:.2f}",
+             f"{r['tpot_p50'] * 1e3:.0f}", f"{r['tpot_p99'] * 1e3:.0f}", f"{r['same']}/{r['requests']}"]
+            for r in data["summary"]]
+    return ["## The server under load", "",
+            f"`lookahead serve` (max batch {data['max_batch']}) against `lookahead serve --no-lookahead`, one after "
+            "the other on the same Poisson arrivals of dev chat prompts, streamed through the `openai` client, "
+            f"greedy, {data['max_tokens']} tokens each; fp32, the default model. Throughput: all answers' tokens over "
+            "the time from the first arrival to the last answer; ms/token: each request's mean gap after its first "
+            "token; same: answers identical between the two servers.", "",
+            *table(["arrivals /s", "server", "tokens/s", "TTFT p50 s", "TTFT p99 s", "ms/token p50", "ms/token p99",
+                    "same"], rows), "", *plot("serve-cpu"), "", *source("serve-cpu")]
+
+
 def section_paging() -> list[str]:
     if not (RESULTS / "paging-cpu.json").is_file():
         return []
@@ -478,7 +495,7 @@ def section_warm() -> list[str]:
 
 
 def render_page() -> str:
-    sections = [section_index(), section_e2e(), section_engine(), section_paging(), section_tree(),
+    sections = [section_index(), section_e2e(), section_engine(), section_serve(), section_paging(), section_tree(),
                 section_overhead(), section_sampling(), section_scaling(), section_batch(), section_distributed(),
                 section_tuned(), section_warm(), section_gpu()]
     head = ["# Results", "",
