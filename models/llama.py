@@ -110,8 +110,10 @@ class Llama(nn.Module):
         check_shapes(model, path)  # before allocating: a config.json's absurd size is refused, not allocated
         # the dtype first, on meta (free), then memory at that dtype: ~2 bytes per parameter in 16-bit, where
         # materialising fp32 and casting peaks at 4 + 2 (out of memory for a 34B model on an 80 GB GPU)
-        model.to(dtype).to_empty(device=device)
-        model._tie_weights()  # to_empty gives each module its own new tensor
+        # (`to_empty` would do it through torch.empty_like on meta tensors, which imports sympy and torch's symbolic
+        # shapes: ~50 MB resident for nothing, so each tensor is made by torch.empty)
+        model.to(dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+        model._tie_weights()  # the conversion gives each module its own new tensor
         model.rope_inv_freq = inverse_frequencies(config.head_dim, config.rope).to(device)  # fp32 always
         # tied: the one shared tensor may come from either name (transformers swaps them if only the head is there)
         optional = frozenset({embed if head in names else head}) if config.tie_word_embeddings else frozenset()
