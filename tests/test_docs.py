@@ -93,6 +93,7 @@ def test_python_block_runs_as_written(index, default_model_dir, tmp_path):
     (home / ".cache" / "lookahead").symlink_to(default_model_dir.parent, target_is_directory=True)
     env = {**os.environ, "HOME": str(home)}
     env.pop("OMP_WAIT_POLICY", None)  # conftest's; the blocks must set it themselves, as users run them
+    env.pop("LOOKAHEAD_CACHE_DIR", None)  # conftest's; the blocks find the model under HOME, as users do
     env.pop("TRITON_INTERPRET", None)  # conftest's; a block gets it only through its marker
     if marker is not None:
         if marker.startswith("skip:"):
