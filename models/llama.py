@@ -141,6 +141,34 @@ class Llama(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @property
+    def cost_model(self) -> CostModel | None:
+        """What a step costs on this machine, which self-tuned steps are sized by: read from the disk cache or measured
+        before the first generation that needs it (`models.tuning`). Set one (a `CostModel` with an empty key) to fix
+        the costs, or None to measure again; anything else is refused here, not deep inside a generation."""
+        return self._cost_model
+
+    @cost_model.setter
+    def cost_model(self, value: CostModel | None) -> None:
+        if value is not None:
+            if not isinstance(value, CostModel):
+                raise TypeError(f"cost_model must be a lookahead.tuning.CostModel or None, got {type(value).__name__}")
+            value.check()  # its curves' lists may have been changed since they were built
+        self._cost_model = value
+
+    @property
+    def draft_memory(self) -> DraftMemory:
+        """What drafting learned, kept across generations with `LookaheadConfig(warm=True)`: `draft_memory.clear()`
+        empties it; set another `DraftMemory` (a larger cap, say); anything else is refused here."""
+        return self._draft_memory
+
+    @draft_memory.setter
+    def draft_memory(self, value: DraftMemory) -> None:
+        if not isinstance(value, DraftMemory):
+            raise TypeError(f"draft_memory must be a lookahead.drafts.DraftMemory, got {type(value).__name__} "
+                            "(call draft_memory.clear() to empty it)")
+        self._draft_memory = value
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
