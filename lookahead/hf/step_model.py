@@ -67,6 +67,11 @@ def require_transformers() -> Any:
     return transformers
 
 
+def max_positions(model) -> int:
+    """The positions the model was built for (RoPE tables, position embeddings): a generation must stay inside."""
+    return getattr(model.config, "max_position_embeddings", None) or 2**62
+
+
 def cache_keyword(model) -> str:
     """The name the model's forward takes its cache by: `cache` since transformers 5.24, `past_key_values` before (5.24
     still takes the old name, with a FutureWarning, until 5.40). generate's model_kwargs and its output name the cache
