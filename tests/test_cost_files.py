@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import CACHE_ROOT
 
 import lookahead.hf as lh
 import lookahead.hf.tuning as hf_tuning
-from conftest import CACHE_ROOT
 from lookahead import LookaheadConfig
 from lookahead.drafts import DraftMemory
 from lookahead.models import Llama
@@ -60,7 +60,8 @@ def test_an_unwritable_cache_measures_in_memory_says_so_once_and_generates(tiny_
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(3):
-            assert model.generate(PROMPT, max_new_tokens=12, eos_token_id=[], lookahead=LookaheadConfig()).tokens == plain
+            result = model.generate(PROMPT, max_new_tokens=12, eos_token_id=[], lookahead=LookaheadConfig())
+            assert result.tokens == plain
     said = [w for w in caught if "cannot keep the measured step costs" in str(w.message)]
     assert len(said) == 1 and "LOOKAHEAD_CACHE_DIR" in str(said[0].message)
     assert measured == [1] and "greedy" in model.cost_model.curves  # measured once, kept in memory
