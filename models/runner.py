@@ -115,8 +115,6 @@ class CachedRunner:
     def grow(self, num_blocks: int, max_rows: int, max_step_tokens: int) -> None:
         """Make room for at least `num_blocks` blocks, `max_rows` rows and steps of `max_step_tokens` tokens, keeping
         every row and cached prefix (the pool's contents are copied into the larger one)."""
-        self.max_rows = max(self.max_rows, max_rows)
-        self.max_step_tokens = max(self.max_step_tokens, max_step_tokens)
         if num_blocks > self.blocks.num_blocks:
             cfg, old = self.model.config, self.pool
             new = KVPool(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, num_blocks, self.block_size,
@@ -126,6 +124,8 @@ class CachedRunner:
             self.pool = new
             self.blocks.grow(num_blocks)
             self.programs.clear()  # their graphs read the old pool
+        self.max_rows = max(self.max_rows, max_rows)  # (after the pool: a pool refused changes nothing)
+        self.max_step_tokens = max(self.max_step_tokens, max_step_tokens)
         self.backend.resize(self.pool, self.max_rows, (self.max_step_tokens, self.prefill_chunk))
 
     # ----- rows -----

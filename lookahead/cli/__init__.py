@@ -147,6 +147,12 @@ def check_args(args: argparse.Namespace) -> None:
                              ("--guesses/-G", args.guesses, 0)):
         if value is not None and value < low:
             raise UsageError(f"{flag} must be >= {low}, got {value}")
+    if not args.no_lookahead:
+        try:  # the sizes no step could hold are refused now, not after the model loads (the CLI's default K is 1)
+            LookaheadConfig(args.window or DEFAULTS.window, args.ngram, DEFAULTS.guesses if args.guesses is None
+                            else args.guesses)
+        except ValueError as e:
+            raise UsageError(f"-W/-N/-G: {e}") from None
     if args.device is not None and not _DEVICE.fullmatch(args.device):
         raise UsageError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
     if args.model is not None:

@@ -207,6 +207,11 @@ def check_model(model) -> None:
         raise TypeError(f"hf_model must be a transformers decoder-only causal LM (e.g. LlamaForCausalLM), "
                         f"got {type(model).__name__}")
     config = model.config
+    on_meta = [name for name, tensor in (*model.named_parameters(), *model.named_buffers()) if tensor.is_meta]
+    if on_meta:  # NotImplementedError: Cannot copy out of meta tensor, deep inside the first forward
+        raise ValueError(f"hf_model holds no weights: {len(on_meta)} of its tensors are on the meta device (e.g. "
+                         f"{on_meta[0]!r}), as a model built under init_empty_weights or device_map='meta' is; load "
+                         "its weights (from_pretrained with a real device, or load_state_dict(..., assign=True))")
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"hf_model architecture {config.model_type!r} ({type(model).__name__}) is not supported; "
                          f"lookahead.hf drives the attention of {', '.join(SUPPORTED_MODEL_TYPES)}")
