@@ -70,8 +70,9 @@ def test_a_growing_runner_is_checked_the_same_way(tiny_checkpoint, monkeypatch):
 
 
 def test_a_transformers_model_on_the_meta_device_is_refused_by_name(tiny_checkpoint):
-    import lookahead.hf as lh
     from transformers import AutoConfig, LlamaForCausalLM
+
+    import lookahead.hf as lh
 
     with torch.device("meta"):
         model = LlamaForCausalLM(AutoConfig.from_pretrained(tiny_checkpoint()))
