@@ -29,6 +29,7 @@ from lookahead.backends import BACKENDS, FUSIONS
 from lookahead.config import LookaheadConfig
 
 from .launch import world_size
+from .text import check_text
 
 DEFAULTS = LookaheadConfig()  # the defaults' one home; neither import loads torch
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -78,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "rounds differently from a one-token pass). Ends with a summary line on stderr.")
     gen.add_argument("prompt", help="the user message (or raw text with --raw)")
     gen.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
+    gen.add_argument("--compare", action="store_true",
+                     help="time plain decoding and lookahead decoding on the prompt in this one process, after one "
+                          "load (each prefills the whole prompt), and print both tokens/s and their ratio")
     _add_options(gen)
     chat = commands.add_parser(
         "chat", help="a conversation with the model, each answer streamed",
@@ -133,6 +137,10 @@ def check_args(args: argparse.Namespace) -> None:
     """Refuse bad values before torch is imported, naming the flag (`--top-p`, not `top_p`)."""
     if args.command == "generate" and not args.prompt.strip():
         raise UsageError("the prompt is empty; give the text to answer")
+    if args.command == "generate":
+        check_text(args.prompt, "the prompt", UsageError)
+    if getattr(args, "compare", False) and args.no_lookahead:
+        raise UsageError("--compare times plain decoding against lookahead decoding; leave out --no-lookahead")
     if args.max_new_tokens <= 0:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if not math.isfinite(args.temperature) or args.temperature < 0:
