@@ -321,7 +321,8 @@ class Llama(nn.Module):
     def release(self) -> None:
         """Free the KV cache, kernel plans and CUDA graphs kept between generations (`runner`); the next generation
         builds them again. The cache grows to the largest request met (a large batch, a long prompt) and stays.
-        Call it after changing the weights in place: a next prompt resumes from cache entries of the old ones."""
+        (Weights changed in place need no call: the runner notices them by the parameters' version counters and
+        resumes from no cached prefix.)"""
         with self.lock:
             self.runner = None
 
