@@ -68,3 +68,17 @@ def test_a_prompt_that_is_not_utf8_is_refused_by_name(capsys):
     assert main(["generate", "caf\udce9 au lait"]) == 2
     assert capsys.readouterr().err.strip() == ("lookahead: error: the prompt is not valid UTF-8 (byte 0xe9 at "
                                                "character 3); give it in UTF-8")
+
+
+def test_an_unwritable_cache_is_one_warning_line_and_the_answer_stands(tiny_cli, capsys, tmp_path, monkeypatch):
+    """Issue 28 item 3: the command refused a checkpoint with '[Errno 13] .../.cache' and no reason."""
+    from lookahead.tuning import store
+
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setenv("LOOKAHEAD_CACHE_DIR", str(tmp_path / "file" / "cache"))
+    monkeypatch.setattr(store, "_WARNED", set())
+    code, err = run(capsys)
+    assert code == 0 and err[-1].startswith("[lookahead W=1 N=4 G=5, self-tuned] 24 tokens")
+    warned = [line for line in err if line.startswith("lookahead: warning: ")]
+    assert len(warned) == 1 and "cannot keep the measured step costs in" in warned[0]
+    assert "set LOOKAHEAD_CACHE_DIR to a writable folder" in warned[0]

@@ -22,6 +22,7 @@ import re
 import signal
 import sys
 import threading
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -207,6 +208,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"lookahead: error: {e}", file=sys.stderr)
         return 2
     restore = _exit_on_sigterm()
+    with warnings.catch_warnings():  # the library's warnings as the command's one-line messages
+        warnings.showwarning = _one_line_warning
+        return _run(args, restore)
+
+
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"lookahead: warning: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+
+
+def _run(args: argparse.Namespace, restore) -> int:
     try:
         if args.command == "chat":
             from lookahead.cli.chat import run

@@ -57,7 +57,7 @@ def _cannot_keep(where: str, why: str) -> None:
     if where in _WARNED:
         return
     _WARNED.add(where)
-    warnings.warn(f"lookahead: cannot keep the measured step costs in {where} ({why}); they are kept in memory for "
+    warnings.warn(f"cannot keep the measured step costs in {where} ({why}); they are kept in memory for "
                   f"this process only (set {ENV_CACHE_DIR} to a writable folder to keep them)", RuntimeWarning,
                   stacklevel=3)
 
