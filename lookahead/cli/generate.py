@@ -159,6 +159,8 @@ def _run(args: argparse.Namespace, parallel, say) -> int:
     if args.compare:
         return _compare(args, model, tokenizer, lookahead, prompt_ids, say)
     printing = parallel is None or parallel[2] == 0
+    if parallel is None and lookahead is not None and lookahead.budget == "auto":
+        _prepare(model, lookahead, len(prompt_ids) + args.max_new_tokens, args.temperature > 0, say)
     printer = StreamPrinter(tokenizer, args.show_steps, color=sys.stdout.isatty()) if printing else None
     start = time.perf_counter()
     result = model.generate(prompt_ids, **generate_kwargs(args, lookahead), stream=printer,
@@ -170,6 +172,16 @@ def _run(args: argparse.Namespace, parallel, say) -> int:
     rate, why = baseline(model, result, elapsed, lookahead, prompt_ids, parallel is not None)
     print(summary(result, elapsed, lookahead, 1 if parallel is None else parallel[1], rate, why), file=sys.stderr)
     return 0
+
+
+def _prepare(model, lookahead, positions: int, sampling: bool, say) -> None:
+    """Before a self-tuned answer is timed: its KV cache, and the machine's step costs measured if no cost file has
+    them yet (a few seconds, once), so the summary's tokens/s is the answer's, not the measurement's."""
+    start = time.perf_counter()
+    model.warmup(lookahead, max_tokens=max(2, min(positions, model.config.max_position_embeddings)), sampling=sampling)
+    seconds = time.perf_counter() - start
+    if seconds >= 1.0:
+        say(f"measured this machine's step costs in {seconds:.1f} s (once per machine and model)")
 
 
 def baseline(model, result, seconds: float, lookahead, prompt_ids: list[int], parallel: bool = False):
@@ -191,8 +203,7 @@ def _compare(args: argparse.Namespace, model, tokenizer, lookahead, prompt_ids: 
     """`--compare`: plain decoding, then lookahead decoding (streamed), each prefilling the whole prompt, after one
     load and a warm-up (the self-tuned cost model is measured there, not inside the lookahead run's time); both
     summaries, then lookahead's tokens/s over plain decoding's."""
-    limit = model.config.max_position_embeddings
-    model.warmup(lookahead, max_tokens=max(2, min(len(prompt_ids) + args.max_new_tokens, limit)))
+    _prepare(model, lookahead, len(prompt_ids) + args.max_new_tokens, args.temperature > 0, say)
     say("plain decoding first, timed for the comparison (its text is not shown) ...")
     timed = []
     for config in (None, lookahead):
