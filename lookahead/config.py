@@ -17,6 +17,10 @@ BUDGETS = ("auto", "fixed")
 # GPU's pass of many tokens costs about one of a single token (a rule from the paper's A100 figures, not yet
 # measured here: the self-tuned steps take what pays of it).
 AUTO_MAXIMA = {"cpu": (1, 4, 5), "cuda": (4, 5, 30)}
+# The most tokens one step may feed, (W + G)(N - 1): 4x the CUDA buckets' largest (256 a row) and 7.5x the paper's
+# largest setting (15-5-15: 120). Past it a step costs even a GPU many one-token steps, and a CPU minutes: a
+# configuration such as (1, 4, 10000) (30003 tokens a step) is refused here instead of running for hours.
+MAX_STEP_TOKENS = 1024
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,10 @@ class LookaheadConfig:
         for name in ("pool_from_prompt", "pool_from_output", "draft_pool", "draft_suffix", "draft_recycle", "warm"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"LookaheadConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.step_tokens > MAX_STEP_TOKENS:
+            raise ValueError(f"LookaheadConfig(window={self.window}, ngram={self.ngram}, guesses={self.guesses}) makes "
+                             f"steps of (W + G)(N - 1) = {self.step_tokens} tokens; at most {MAX_STEP_TOKENS} are "
+                             "accepted (the paper's largest setting, 15-5-15, is 120)")
         if self.form not in FORMS:
             raise ValueError(f"LookaheadConfig.form must be one of {', '.join(FORMS)}, got {self.form!r}")
         if self.budget not in BUDGETS:

@@ -140,6 +140,10 @@ def parse_request(prompt_ids: Any, *, vocab_size: int, max_positions: int, max_n
         lookahead = LookaheadConfig.auto(device_type)
     elif lookahead is not None and not isinstance(lookahead, LookaheadConfig):
         raise TypeError(f"lookahead must be None, 'auto' or a LookaheadConfig, got {lookahead!r}")
+    if lookahead is not None and lookahead.tree_nodes > max_positions:  # its deepest draft is past every position
+        raise ValueError(f"lookahead: W={lookahead.window}, N={lookahead.ngram}, G={lookahead.guesses} verifies up to "
+                         f"G(N - 1) = {lookahead.tree_nodes} draft nodes a step, more than the model's "
+                         f"max_position_embeddings ({max_positions}): no step of it could be held; lower N or G")
     if not batch and seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise TypeError(f"seed must be an int or None for one prompt (a list of seeds is for a batch), got {seed!r}")
     if static_step is not None and not isinstance(static_step, bool):

@@ -39,6 +39,9 @@ FAMILIES = {
 }
 
 
+MAX_ROPE_THETA = 1e12  # the largest RoPE base accepted
+
+
 class ConfigError(ValueError):
     """A config.json this implementation cannot run; the message names the field."""
 
@@ -53,6 +56,14 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        # a base <= 1 has no slow dimension (every frequency >= 1 radian a position) and 1e-300 overflows the
+        # frequencies to inf (the model then gives token 0 every step); released checkpoints use 1e4 to a few 1e9
+        if (isinstance(self.theta, bool) or not isinstance(self.theta, (int, float)) or not math.isfinite(self.theta)
+                or not 1 < self.theta <= MAX_ROPE_THETA):
+            raise ConfigError(f"config field 'rope_theta' must be a number in (1, {MAX_ROPE_THETA:g}] (the RoPE base; "
+                              f"checkpoints use 1e4 to a few 1e9), got {self.theta!r}")
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any]) -> RopeConfig:

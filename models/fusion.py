@@ -60,7 +60,11 @@ def _rows_of(merged: torch.Tensor | None, params: list[nn.Parameter]) -> bool:
 
 
 def _merge(params: list[nn.Parameter]) -> torch.Tensor:
-    merged = torch.cat([p.detach() for p in params])  # one layer's transient copy, never the model's
+    if params[0].device.type == "meta":  # no data to copy; and torch.cat on meta imports torch._dynamo (~75 MB)
+        merged = torch.empty((sum(p.shape[0] for p in params), *params[0].shape[1:]), dtype=params[0].dtype,
+                             device="meta")
+    else:
+        merged = torch.cat([p.detach() for p in params])  # one layer's transient copy, never the model's
     for p, rows in zip(params, merged.split([p.shape[0] for p in params]), strict=True):
         p.data = rows
     return merged

@@ -139,14 +139,27 @@ def runner_for(model: Llama, request: Request, cuda_graph: bool = True) -> Cache
     if runner is not None and not runner.serves(model):
         model.release()  # free the old pool before allocating the new one
         runner = None
-    size = max(MIN_BLOCKS, 1 << (blocks - 1).bit_length())
     if runner is None:
-        model.runner = runner = CachedRunner(model, size, step_tokens, cuda_graphs=cuda_graph, max_rows=rows)
+        model.runner = runner = _sized(lambda size: CachedRunner(model, size, step_tokens, cuda_graphs=cuda_graph,
+                                                                 max_rows=rows), blocks)
     elif blocks > runner.blocks.num_blocks or rows > runner.max_rows or step_tokens > runner.max_step_tokens:
-        runner.grow(max(size, runner.blocks.num_blocks), rows, step_tokens)
+        _sized(lambda size: runner.grow(max(size, runner.blocks.num_blocks), rows, step_tokens), blocks)
     runner.cuda_graphs = cuda_graph and runner.device.type == "cuda" and runner.backend.graphable
     runner.static = request.static_step  # padded to a few step shapes (CUDA's default), or exact sizes
     return runner
+
+
+def _sized(build: Callable[[int], Any], blocks: int) -> Any:
+    """`build(size)` with the pool rounded up to a power of two of blocks (so a growing conversation reallocates
+    rarely), or, where memory holds that but not the rounding, with exactly the `blocks` needed: the check that refuses
+    a request compares what it needs, not twice that."""
+    rounded = max(MIN_BLOCKS, 1 << (blocks - 1).bit_length())
+    try:
+        return build(rounded)
+    except ValueError:  # KVPool: not that much free memory
+        if rounded <= max(MIN_BLOCKS, blocks):
+            raise
+    return build(max(MIN_BLOCKS, blocks))
 
 
 def _world_size(group) -> int:

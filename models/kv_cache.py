@@ -25,6 +25,10 @@ def free_bytes(device: torch.device) -> int | None:
     return None
 
 
+def _bytes(count: int) -> str:
+    return f"{count / 2**30:.2f} GiB" if count >= 2**30 else f"{count / 2**20:.2f} MiB"
+
+
 def pool_bytes(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, positions: int) -> int:
     """Bytes of keys and values for `positions` positions of every layer."""
     return 2 * layers * kv_heads * head_dim * positions * torch.empty((), dtype=dtype).element_size()
@@ -49,7 +53,7 @@ class KVPool(nn.Module):
         free = free_bytes(torch.device(device))
         if free is not None and need > free:
             raise ValueError(f"the KV cache of {num_blocks} blocks of {block_size} positions needs "
-                             f"{need / 2**30:.2f} GiB on {device}, where {free / 2**30:.2f} GiB are free: give fewer "
+                             f"{_bytes(need)} on {device}, where {_bytes(free)} are free: give fewer "
                              "prompts at once, a shorter prompt or fewer max_new_tokens (or call release() on models "
                              "you no longer use)")
         shape = (layers, kv_heads, self.num_blocks * block_size, head_dim)

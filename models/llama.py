@@ -110,8 +110,10 @@ class Llama(nn.Module):
         check_shapes(model, path)  # before allocating: a config.json's absurd size is refused, not allocated
         # the dtype first, on meta (free), then memory at that dtype: ~2 bytes per parameter in 16-bit, where
         # materialising fp32 and casting peaks at 4 + 2 (out of memory for a 34B model on an 80 GB GPU)
-        model.to(dtype).to_empty(device=device)
-        model._tie_weights()  # to_empty gives each module its own new tensor
+        # (`to_empty` would do it through torch.empty_like on meta tensors, which imports sympy and torch's symbolic
+        # shapes: ~50 MB resident for nothing, so each tensor is made by torch.empty)
+        model.to(dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+        model._tie_weights()  # the conversion gives each module its own new tensor
         model.rope_inv_freq = inverse_frequencies(config.head_dim, config.rope).to(device)  # fp32 always
         # tied: the one shared tensor may come from either name (transformers swaps them if only the head is there)
         optional = frozenset({embed if head in names else head}) if config.tie_word_embeddings else frozenset()
@@ -137,6 +139,34 @@ class Llama(nn.Module):
     def _tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def cost_model(self) -> CostModel | None:
+        """What a step costs on this machine, which self-tuned steps are sized by: read from the disk cache or measured
+        before the first generation that needs it (`models.tuning`). Set one (a `CostModel` with an empty key) to fix
+        the costs, or None to measure again; anything else is refused here, not deep inside a generation."""
+        return self._cost_model
+
+    @cost_model.setter
+    def cost_model(self, value: CostModel | None) -> None:
+        if value is not None:
+            if not isinstance(value, CostModel):
+                raise TypeError(f"cost_model must be a lookahead.tuning.CostModel or None, got {type(value).__name__}")
+            value.check()  # its curves' lists may have been changed since they were built
+        self._cost_model = value
+
+    @property
+    def draft_memory(self) -> DraftMemory:
+        """What drafting learned, kept across generations with `LookaheadConfig(warm=True)`: `draft_memory.clear()`
+        empties it; set another `DraftMemory` (a larger cap, say); anything else is refused here."""
+        return self._draft_memory
+
+    @draft_memory.setter
+    def draft_memory(self, value: DraftMemory) -> None:
+        if not isinstance(value, DraftMemory):
+            raise TypeError(f"draft_memory must be a lookahead.drafts.DraftMemory, got {type(value).__name__} "
+                            "(call draft_memory.clear() to empty it)")
+        self._draft_memory = value
 
     @property
     def dtype(self) -> torch.dtype:
@@ -295,7 +325,8 @@ class Llama(nn.Module):
     def release(self) -> None:
         """Free the KV cache, kernel plans and CUDA graphs kept between generations (`runner`); the next generation
         builds them again. The cache grows to the largest request met (a large batch, a long prompt) and stays.
-        Call it after changing the weights in place: a next prompt resumes from cache entries of the old ones."""
+        (Weights changed in place need no call: the runner notices them by the parameters' version counters and
+        resumes from no cached prefix.)"""
         with self.lock:
             self.runner = None
 

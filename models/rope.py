@@ -9,9 +9,18 @@ import torch
 from .config import RopeConfig
 
 
-def inverse_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
-    """[head_dim // 2] fp32 inverse frequencies, with `linear` or `llama3` scaling applied."""
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+def inverse_frequencies(head_dim: int, rope: RopeConfig, device: torch.device | str | None = None) -> torch.Tensor:
+    """[head_dim // 2] fp32 inverse frequencies, with `linear` or `llama3` scaling applied, on `device` (None: torch's
+    default, which is "meta" inside `with torch.device("meta")`). Computed on the CPU and moved: on the meta device
+    its ops go through torch._refs, whose first call imports torch._dynamo (~75 MB resident) for a model that is
+    about to be loaded."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (rope.theta ** exponents)
+    inv_freq = _scaled(inv_freq, rope)
+    return inv_freq.to(torch.empty(0).device if device is None else device)
+
+
+def _scaled(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
     if rope.type == "linear":
         return inv_freq / rope.factor
     if rope.type == "llama3":

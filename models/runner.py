@@ -97,6 +97,7 @@ class CachedRunner:
         self._next_row = 0
         self._moves: tuple[list[int], list[int]] = ([], [])  # deferred commits: source and destination slots
         self.weights = weights_version(model)
+        self._busy = False  # inside a step or a commit: still set on the next call if one was interrupted
 
     @property
     def block_size(self) -> int:
@@ -115,8 +116,6 @@ class CachedRunner:
     def grow(self, num_blocks: int, max_rows: int, max_step_tokens: int) -> None:
         """Make room for at least `num_blocks` blocks, `max_rows` rows and steps of `max_step_tokens` tokens, keeping
         every row and cached prefix (the pool's contents are copied into the larger one)."""
-        self.max_rows = max(self.max_rows, max_rows)
-        self.max_step_tokens = max(self.max_step_tokens, max_step_tokens)
         if num_blocks > self.blocks.num_blocks:
             cfg, old = self.model.config, self.pool
             new = KVPool(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, num_blocks, self.block_size,
@@ -126,6 +125,8 @@ class CachedRunner:
             self.pool = new
             self.blocks.grow(num_blocks)
             self.programs.clear()  # their graphs read the old pool
+        self.max_rows = max(self.max_rows, max_rows)  # (after the pool: a pool refused changes nothing)
+        self.max_step_tokens = max(self.max_step_tokens, max_step_tokens)
         self.backend.resize(self.pool, self.max_rows, (self.max_step_tokens, self.prefill_chunk))
 
     # ----- rows -----
@@ -141,6 +142,7 @@ class CachedRunner:
         if len(self.rows) >= self.max_rows:
             return None
         self._check_weights()
+        self._check_interrupted()
         shared, keys = self.blocks.match(prompt, len(prompt) - 1)
         if need - len(shared) > self.blocks.available:
             self.blocks.release(shared)
@@ -160,6 +162,8 @@ class CachedRunner:
     def commit(self, row: int, step_indices: Sequence[int]) -> None:
         """Keep these step indices' entries of the row's last step at L, L + 1, ... (moved at the next step's start),
         and key the blocks they fill."""
+        self._check_interrupted()
+        self._busy = True
         state = self.rows[row]
         start = state.length
         src, dst = self._moves
@@ -171,6 +175,7 @@ class CachedRunner:
         if state.tokens is not None:
             state.tokens += [state.step_tokens[i] for i in step_indices]
             self._publish(state)
+        self._busy = False
 
     def _publish(self, row: Row) -> None:
         size = self.block_size
@@ -193,6 +198,15 @@ class CachedRunner:
         for row in self.rows.values():
             row.tokens = None
 
+    def _check_interrupted(self) -> None:
+        """A step or commit that an exception (a KeyboardInterrupt, say) cut midway may have written part of its
+        entries or lost its moves: no cached prefix is trusted after it (the rows it served were released by their
+        engine)."""
+        if self._busy:
+            self.clear_cache()
+            self._moves = ([], [])
+            self._busy = False
+
     def _check_weights(self) -> None:
         """Weights changed in place since the cached entries were computed: forget them."""
         version = weights_version(self.model)
@@ -206,6 +220,8 @@ class CachedRunner:
         """Run every row's step in one forward pass; one `StepOutput` per step (see `RowModel.step`). With static
         steps it runs padded to its `StepShape`'s program (captured as a CUDA graph with `cuda_graphs`); otherwise
         at its exact size."""
+        self._check_interrupted()
+        self._busy = True
         packing = Packing(steps, self)
         # decoding steps run padded to a few shapes (graphed on CUDA); steps with a prompt chunk run at their size
         static = self.static and not any(s.prefill for s in steps)
@@ -228,6 +244,7 @@ class CachedRunner:
             host = torch.cat(fetched).cpu().tolist()  # the step's one device-to-host copy
         for s in steps:
             self.rows[s.row].step_tokens = s.tokens
+        self._busy = False
         return packing.outputs(logits, host, min(shape.topk, logits.shape[-1]))
 
     def _apply_moves(self) -> None:

@@ -1,9 +1,17 @@
 """Shared fixtures. On machines without CUDA, Triton kernels run in its interpreter."""
 
 import os
+import shutil
+import tempfile
 
 # Idle OpenMP threads sleep instead of spinning: on a busy 2-core machine spinning slows small ops 100x.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read when torch loads OpenMP, so before `import torch`
+
+# The suite never writes into the user's cache folder (~/.cache/lookahead: measured cost models, a converted model):
+# everything goes to a temporary one, for this process and every subprocess it starts. Set here, before any test
+# module builds an environment for its subprocesses from os.environ.
+CACHE_ROOT = tempfile.mkdtemp(prefix="lookahead-test-cache-")
+os.environ["LOOKAHEAD_CACHE_DIR"] = CACHE_ROOT
 
 import torch  # noqa: E402
 
@@ -63,3 +71,7 @@ def warm_server(served_dir):
     server = Running(served_dir, max_batch=4, max_queue=16)
     yield server
     server.stop()
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(CACHE_ROOT, ignore_errors=True)

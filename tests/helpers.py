@@ -236,3 +236,18 @@ def _byte_alphabet() -> dict[int, str]:
             out[b] = chr(256 + extra)
             extra += 1
     return out
+
+
+class CharTokenizer:
+    """Characters as token ids (1..100) and back; a chat template that joins the messages."""
+
+    chat_template = "{{ messages }}"
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [1 + ord(c) % 100 for c in text]}
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+        return [t for m in messages for t in self(m["content"])["input_ids"]] + [7]
+
+    def decode(self, tokens, skip_special_tokens=True):
+        return "".join(chr(97 + t % 26) for t in tokens)

@@ -65,6 +65,11 @@ CONFIG_CASES = {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64, "rope_theta": 5e5}), r"\['high_freq_factor'\] \(4.0\) must exceed"),
     "rope-params-string": (lambda raw: raw.update(rope_parameters="default"), "'rope_parameters' must be an object"),
+    # issue 28 item 8: 1e-300 loaded and gave token 0 every step (the frequencies overflow)
+    "theta-1e-300": (old_rope(1e-300), r"'rope_theta' must be a number in \(1, 1e\+12\] .*got 1e-300"),
+    "theta-1": (old_rope(1), r"'rope_theta' must be a number in \(1, 1e\+12\] .*got 1.0"),
+    "theta-1e300-new": (lambda raw: raw.update(rope_parameters={"rope_type": "default", "rope_theta": 1e300}),
+                        r"'rope_theta' must be a number in \(1, 1e\+12\] .*got 1e\+300"),
     "eos-string": (lambda raw: raw.update(eos_token_id="12"), "eos_token_id must be an int or a list of ints"),
     "eos-bool-list": (lambda raw: raw.update(eos_token_id=[True]), "eos_token_id must be an int or a list of ints"),
     "list-json": (lambda raw: [raw], "must hold a JSON object, got list"),

@@ -246,3 +246,21 @@ def test_default_model_batch_equals_each_prompt_alone(default_model_dir):
     model.cost_model = RandomCost(3)  # every row its own random size, every step
     batch = model.generate(prompts, max_new_tokens=20, eos_token_id=eos, lookahead=LookaheadConfig())
     assert [r.tokens for r in batch] == alone and len({s for r in batch for s in r.step_sizes}) > 2
+
+
+@pytest.mark.parametrize("budget", ["fixed", "auto"])
+def test_tiny_llama_batch_tokens_under_both_budgets(tiny_checkpoint, budget):
+    """Issue 28 item 10: the batch under full-size steps and under self-tuned ones (sized by random costs, so every
+    size is met): each row's tokens are its plain greedy tokens, rows leaving at their own EOS."""
+    from helpers import RandomCost
+
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    prompts = ragged_prompts(4, 101, seed=2)
+    plain = [model.generate(p, max_new_tokens=20, eos_token_id=[]).tokens for p in prompts]
+    eos, _ = early_eos(plain, at=5)
+    expected = [tokens[: tokens.index(eos) + 1] if eos in tokens else tokens for tokens in plain]
+    model.cost_model = RandomCost(4)
+    batch = model.generate(prompts, max_new_tokens=20, eos_token_id=eos,
+                           lookahead=LookaheadConfig(3, 4, 3, budget=budget, warm=False))
+    assert [r.tokens for r in batch] == expected
+    assert max(max(r.step_sizes) for r in batch) > 1

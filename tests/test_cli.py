@@ -40,8 +40,8 @@ def generate_help() -> str:
 def test_help_lists_every_option():
     text = generate_help()
     for option in ("--model", "--cache-dir", "--max-new-tokens", "--temperature", "--top-k", "--top-p", "--seed",
-                   "--raw", "--window", "--ngram", "--guesses", "--no-lookahead", "--show-steps", "--dtype",
-                   "--device", "--attn-backend", "--fusion", "--debug"):
+                   "--raw", "--window", "--ngram", "--guesses", "--no-lookahead", "--fixed-steps", "--compare",
+                   "--show-steps", "--dtype", "--device", "--attn-backend", "--fusion", "--debug"):
         assert option in text
 
 
@@ -61,7 +61,7 @@ def test_help_states_each_default_once():
     """ArgumentDefaultsHelpFormatter added "(default: None)" after helps that state their default in words."""
     text = generate_help()
     blocks = re.split(r"\n(?=  -)", text.split("options:")[1].strip("\n"))
-    assert len(blocks) == 20  # -h and the 19 options
+    assert len(blocks) == 21  # -h and the 20 options
     for block in blocks:
         assert block.count("(default") <= 1, block
     flat = " ".join(text.split())
@@ -278,6 +278,7 @@ def test_cli_under_torchrun_prints_once_and_matches_one_process(default_model_di
     assert two.stdout == one.stdout and two.stdout.strip()
     summary = two.stderr.strip().splitlines()[-1]
     assert summary.startswith("[lookahead W=2 N=4 G=10 on 2 processes]"), two.stderr
+    assert "tok/s (plain ~" in summary  # issue 28 item 14: the baseline, timed on rank 0
     assert summary.split("]")[1].split(", S=")[0] == one.stderr.strip().splitlines()[-1].split("]")[1].split(", S=")[0]
     assert two.stderr.count("lookahead: loading") == 1
     assert not list(tmp_path.glob("torchelastic_*"))

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from helpers import CharTokenizer
 from lookahead.cli.chat import _lines
 
 ENV = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
@@ -88,3 +89,111 @@ def test_chat_on_a_terminal_prompts_and_ends_cleanly(default_model_dir, end):
         os.close(master)
     text = seen.decode(errors="replace")
     assert "type a message" in text and "tok/s" in text and "Traceback" not in text, text
+
+
+# ---- issue 28 items 7, 13 and 15, on a stand-in model (no default model needed) ------------------------------------
+
+
+class FakeModel:
+    """Answers each prompt with `answers[i]`'s tokens, streamed one step each; `interrupt_at` (turn, token): a SIGINT
+    arrives there, as a user's Ctrl-C would."""
+
+    def __init__(self, answers, interrupt_at=None):
+        self.answers, self.interrupt_at, self.prompts = answers, interrupt_at, []
+
+    def generate(self, prompt, stream=None, **kwargs):
+        from lookahead.loop import GenerationResult
+
+        turn = len(self.prompts)
+        self.prompts.append(list(prompt))
+        for i, token in enumerate(self.answers[turn]):
+            if self.interrupt_at == (turn, i):
+                os.kill(os.getpid(), signal.SIGINT)
+            stream([token])
+        return GenerationResult(tokens=list(self.answers[turn]), steps=len(self.answers[turn]))
+
+
+def chat_with(monkeypatch, model, data: bytes) -> tuple[int, list]:
+    """Run `lookahead chat`'s work on `data` as standard input (bytes: any encoding), with a stand-in model and the
+    CharTokenizer; returns the status and the messages of the last prompt."""
+    import lookahead.cli.chat as chat
+    from lookahead.cli import build_parser
+
+    seen = []
+
+    class Recording(CharTokenizer):
+        def apply_chat_template(self, messages, **kwargs):
+            seen.append([dict(m) for m in messages])
+            return super().apply_chat_template(messages, **kwargs)
+
+    loads = []
+    monkeypatch.setattr(chat, "load", lambda args, parallel, say: loads.append(1) or (model, Recording(), None))
+    args = build_parser().parse_args(["chat"])
+    code = chat.run(args, io.TextIOWrapper(io.BytesIO(data), encoding="utf-8"))
+    return code, seen, loads
+
+
+def test_a_line_that_is_not_utf8_is_refused_and_the_conversation_goes_on(monkeypatch, capsys):
+    """One non-UTF-8 line ended the chat with status 1 and the conversation lost."""
+    model = FakeModel([[1, 2], [3]])
+    code, seen, _ = chat_with(monkeypatch, model, b"hello\ncaf\xe9\nagain\n")
+    assert code == 0 and len(model.prompts) == 2
+    assert [m["content"] for m in seen[-1]][:2] == ["hello", CharTokenizer().decode([1, 2])]  # the first turn kept
+    assert "that line is not valid UTF-8 (byte 0xe9 at character 3)" in capsys.readouterr().err
+
+
+def test_no_input_ends_before_the_model_loads(monkeypatch, capsys):
+    """`lookahead chat </dev/null` loaded the model for 31 s before noticing there was nothing to answer."""
+    code, _, loads = chat_with(monkeypatch, FakeModel([]), b"")
+    assert code == 0 and loads == []
+    assert "no message on standard input" in capsys.readouterr().err
+    code, _, loads = chat_with(monkeypatch, FakeModel([]), b"\n   \n")
+    assert code == 0 and loads == []
+
+
+def test_ctrl_c_mid_answer_stops_it_and_keeps_the_conversation(monkeypatch, capsys):
+    """Ctrl-C mid-answer exited 130, '^C' glued to the partial answer; now the answer stops at its next tokens, the
+    partial answer stays in the conversation and the next line is answered."""
+    model = FakeModel([[1, 2, 3, 4], [5]], interrupt_at=(0, 2))
+    code, seen, _ = chat_with(monkeypatch, model, b"tell me\nand then?\n")
+    assert code == 0 and len(model.prompts) == 2
+    assert [m["content"] for m in seen[-1]] == ["tell me", CharTokenizer().decode([1, 2]), "and then?"]
+    out, err = capsys.readouterr()
+    assert out.startswith(CharTokenizer().decode([1, 2]) + "\n") and "stopped; the answer so far stays" in err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+
+
+def test_a_stream_that_raises_leaves_the_model_whole(tiny_checkpoint):
+    """The engine frees the rows of a generation whose stream raised, and a step cut midway (a second Ctrl-C) makes
+    the runner trust no cached prefix: the next generation is what a fresh model gives."""
+    from lookahead import LookaheadConfig
+    from lookahead.models import Llama
+    from lookahead.models import runner as runner_module
+
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6] * 5
+    fresh = Llama.from_pretrained(tiny_checkpoint()).generate(prompt, max_new_tokens=20, eos_token_id=[]).tokens
+    model = Llama.from_pretrained(tiny_checkpoint())
+
+    def stop(tokens):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        model.generate(prompt, max_new_tokens=20, eos_token_id=[], stream=stop, lookahead=LookaheadConfig())
+    assert model.runner.rows == {}
+    again = model.generate(prompt, max_new_tokens=20, eos_token_id=[])
+    assert again.tokens == fresh and again.cached_tokens == 32  # the prompt's full blocks, kept at a step boundary
+    real = runner_module.StepProgram.run
+    calls = []
+
+    def cut(self, *args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # inside a step, after the moves of the last commit were taken
+        return real(self, *args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(runner_module.StepProgram, "run", cut)
+        with pytest.raises(KeyboardInterrupt):
+            model.generate(prompt + [9], max_new_tokens=20, eos_token_id=[])
+    after = model.generate(prompt, max_new_tokens=20, eos_token_id=[])
+    assert after.tokens == fresh and after.cached_tokens == 0 and model.runner.rows == {}

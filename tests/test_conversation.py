@@ -101,3 +101,12 @@ def test_measuring_the_cost_model_keeps_the_cached_prefixes(tiny_checkpoint):
     model.cost_model = None
     model.warmup(LookaheadConfig(2, 3, 2), max_tokens=64, sampling=True)
     assert model.generate(SYSTEM + [1], max_new_tokens=4, eos_token_id=[]).cached_tokens == 32
+
+
+def test_a_block_filled_exactly_by_a_commit_is_keyed_at_once(tiny_checkpoint):
+    """Issue 28 item 10: a prompt of exactly two blocks, and an answer of the prefill's token alone: both blocks are
+    full when the row leaves, so a next prompt that begins with them takes both."""
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    prompt = list(range(1, 2 * BLOCK_SIZE + 1))
+    assert model.generate(prompt, max_new_tokens=1, eos_token_id=[]).cached_tokens == 0
+    assert model.generate(prompt + [40], max_new_tokens=1, eos_token_id=[]).cached_tokens == 2 * BLOCK_SIZE

@@ -271,3 +271,64 @@ def test_truncated_gguf_is_one_clear_error(tmp_path, size):
     out.mkdir()
     with pytest.raises(ValueError, match=f"cannot read .*{dm.GGUF_FILE}.*truncated.*--force-reinstall"):
         dm.convert_gguf(truncated, out, progress=False)
+
+
+def test_a_conversion_shows_progress_from_its_first_moment(tmp_path, capsys, monkeypatch):
+    """Issue 28 item 17: the first conversion showed nothing while the GGUF was opened (seconds; ~30 s on a busy
+    machine) or the weights saved. One bar now runs from the start, naming each stage."""
+    import gguf
+
+    seen = []
+
+    def reader(path):
+        seen.append(capsys.readouterr().err)  # what the user saw before the GGUF was read
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(gguf, "GGUFReader", reader)
+    with pytest.raises(ValueError, match="stop here"):
+        dm.convert_gguf(dm.find_gguf(), tmp_path, progress=True)
+    assert "converting SmolLM2-135M-Instruct" in seen[0] and "reading the GGUF" in seen[0]
+    capsys.readouterr()
+    with pytest.raises(ValueError, match="stop here"):
+        dm.convert_gguf(dm.find_gguf(), tmp_path, progress=False)
+    assert seen[1] == "" and capsys.readouterr().err == ""
+
+
+def test_the_cache_folder_follows_the_environment(tmp_path, monkeypatch):
+    """LOOKAHEAD_CACHE_DIR, else an absolute XDG_CACHE_HOME/lookahead, else ~/.cache/lookahead: for the default model
+    and the cost models alike."""
+    from lookahead.paths import cache_root
+    from lookahead.tuning import store
+
+    monkeypatch.setenv("LOOKAHEAD_CACHE_DIR", str(tmp_path / "mine"))
+    assert dm.default_cache_dir() == cache_root() == tmp_path / "mine" and store.cache_dir() == tmp_path / "mine/costs"
+    monkeypatch.delenv("LOOKAHEAD_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert dm.default_cache_dir() == tmp_path / "xdg" / "lookahead"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative")  # the XDG spec: a relative path is ignored
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert dm.default_cache_dir() == tmp_path / "home" / ".cache" / "lookahead"
+
+
+def test_an_unwritable_cache_folder_is_said_with_what_to_do(tmp_path, monkeypatch):
+    """Issue 28 item 3: a read-only cache folder or home ended the CLI with a bare '[Errno 13] .../.cache'. As root
+    nothing is read-only, so a cache root under a file stands in for it (mkdir fails there for root too)."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    monkeypatch.setenv("LOOKAHEAD_CACHE_DIR", str(blocker / "cache"))
+    with pytest.raises(OSError, match=r"cannot write the default model's conversion into .*file/cache \(.*\): pass a "
+                                      r"writable --cache-dir \(cache_dir=\) or set LOOKAHEAD_CACHE_DIR"):
+        dm.default_model_dir()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_a_read_only_cache_folder_is_said_with_what_to_do(tmp_path, monkeypatch):
+    root = tmp_path / "ro"
+    root.mkdir()
+    root.chmod(0o555)
+    monkeypatch.setenv("LOOKAHEAD_CACHE_DIR", str(root))
+    try:
+        with pytest.raises(OSError, match="cannot write the default model's conversion into .*Permission denied"):
+            dm.default_model_dir()
+    finally:
+        root.chmod(0o755)

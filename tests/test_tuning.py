@@ -408,3 +408,38 @@ def test_nondecreasing_is_the_least_squares_fit():
     assert nondecreasing([1, 3, 2, 4]) == [1, 2.5, 2.5, 4]
     assert nondecreasing([5, 4, 3]) == [4, 4, 4]
     assert nondecreasing([1, 2, 3]) == [1, 2, 3]
+
+
+# ---- pinned by hand mutation (issue 28 item 10): each test fails for one mutant that the tests above let through ----
+
+
+def test_a_lookahead_step_only_as_good_as_plain_is_not_taken():
+    """Ties go to the plain step (`>`, not `>=`): a 2-token step that costs two one-token steps and expects two
+    tokens gains nothing, and the plain step keeps the probe's count."""
+    cost = CostModel({"greedy": Curve([1, 2], [1.0, 2.0], [0.0, 0.0])})
+    chooser = StepBudget(LookaheadConfig(), cost)
+    (choice,) = chooser.choose([[1.0]], 3, [0])  # calibrated worth 1.0: E = 2 for t = 2, as plain's E = 1 for t = 1
+    assert choice.plain and chooser.plain_run == 1
+
+
+def test_one_token_steps_move_only_their_own_knot():
+    """Contention slows one-token steps less than multi-token ones: a one-token step's time says nothing of theirs."""
+    curve = fit([(t, 0, 1.0 + 0.1 * t) for t in (1, 2, 4, 8)])
+    before = [curve.predict(t, 0) for t in (2, 4, 8)]
+    for _ in range(10):
+        curve.observe(1, 0, 0.5)  # faster plain steps (a quieter moment): only knot 1 follows
+    assert [curve.predict(t, 0) for t in (2, 4, 8)] == before and curve.predict(1, 0) < 1.0
+
+
+def test_a_cost_that_falls_with_the_cache_length_is_noise():
+    """Two lengths whose timings say a longer cache is cheaper: the cost per position is 0, never negative or
+    flipped, and the base is what the shorter length measured."""
+    curve = fit([(1, 0, 0.05), (1, 1000, 0.04), (4, 0, 0.06), (4, 1000, 0.07)])
+    assert curve.per_position[0] == 0.0 and curve.base[0] == pytest.approx(0.05)
+    assert curve.per_position[1] == pytest.approx(1e-5)
+
+
+def test_the_cost_per_position_is_made_monotone_too():
+    """A larger step never costs less per cached position: the per-position list is pooled like the base."""
+    curve = Curve([1, 8], [1.0, 2.0], [2e-5, 1e-5])
+    assert curve.per_position == pytest.approx([1.5e-5, 1.5e-5])

@@ -8,6 +8,7 @@ import pytest
 import torch
 from test_sampling import DEPTH, P_FLOOR, PROMPT, VOCAB, accept_first_path, distribution_p_values, exact_joint
 
+import lookahead.drafts.memory as memory_module
 import lookahead.loop.core as engine
 from helpers import MockRowModel, MockStepModel, context_logits, decode_one, decode_rows
 from lookahead import LookaheadConfig, SamplingParams
@@ -209,3 +210,30 @@ def test_a_warmup_remembers_nothing(tiny_checkpoint):
     model = Llama.from_pretrained(tiny_checkpoint("gqa"))
     model.warmup(CFG, max_tokens=64)
     assert model.draft_memory.generations == 0
+
+
+# ---- pinned by hand mutation (issue 28 item 10) ---------------------------------------------------------------------
+
+
+def test_forgetting_a_generation_keeps_what_a_later_one_wrote_under_the_same_key():
+    """Per-key forgetting: the oldest generation goes past the cap, but a recycled row or an n-gram that a later one
+    wrote under the same key is the later one's, and stays."""
+    memory = DraftMemory(cap_tokens=40)
+    for row in ([1] * 8, [2] * 8):  # the same context (7, 8), a row each; the same n-gram 5 -> (6, 7) each
+        recycle = RecycleTables()
+        recycle.update([-1], [7], [8], [row])
+        pool = NGramPool(3, 4)
+        pool.add_sequence([5, 6, 7])
+        memory.add(list(range(30)), recycle, pool)
+    assert memory.generations == 1  # 60 tokens past a cap of 40: the first is forgotten
+    assert memory.recycled(-1, 7, 8) == ([2] * 8, ())
+    assert memory.candidates(5, 4) == [(6, 7)]
+
+
+def test_the_memory_keeps_eight_continuations_per_first_token():
+    memory = DraftMemory()
+    pool = NGramPool(2, 20)  # the generation's own pool keeps more than the memory does
+    pool.add_sequence([5, 10, 5, 11, 5, 12, 5, 13, 5, 14, 5, 15, 5, 16, 5, 17, 5, 18, 5, 19])
+    memory.add([5, 10], RecycleTables(), pool)
+    assert memory_module.POOL_PER_KEY == 8
+    assert memory.candidates(5, 20) == [(c,) for c in range(19, 11, -1)]  # the 8 most recent, most recent first

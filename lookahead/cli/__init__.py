@@ -22,6 +22,7 @@ import re
 import signal
 import sys
 import threading
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from lookahead.backends import BACKENDS, FUSIONS
 from lookahead.config import LookaheadConfig
 
 from .launch import world_size
+from .text import check_text
 
 DEFAULTS = LookaheadConfig()  # the defaults' one home; neither import loads torch
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -79,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "rounds differently from a one-token pass). Ends with a summary line on stderr.")
     gen.add_argument("prompt", help="the user message (or raw text with --raw)")
     gen.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
+    gen.add_argument("--compare", action="store_true",
+                     help="time plain decoding and lookahead decoding on the prompt in this one process, after one "
+                          "load (each prefills the whole prompt), and print both tokens/s and their ratio")
     _add_options(gen)
     chat = commands.add_parser(
         "chat", help="a conversation with the model, each answer streamed",
@@ -191,6 +196,12 @@ def check_args(args: argparse.Namespace, environ: Mapping[str, str] = os.environ
                              ("--guesses/-G", args.guesses, 0)):
         if value is not None and value < low:
             raise UsageError(f"{flag} must be >= {low}, got {value}")
+    if not args.no_lookahead:
+        try:  # the sizes no step could hold are refused now, not after the model loads (the CLI's default K is 1)
+            LookaheadConfig(args.window or DEFAULTS.window, args.ngram, DEFAULTS.guesses if args.guesses is None
+                            else args.guesses)
+        except ValueError as e:
+            raise UsageError(f"-W/-N/-G: {e}") from None
     if args.device is not None and not _DEVICE.fullmatch(args.device):
         raise UsageError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
     if args.model is not None:
@@ -224,6 +235,10 @@ def _check_serve(args: argparse.Namespace, environ: Mapping[str, str]) -> None:
 def _check_decoding(args: argparse.Namespace) -> None:
     if args.command == "generate" and not args.prompt.strip():
         raise UsageError("the prompt is empty; give the text to answer")
+    if args.command == "generate":
+        check_text(args.prompt, "the prompt", UsageError)
+    if getattr(args, "compare", False) and args.no_lookahead:
+        raise UsageError("--compare times plain decoding against lookahead decoding; leave out --no-lookahead")
     if args.max_new_tokens <= 0:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if not math.isfinite(args.temperature) or args.temperature < 0:
@@ -271,6 +286,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"lookahead: error: {e}", file=sys.stderr)
         return 2
     restore = _exit_on_sigterm(0 if args.command == "serve" else None)  # stopping a server is no failure
+    with warnings.catch_warnings():  # the library's warnings as the command's one-line messages
+        warnings.showwarning = _one_line_warning
+        return _run(args, restore)
+
+
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"lookahead: warning: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+
+
+def _run(args: argparse.Namespace, restore) -> int:
     try:
         if args.command == "chat":
             from lookahead.cli.chat import run

@@ -20,6 +20,7 @@ from datetime import timedelta
 from lookahead.config import LookaheadConfig
 
 from .launch import remove_empty_log_dir, world_size
+from .report import comparison, plain_rate, probe_plain, summary, why_plain
 
 _COLORS = ("\033[38;5;39m", "\033[38;5;208m")  # alternate per multi-token step, like the authors' demo
 _RESET = "\033[0m"
@@ -43,6 +44,9 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> in
     import torch
     import torch.distributed as dist
 
+    if args.compare:
+        raise ValueError(f"--compare under torchrun ({world} processes): compare plain and lookahead decoding in one "
+                         "process")
     if args.no_lookahead:
         raise ValueError(f"--no-lookahead under torchrun ({world} processes): lookahead parallelism divides lookahead "
                          "steps among the processes; run plain decoding in one process")
@@ -149,32 +153,14 @@ def generate_kwargs(args: argparse.Namespace, lookahead) -> dict:
                 top_k=args.top_k, top_p=args.top_p, seed=args.seed)
 
 
-def summary(result, seconds: float, lookahead=None, ranks: int = 1, plain_rate: float | None = None) -> str:
-    """The line after an answer: the method, tokens, forward passes, S, tokens/s, and with `plain_rate` (from the
-    model's cost model) what plain decoding would do on this machine."""
-    mode = "plain" if lookahead is None else f"lookahead W={lookahead.window} N={lookahead.ngram} G={lookahead.guesses}"
-    if ranks > 1:
-        mode += f" on {ranks} processes"
-    elif lookahead is not None and lookahead.budget == "auto":
-        mode += ", self-tuned"
-    line = (f"[{mode}] {len(result.tokens)} tokens, {result.steps} steps, S={result.compression:.2f}, "
-            f"{len(result.tokens) / seconds:.1f} tok/s")
-    return line if plain_rate is None else f"{line} (plain ~{plain_rate:.0f} tok/s here)"
-
-
-def plain_rate(model, result, prompt_length: int) -> float | None:
-    """Tokens per second plain decoding would give here, by the model's cost model at the answer's middle (None
-    without one)."""
-    cost = getattr(model, "cost_model", None)
-    if cost is None or "greedy" not in cost.curves:
-        return None
-    return cost.plain_rate(prompt_length + len(result.tokens) // 2)
-
-
 def _run(args: argparse.Namespace, parallel, say) -> int:
     model, tokenizer, lookahead = load(args, parallel, say)
     prompt_ids = encode(tokenizer, [{"role": "user", "content": args.prompt}], raw=args.raw)
+    if args.compare:
+        return _compare(args, model, tokenizer, lookahead, prompt_ids, say)
     printing = parallel is None or parallel[2] == 0
+    if parallel is None and lookahead is not None and lookahead.budget == "auto":
+        _prepare(model, lookahead, len(prompt_ids) + args.max_new_tokens, args.temperature > 0, say)
     printer = StreamPrinter(tokenizer, args.show_steps, color=sys.stdout.isatty()) if printing else None
     start = time.perf_counter()
     result = model.generate(prompt_ids, **generate_kwargs(args, lookahead), stream=printer,
@@ -183,8 +169,57 @@ def _run(args: argparse.Namespace, parallel, say) -> int:
     if not printing:
         return 0
     print(flush=True)
-    rate = plain_rate(model, result, len(prompt_ids)) if parallel is None and lookahead is not None else None
-    print(summary(result, elapsed, lookahead, 1 if parallel is None else parallel[1], rate), file=sys.stderr)
+    rate, why = baseline(model, result, elapsed, lookahead, prompt_ids, parallel is not None)
+    print(summary(result, elapsed, lookahead, 1 if parallel is None else parallel[1], rate, why), file=sys.stderr)
+    return 0
+
+
+def _prepare(model, lookahead, positions: int, sampling: bool, say) -> None:
+    """Before a self-tuned answer is timed: its KV cache, and the machine's step costs measured if no cost file has
+    them yet (a few seconds, once), so the summary's tokens/s is the answer's, not the measurement's."""
+    start = time.perf_counter()
+    model.warmup(lookahead, max_tokens=max(2, min(positions, model.config.max_position_embeddings)), sampling=sampling)
+    seconds = time.perf_counter() - start
+    if seconds >= 1.0:
+        say(f"measured this machine's step costs in {seconds:.1f} s (once per machine and model)")
+
+
+def baseline(model, result, seconds: float, lookahead, prompt_ids: list[int], parallel: bool = False):
+    """(plain decoding's tokens/s here, why self-tuned steps stayed plain or None): a plain run's own rate; a
+    self-tuned run's cost model's; else (fixed steps, lookahead parallelism) a short plain continuation, timed."""
+    if lookahead is None:
+        return len(result.tokens) / seconds, None
+    if lookahead.budget == "auto" and not parallel:
+        rate = plain_rate(model, result, len(prompt_ids))
+        if rate is not None:
+            return rate, why_plain(model, result, len(prompt_ids))
+    try:
+        return probe_plain(model, prompt_ids), None
+    except ValueError:  # the prompt leaves no room for the probe's tokens in the model's positions
+        return None, None
+
+
+def _compare(args: argparse.Namespace, model, tokenizer, lookahead, prompt_ids: list[int], say) -> int:
+    """`--compare`: plain decoding, then lookahead decoding (streamed), each prefilling the whole prompt, after one
+    load and a warm-up (the self-tuned cost model is measured there, not inside the lookahead run's time); both
+    summaries, then lookahead's tokens/s over plain decoding's."""
+    _prepare(model, lookahead, len(prompt_ids) + args.max_new_tokens, args.temperature > 0, say)
+    say("plain decoding first, timed for the comparison (its text is not shown) ...")
+    timed = []
+    for config in (None, lookahead):
+        if model.runner is not None:
+            model.runner.clear_cache()  # each run prefills the whole prompt: neither resumes the other's
+        printer = None if config is None else StreamPrinter(tokenizer, args.show_steps, color=sys.stdout.isatty())
+        start = time.perf_counter()
+        result = model.generate(prompt_ids, **{**generate_kwargs(args, lookahead), "lookahead": config},
+                                stream=printer)
+        timed.append((result, time.perf_counter() - start))
+    (plain, plain_seconds), (result, seconds) = timed
+    print(flush=True)
+    print(summary(plain, plain_seconds), file=sys.stderr)
+    print(summary(result, seconds, lookahead, why=why_plain(model, result, len(prompt_ids))), file=sys.stderr)
+    exact = args.temperature == 0 or args.seed is not None
+    print(comparison(plain, plain_seconds, result, seconds, exact), file=sys.stderr)
     return 0
 
 

@@ -13,7 +13,7 @@ from lookahead.config import LookaheadConfig
 from lookahead.loop import GenerationResult, decode
 from lookahead.request import Request, SamplingParams, check_stream, parse_request
 
-from .step_model import HFStepModel, cache_keyword, check_model, require_transformers
+from .step_model import HFStepModel, cache_keyword, check_model, max_positions, require_transformers
 from .tuning import cost_model_for, save_if_due
 
 DEFAULT_LOOKAHEAD = LookaheadConfig()
@@ -38,7 +38,7 @@ def generate(hf_model, input_ids, max_new_tokens: int = 256, lookahead: Lookahea
     """
     step_model = HFStepModel(hf_model, attn_backend=attn_backend)
     check_stream(stream)
-    request = parse_request(input_ids, vocab_size=hf_model.config.vocab_size, max_positions=_max_positions(hf_model),
+    request = parse_request(input_ids, vocab_size=hf_model.config.vocab_size, max_positions=max_positions(hf_model),
                             max_new_tokens=max_new_tokens, lookahead=lookahead, temperature=temperature, top_k=top_k,
                             top_p=top_p, seed=seed, eos_token_id=eos_token_id,
                             default_eos=_eos(hf_model.generation_config.eos_token_id), static_step=static_step,
@@ -53,11 +53,6 @@ def _decode(step_model: HFStepModel, request: Request, stream) -> GenerationResu
         return decode(step_model, request, stream, cost=cost_model_for(step_model, request))
     finally:
         save_if_due(step_model)
-
-
-def _max_positions(model) -> int:
-    """The positions the model was built for (RoPE tables, position embeddings): a generation must stay inside."""
-    return getattr(model.config, "max_position_embeddings", None) or 2**62
 
 
 def _eos(value) -> tuple[int, ...]:
@@ -111,9 +106,9 @@ def _custom_generate(model, input_ids, logits_processor, stopping_criteria, gene
         seed = int(torch.randint(2**62, (), generator=torch.default_generator))
     step_model = HFStepModel(model, cache, attn_backend)
     prompt = tuple(input_ids[0].tolist())
-    if max_length > _max_positions(model):
+    if max_length > max_positions(model):
         raise ValueError(f"max_length ({max_length}, prompt + max_new_tokens) exceeds the model's "
-                         f"max_position_embeddings ({_max_positions(model)}); lower max_new_tokens")
+                         f"max_position_embeddings ({max_positions(model)}); lower max_new_tokens")
     new = max_length - len(prompt)
     tokens: list[int] = []
     if new > 0:

@@ -67,6 +67,11 @@ def require_transformers() -> Any:
     return transformers
 
 
+def max_positions(model) -> int:
+    """The positions the model was built for (RoPE tables, position embeddings): a generation must stay inside."""
+    return getattr(model.config, "max_position_embeddings", None) or 2**62
+
+
 def cache_keyword(model) -> str:
     """The name the model's forward takes its cache by: `cache` since transformers 5.24, `past_key_values` before (5.24
     still takes the old name, with a FutureWarning, until 5.40). generate's model_kwargs and its output name the cache
@@ -202,6 +207,11 @@ def check_model(model) -> None:
         raise TypeError(f"hf_model must be a transformers decoder-only causal LM (e.g. LlamaForCausalLM), "
                         f"got {type(model).__name__}")
     config = model.config
+    on_meta = [name for name, tensor in (*model.named_parameters(), *model.named_buffers()) if tensor.is_meta]
+    if on_meta:  # NotImplementedError: Cannot copy out of meta tensor, deep inside the first forward
+        raise ValueError(f"hf_model holds no weights: {len(on_meta)} of its tensors are on the meta device (e.g. "
+                         f"{on_meta[0]!r}), as a model built under init_empty_weights or device_map='meta' is; load "
+                         "its weights (from_pretrained with a real device, or load_state_dict(..., assign=True))")
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"hf_model architecture {config.model_type!r} ({type(model).__name__}) is not supported; "
                          f"lookahead.hf drives the attention of {', '.join(SUPPORTED_MODEL_TYPES)}")

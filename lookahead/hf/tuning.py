@@ -4,27 +4,27 @@ generation that needs it, as the native model does (`lookahead.models.tuning`; t
 `lookahead.tuning.store`'s).
 
 The measurement runs before the prompt's prefill, on the generation's own (empty) cache: a few passes of each step
-size, each cropped away after, so it changes nothing the generation then computes.
+size, each cropped away after, at length 0 and over `SPAN` placeholder positions (cropped away after too), so it
+changes nothing the generation then computes. What to measure, how to time it and the key's common parts are
+`lookahead.tuning.measure`'s, as for the native model; this says how a step runs on a transformers model.
 """
 
 from __future__ import annotations
 
-import time
 import weakref
 from dataclasses import dataclass, field
-
-import torch
 
 from lookahead.kernels import interpreting
 from lookahead.loop import path_step, static_steps
 from lookahead.loop.sampling import SampleRequest
 from lookahead.request import Request
-from lookahead.tuning import CostModel, Curve, buckets, fit, knots_up_to
-from lookahead.tuning.store import Saver, device_label, prepared, versions
+from lookahead.tuning import CostModel, Curve, buckets, knots_up_to
+from lookahead.tuning import measure as shared
+from lookahead.tuning.store import Saver
 
-from .step_model import HFStepModel
+from .step_model import HFStepModel, max_positions
 
-REPEATS = 2  # timed passes per step size, after one that is not timed
+SPAN = 512  # the longer cache length timed (placeholder tokens prefilled for it): the cost per cached position
 
 
 @dataclass
@@ -36,6 +36,13 @@ class ModelState:
 
     cost_model: CostModel | None = None
     saver: Saver = field(default_factory=Saver)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "cost_model" and value is not None:
+            if not isinstance(value, CostModel):
+                raise TypeError(f"cost_model must be a lookahead.tuning.CostModel or None, got {type(value).__name__}")
+            value.check()
+        super().__setattr__(name, value)
 
 
 _STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # transformers model -> ModelState
@@ -53,16 +60,13 @@ def cost_model_for(step_model: HFStepModel, request: Request) -> CostModel | Non
     """The cost model a self-tuned request sizes its steps by (None for plain decoding or full-size steps), measuring
     what the model's lacks for it. Called before the prefill: the cache must be empty."""
     cfg = request.lookahead
-    if cfg is None or cfg.budget != "auto" or cfg.form != "tree":
+    if not shared.self_tuned(cfg):
         return None
     state = model_state(step_model.model)
-    cost = state.cost_model
-    if cost is not None and not cost.key:
-        return cost  # the user's
-    kind = "greedy" if request.sampling.greedy else "sampling"
     sizes = knots_up_to(cfg.step_tokens, buckets(cfg) if request.static_step else ())
-    state.cost_model = prepared(cost, cost_key(step_model), kind, sizes[-1],
-                                lambda: measure(step_model, request, sizes), state.saver)
+    state.cost_model = shared.cost_model_for(state.cost_model, cfg, request.sampling.greedy, sizes[-1],
+                                             lambda: cost_key(step_model), lambda: measure(step_model, request, sizes),
+                                             state.saver)
     return state.cost_model
 
 
@@ -74,23 +78,29 @@ def save_if_due(step_model: HFStepModel) -> None:
 
 def measure(step_model: HFStepModel, request: Request, sizes: list[int]) -> Curve:
     """Time steps of `sizes` tokens (a path of drafts, with the request's top-k and sampling) on the step model's
-    empty cache, each cropped away after, and fit a curve (its cost per cached position is learned as steps run)."""
+    cache, each cropped away after, at length 0 and at a longer one (the cache filled with placeholder tokens, cropped
+    away after), and fit a curve. Leaves the cache empty, as it found it."""
     if step_model.length:
         raise RuntimeError("measure runs before the prefill, on an empty cache")
     sample = None if request.sampling.greedy else request.sampling
     topk = static_steps(request.lookahead)[-1][2]
-    repeats = 1 if interpreting() else REPEATS
-    samples = []
-    for tokens in sizes:
-        pattern = path_step(tokens)
-        sample_request = None if sample is None else SampleRequest(sample, 0, tuple(range(1, tokens + 1)))
-        for i in range(1 + repeats):  # the first pass is not timed: it prepares the shape
-            start = time.perf_counter()
-            step_model.step([0] * tokens, pattern, list(range(tokens)), topk, sample_request)
-            if i:  # the step's fetch has waited for the device
-                samples.append((tokens, 0, time.perf_counter() - start))
-            step_model.commit([])  # crops the pass's entries away
-    return fit(samples)
+    longest = min(SPAN, max_positions(step_model.model) - max(sizes) - 1)
+
+    def run(i: int, length: int) -> None:
+        if step_model.length != length:  # time_steps goes length by length: filled once per length
+            step_model.trim(0)
+            if length:
+                step_model.prefill([0] * length)
+        tokens = sizes[i]
+        positions = tuple(range(length + 1, length + tokens + 1))
+        step_model.step([0] * tokens, path_step(tokens), list(range(tokens)), topk,
+                        None if sample is None else SampleRequest(sample, 0, positions))  # its fetch waits
+        step_model.commit([])  # crops the pass's entries away
+
+    try:
+        return shared.time_steps(run, sizes, 1, longest, interpreting())
+    finally:
+        step_model.trim(0)
 
 
 def cost_key(step_model: HFStepModel) -> dict:
@@ -98,7 +108,5 @@ def cost_key(step_model: HFStepModel) -> dict:
     model, config = step_model.model, step_model.model.config
     shape = [getattr(config, name, None) for name in ("hidden_size", "num_hidden_layers", "num_attention_heads",
                                                        "num_key_value_heads", "intermediate_size", "vocab_size")]
-    return {"device": device_label(step_model.device), "dtype": str(model.dtype),
-            "backend": "hf:" + ("triton" if step_model.kernel else "torch"), "threads": torch.get_num_threads(),
-            "interpreted": interpreting(), "model": [config.model_type, model.num_parameters(), *shape],
-            "versions": [torch.__version__, *versions("triton", "lookahead", "transformers")]}
+    return shared.cost_key(step_model.device, model.dtype, "hf:" + ("triton" if step_model.kernel else "torch"),
+                           [config.model_type, model.num_parameters(), *shape], interpreting(), ("transformers",))

@@ -126,8 +126,12 @@ class Engine:
                           request.seeds[i], request.static_step)
             jobs.append(Job(one, sampling_seed(request, i), _stream_sink(stream, i, request.batch), remember=False))
         self.waiting.extend(jobs)
-        while self.step():
-            pass
+        try:
+            while self.step():
+                pass
+        except BaseException:  # the stream raised (a Ctrl-C the caller turned into a stop, say): free the rows
+            self._abandon()
+            raise
         for job in jobs:
             job.remember_drafts()
         return [job.out.result for job in jobs]
@@ -317,6 +321,17 @@ class Engine:
                     pass
             job.out.result.finish_reason = "error"
             job.sink(Delta([], None, "error", job.out.result, error))
+
+    def _abandon(self) -> None:
+        """After an error in `run`: every row leaves (its blocks back to the model; what its commits keyed stays
+        cached, the commits' moves still pending in the model), and nothing waits."""
+        for job in self.active:
+            try:
+                self.model.release(job.row)
+            except Exception:  # noqa: BLE001 -- the original error is the one to raise
+                pass
+        self.active.clear()
+        self.waiting.clear()
 
     def _check_positions(self, request: Request) -> None:
         (prompt,) = request.prompts

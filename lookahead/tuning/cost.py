@@ -12,10 +12,13 @@ Where the figures come from:
   generation that needs it (`lookahead.models.tuning`);
 - then every step's own timing (`observe`): the two knots around its T move a fraction of the way towards what it
   cost, so a machine that gets busier (multi-token steps suffer from contention more than one-token steps) is
-  noticed within a few steps;
+  noticed within a few steps; the move is split between the base and the cost per position by the step's cache
+  length, so a curve first measured at one length learns the cost per position from steps at others;
 - kept on disk under the user's cache folder, keyed by what the figures depend on (device, model shape, dtype,
-  backend, threads, versions: `save`/`load`), as the next process's starting point. A file that does not parse or
-  whose figures are not finite positive numbers is not trusted: `load` returns None and the caller measures again.
+  backend, threads, versions: `save`/`load`), as the next process's starting point. A file is read only if it is a
+  regular file of at most `MAX_FILE_BYTES`; one that does not parse (however it fails) or whose figures are not what
+  `save` writes (int knots up to `MAX_KNOT`, finite positive costs) is not trusted: `load` returns None and the
+  caller measures again.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import statistics
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
@@ -33,6 +37,10 @@ KINDS = ("greedy", "sampling")
 FORMAT = 1  # the cache file's layout; a file of another is measured again
 UPDATE_RATE = 0.3  # how far one observation moves its knots towards what it measured
 MAX_RATIO = 2.0  # one observation moves a knot by at most this factor: a stray pause is not a new machine
+MAX_KNOT = 1 << 20  # tokens of one step (all rows) a curve may be measured to: no step holds more
+MIN_SECONDS = 1e-9  # the least a step may cost (a nanosecond): below it 1 / t overflows to inf, and no pass is faster
+LENGTH_SCALE = 512  # cache positions at which an observation's move is split evenly between base and per-position
+MAX_FILE_BYTES = 1 << 16  # a cost file is ~2 KB; a larger one is not ours (and /dev/zero never ends)
 SPREAD = 0.5  # the share of a multi-token step's move that reaches the other multi-token knots (contention slows
 # every multi-token size, if not alike), so sizes not run lately are not judged by stale figures; a one-token step
 # moves its own knot only, as contention slows it less
@@ -47,17 +55,41 @@ class Curve:
     per_position: list[float]
 
     def __post_init__(self) -> None:
+        for name in ("knots", "base", "per_position"):
+            values = getattr(self, name)
+            if not isinstance(values, (list, tuple)):
+                raise TypeError(f"Curve.{name} must be a list, got {type(values).__name__} {values!r:.80}")
+            setattr(self, name, list(values))
+        self.check()
+
+    def check(self) -> None:
+        """Refuse what no measurement gives (TypeError, ValueError naming the field and the value): knots that are not
+        increasing ints in 1..`MAX_KNOT`, costs that are not finite numbers (a base of at least `MIN_SECONDS`, a cost
+        per position >= 0), lists of different lengths."""
+        for name, kinds in (("knots", int), ("base", (int, float)), ("per_position", (int, float))):
+            for value in getattr(self, name):
+                if isinstance(value, bool) or not isinstance(value, kinds):
+                    what = "ints (token counts)" if name == "knots" else "numbers (seconds)"
+                    raise TypeError(f"Curve.{name} must hold {what}, got {type(value).__name__} {value!r:.40} in "
+                                    f"{self._shown(name)}")
         n = len(self.knots)
         if n == 0 or len(self.base) != n or len(self.per_position) != n:
             raise ValueError(f"a cost curve needs one base and one per-position cost per knot, got {n} knots, "
                              f"{len(self.base)} and {len(self.per_position)}")
-        if self.knots[0] < 1 or any(b <= a for a, b in zip(self.knots, self.knots[1:], strict=False)):
-            raise ValueError(f"a cost curve's knots must be increasing token counts >= 1, got {self.knots}")
-        if not all(math.isfinite(x) and x > 0 for x in self.base):
-            raise ValueError(f"a cost curve's base costs must be finite and positive, got {self.base}")
+        if (self.knots[0] < 1 or self.knots[-1] > MAX_KNOT
+                or any(b <= a for a, b in zip(self.knots, self.knots[1:], strict=False))):
+            raise ValueError(f"Curve.knots must be increasing token counts in 1..{MAX_KNOT}, "
+                             f"got {self._shown('knots')}")
+        if not all(math.isfinite(x) and x >= MIN_SECONDS for x in self.base):
+            raise ValueError(f"Curve.base must hold finite costs of at least {MIN_SECONDS} s, "
+                             f"got {self._shown('base')}")
         if not all(math.isfinite(x) and x >= 0 for x in self.per_position):
-            raise ValueError(f"a cost curve's per-position costs must be finite and >= 0, got {self.per_position}")
+            raise ValueError(f"Curve.per_position must hold finite costs >= 0, got {self._shown('per_position')}")
         self._monotone()
+
+    def _shown(self, name: str) -> str:
+        text = repr(getattr(self, name))
+        return text if len(text) <= 80 else text[:77] + "..."
 
     def _monotone(self) -> None:
         """A step of more tokens, or over a longer cache, never costs less: a curve that falls as T grows is noise (one
@@ -82,23 +114,32 @@ class Curve:
         """Seconds of a step of `tokens` tokens over `length` cached positions."""
         i, j, w = self._bracket(tokens)
         at = [self.base[k] + self.per_position[k] * length for k in (i, j)]
-        return max(at[0] + w * (at[1] - at[0]), 0.25 * min(at))  # extrapolation below the first knot stays positive
+        # extrapolation below the first knot stays positive
+        return max(at[0] + w * (at[1] - at[0]), 0.25 * min(at), MIN_SECONDS)
 
     def observe(self, tokens: int, length: int, seconds: float) -> None:
         """Move the knots around `tokens` towards a step's measured `seconds`, each by its share of the step, and for
-        a multi-token step the other multi-token knots by `SPREAD` of that."""
+        a multi-token step the other multi-token knots by `SPREAD` of that.
+
+        A knot's prediction at the step's cache length L moves `UPDATE_RATE` x its share of the way; the move is split
+        between its base and its cost per position as a normalised least-mean-squares step on the features
+        (1, L / LENGTH_SCALE) would split it: all to the base at L = 0, evenly at `LENGTH_SCALE`, mostly to the slope
+        beyond. So steps at different lengths teach the cost per position, even where the first measurement had one
+        length only (a transformers model, a small cache)."""
         if not (math.isfinite(seconds) and seconds > 0):
             return
+        length = max(length, 0)
         ratio = min(max(seconds / self.predict(tokens, length), 1 / MAX_RATIO), MAX_RATIO)
         i, j, w = self._bracket(tokens)
         w = min(max(w, 0.0), 1.0)
         spread = SPREAD if tokens > 1 else 0.0
         shares = [spread if knot > 1 else 0.0 for knot in self.knots]
         shares[i], shares[j] = (1.0, 1.0) if i == j else (max(1.0 - w, shares[i]), max(w, shares[j]))
+        u = length / LENGTH_SCALE
         for k, share in enumerate(shares):
-            scale = 1.0 + UPDATE_RATE * share * (ratio - 1.0)
-            self.base[k] *= scale
-            self.per_position[k] *= scale
+            change = (self.base[k] + self.per_position[k] * length) * UPDATE_RATE * share * (ratio - 1.0)
+            self.base[k] = max(self.base[k] + change / (1 + u * u), MIN_SECONDS)
+            self.per_position[k] = max(self.per_position[k] + change * u / (LENGTH_SCALE * (1 + u * u)), 0.0)
         self._monotone()
 
     def to_dict(self) -> dict:
@@ -133,7 +174,7 @@ def fit(samples: Iterable[tuple[int, int, float]]) -> Curve:
         short, long = min(by_length), max(by_length)
         at_short, at_long = (statistics.median(by_length[x]) for x in (short, long))
         slope = max((at_long - at_short) / (long - short), 0.0) if long > short else 0.0
-        base.append(max(at_short - slope * short, 1e-3 * at_short))
+        base.append(max(at_short - slope * short, 1e-3 * at_short, MIN_SECONDS))
         per_position.append(slope)
     return Curve(knots, base, per_position)
 
@@ -145,6 +186,23 @@ class CostModel:
 
     curves: dict[str, Curve] = field(default_factory=dict)
     key: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Refuse a cost model that is not one (TypeError, ValueError naming what is wrong): curves must map kinds of
+        `KINDS` to `Curve`s (each checked again: their lists may have been changed since), key must be a dict."""
+        if not isinstance(self.curves, dict):
+            raise TypeError(f"CostModel.curves must be a dict {{kind: Curve}}, got {type(self.curves).__name__}")
+        for kind, curve in self.curves.items():
+            if kind not in KINDS:
+                raise ValueError(f"CostModel.curves: kinds are {KINDS}, got {kind!r}")
+            if not isinstance(curve, Curve):
+                raise TypeError(f"CostModel.curves[{kind!r}] must be a Curve, got {type(curve).__name__}")
+            curve.check()
+        if not isinstance(self.key, dict):
+            raise TypeError(f"CostModel.key must be a dict, got {type(self.key).__name__}")
 
     def covers(self, kind: str, tokens: int) -> bool:
         """Whether the `kind` curve was measured up to steps of `tokens` tokens."""
@@ -189,38 +247,67 @@ class CostModel:
 
     @classmethod
     def from_dict(cls, data: Mapping) -> CostModel:
-        """The model a `to_dict` wrote; ValueError on anything else."""
-        if not isinstance(data, Mapping) or data.get("format") != FORMAT:
+        """The model a `to_dict` wrote; ValueError on anything else (JSON's true is not the format 1, "2" or 1.7 not a
+        knot, 10**40 not a step's size)."""
+        if not isinstance(data, Mapping) or type(data.get("format")) is not int or data["format"] != FORMAT:
             raise ValueError(f"not a cost model of format {FORMAT}")
-        curves = data.get("curves")
+        curves, key = data.get("curves"), data.get("key", {})
         if not isinstance(curves, Mapping) or not set(curves) <= set(KINDS):
             raise ValueError(f"a cost model's curves must be a mapping of {KINDS}")
+        if not isinstance(key, Mapping):
+            raise ValueError(f"a cost model's key must be a mapping, got {type(key).__name__}")
         try:
-            built = {kind: Curve([int(k) for k in c["knots"]], [float(x) for x in c["base"]],
-                                 [float(x) for x in c["per_position"]]) for kind, c in curves.items()}
+            built = {kind: Curve(c["knots"], c["base"], c["per_position"]) for kind, c in curves.items()}
         except (KeyError, TypeError) as error:
-            raise ValueError(f"a cost curve is incomplete: {error}") from None
-        return cls(built, dict(data.get("key") or {}))
+            raise ValueError(f"a cost curve is incomplete or of the wrong types: {error}") from None
+        return cls(built, dict(key))
 
     def save(self, path: str | Path) -> None:
-        """Write to `path` atomically (a temporary file beside it, renamed): a reader never sees half a file."""
+        """Write to `path` atomically (a temporary file beside it, renamed): a reader never sees half a file. OSError
+        when the folder cannot be made or written (the temporary file is removed)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as out:
-            json.dump(self.to_dict(), out)
-        os.replace(out.name, path)
+            try:
+                json.dump(self.to_dict(), out)
+            except BaseException:
+                out.close()
+                os.unlink(out.name)
+                raise
+        try:
+            os.replace(out.name, path)
+        except OSError:
+            os.unlink(out.name)
+            raise
 
     @classmethod
     def load(cls, path: str | Path, key: Mapping | None = None) -> CostModel | None:
         """The model saved at `path`, or None if there is none, it is damaged, or (given `key`) it was measured on
-        something else: the caller measures again rather than trust it."""
+        something else: the caller measures again rather than trust it. Reads a regular file of at most
+        `MAX_FILE_BYTES` only (a folder, a device such as /dev/zero, a pipe, a huge file: None), and any way the text
+        fails to parse (deep nesting included) is None too."""
         try:
-            model = cls.from_dict(json.loads(Path(path).read_text()))
-        except (OSError, ValueError):
+            model = cls.from_dict(json.loads(read_small(Path(path), MAX_FILE_BYTES)))
+        except (OSError, ValueError, TypeError, RecursionError, MemoryError):
             return None
         if key is not None and model.key != dict(key):
             return None
         return model
+
+
+def read_small(path: Path, limit: int) -> bytes:
+    """The bytes of `path` if it is a regular file (after symbolic links) of at most `limit` bytes; OSError or
+    ValueError otherwise. Opened without blocking (a named pipe does not wait for a writer), checked on the open file
+    (not the name), read at most `limit` + 1 bytes (a file that grows meanwhile is refused, not read whole)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    with os.fdopen(fd, "rb") as file:
+        mode = os.fstat(file.fileno()).st_mode
+        if not stat.S_ISREG(mode):
+            raise ValueError(f"{path} is not a regular file")
+        data = file.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"{path} is larger than {limit} bytes")
+    return data
 
 
 def knots_up_to(largest: int, sizes: Sequence[int] = ()) -> list[int]:

@@ -1,6 +1,13 @@
-"""Where cost models live between processes: one JSON file per key under the user's cache folder, and the parts of a
-key that say which machine and which software measured it. Shared by the native model (`lookahead.models.tuning`)
-and the transformers plug-in (`lookahead.hf.tuning`), whose keys differ in what describes the model."""
+"""Where cost models live between processes: one JSON file per key under the user's cache folder
+(`lookahead.paths.cache_root()`/costs: $LOOKAHEAD_CACHE_DIR, $XDG_CACHE_HOME/lookahead or ~/.cache/lookahead), and the
+parts of a key that say which machine and which software measured it. Shared by the native model
+(`lookahead.models.tuning`) and the transformers plug-in (`lookahead.hf.tuning`), whose keys differ in what describes
+the model.
+
+The files are an optimisation. A folder that cannot be read or written (read-only, a file where the folder should
+be, no home folder) leaves the cost model in memory for the process: it is measured once per process, a warning says
+so once, and no generation fails or loses its result for it.
+"""
 
 from __future__ import annotations
 
@@ -8,30 +15,51 @@ import hashlib
 import json
 import platform
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from functools import cache
 from importlib import metadata
 from pathlib import Path
+
+from lookahead.paths import ENV_CACHE_DIR, cache_root
 
 from .cost import CostModel, Curve
 
 SAVE_EVERY = 60.0  # seconds between writes of the curves the steps keep current
 
 
-def cache_dir() -> Path:
-    """~/.cache/lookahead/costs."""
-    return Path.home() / ".cache" / "lookahead" / "costs"
+def cache_dir() -> Path | None:
+    """The cost models' folder: `cache_root()`/costs (None without a home folder)."""
+    root = cache_root()
+    return None if root is None else root / "costs"
 
 
-def cost_path(key: Mapping) -> Path:
-    """The cache file of a key: its name is a digest of the key."""
+def cost_path(key: Mapping) -> Path | None:
+    """The cache file of a key: its name is a digest of the key (None where there is no cache folder)."""
+    folder = cache_dir()
+    if folder is None:
+        return None
     digest = hashlib.blake2b(json.dumps(key, sort_keys=True).encode(), digest_size=10).hexdigest()
-    return cache_dir() / f"{digest}.json"
+    return folder / f"{digest}.json"
 
 
 def load_or_new(key: Mapping) -> CostModel:
-    """The cost model cached for `key`, or an empty one (with that key) when there is none or it is not trusted."""
-    return CostModel.load(cost_path(key), key) or CostModel(key=dict(key))
+    """The cost model cached for `key`, or an empty one (with that key) when there is none, it is not trusted or the
+    folder cannot be read."""
+    path = cost_path(key)
+    return (CostModel.load(path, key) if path is not None else None) or CostModel(key=dict(key))
+
+
+_WARNED: set[str] = set()  # the folders a warning was given for: one each per process
+
+
+def _cannot_keep(where: str, why: str) -> None:
+    if where in _WARNED:
+        return
+    _WARNED.add(where)
+    warnings.warn(f"cannot keep the measured step costs in {where} ({why}); they are kept in memory for "
+                  f"this process only (set {ENV_CACHE_DIR} to a writable folder to keep them)", RuntimeWarning,
+                  stacklevel=3)
 
 
 def prepared(cost: CostModel | None, key: Mapping, kind: str, tokens: int, measure: Callable[[], Curve],
@@ -56,9 +84,19 @@ class Saver:
         self.saved = 0.0  # when it last wrote (time.monotonic)
 
     def now(self, cost: CostModel) -> None:
-        if cost.key:
-            cost.save(cost_path(cost.key))
-            self.saved = time.monotonic()
+        """Write `cost` to its file now; where that fails, say so once per folder and go on (the curves stay in
+        memory; the next write is tried `SAVE_EVERY` seconds later)."""
+        if not cost.key:
+            return
+        self.saved = time.monotonic()
+        path = cost_path(cost.key)
+        if path is None:
+            _cannot_keep("a cache folder", "there is no home folder")
+            return
+        try:
+            cost.save(path)
+        except OSError as error:
+            _cannot_keep(str(path.parent), error.strerror or type(error).__name__)
 
     def if_due(self, cost: CostModel | None) -> None:
         if cost is not None and time.monotonic() - self.saved >= SAVE_EVERY:

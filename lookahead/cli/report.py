@@ -1,0 +1,91 @@
+"""What the command says after an answer: the summary line (the method, tokens, forward passes, S, tokens/s), plain
+decoding's rate on this machine beside it, why self-tuned steps stayed plain where most did, and `--compare`'s
+lines (plain and lookahead timed in one process, after one load).
+
+A newcomer's first question is whether lookahead paid here. Plain decoding's rate is read from the model's cost
+model where a self-tuned run measured one, else timed by a short plain continuation of the prompt (`probe_plain`:
+`PROBE_TOKENS` one-token steps, the prompt's prefix cached), so every run shows it: self-tuned, `--fixed-steps`,
+`--no-lookahead` (its own rate) and torchrun's rank 0.
+"""
+
+from __future__ import annotations
+
+import time
+
+PROBE_TOKENS = 16  # plain steps timed for the baseline where no cost model gives it
+MOSTLY_PLAIN = 0.5  # a self-tuned run with more plain steps than this says why
+BUSY = 1.5  # a lookahead step costing this many one-token steps or more: multi-token passes are slow here
+WEAK = 1.5  # lookahead steps giving fewer tokens than this: the drafts do not pay
+
+
+def summary(result, seconds: float, lookahead=None, ranks: int = 1, plain_rate: float | None = None,
+            why: str | None = None) -> str:
+    """The line after an answer: the method, tokens, forward passes, S, tokens/s, with `plain_rate` what plain
+    decoding does on this machine, and `why` (`why_plain`) where self-tuned steps stayed plain."""
+    mode = "plain" if lookahead is None else f"lookahead W={lookahead.window} N={lookahead.ngram} G={lookahead.guesses}"
+    if ranks > 1:
+        mode += f" on {ranks} processes"
+    elif lookahead is not None and lookahead.budget == "auto":
+        mode += ", self-tuned"
+    line = (f"[{mode}] {len(result.tokens)} tokens, {result.steps} steps, S={result.compression:.2f}, "
+            f"{len(result.tokens) / seconds:.1f} tok/s")
+    if plain_rate is not None:
+        line += f" (plain ~{plain_rate:.0f} tok/s here)"
+    return line if why is None else f"{line}; {why}"
+
+
+def plain_rate(model, result, prompt_length: int) -> float | None:
+    """Tokens per second plain decoding would give here, by the model's cost model at the answer's middle (None
+    without one)."""
+    cost = getattr(model, "cost_model", None)
+    if cost is None or "greedy" not in cost.curves:
+        return None
+    return cost.plain_rate(prompt_length + len(result.tokens) // 2)
+
+
+def probe_plain(model, prompt_ids: list[int], tokens: int = PROBE_TOKENS) -> float:
+    """Tokens per second of plain decoding here, timed: a plain continuation of the prompt (whose prefix the answer
+    left cached), from its first token to its last, so the prefill is not in it."""
+    stamps: list[float] = []
+    model.generate(prompt_ids, max_new_tokens=tokens, eos_token_id=[],
+                   stream=lambda new: stamps.extend([time.perf_counter()] * len(new)))
+    return (len(stamps) - 1) / max(stamps[-1] - stamps[0], 1e-9)
+
+
+def why_plain(model, result, prompt_length: int) -> str | None:
+    """Where most steps of a self-tuned run were plain, why: what a lookahead step cost here in one-token steps (a
+    busy or slow machine makes multi-token passes dear) and what the lookahead steps it did take gave (drafts that
+    are seldom right do not pay). None where most steps were lookahead steps."""
+    sizes, gained = result.step_sizes, result.step_tokens[1:]
+    plain = sum(size == 1 for size in sizes)
+    if not sizes or plain / len(sizes) <= MOSTLY_PLAIN:
+        return None
+    lookahead = [(size, len(got)) for size, got in zip(sizes, gained, strict=False) if size > 1]
+    size = round(sum(s for s, _ in lookahead) / len(lookahead)) if lookahead else 2
+    gave = sum(n for _, n in lookahead) / len(lookahead) if lookahead else None
+    cost = getattr(model, "cost_model", None)
+    length = prompt_length + len(result.tokens) // 2
+    ratio = cost.predict(size, length) / cost.predict(1, length) if cost is not None and cost.curves else None
+    reasons = []
+    if ratio is not None and ratio >= BUSY:
+        reasons.append("multi-token steps are dear here (a busy or slow machine)")
+    if gave is None or gave < WEAK:
+        reasons.append("the drafts are not paying on this text")
+    facts = []
+    if ratio is not None:
+        facts.append(f"a {size}-token step costs {ratio:.1f} one-token steps")
+    if gave is not None:
+        facts.append(f"lookahead steps gave {gave:.1f} tokens each")
+    return (f"{plain} of {len(sizes)} steps plain: {' and '.join(reasons) or 'drafts worth less than their cost'}"
+            + (f" ({', '.join(facts)})" if facts else ""))
+
+
+def comparison(plain_result, plain_seconds: float, result, seconds: float, exact: bool) -> str:
+    """`--compare`'s verdict: lookahead's tokens/s over plain decoding's, and (greedy or seeded) whether the tokens
+    are the same."""
+    plain_rate = len(plain_result.tokens) / plain_seconds
+    rate = len(result.tokens) / seconds
+    same = ""
+    if exact:
+        same = ", the same tokens" if plain_result.tokens == result.tokens else ", different tokens (16-bit near-ties)"
+    return f"lookahead / plain: {rate / plain_rate:.2f}x ({rate:.1f} against {plain_rate:.1f} tok/s{same})"

@@ -1,0 +1,75 @@
+"""Self-tuning on a model, one home for every model adapter (the native runner's `lookahead.models.tuning`, the
+transformers adapter's `lookahead.hf.tuning`): which curve a request needs (`cost_model_for`), how steps are timed
+into one (`time_steps`), and the cache key's parts that do not describe the model (`cost_key`). An adapter says only
+how to run one pass of a step on its model and what describes its model.
+
+What a request needs: with `LookaheadConfig(budget="auto")` and the tree form, a curve of its kind of step ("greedy"
+or "sampling") up to its largest step, all rows together. A cost model the user set (an empty key) is used as it is;
+otherwise the model's own, else the cached file's, measured now for what it lacks (`store.prepared`).
+
+How it is measured: one untimed pass per step size (it prepares the shape: a kernel compile, a graph capture), then
+`REPEATS` timed passes of each at cache length 0 and one at a longer length (the cost per cached position), fitted by
+`cost.fit` (medians, made monotone). The longer length is what the adapter can hold (`MIN_SPAN` at least, else the
+cost per position is left to the steps to learn: `Curve.observe`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from lookahead.config import LookaheadConfig
+
+from .cost import CostModel, Curve, fit
+from .store import Saver, device_label, prepared, versions
+
+REPEATS = 3  # timed passes per step size at the shortest cache length (one at the longest): a median
+MIN_SPAN = 256  # cache positions between the two lengths timed; below it the cost per position is not measured
+MAX_SPAN = 2048  # the longer cache length timed, at most
+
+
+def self_tuned(cfg: LookaheadConfig | None) -> bool:
+    """Whether a request with this configuration sizes its steps by a cost model."""
+    return cfg is not None and cfg.budget == "auto" and cfg.form == "tree"
+
+
+def cost_model_for(current: CostModel | None, cfg: LookaheadConfig | None, greedy: bool, tokens: int,
+                   key: Callable[[], Mapping], measure: Callable[[], Curve], saver: Saver) -> CostModel | None:
+    """The cost model a request sizes its steps by: None for plain decoding or full-size steps; `current` if the user
+    set it (its key is empty); else one for `key()` with a curve of the request's kind up to steps of `tokens` tokens
+    (all rows), measured by `measure()` now if neither `current` nor the cache file has it."""
+    if not self_tuned(cfg):
+        return None
+    if current is not None and not current.key:
+        return current
+    return prepared(current, key(), "greedy" if greedy else "sampling", tokens, measure, saver)
+
+
+def time_steps(run: Callable[[int, int], None], sizes: Sequence[int], rows: int, longest: int, quick: bool,
+               clock: Callable[[], float] = time.perf_counter) -> Curve:
+    """A curve from timed passes: `run(i, length)` runs one pass of step `i` (of `sizes[i]` tokens per row, `rows`
+    rows) at cache length `length` and returns when the device is done. Every step once untimed at length 0, then
+    `REPEATS` timed passes of each at length 0 and one at `longest` (if at least `MIN_SPAN`); `quick` (under Triton's
+    interpreter, where timings mean nothing): one timed pass at length 0."""
+    lengths = [0] * (1 if quick else REPEATS) + ([longest] if longest >= MIN_SPAN and not quick else [])
+    for i in range(len(sizes)):
+        run(i, 0)  # prepares the shape
+    samples = []
+    for length in lengths:  # length by length: an adapter that must fill its cache to a length does so once
+        for i, size in enumerate(sizes):
+            start = clock()
+            run(i, length)
+            samples.append((rows * size, length, clock() - start))
+    return fit(samples)
+
+
+def cost_key(device, dtype, backend: str, model: list, interpreted: bool, packages: Sequence[str] = (),
+             **more) -> dict:
+    """What a step's cost depends on beyond the step, the cache file's key: the device (its GPU or CPU name), the
+    dtype, the attention backend, what describes the model (`model`), the thread count, whether Triton is
+    interpreted, the versions of torch, Triton, this package and `packages`, and the adapter's `more`."""
+    import torch
+
+    return {"device": device_label(device), "dtype": str(dtype), "backend": backend, **more,
+            "threads": torch.get_num_threads(), "interpreted": interpreted, "model": list(model),
+            "versions": [torch.__version__, *versions("triton", "lookahead", *packages)]}

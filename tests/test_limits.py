@@ -1,0 +1,80 @@
+"""Sizes and states that cannot work are refused at once, naming the value (issue 28 items 6 and 13): steps no model
+could hold, a KV cache checked against what it needs (not its power-of-two rounding), a transformers model without
+weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lookahead.models.kv_cache as kv_cache
+from lookahead import LookaheadConfig
+from lookahead.cli import main
+from lookahead.config import MAX_STEP_TOKENS
+from lookahead.models import Llama
+
+
+def test_steps_past_the_stated_maximum_are_refused():
+    """LookaheadConfig(1, 4, 10000) on a tiny model produced nothing in 120 s (30003 tokens a step)."""
+    with pytest.raises(ValueError, match=r"LookaheadConfig\(window=1, ngram=4, guesses=10000\) makes steps of "
+                                         r"\(W \+ G\)\(N - 1\) = 30003 tokens; at most 1024"):
+        LookaheadConfig(1, 4, 10000)
+    assert LookaheadConfig(1, 2, MAX_STEP_TOKENS - 1).step_tokens == MAX_STEP_TOKENS
+    with pytest.raises(ValueError, match="1025 tokens"):
+        LookaheadConfig(1, 2, MAX_STEP_TOKENS)
+
+
+def test_steps_the_model_could_never_hold_are_refused(tiny_checkpoint):
+    model = Llama.from_pretrained(tiny_checkpoint())  # 512 positions
+    with pytest.raises(ValueError, match=r"W=2, N=5, G=200 verifies up to G\(N - 1\) = 800 draft nodes a step, more "
+                                         r"than the model's max_position_embeddings \(512\)"):
+        model.generate([1, 2, 3], max_new_tokens=4, lookahead=LookaheadConfig(2, 5, 200))
+
+
+def test_the_cli_refuses_them_before_torch_loads(capsys):
+    assert main(["generate", "Hello", "-G", "10000"]) == 2
+    assert capsys.readouterr().err.startswith("lookahead: error: -W/-N/-G: LookaheadConfig(window=1, ngram=4, "
+                                              "guesses=10000) makes steps of (W + G)(N - 1) = 30003 tokens")
+
+
+def block_bytes(model: Llama, blocks: int) -> int:
+    """What a pool of `blocks` blocks (plus its scratch block) takes."""
+    cfg = model.config
+    return kv_cache.pool_bytes(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, model.dtype,
+                               (blocks + 1) * 16)
+
+
+def test_the_cache_is_checked_against_what_a_request_needs_not_its_rounding(tiny_checkpoint, monkeypatch):
+    """A request of 19 blocks was refused as needing 32 (the pool is rounded up to a power of two before the memory
+    check): a 2**25-token request needed twice what it needs. Where the rounding does not fit, the exact size does."""
+    model = Llama.from_pretrained(tiny_checkpoint())
+    plain = model.generate([1, 2, 3], max_new_tokens=300, eos_token_id=[]).tokens  # 304 positions: 19 blocks
+    model.release()
+    monkeypatch.setattr(kv_cache, "free_bytes", lambda device: block_bytes(model, 25))
+    assert model.generate([1, 2, 3], max_new_tokens=300, eos_token_id=[]).tokens == plain
+    assert model.runner.blocks.num_blocks == 19
+    model.release()
+    monkeypatch.setattr(kv_cache, "free_bytes", lambda device: block_bytes(model, 10))
+    with pytest.raises(ValueError, match="the KV cache of 19 blocks of 16 positions needs"):  # what it needs, said
+        model.generate([1, 2, 3], max_new_tokens=300, eos_token_id=[])
+
+
+def test_a_growing_runner_is_checked_the_same_way(tiny_checkpoint, monkeypatch):
+    model = Llama.from_pretrained(tiny_checkpoint())
+    model.generate([1, 2, 3], max_new_tokens=8)  # the smallest pool: 16 blocks
+    assert model.runner.blocks.num_blocks == 16
+    # growing holds the old pool and the new one at once: room for 16 + 19 blocks, not 16 + 32
+    monkeypatch.setattr(kv_cache, "free_bytes", lambda device: block_bytes(model, 19 + 2))
+    model.generate([1, 2, 3], max_new_tokens=300, eos_token_id=[])
+    assert model.runner.blocks.num_blocks == 19
+
+
+def test_a_transformers_model_on_the_meta_device_is_refused_by_name(tiny_checkpoint):
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    import lookahead.hf as lh
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(AutoConfig.from_pretrained(tiny_checkpoint()))
+    with pytest.raises(ValueError, match="hf_model holds no weights: .* on the meta device .*init_empty_weights"):
+        lh.generate(model, [1, 2, 3], 4)
