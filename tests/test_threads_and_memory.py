@@ -45,8 +45,8 @@ def test_a_kv_cache_that_cannot_fit_is_refused_before_allocating(tiny_checkpoint
     model.generate([1, 2, 3], max_new_tokens=4)
     monkeypatch.setattr(kv_cache, "free_bytes", lambda device: 2**20)  # 1 MiB free
     runner = model.runner
-    with pytest.raises(ValueError, match=r"the KV cache of 1024 blocks of 16 positions needs .* GiB on "
-                                         r"cpu, where 0.00 GiB are free: give fewer prompts"):
+    with pytest.raises(ValueError, match=r"the KV cache of 1024 blocks of 16 positions needs 8.01 MiB on "
+                                         r"cpu, where 1.00 MiB are free: give fewer prompts"):
         model.generate([[1, 2, 3]] * 1024, max_new_tokens=4)
     monkeypatch.undo()
     assert model.runner is runner and runner.capacity == 256  # nothing left half-built

@@ -198,8 +198,8 @@ def check_args(args: argparse.Namespace, environ: Mapping[str, str] = os.environ
             raise UsageError(f"{flag} must be >= {low}, got {value}")
     if not args.no_lookahead:
         try:  # the sizes no step could hold are refused now, not after the model loads (the CLI's default K is 1)
-            LookaheadConfig(args.window or DEFAULTS.window, args.ngram, DEFAULTS.guesses if args.guesses is None
-                            else args.guesses)
+            LookaheadConfig(args.window or DEFAULTS.window, args.ngram or DEFAULTS.ngram,
+                            DEFAULTS.guesses if args.guesses is None else args.guesses)
         except ValueError as e:
             raise UsageError(f"-W/-N/-G: {e}") from None
     if args.device is not None and not _DEVICE.fullmatch(args.device):
