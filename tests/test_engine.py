@@ -176,7 +176,9 @@ def test_the_queue_limit_and_bad_requests_are_refused_at_submit():
     engine.submit([1], 2)
     with pytest.raises(QueueFull, match="2 requests are waiting"):
         engine.submit([1], 2)
-    for bad, message in [(dict(prompt=[], max_new_tokens=2), "at least one prompt"),
+    engine.model.max_step_tokens = 18
+    for bad, message in [(dict(prompt=[1], max_new_tokens=2, lookahead=LookaheadConfig(3, 4, 5)), "at most 18"),
+                         (dict(prompt=[], max_new_tokens=2), "at least one prompt"),
                          (dict(prompt=[1] * 15, max_new_tokens=10), "exceeds the model's 20 positions"),
                          (dict(prompt=[1], max_new_tokens=0), "max_new_tokens"),
                          (dict(prompt=[1], max_new_tokens=2, logprobs=21), "logprobs"),

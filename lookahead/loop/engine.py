@@ -91,6 +91,11 @@ class Engine:
                                      or not 0 <= logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an int in 0..{MAX_LOGPROBS} or None, got {logprobs!r}")
         self._check_positions(request)
+        limit = getattr(self.model, "max_step_tokens", None)
+        if lookahead is not None and limit is not None and lookahead.step_tokens > limit:
+            raise ValueError(f"lookahead {lookahead.window}-{lookahead.ngram}-{lookahead.guesses} steps feed up to "
+                             f"{lookahead.step_tokens} tokens; this engine's model takes steps of at most {limit}: "
+                             "give a smaller configuration")
         handle = Handle(lambda: self.cancel(job))
         job = Job(request, sampling_seed(request, 0), sink or handle.put, stops_at, logprobs)
         with self._wake:

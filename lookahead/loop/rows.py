@@ -62,6 +62,8 @@ class RowModel(Protocol):
         deferred to the next step). A prefill chunk commits all its indices.
     release: the row is done (finished or cancelled): free its memory. Its entries may stay cached for later rows.
     prefill_chunk: the most prompt tokens one step may carry for one row (None: a whole prompt at once).
+    A model whose rows' steps are bounded says so by a `max_step_tokens` attribute (the engine refuses requests whose
+    lookahead steps would pass it).
     """
 
     prefill_chunk: int | None
