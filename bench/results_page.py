@@ -348,20 +348,24 @@ def section_engine() -> list[str]:
 
 
 def section_serve() -> list[str]:
-    if not (RESULTS / "serve-cpu.json").is_file():
-        return []
-    data = load("serve-cpu")
-    rows = [[r["rate"], r["method"], f"{r['throughput']:.1f}", f"{r['ttft_p50']:.2f}", f"{r['ttft_p99']:.2f}",
-             f"{r['tpot_p50'] * 1e3:.0f}", f"{r['tpot_p99'] * 1e3:.0f}", f"{r['same']}/{r['requests']}"]
-            for r in data["summary"]]
-    return ["## The server under load", "",
-            f"`lookahead serve` (max batch {data['max_batch']}) against `lookahead serve --no-lookahead`, one after "
-            "the other on the same Poisson arrivals of dev chat prompts, streamed through the `openai` client, "
-            f"greedy, {data['max_tokens']} tokens each; fp32, the default model. Throughput: all answers' tokens over "
-            "the time from the first arrival to the last answer; ms/token: each request's mean gap after its first "
-            "token; same: answers identical between the two servers.", "",
-            *table(["arrivals /s", "server", "tokens/s", "TTFT p50 s", "TTFT p99 s", "ms/token p50", "ms/token p99",
-                    "same"], rows), "", *plot("serve-cpu"), "", *source("serve-cpu")]
+    lines = []
+    for stem, what in (("serve-cpu", "`lookahead serve` against `lookahead serve --no-lookahead`"),
+                       ("serve-prefix-cpu", "`lookahead serve` against `lookahead serve --no-prefix-cache`, every "
+                                            "request beginning with one 300-token system prompt")):
+        if not (RESULTS / f"{stem}.json").is_file():
+            continue
+        data = load(stem)
+        rows = [[r["rate"], r["method"], f"{r['throughput']:.1f}", f"{r['ttft_p50']:.2f}", f"{r['ttft_p99']:.2f}",
+                 f"{r['tpot_p50'] * 1e3:.0f}", f"{r['tpot_p99'] * 1e3:.0f}", f"{r['same']}/{r['requests']}"]
+                for r in data["summary"]]
+        lines += [f"{what} (max batch {data['max_batch']}), one after the other on the same Poisson arrivals of dev "
+                  f"chat prompts, streamed through the `openai` client, greedy, {data['max_tokens']} tokens each; "
+                  "fp32, the default model. Throughput: all answers' tokens over the time from the first arrival to "
+                  "the last answer; ms/token: each request's mean gap after its first token; same: answers identical "
+                  "between the two servers.", "",
+                  *table(["arrivals /s", "server", "tokens/s", "TTFT p50 s", "TTFT p99 s", "ms/token p50",
+                          "ms/token p99", "same"], rows), "", *plot(stem), "", *source(stem), ""]
+    return ["## The server under load", "", *lines] if lines else []
 
 
 def section_paging() -> list[str]:

@@ -11,6 +11,7 @@ gave alike. Saves JSON and a PNG.
 
     python bench/serve.py --quick       # 6 requests per rate, 2 rates, 48 tokens
     python bench/serve.py               # 16 requests per rate, 4 rates, 96 tokens
+    python bench/serve.py --compare prefix --name serve-prefix   # the prefix cache on and off, one system prompt
 """
 
 from __future__ import annotations
@@ -30,9 +31,14 @@ import sys  # noqa: E402
 import time  # noqa: E402
 import urllib.request  # noqa: E402
 
+from paging import SYSTEM  # noqa: E402
+
 from common import load_prompts, machine, print_table, save_json  # noqa: E402
 
-METHODS = {"lookahead": [], "plain": ["--no-lookahead"]}
+COMPARISONS = {  # --compare: the two servers, by their flags
+    "lookahead": {"lookahead": [], "plain": ["--no-lookahead"]},
+    "prefix": {"prefix cache": [], "no prefix cache": ["--no-prefix-cache"]},
+}
 
 
 def free_port() -> int:
@@ -69,11 +75,11 @@ def stop_server(process: subprocess.Popen) -> None:
         process.kill()
 
 
-async def one_request(client, model: str, text: str, max_tokens: int, delay: float, start: float) -> dict:
+async def one_request(client, model: str, messages: list[dict], max_tokens: int, delay: float, start: float) -> dict:
     await asyncio.sleep(max(0.0, start + delay - time.perf_counter()))
     sent = time.perf_counter()
     times, pieces = [], []
-    stream = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": text}],
+    stream = await client.chat.completions.create(model=model, messages=messages,
                                                   max_tokens=max_tokens, temperature=0, stream=True,
                                                   stream_options={"include_usage": True})
     tokens = 0
@@ -89,19 +95,19 @@ async def one_request(client, model: str, text: str, max_tokens: int, delay: flo
             "tokens": tokens, "done": done - start, "text": "".join(pieces)}
 
 
-async def load(url: str, texts: list[str], rate: float, max_tokens: int, seed: int) -> list[dict]:
+async def load(url: str, conversations: list[list[dict]], rate: float, max_tokens: int, seed: int) -> list[dict]:
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=f"{url}/v1", api_key="none", timeout=600, max_retries=0)
     model = (await client.models.list()).data[0].id
     rng = random.Random(seed)
     delays, t = [], 0.0
-    for _ in texts:
+    for _ in conversations:
         delays.append(t)
         t += rng.expovariate(rate)
     start = time.perf_counter()
-    results = await asyncio.gather(*(one_request(client, model, text, max_tokens, d, start)
-                                      for text, d in zip(texts, delays, strict=True)))
+    results = await asyncio.gather(*(one_request(client, model, messages, max_tokens, d, start)
+                                      for messages, d in zip(conversations, delays, strict=True)))
     await client.close()
     return list(results)
 
@@ -118,20 +124,25 @@ def main() -> None:
     parser.add_argument("--requests", type=int)
     parser.add_argument("--tokens", type=int)
     parser.add_argument("--max-batch", type=int, default=8)
+    parser.add_argument("--compare", choices=sorted(COMPARISONS), default="lookahead",
+                        help="lookahead against --no-lookahead, or the prefix cache against --no-prefix-cache (every "
+                             "request then begins with one 300-token system prompt)")
     parser.add_argument("--name", default="serve")
     args = parser.parse_args()
     rates = args.rates or ([0.1, 0.4] if args.quick else [0.05, 0.1, 0.2, 0.4])
     count = args.requests or (6 if args.quick else 16)
     max_tokens = args.tokens or (48 if args.quick else 96)
-    texts = [row["prompt"] for row in load_prompts(None)][:count]
+    methods = COMPARISONS[args.compare]
+    system = [{"role": "system", "content": SYSTEM}] if args.compare == "prefix" else []
+    conversations = [[*system, {"role": "user", "content": row["prompt"]}] for row in load_prompts(None)][:count]
     records, summary = [], []
     for i, rate in enumerate(rates):
-        order = list(METHODS) if i % 2 == 0 else list(reversed(METHODS))
+        order = list(methods) if i % 2 == 0 else list(reversed(methods))
         answers = {}
         for method in order:
-            process, url = start_server(METHODS[method], args.max_batch)
+            process, url = start_server(methods[method], args.max_batch)
             try:
-                results = asyncio.run(load(url, texts, rate, max_tokens, seed=i))
+                results = asyncio.run(load(url, conversations, rate, max_tokens, seed=i))
             finally:
                 stop_server(process)
             answers[method] = [r["text"] for r in results]
@@ -147,21 +158,24 @@ def main() -> None:
             records.append({**row, "results": [{k: v for k, v in r.items() if k != "text"} for r in results]})
             print(f"rate {rate}/s {method}: {row['throughput']:.1f} tok/s, TTFT p50 {row['ttft_p50']:.2f} s, "
                   f"per token p50 {row['tpot_p50'] * 1e3:.0f} ms", flush=True)
-        same = sum(a == b for a, b in zip(answers["lookahead"], answers["plain"], strict=True))
+        first, second = (answers[name] for name in methods)
+        same = sum(a == b for a, b in zip(first, second, strict=True))
         for row in summary[-2:]:
             row["same"] = same
     print_table(["rate /s", "method", "tok/s", "TTFT p50 s", "TTFT p99 s", "ms/token p50", "ms/token p99", "same"],
                 [[r["rate"], r["method"], f"{r['throughput']:.1f}", f"{r['ttft_p50']:.2f}", f"{r['ttft_p99']:.2f}",
                   f"{r['tpot_p50'] * 1e3:.0f}", f"{r['tpot_p99'] * 1e3:.0f}", f"{r['same']}/{r['requests']}"]
                  for r in summary])
-    command = "python bench/serve.py" + (" --quick" if args.quick else "")
+    command = "python bench/serve.py" + (" --quick" if args.quick else "") + (
+        f" --compare {args.compare} --name {args.name}" if args.compare != "lookahead" else "")
     path = save_json(args.name, {"machine": machine(), "command": command, "form": "tree", "max_tokens": max_tokens,
-                                 "max_batch": args.max_batch, "summary": summary, "records": records})
-    plot(summary, path.with_suffix(".png"))
+                                 "max_batch": args.max_batch, "compare": args.compare, "summary": summary,
+                                 "records": records})
+    plot(summary, list(methods), path.with_suffix(".png"))
     print(path)
 
 
-def plot(summary: list[dict], path) -> None:
+def plot(summary: list[dict], methods: list[str], path) -> None:
     try:
         import matplotlib
 
@@ -170,7 +184,7 @@ def plot(summary: list[dict], path) -> None:
     except ImportError:
         return
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    for method in METHODS:
+    for method in methods:
         rows = [r for r in summary if r["method"] == method]
         rates = [r["rate"] for r in rows]
         axes[0].plot(rates, [r["throughput"] for r in rows], "o-", label=method)

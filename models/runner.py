@@ -93,6 +93,7 @@ class CachedRunner:
         self.table_width = table_width(cfg.max_position_embeddings + max(max_step_tokens, self.prefill_chunk),
                                        block_size)
         self.backend.resize(self.pool, max_rows, (max_step_tokens, self.prefill_chunk))
+        self.prefix_cache = True  # prompts take the cached blocks they begin with (False: every prompt prefills whole)
         self.rows: dict[int, Row] = {}
         self._next_row = 0
         self._moves: tuple[list[int], list[int]] = ([], [])  # deferred commits: source and destination slots
@@ -143,7 +144,7 @@ class CachedRunner:
             return None
         self._check_weights()
         self._check_interrupted()
-        shared, keys = self.blocks.match(prompt, len(prompt) - 1)
+        shared, keys = self.blocks.match(prompt, len(prompt) - 1) if self.prefix_cache else ([], [])
         if need - len(shared) > self.blocks.available:
             self.blocks.release(shared)
             return None

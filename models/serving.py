@@ -25,14 +25,16 @@ MEMORY_SHARE = 0.4  # of the free memory, the most a default-sized KV cache take
 
 
 def engine_for(model: Llama, *, max_batch: int = 8, lookahead: LookaheadConfig | str | None = "auto",
-               max_queue: int | None = 256, kv_cache_bytes: int | None = None, warm: bool = True) -> Engine:
+               max_queue: int | None = 256, kv_cache_bytes: int | None = None, warm: bool = True,
+               prefix_cache: bool = True) -> Engine:
     """An `Engine` over `model` for up to `max_batch` rows at once and `max_queue` waiting requests (None: no limit).
 
     lookahead: the configuration requests may decode with ("auto": `LookaheadConfig.auto` for the model's device;
     None: plain decoding only); it sizes the runner's steps and the cost model measured. kv_cache_bytes: the KV
     cache's size (default: `max_batch` rows of the model's full length, at most `MEMORY_SHARE` of the free memory,
     at least one full-length row). warm: rows draft from a memory of what earlier requests taught (shared by all
-    rows, bounded). Start it with `engine.start()` (or drive it with `engine.step()`); `engine.stop()` ends it."""
+    rows, bounded). prefix_cache: a prompt takes the cached KV blocks it begins with (False: every prompt prefills
+    whole, for comparison). Start it with `engine.start()` (or drive it with `engine.step()`); `engine.stop()` ends it."""
     if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
         raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
     if isinstance(lookahead, str) and lookahead == "auto":
@@ -54,6 +56,7 @@ def engine_for(model: Llama, *, max_batch: int = 8, lookahead: LookaheadConfig |
     with model.lock, torch.inference_mode():
         model.merge_weights()
         runner = CachedRunner(model, blocks, step, cuda_graphs=True, max_rows=max_batch)
+        runner.prefix_cache = prefix_cache
         if lookahead is not None:  # the cost model a self-tuned step is sized by, measured now if there is none
             cost = cost_model_for(model, runner, Request([[0]] * min(max_batch, 4), 1, lookahead=lookahead))
         else:

@@ -119,6 +119,8 @@ def _add_serve(commands) -> None:
     serve.add_argument("--kv-cache-gb", type=float, default=None,
                        help="the KV cache's size in GiB (default: --max-batch rows of the model's full length, "
                             "at most 40%% of the free memory, at least one row)")
+    serve.add_argument("--no-prefix-cache", action="store_true",
+                       help="prefill every prompt whole: no KV blocks shared between requests (for comparison)")
     serve.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
                        help="the largest request body accepted (413 beyond)")
     serve.add_argument("--window", "-W", type=int, default=None,

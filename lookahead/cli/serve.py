@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
              "tied (a multi-token pass rounds differently from a one-token pass); float32 is token-exact")
     kv_bytes = None if args.kv_cache_gb is None else int(args.kv_cache_gb * GIB)
     engine = engine_for(model, max_batch=args.max_batch, lookahead=lookahead, max_queue=args.max_queue,
-                        kv_cache_bytes=kv_bytes)
+                        kv_cache_bytes=kv_bytes, prefix_cache=not args.no_prefix_cache)
     _check_cache(engine, model.config.max_position_embeddings, args.kv_cache_gb)
     name = args.served_model_name or folder.name
     app = create_app(engine, tokenizer, name, api_key=args.api_key, lookahead=lookahead,
