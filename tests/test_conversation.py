@@ -110,3 +110,21 @@ def test_a_block_filled_exactly_by_a_commit_is_keyed_at_once(tiny_checkpoint):
     prompt = list(range(1, 2 * BLOCK_SIZE + 1))
     assert model.generate(prompt, max_new_tokens=1, eos_token_id=[]).cached_tokens == 0
     assert model.generate(prompt + [40], max_new_tokens=1, eos_token_id=[]).cached_tokens == 2 * BLOCK_SIZE
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_the_prefix_cache_can_be_switched_off(tiny_checkpoint, prefix_cache):
+    """`engine_for(prefix_cache=False)` (the server's --no-prefix-cache): every prompt prefills whole, same tokens."""
+    from lookahead.models import engine_for
+
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    engine = engine_for(model, max_batch=2, lookahead=None, prefix_cache=prefix_cache, kv_cache_bytes=2**22)
+    first = engine.submit(SYSTEM, 4)
+    while engine.step():
+        pass
+    second = engine.submit(SYSTEM + [1, 2], 6)
+    while engine.step():
+        pass
+    assert first.result().cached_tokens == 0
+    assert second.result().cached_tokens == (32 if prefix_cache else 0)
+    assert second.result().tokens == model.generate(SYSTEM + [1, 2], max_new_tokens=6, eos_token_id=[]).tokens
