@@ -5,10 +5,11 @@ held at once: the dense cache reserves every row the longest request's capacity 
 the runner before paging did), the paged pool only each row's own blocks. The paged figure is measured: the blocks
 held at the peak of a real run of the engine with every request in flight.
 
-(b) Time to first token (TTFT), with prefix sharing against without (the prefix cache cleared before each request):
-chat prompts that share the chat template's system prompt (each asked once, after one warm-up request), and the
-second turns of the two-turn dev conversations (bench/data/dev-turn2.jsonl: turn 1's answer generated first, then
-turn 2's prompt holds turn 1, its answer and the new message). The methods alternate per request. Saves JSON.
+(b) Time to first token (TTFT), with prefix sharing against without (the prefix cache cleared before the request):
+chat prompts that share a system prompt (the chat template's, and a 300-token one), each after one earlier request
+with that system prompt, and the second turns of the two-turn dev conversations (bench/data/dev-turn2.jsonl: turn
+1's answer generated first, then turn 2's prompt holds turn 1, its answer as the client decodes it, and the new
+message), each right after its first turn. Saves JSON.
 
     python bench/paging.py --quick      # 4 chats, 3 conversations
     python bench/paging.py              # 16 chats, 10 conversations
@@ -31,6 +32,7 @@ from lookahead.models.kv_cache import pool_bytes  # noqa: E402
 from lookahead.models.runner import BLOCK_SIZE  # noqa: E402
 
 TURNS = ROOT / "bench" / "data" / "dev-turn2.jsonl"
+ANSWER_TOKENS = 96  # a conversation's first answer (greedy: the same when it runs again to fill the cache)
 # a deployment's system prompt, of the length such prompts have (about 300 tokens): the chat template's own is one
 # block long, so most of a chat prompt is the user's own text there
 SYSTEM = " ".join([
@@ -87,23 +89,21 @@ def memory(model, tokenizer, prompts, max_new: int) -> dict:
             "ratio": paged / dense, "peak_blocks": peak, "bytes_per_position": per_position}
 
 
-def ttft(engine, prompts: list[list[int]], label: str) -> list[dict]:
-    """TTFT of each prompt with the prefix cache as it is against cleared, alternating which goes first."""
+def ttft(engine, cases: list[tuple[list[int], list[int], int]], label: str) -> list[dict]:
+    """TTFT of each case's prompt with its prefix cached against the prefix cache cleared. A case is (what runs first
+    to leave its prefix in the cache: an earlier request with the same system prompt, or the conversation's first
+    turn; the prompt timed; the first request's new tokens)."""
     rows = []
-    for i, ids in enumerate(prompts):
-        times = {}
-        for shared in ([True, False] if i % 2 == 0 else [False, True]):
-            if not shared:
-                engine.model.clear_cache()
-            seconds, result = first_token_seconds(engine, ids)
-            times[shared] = (seconds, result.cached_tokens)
-            if not shared:  # put the prefix back for the next request (what a server would hold)
-                first_token_seconds(engine, ids)
-        rows.append({"kind": label, "prompt_tokens": len(ids), "cached": times[True][1],
-                     "shared_s": times[True][0], "cold_s": times[False][0],
-                     "ratio": times[True][0] / times[False][0]})
-        print(f"{label} {i}: {len(ids)} tokens, {times[True][1]} cached: {times[True][0] * 1e3:.0f} ms against "
-              f"{times[False][0] * 1e3:.0f} ms", flush=True)
+    for i, (prime, ids, prime_tokens) in enumerate(cases):
+        engine.model.clear_cache()
+        first_token_seconds(engine, prime, prime_tokens)  # what a server would hold when this request arrives
+        shared, result = first_token_seconds(engine, ids)
+        engine.model.clear_cache()
+        cold, _ = first_token_seconds(engine, ids)
+        rows.append({"kind": label, "prompt_tokens": len(ids), "cached": result.cached_tokens, "shared_s": shared,
+                     "cold_s": cold, "ratio": shared / cold})
+        print(f"{label} {i}: {len(ids)} tokens, {result.cached_tokens} cached: {shared * 1e3:.0f} ms against "
+              f"{cold * 1e3:.0f} ms", flush=True)
     return rows
 
 
@@ -117,22 +117,21 @@ def main() -> None:
     print(f"memory: {mem['requests']} requests of {min(mem['lengths'])}-{max(mem['lengths'])} positions: dense "
           f"{mem['dense_bytes'] / 2**20:.1f} MiB, paged {mem['paged_bytes'] / 2**20:.1f} MiB ({mem['ratio']:.2f}x)")
     engine = engine_for(model, max_batch=1, lookahead=None, warm=False)
-    first_token_seconds(engine, chats[0])  # the system prompt's blocks are now cached
-    rows = ttft(engine, chats[1:], "chat, the template's system prompt")
+    rows = ttft(engine, [(chats[0], ids, 1) for ids in chats[1:]], "chat, the template's system prompt")
     systems = [chat_ids_messages(tokenizer, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": row[
         "prompt"]}]) for row in load_prompts(1 if args.quick else 4)]
-    first_token_seconds(engine, systems[0])
-    rows += ttft(engine, systems[1:], "chat, a 300-token system prompt")
+    rows += ttft(engine, [(systems[0], ids, 1) for ids in systems[1:]], "chat, a 300-token system prompt")
     conversations = [json.loads(line) for line in TURNS.read_text().splitlines() if line.strip()]
     conversations = conversations[:3] if args.quick else conversations
-    second = []
-    for conv in conversations:
+    cases = []
+    for conv in conversations:  # turn 1's answer, decoded as a client would send it back
         messages = [{"role": "user", "content": conv["turns"][0]}]
-        _, answer = first_token_seconds(engine, chat_ids_messages(tokenizer, messages), 96)
+        first = chat_ids_messages(tokenizer, messages)
+        _, answer = first_token_seconds(engine, first, ANSWER_TOKENS)
         messages += [{"role": "assistant", "content": tokenizer.decode(answer.tokens, skip_special_tokens=True)},
                      {"role": "user", "content": conv["turns"][1]}]
-        second.append(chat_ids_messages(tokenizer, messages))
-    rows += ttft(engine, second, "conversation, second turn")
+        cases.append((first, chat_ids_messages(tokenizer, messages), ANSWER_TOKENS))
+    rows += ttft(engine, cases, "conversation, second turn")
     summary = []
     for kind in dict.fromkeys(r["kind"] for r in rows):
         picked = [r for r in rows if r["kind"] == kind]
