@@ -51,7 +51,7 @@ SYSTEM = " ".join([
 ])
 
 
-def first_token_seconds(engine, ids: list[int], max_new_tokens: int = 1) -> tuple[float, object]:
+def first_token_seconds(engine, ids: list[int], max_new_tokens: int = 1, stop=()) -> tuple[float, object]:
     """Seconds from submit to the first token (the engine stepped in this thread), and the result."""
     first, final = [], []
 
@@ -62,7 +62,7 @@ def first_token_seconds(engine, ids: list[int], max_new_tokens: int = 1) -> tupl
             final.append(delta.result)
 
     start = time.perf_counter()
-    engine.submit(ids, max_new_tokens, sink=sink)
+    engine.submit(ids, max_new_tokens, stop_token_ids=stop, sink=sink)
     while not final:
         engine.step()
     return first[0] - start, final[0]
@@ -89,14 +89,14 @@ def memory(model, tokenizer, prompts, max_new: int) -> dict:
             "ratio": paged / dense, "peak_blocks": peak, "bytes_per_position": per_position}
 
 
-def ttft(engine, cases: list[tuple[list[int], list[int], int]], label: str) -> list[dict]:
+def ttft(engine, cases: list[tuple[list[int], list[int], int]], label: str, stop=()) -> list[dict]:
     """TTFT of each case's prompt with its prefix cached against the prefix cache cleared. A case is (what runs first
     to leave its prefix in the cache: an earlier request with the same system prompt, or the conversation's first
     turn; the prompt timed; the first request's new tokens)."""
     rows = []
     for i, (prime, ids, prime_tokens) in enumerate(cases):
         engine.model.clear_cache()
-        first_token_seconds(engine, prime, prime_tokens)  # what a server would hold when this request arrives
+        first_token_seconds(engine, prime, prime_tokens, stop)  # what a server would hold when this request arrives
         shared, result = first_token_seconds(engine, ids)
         engine.model.clear_cache()
         cold, _ = first_token_seconds(engine, ids)
@@ -117,6 +117,7 @@ def main() -> None:
     print(f"memory: {mem['requests']} requests of {min(mem['lengths'])}-{max(mem['lengths'])} positions: dense "
           f"{mem['dense_bytes'] / 2**20:.1f} MiB, paged {mem['paged_bytes'] / 2**20:.1f} MiB ({mem['ratio']:.2f}x)")
     engine = engine_for(model, max_batch=1, lookahead=None, warm=False)
+    eos = [tokenizer.eos_token_id]  # an answer ends where a client's would
     rows = ttft(engine, [(chats[0], ids, 1) for ids in chats[1:]], "chat, the template's system prompt")
     systems = [chat_ids_messages(tokenizer, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": row[
         "prompt"]}]) for row in load_prompts(1 if args.quick else 4)]
@@ -127,11 +128,11 @@ def main() -> None:
     for conv in conversations:  # turn 1's answer, decoded as a client would send it back
         messages = [{"role": "user", "content": conv["turns"][0]}]
         first = chat_ids_messages(tokenizer, messages)
-        _, answer = first_token_seconds(engine, first, ANSWER_TOKENS)
+        _, answer = first_token_seconds(engine, first, ANSWER_TOKENS, eos)
         messages += [{"role": "assistant", "content": tokenizer.decode(answer.tokens, skip_special_tokens=True)},
                      {"role": "user", "content": conv["turns"][1]}]
         cases.append((first, chat_ids_messages(tokenizer, messages), ANSWER_TOKENS))
-    rows += ttft(engine, cases, "conversation, second turn")
+    rows += ttft(engine, cases, "conversation, second turn", eos)
     summary = []
     for kind in dict.fromkeys(r["kind"] for r in rows):
         picked = [r for r in rows if r["kind"] == kind]
