@@ -46,6 +46,7 @@ def main() -> None:
     parser.add_argument("--model", help="checkpoint folder (default: the converted default model)")
     parser.add_argument("--kinds", nargs="*", default=["chat", "code", "math", "summarize"])
     parser.add_argument("--per-kind", type=int, default=2, help="prompts of each kind (0: all)")
+    parser.add_argument("--skip", type=int, default=0, help="skip each kind's first prompts (those a fit saw)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--configs", nargs="*", default=["3-4-3", "3-4-3:chains", "15-5-15", "15-5-15:chains"])
     parser.add_argument("--pools", choices=("ours", "prompt", "both"), default="ours",
@@ -54,7 +55,7 @@ def main() -> None:
     parser.add_argument("--name", default="compression")
     args = parser.parse_args()
     folder, model, tokenizer = load_model(args.model)
-    rows = load_prompts(args.per_kind or None, tuple(args.kinds))
+    rows = load_prompts(args.per_kind or None, tuple(args.kinds), args.skip)
     pools = {"ours": [True], "prompt": [False], "both": [True, False]}[args.pools]
     variants = [(spec, output_pool) for output_pool in pools for spec in args.configs]
     records = []

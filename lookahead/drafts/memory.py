@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from .pool import NGramPool
 from .recycle import RecycleTables
+from .edges import MATCH_BANDS
 from .suffix import SEPARATOR, SuffixIndex
 
 DEFAULT_CAP_TOKENS = 32768  # about 50 MB held when full at the default configuration (bytes_held's estimate)
@@ -56,7 +57,7 @@ class DraftMemory:
     def clear(self) -> None:
         """Forget everything."""
         self.recycle = RecycleTables()
-        self.suffix = SuffixIndex(self._match)
+        self.suffix = SuffixIndex(self._match, reach=MATCH_BANDS[-1])
         self._grams: dict[int, dict[tuple[int, ...], _Segment]] = {}  # key -> continuation -> its segment
         self._segments: deque[_Segment] = deque()
         self.tokens_held = 0
