@@ -11,6 +11,7 @@ from test_pattern import TREES
 from helpers import MockStepModel, context_logits, decode_one, grow_from
 from lookahead import LookaheadConfig
 from lookahead.drafts import EMPTY, ROOT, DraftBuilder, DraftTree, NGramPool, RecycleTables, SuffixIndex
+from lookahead.drafts.edges import suffix_state
 from lookahead.drafts.suffix import SEPARATOR
 from lookahead.kernels import StepPattern
 from lookahead.loop import full_pattern, pack_step
@@ -95,6 +96,16 @@ def suffix_chain_depth(matched: int, budget: int = 15) -> int:
             return depth
         node = below[0]
     return len(copied)
+
+
+def test_suffix_states_change_at_the_match_bands_and_keep_first_later_and_memory_apart():
+    for later in (False, True):
+        for memory in (False, True):
+            states = [suffix_state(m, later, memory) for m in range(1, 40)]
+            assert [m for m in range(2, 40) if states[m - 1] != states[m - 2]] == [2, 4, 8, 16]
+    kinds = [{suffix_state(m, later, memory) for m in range(1, 40)}
+             for later in (False, True) for memory in (False, True)]
+    assert sum(map(len, kinds)) == len(set().union(*kinds)) == 20
 
 
 def test_a_long_exact_match_puts_the_budget_on_its_chain():

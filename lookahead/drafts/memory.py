@@ -18,9 +18,9 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .edges import MATCH_BANDS
 from .pool import NGramPool
 from .recycle import RecycleTables
-from .edges import MATCH_BANDS
 from .suffix import SEPARATOR, SuffixIndex
 
 DEFAULT_CAP_TOKENS = 32768  # about 50 MB held when full at the default configuration (bytes_held's estimate)

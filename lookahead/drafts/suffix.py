@@ -3,9 +3,9 @@
 An index of every m-gram (m = 1..max_match) of the prompt and the output so far, grown token by token,
 so a step's query costs a few dictionary look-ups however long the sequence is (no rescan). A match of the
 longest indexed m-gram is then measured further back token by token, up to `reach`: how long an exact match is
-says how far its continuation can be trusted (text being copied), and indexing 16-grams would cost 4x the keys. The drafting memory
-(`memory.py`) holds one over earlier generations' texts: texts joined by `SEPARATOR`, which no m-gram and no
-continuation crosses, and forgotten from the front (`forget`).
+says how far its continuation can be trusted (text being copied), and indexing 16-grams would cost 4x the keys.
+The drafting memory (`memory.py`) holds one over earlier generations' texts: texts joined by `SEPARATOR`, which no
+m-gram and no continuation crosses, and forgotten from the front (`forget`).
 """
 
 from __future__ import annotations
