@@ -55,16 +55,20 @@ def device_slug() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def load_prompts(per_kind: int | None = None, kinds: tuple[str, ...] = ("chat", "code", "math", "summarize")):
-    """Rows of dev.jsonl ({id, kind, prompt}), at most `per_kind` of each kind, in file order."""
+def load_prompts(per_kind: int | None = None, kinds: tuple[str, ...] = ("chat", "code", "math", "summarize"),
+                 skip: int = 0):
+    """Rows of dev.jsonl ({id, kind, prompt}), at most `per_kind` of each kind after its first `skip` (the prompts
+    a fit saw, say), in file order."""
     if not DATA.is_file():
         raise FileNotFoundError(f"{DATA} is missing: the prompt sets are part of the repository (bench/data, with "
                                 "their sources and licenses); restore them with: git checkout -- bench/data")
     rows = [json.loads(line) for line in DATA.read_text(encoding="utf-8").splitlines() if line.strip()]
     picked, seen = [], {}
     for row in rows:
-        if row["kind"] in kinds and (per_kind is None or seen.get(row["kind"], 0) < per_kind):
-            seen[row["kind"]] = seen.get(row["kind"], 0) + 1
+        if row["kind"] not in kinds:
+            continue
+        seen[row["kind"]] = seen.get(row["kind"], 0) + 1
+        if skip < seen[row["kind"]] and (per_kind is None or seen[row["kind"]] <= skip + per_kind):
             picked.append(row)
     return picked
 

@@ -9,16 +9,21 @@ Every output is checked token for token against plain greedy. `--pools prompt` r
 
     python bench/compression.py --per-kind 0 --configs 3-4-3 3-4-3:chains 15-5-15 15-5-15:chains
     python bench/compression.py --configs 3-4-3:tree=pool 3-4-3:tree=suffix 3-4-3:tree=recycle
+    python bench/compression.py --second-turns --configs 1-4-5   # turn 2 of the two-turn dev conversations
+
+With `--second-turns` the prompts are the second turns of bench/data/dev-turn2.jsonl (10 conversations: "rewrite
+your answer ...", much of it copied), each after its first turn's plain greedy answer, instead of dev.jsonl.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import torch
 
-from common import chat_ids, greedy_reference, load_model, load_prompts, machine, print_table, save_json
+from common import DATA, chat_ids, greedy_reference, load_model, load_prompts, machine, print_table, save_json
 from lookahead import LookaheadConfig
 
 SOURCES = ("pool", "suffix", "recycle")
@@ -41,11 +46,29 @@ def parse_setting(spec: str, output_pool: bool = True) -> LookaheadConfig:
                            **{f"draft_{name}": name in chosen for name in SOURCES})
 
 
+def second_turns(model, folder, tokenizer, max_new_tokens: int) -> list[dict]:
+    """Rows {id, kind, ids} of the two-turn conversations' second turns, after each first turn's greedy answer."""
+    rows = []
+    for line in (DATA.parent / "dev-turn2.jsonl").read_text(encoding="utf-8").splitlines():
+        conversation = json.loads(line)
+        first, second = conversation["turns"]
+        answer = greedy_reference(model, folder, chat_ids(tokenizer, first), max_new_tokens)
+        messages = [{"role": "user", "content": first},
+                    {"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)},
+                    {"role": "user", "content": second}]
+        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        rows.append({"id": conversation["id"], "kind": conversation["kind"],
+                     "ids": list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="checkpoint folder (default: the converted default model)")
     parser.add_argument("--kinds", nargs="*", default=["chat", "code", "math", "summarize"])
     parser.add_argument("--per-kind", type=int, default=2, help="prompts of each kind (0: all)")
+    parser.add_argument("--skip", type=int, default=0, help="skip each kind's first prompts (those a fit saw)")
+    parser.add_argument("--second-turns", action="store_true", help="the two-turn conversations' second turns")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--configs", nargs="*", default=["3-4-3", "3-4-3:chains", "15-5-15", "15-5-15:chains"])
     parser.add_argument("--pools", choices=("ours", "prompt", "both"), default="ours",
@@ -54,13 +77,17 @@ def main() -> None:
     parser.add_argument("--name", default="compression")
     args = parser.parse_args()
     folder, model, tokenizer = load_model(args.model)
-    rows = load_prompts(args.per_kind or None, tuple(args.kinds))
+    if args.second_turns:
+        rows = second_turns(model, folder, tokenizer, args.max_new_tokens)
+    else:
+        rows = [{**row, "ids": chat_ids(tokenizer, row["prompt"])}
+                for row in load_prompts(args.per_kind or None, tuple(args.kinds), args.skip)]
     pools = {"ours": [True], "prompt": [False], "both": [True, False]}[args.pools]
     variants = [(spec, output_pool) for output_pool in pools for spec in args.configs]
     records = []
     with torch.inference_mode():
         for row in rows:
-            ids = chat_ids(tokenizer, row["prompt"])
+            ids = row["ids"]
             reference = greedy_reference(model, folder, ids, args.max_new_tokens)
             for spec, output_pool in variants:
                 start = time.perf_counter()

@@ -1,13 +1,14 @@
-"""Fits the edge model's weights for evidence from the drafting memory (`lookahead/drafts/edges.py`, `MEMORY_*`).
+"""Fits the edge model's weights (`lookahead/drafts/edges.py`) to the acceptance observed on the dev prompts.
 
 Runs the dev prompts warm, in a stream on one model (greedy), and logs every offered edge of every step: each child
 offered under the input token or under a node of the tree, with its state (`edges`: one per source), and whether it
 is the model's argmax there (the step computes the output of every node, so every offered child is labelled, taken
-into the tree or not). Then fits, by maximum likelihood, the weights of the memory states in the logistic model
-additive in the sources, the weights of the generation's own states held as they are (fitted before, without a
-memory). Prints them in the form `edges.py` takes; saves the edge counts and the fit.
+into the tree or not). Then fits, by maximum likelihood, the chosen weights of the logistic model additive in the
+sources (by default the memory states'), the others held as they are. Prints them in the form `edges.py` takes;
+saves the edge counts and the fit.
 
     python bench/fit_edges.py --per-kind 3 --max-new-tokens 128
+    python bench/fit_edges.py --per-kind 3 --max-new-tokens 256 --fit suffix memory-suffix   # the match bands
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from common import chat_ids, load_model, load_prompts, machine, print_table, sav
 from lookahead.drafts.tree import ROOT, preorder
 from lookahead.loop import LookaheadLoop
 
-OWN = {"recycle": 11, "suffix": 5, "pool": 3}  # own states of each source (then the memory's)
+OWN = {"recycle": 11, "suffix": 11, "pool": 3}  # own states of each source (then the memory's)
 
 
 class _Tagged(float):
@@ -50,13 +51,13 @@ class EdgeLog:
     def install(self) -> None:
         builder.EDGE_PROBABILITY = [_tagged(p, c) for c, p in enumerate(edges.EDGE_PROBABILITY)]
         builder._RANKED_PROBABILITY = [[builder.EDGE_PROBABILITY[s] for s in states] for states in builder._RANKED]
-        children, grown, build, finish = (builder.DraftBuilder._children, builder.DraftTree.grown,
-                                          builder.DraftBuilder.build, LookaheadLoop.finish)
+        children, grown, grow, finish = (builder.DraftBuilder._children, builder.DraftTree.grown,
+                                         builder.DraftBuilder.grow, LookaheadLoop.finish)
         log = self
 
-        def logged_build(self, *args, **kwargs):
+        def logged_grow(self, *args, **kwargs):
             log.offered, log.order = [], {}
-            return build(self, *args, **kwargs)
+            return grow(self, *args, **kwargs)
 
         def logged_children(self, *args):
             out = children(self, *args)
@@ -74,7 +75,7 @@ class EdgeLog:
             log.step(layout, output)
             return finish(self, layout, output)
 
-        builder.DraftBuilder.build, builder.DraftBuilder._children = logged_build, logged_children
+        builder.DraftBuilder.grow, builder.DraftBuilder._children = logged_grow, logged_children
         builder.DraftTree.grown, LookaheadLoop.finish = staticmethod(logged_grown), logged_finish
 
     def step(self, layout, output) -> None:
@@ -88,16 +89,17 @@ class EdgeLog:
                 cell[1] += child == right
 
 
-def fit(counts: dict[int, list[int]], prior: float) -> dict[str, list[float]]:
-    """The memory states' weights (own states fixed), by maximum likelihood with a weak pull towards own + prior."""
-    sizes = {"recycle": len(edges.RECYCLE_WEIGHTS), "suffix": len(edges.SUFFIX_WEIGHTS),
-             "pool": len(edges.POOL_WEIGHTS)}
-    own = {"recycle": edges._RECYCLE_OWN, "suffix": edges._SUFFIX_OWN, "pool": edges._POOL_OWN}
-    # a memory state's own counterpart: recycle 11 + i -> i; suffix 5 + i -> 1 + i; pool 3 + i -> 1 + i
-    twin = {"recycle": lambda i: i - 11, "suffix": lambda i: i - 4, "pool": lambda i: i - 2}
-    start = {name: torch.tensor([own[name][i] if i < OWN[name] else own[name][twin[name](i)] + prior
-                                 for i in range(sizes[name])], dtype=torch.float64) for name in sizes}
-    free = {name: torch.arange(sizes[name]) >= OWN[name] for name in sizes}
+GROUPS = ("recycle", "suffix", "pool", "memory-recycle", "memory-suffix", "memory-pool")
+
+
+def fit(counts: dict[int, list[int]], groups: tuple[str, ...]) -> dict[str, list[float]]:
+    """The weights of `groups` (a source's own states, or the memory's: `GROUPS`), the others held, by maximum
+    likelihood with a weak pull towards where they start (the weights in `edges.py` now)."""
+    current = {"recycle": edges.RECYCLE_WEIGHTS, "suffix": edges.SUFFIX_WEIGHTS, "pool": edges.POOL_WEIGHTS}
+    sizes = {name: len(weights) for name, weights in current.items()}
+    start = {name: torch.tensor(weights, dtype=torch.float64) for name, weights in current.items()}
+    free = {name: (torch.arange(sizes[name]) < OWN[name]) & (name in groups)
+            | (torch.arange(sizes[name]) >= OWN[name]) & (f"memory-{name}" in groups) for name in sizes}
     params = {name: start[name].clone().requires_grad_() for name in sizes}
     codes = torch.tensor(sorted(counts))
     n = torch.tensor([counts[c][0] for c in codes.tolist()], dtype=torch.float64)
@@ -119,7 +121,7 @@ def fit(counts: dict[int, list[int]], prior: float) -> dict[str, list[float]]:
         return value
 
     optimizer.step(loss)
-    return {name: [round(float(w), 2) for w in weights(name).detach()[OWN[name]:]] for name in sizes}
+    return {name: [round(float(w), 2) for w in weights(name).detach()] for name in sizes}
 
 
 def main() -> None:
@@ -128,7 +130,8 @@ def main() -> None:
     parser.add_argument("--per-kind", type=int, default=3, help="prompts of each kind (0: all)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--config", default="1-4-5")
-    parser.add_argument("--prior", type=float, default=-0.5, help="the starting penalty of a memory state")
+    parser.add_argument("--fit", nargs="+", default=list(GROUPS[3:]), choices=GROUPS,
+                        help="the weights fitted, the rest held (default: the memory's)")
     parser.add_argument("--name", default="fit-edges")
     args = parser.parse_args()
     config = dataclasses.replace(parse_setting(args.config), budget="fixed", warm=True)
@@ -141,15 +144,17 @@ def main() -> None:
             result = model.generate(chat_ids(tokenizer, row["prompt"]), max_new_tokens=args.max_new_tokens,
                                     lookahead=config)
             print(f"[{i + 1}/{len(rows)}] {row['id']}: S {result.compression:.2f}", flush=True)
-    weights = fit(log.counts, args.prior)
+    weights = fit(log.counts, tuple(args.fit))
     table = []
     for code, (offered, right) in sorted(log.counts.items(), key=lambda kv: -kv[1][0])[:25]:
         table.append([code, offered, f"{right / offered:.3f}", f"{edges.EDGE_PROBABILITY[code]:.3f}"])
     print_table(["state", "offered", "right", "model"], table)
     for name, values in weights.items():
-        print(f"memory {name}: {tuple(values)}")
+        print(f"{name}: {tuple(values[:OWN[name]])}\nmemory {name}: {tuple(values[OWN[name]:])}")
     print(save_json(args.name, {"machine": machine(), "config": args.config, "max_new_tokens": args.max_new_tokens,
-                                "prompts": [r["id"] for r in rows], "counts": log.counts, "memory_weights": weights}))
+                                "prompts": [r["id"] for r in rows], "fitted": args.fit, "counts": log.counts,
+                                "memory_weights": {name: values[OWN[name]:] for name, values in weights.items()},
+                                "weights": weights}))
 
 
 if __name__ == "__main__":

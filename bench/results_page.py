@@ -77,6 +77,15 @@ RUNS: dict[str, tuple[str, str]] = {
     "e2e-tuned-busy-short-cpu": ("python bench/e2e.py --per-kind 2 --quickstart --busy 3 --max-new-tokens 32 "
                                  "--configs 1-4-5 1-4-5@auto --name e2e-tuned-busy-short", "tree"),
     "fit-edges-cpu": ("python bench/fit_edges.py --per-kind 5 --max-new-tokens 160", "tree"),
+    "fit-edges-suffix-cpu": ("python bench/fit_edges.py --per-kind 3 --max-new-tokens 256 --fit suffix "
+                             "memory-suffix --name fit-edges-suffix", "tree"),
+    "heldout-old-cpu": ("python bench/compression.py --per-kind 0 --skip 3 --configs 1-4-5 1-4-10 --name "
+                        "heldout-old", "tree"),
+    "heldout-bands-cpu": ("python bench/compression.py --per-kind 0 --skip 3 --configs 1-4-5 1-4-10 --name "
+                          "heldout-bands", "tree"),
+    "turn2-old-cpu": ("python bench/compression.py --second-turns --configs 1-4-5 1-4-10 --name turn2-old", "tree"),
+    "turn2-bands-cpu": ("python bench/compression.py --second-turns --configs 1-4-5 1-4-10 --name turn2-bands",
+                        "tree"),
 }
 KINDS = ("chat", "code", "math", "summarize")
 METHOD_NAMES = {"greedy (ours)": "greedy (ours)", "hf greedy": "transformers greedy",
@@ -223,6 +232,26 @@ def section_tree() -> list[str]:
              "10 chat, 10 code, 10 math, 5 summarize; up to 256 new tokens; commit: the drafting code measured.", "",
              *table(["setting", "commit", "tokens a step", *KINDS, "all", "exact"], compression_table(all35)), "",
              *source(*all35)]
+    bands = ["heldout-old-cpu", "heldout-bands-cpu"]
+    before, after = ({(r["id"], r["config"]): r for r in load(stem)["records"]} for stem in bands)
+    moved = sorted(after, key=lambda key: after[key]["tokens"] / after[key]["steps"]
+                   - before[key]["tokens"] / before[key]["steps"])
+    lines += ["", "### Long suffix matches: scored by match length, held out", "",
+              "The 23 dev prompts the edge weights were not fitted on (all but each kind's first 3), 256 tokens, "
+              "full-size steps, cold. Before (`heldout-old`): a suffix continuation scored by match length 1 or "
+              "2+, matches looked up to 4 tokens. After (`heldout-bands`): matches measured back to 16 tokens, "
+              "scored in bands 1, 2-3, 4-7, 8-15, 16+, weights fitted on the first 3 prompts of each kind "
+              "(`fit-edges-suffix`).", "",
+              *table(["setting", "commit", "tokens a step", *KINDS, "all", "exact"], compression_table(bands)), "",
+              "The prompts that moved most (S before -> after):", "",
+              *table(["prompt", "setting", "before", "after"],
+                     [[key[0], key[1], s_of([before[key]]), s_of([after[key]])]
+                      for key in (*moved[:3], *moved[-3:])]), "",
+              "The same before and after on text that is mostly copied: turn 2 of the 10 two-turn dev "
+              "conversations (\"rewrite your answer ...\", after turn 1's greedy answer), 256 tokens, cold:", "",
+              *table(["setting", "commit", "tokens a step", "chat", "all", "exact"],
+                     compression_table(["turn2-old-cpu", "turn2-bands-cpu"])), "",
+              *source(*bands, "turn2-old-cpu", "turn2-bands-cpu", "fit-edges-suffix-cpu")]
     split = ["split18-old-cpu", "tri18-cpu", "split120-old-cpu"]
     ids = list(dict.fromkeys(r["id"] for r in load("split18-old-cpu")["records"]))
     rows = []

@@ -11,6 +11,8 @@ from test_pattern import TREES
 from helpers import MockStepModel, context_logits, decode_one, grow_from
 from lookahead import LookaheadConfig
 from lookahead.drafts import EMPTY, ROOT, DraftBuilder, DraftTree, NGramPool, RecycleTables, SuffixIndex
+from lookahead.drafts.edges import suffix_state
+from lookahead.drafts.suffix import SEPARATOR
 from lookahead.kernels import StepPattern
 from lookahead.loop import full_pattern, pack_step
 from lookahead.loop.verify import Verdict, verify
@@ -52,6 +54,65 @@ def test_suffix_index_longest_match_first_then_most_recent():
     index.extend([1, 2])  # "4 1 2" no, "1 2" at 1: continuation (3, 9); then "2" alone adds nothing new
     assert index.continuations(5, 2)[0] == ((3, 9), 2)
     assert index.continuations(1, 3) == [((3, 9, 2), 2)]
+
+
+def test_suffix_index_measures_a_long_match_beyond_what_it_indexes():
+    copied = list(range(100, 112))
+    # the suffix copied[:10] ends the sequence; its last 3 tokens occurred twice: long ago inside `copied` (a match of
+    # 10 tokens, measured to reach 8) and just before it after another token (a match of 3)
+    sequence = [*copied, 60, 61, 62, copied[7], copied[8], copied[9], 77, 78, 63, *copied[:10]]
+    index = SuffixIndex(max_match=3, reach=8)
+    index.extend(sequence)
+    assert index.continuations(5, 2) == [((copied[10], copied[11]), 8), ((77, 78), 3)]  # longest first
+    short = SuffixIndex(max_match=3)  # reach defaults to what is indexed: most recent first
+    short.extend(sequence)
+    assert short.continuations(5, 2) == [((77, 78), 3), ((copied[10], copied[11]), 3)]
+    # an occurrence at the very start is measured back to its first token, never around the end
+    edge = SuffixIndex(max_match=3, reach=8)
+    edge.extend([5, 6, 7, 8, 9, 8, 5, 6, 7, 8])
+    assert edge.continuations(1, 1) == [((9,), 4)]
+    # a text boundary stops it (the drafting memory's texts), as the tail given runs out
+    held = SuffixIndex(max_match=3, reach=8)
+    held.extend([1, 2, 3, 4, 5, SEPARATOR, 6, 7, 8, 9])
+    assert held.continuations(1, 1, tail=[4, 5, 6, 7, 8]) == [((9,), 3)]
+    held.extend([SEPARATOR, 3, 4, 5, 6, 7, 8, 10])
+    assert held.continuations(1, 1, tail=[4, 5, 6, 7, 8]) == [((10,), 5)]
+    assert held.continuations(1, 1, tail=[5, 6, 7, 8]) == [((10,), 4)]
+
+
+def suffix_chain_depth(matched: int, budget: int = 15) -> int:
+    """How deep the best tree of `budget` nodes follows a text being copied, `matched` tokens into the copy, when
+    the recycled lists offer 8 other tokens under every node."""
+    text = list(range(100, 140))
+    sequence = [*text, 300, 301, 302, 999, *text[10 : 10 + matched]]  # 999: the match is exactly `matched` long
+    builder = DraftBuilder(sequence, pool=False)
+    known = sorted(set(sequence))
+    builder.recycle.update([-1] * len(known), [-1] * len(known), known, np.array([list(range(500, 508))] * len(known)))
+    tree = builder.build(sequence, NGramPool(4, 5), budget)
+    copied, node = text[10 + matched :], ROOT
+    for depth, token in enumerate(copied):
+        below = [child for child in tree.children(node) if tree.tokens[child] == token]
+        if not below:
+            return depth
+        node = below[0]
+    return len(copied)
+
+
+def test_suffix_states_change_at_the_match_bands_and_keep_first_later_and_memory_apart():
+    for later in (False, True):
+        for memory in (False, True):
+            states = [suffix_state(m, later, memory) for m in range(1, 40)]
+            assert [m for m in range(2, 40) if states[m - 1] != states[m - 2]] == [2, 4, 8, 16]
+    kinds = [{suffix_state(m, later, memory) for m in range(1, 40)}
+             for later in (False, True) for memory in (False, True)]
+    assert sum(map(len, kinds)) == len(set().union(*kinds)) == 20
+
+
+def test_a_long_exact_match_puts_the_budget_on_its_chain():
+    # what SuffixDecoding does with a long match, and the spread tree did not: one deep chain; a short match shares
+    depths_by_match = [suffix_chain_depth(m) for m in (1, 2, 8, 16)]
+    assert depths_by_match == sorted(depths_by_match)
+    assert depths_by_match[-1] >= 10 and depths_by_match[1] <= 4
 
 
 def test_recycle_tables_longest_context_first_last_row_wins():

@@ -4,7 +4,7 @@ Three sources propose tokens under the step's input token and under every node o
   recycle  the model's own top-k next tokens recorded at every row of every step ("token recycling"), per
            (two previous tokens, token), else per (previous token, token), else per token;
   suffix   earlier occurrences of the sequence's last 1..4 tokens in prompt + output, and what followed them
-           (continuations of any length up to the node budget);
+           (continuations of any length up to the node budget), with how long the match runs back (up to 16);
   pool     the lookahead branch's n-grams (and the prompt's and output's, per `pool_from_*`), the most recent
            first.
 Each offered edge (a token under a parent) is scored by `edges.EDGE_PROBABILITY`: the probability that it is the
@@ -23,7 +23,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-from .edges import EDGE_PROBABILITY, NO_RECYCLE, pool_state, recycle_state, stronger, suffix_state
+from .edges import EDGE_PROBABILITY, MATCH_BANDS, NO_RECYCLE, pool_state, recycle_state, stronger, suffix_state
 from .memory import DraftMemory
 from .pool import NGramPool
 from .recycle import RecycleTables
@@ -31,7 +31,8 @@ from .suffix import SuffixIndex
 from .tree import ROOT, BestFirst, DraftTree
 
 RECYCLE_K = 8  # next tokens recorded per row
-SUFFIX_MATCH = 4  # longest suffix looked up; longer matches count as this long
+SUFFIX_MATCH = 4  # longest suffix looked up (indexed)
+SUFFIX_REACH = MATCH_BANDS[-1]  # longest match measured: longer ones score as this long
 SUFFIX_LIMIT = 4  # continuations taken from the suffix index per step
 
 
@@ -44,7 +45,7 @@ class DraftBuilder:
         self.use_pool, self.use_suffix, self.use_recycle = pool, suffix, recycle
         self.pool_limit = pool_limit
         self.memory = memory
-        self.suffix = SuffixIndex(SUFFIX_MATCH)
+        self.suffix = SuffixIndex(SUFFIX_MATCH, SUFFIX_REACH)
         self.suffix.extend(sequence)
         self.recycle = RecycleTables()
 
@@ -73,7 +74,7 @@ class DraftBuilder:
             for continuation, match in self.suffix.continuations(SUFFIX_LIMIT, budget):
                 _insert(proposals, continuation, 1, suffix_state(match, False), suffix_state(match, True))
             if memory is not None:
-                for continuation, match in memory.continuations(sequence[-SUFFIX_MATCH:], SUFFIX_LIMIT, budget):
+                for continuation, match in memory.continuations(sequence[-SUFFIX_REACH:], SUFFIX_LIMIT, budget):
                     _insert(proposals, continuation, 1, suffix_state(match, False, True),
                             suffix_state(match, True, True))
         if self.use_pool:

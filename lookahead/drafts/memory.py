@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .edges import MATCH_BANDS
 from .pool import NGramPool
 from .recycle import RecycleTables
 from .suffix import SEPARATOR, SuffixIndex
@@ -56,7 +57,7 @@ class DraftMemory:
     def clear(self) -> None:
         """Forget everything."""
         self.recycle = RecycleTables()
-        self.suffix = SuffixIndex(self._match)
+        self.suffix = SuffixIndex(self._match, reach=MATCH_BANDS[-1])
         self._grams: dict[int, dict[tuple[int, ...], _Segment]] = {}  # key -> continuation -> its segment
         self._segments: deque[_Segment] = deque()
         self.tokens_held = 0

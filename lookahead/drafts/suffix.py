@@ -1,9 +1,11 @@
 """`SuffixIndex`: where the sequence's last tokens occurred before, and what followed them (prompt lookup).
 
 An index of every m-gram (m = 1..max_match) of the prompt and the output so far, grown token by token,
-so a step's query costs a few dictionary look-ups however long the sequence is (no rescan). The drafting memory
-(`memory.py`) holds one over earlier generations' texts: texts joined by `SEPARATOR`, which no m-gram and no
-continuation crosses, and forgotten from the front (`forget`).
+so a step's query costs a few dictionary look-ups however long the sequence is (no rescan). A match of the
+longest indexed m-gram is then measured further back token by token, up to `reach`: how long an exact match is
+says how far its continuation can be trusted (text being copied), and indexing 16-grams would cost 4x the keys.
+The drafting memory (`memory.py`) holds one over earlier generations' texts: texts joined by `SEPARATOR`, which no
+m-gram and no continuation crosses, and forgotten from the front (`forget`).
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ class SuffixIndex:
     """End positions of every m-gram of a growing sequence, m = 1..max_match (positions count forgotten tokens:
     `tokens[0]` is at position `start`)."""
 
-    def __init__(self, max_match: int = 4) -> None:
+    def __init__(self, max_match: int = 4, reach: int = 0) -> None:
+        """max_match: the longest m-gram indexed; reach: the longest match measured (at least max_match)."""
         if max_match < 1:
             raise ValueError(f"max_match must be >= 1, got {max_match}")
         self.max_match = max_match
+        self.reach = max(reach, max_match)
         self.tokens: list[int] = []
         self.start = 0
         self._run = 0  # tokens since the last separator: the longest m-gram ending at the next token is one more
@@ -51,8 +55,8 @@ class SuffixIndex:
     def continuations(self, limit: int, length: int,
                       tail: Sequence[int] | None = None) -> list[tuple[tuple[int, ...], int]]:
         """Up to `limit` distinct continuations (at most `length` tokens) of earlier occurrences of the
-        sequence's suffix (or of `tail`'s, looked up in this index), with the suffix length matched: longest match
-        first, then most recent first."""
+        sequence's suffix (or of `tail`'s, looked up in this index), with the suffix length matched (up to
+        `reach`): longest match first, then most recent first."""
         seq = self.tokens
         n = len(seq)
         out: list[tuple[tuple[int, ...], int]] = []
@@ -65,6 +69,7 @@ class SuffixIndex:
         taken: set[tuple[int, ...]] = set()
         used: set[int] = set()
         for m in range(longest, 0, -1):
+            found = []
             # a frequent token can have hundreds of occurrences whose continuations repeat: look at a few
             for end in reversed(self._ends.get(tuple(tail[len(tail) - m :]), ())[-_SCAN * limit :]):
                 if end == itself or end in used:  # the suffix itself; an occurrence already taken by a longer match
@@ -74,12 +79,28 @@ class SuffixIndex:
                 continuation = tuple(seq[i : i + length])
                 if SEPARATOR in continuation:  # the next text is not what followed
                     continuation = continuation[: continuation.index(SEPARATOR)]
-                if continuation and continuation not in taken:
+                if continuation:
+                    found.append((continuation, self._matched(tail, end, m)))
+            if m == self.max_match:  # the longest indexed: measured further back, longest first (sort is stable)
+                found.sort(key=lambda item: -item[1])
+            for continuation, matched in found:
+                if continuation not in taken:
                     taken.add(continuation)
-                    out.append((continuation, m))
+                    out.append((continuation, matched))
                     if len(out) == limit:
                         return out
         return out
+
+    def _matched(self, tail: Sequence[int], end: int, m: int) -> int:
+        """How many tokens the occurrence ending at `end` and `tail` have in common backwards, known to be >= m, up
+        to `reach` (a `SEPARATOR`, never in `tail`, and the forgotten tokens stop it)."""
+        if m < self.max_match:
+            return m
+        seq, limit = self.tokens, min(self.reach, len(tail), end + 1 - self.start)
+        i = end - self.start
+        while m < limit and seq[i - m] == tail[-1 - m]:
+            m += 1
+        return m
 
     def forget(self, upto: int) -> None:
         """Drop the tokens before position `upto`, which must begin a text (a `SEPARATOR`, or the end), with every
