@@ -220,6 +220,14 @@ def compression_table(stems: list[str]) -> list[list]:
     return rows
 
 
+def most_moved(before_stem: str, after_stem: str, each_way: int = 3) -> list[list]:
+    """[prompt, setting, S before, S after] of the prompts whose S fell most and rose most between two runs."""
+    before, after = ({(r["id"], r["config"]): r for r in load(stem)["records"]} for stem in (before_stem, after_stem))
+    moved = sorted(after, key=lambda key: float(s_of([after[key]])) - float(s_of([before[key]])))
+    return [[key[0], key[1], s_of([before[key]]), s_of([after[key]])] for key in (*moved[:each_way],
+                                                                                  *moved[-each_way:])]
+
+
 NOW = ("tri18-cpu", "compression-tree18-cpu", "compression-tree120-cpu", "compression-tree120-split-cpu")
 
 
@@ -233,9 +241,7 @@ def section_tree() -> list[str]:
              *table(["setting", "commit", "tokens a step", *KINDS, "all", "exact"], compression_table(all35)), "",
              *source(*all35)]
     bands = ["heldout-old-cpu", "heldout-bands-cpu"]
-    before, after = ({(r["id"], r["config"]): r for r in load(stem)["records"]} for stem in bands)
-    moved = sorted(after, key=lambda key: after[key]["tokens"] / after[key]["steps"]
-                   - before[key]["tokens"] / before[key]["steps"])
+    turns = ["turn2-old-cpu", "turn2-bands-cpu"]
     lines += ["", "### Long suffix matches: scored by match length, held out", "",
               "The 23 dev prompts the edge weights were not fitted on (all but each kind's first 3), 256 tokens, "
               "full-size steps, cold. Before (`heldout-old`): a suffix continuation scored by match length 1 or "
@@ -244,14 +250,12 @@ def section_tree() -> list[str]:
               "(`fit-edges-suffix`).", "",
               *table(["setting", "commit", "tokens a step", *KINDS, "all", "exact"], compression_table(bands)), "",
               "The prompts that moved most (S before -> after):", "",
-              *table(["prompt", "setting", "before", "after"],
-                     [[key[0], key[1], s_of([before[key]]), s_of([after[key]])]
-                      for key in (*moved[:3], *moved[-3:])]), "",
+              *table(["prompt", "setting", "before", "after"], most_moved(*bands)), "",
               "The same before and after on text that is mostly copied: turn 2 of the 10 two-turn dev "
               "conversations (\"rewrite your answer ...\", after turn 1's greedy answer), 256 tokens, cold:", "",
-              *table(["setting", "commit", "tokens a step", "chat", "all", "exact"],
-                     compression_table(["turn2-old-cpu", "turn2-bands-cpu"])), "",
-              *source(*bands, "turn2-old-cpu", "turn2-bands-cpu", "fit-edges-suffix-cpu")]
+              *table(["setting", "commit", "tokens a step", "chat", "all", "exact"], compression_table(turns)), "",
+              *table(["conversation", "setting", "before", "after"], most_moved(*turns)), "",
+              *source(*bands, *turns, "fit-edges-suffix-cpu")]
     split = ["split18-old-cpu", "tri18-cpu", "split120-old-cpu"]
     ids = list(dict.fromkeys(r["id"] for r in load("split18-old-cpu")["records"]))
     rows = []
