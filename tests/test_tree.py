@@ -8,9 +8,10 @@ import pytest
 import torch
 from test_pattern import TREES
 
+import lookahead.drafts.builder as builder_module
 from helpers import MockStepModel, context_logits, decode_one, grow_from
 from lookahead import LookaheadConfig
-from lookahead.drafts import EMPTY, ROOT, DraftBuilder, DraftTree, NGramPool, RecycleTables, SuffixIndex
+from lookahead.drafts import EMPTY, ROOT, DraftBuilder, DraftMemory, DraftTree, NGramPool, RecycleTables, SuffixIndex
 from lookahead.drafts.edges import suffix_state
 from lookahead.drafts.suffix import SEPARATOR
 from lookahead.kernels import StepPattern
@@ -80,13 +81,19 @@ def test_suffix_index_measures_a_long_match_beyond_what_it_indexes():
     assert held.continuations(1, 1, tail=[5, 6, 7, 8]) == [((10,), 4)]
 
 
-def suffix_chain_depth(matched: int, budget: int = 15) -> int:
+def suffix_chain_depth(matched: int, budget: int = 15, remembered: bool = False) -> int:
     """How deep the best tree of `budget` nodes follows a text being copied, `matched` tokens into the copy, when
-    the recycled lists offer 8 other tokens under every node."""
+    the recycled lists offer 8 other tokens under every node; the text earlier in this sequence, or (`remembered`)
+    in the drafting memory only, an earlier generation's."""
     text = list(range(100, 140))
-    sequence = [*text, 300, 301, 302, 999, *text[10 : 10 + matched]]  # 999: the match is exactly `matched` long
-    builder = DraftBuilder(sequence, pool=False)
-    known = sorted(set(sequence))
+    copy = [300, 301, 302, 999, *text[10 : 10 + matched]]  # 999: the match is exactly `matched` long
+    memory = None
+    if remembered:
+        memory = DraftMemory()
+        memory.add(text, RecycleTables(), None)
+    sequence = copy if remembered else [*text, *copy]
+    builder = DraftBuilder(sequence, pool=False, memory=memory)
+    known = sorted(set(sequence) | set(text))
     builder.recycle.update([-1] * len(known), [-1] * len(known), known, np.array([list(range(500, 508))] * len(known)))
     tree = builder.build(sequence, NGramPool(4, 5), budget)
     copied, node = text[10 + matched :], ROOT
@@ -113,6 +120,21 @@ def test_a_long_exact_match_puts_the_budget_on_its_chain():
     depths_by_match = [suffix_chain_depth(m) for m in (1, 2, 8, 16)]
     assert depths_by_match == sorted(depths_by_match)
     assert depths_by_match[-1] >= 10 and depths_by_match[1] <= 4
+
+
+def test_a_match_in_the_drafting_memory_is_measured_as_far_back(monkeypatch):
+    # an earlier generation's text: the builder looks it up with the sequence's last 16 tokens, not the 4 indexed
+    seen = []
+
+    def recording(match, later, memory=False):
+        seen.append((match, memory))
+        return suffix_state(match, later, memory)
+
+    monkeypatch.setattr(builder_module, "suffix_state", recording)
+    for matched in (2, 16):
+        seen.clear()
+        suffix_chain_depth(matched, remembered=True)
+        assert max(m for m, memory in seen if memory) == matched
 
 
 def test_recycle_tables_longest_context_first_last_row_wins():
