@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from lookahead.kernels import StepPattern
+from lookahead.kernels.block_attention import block_attention, path_keys, row_keys
 
 from .kv_cache import KVPool
 
@@ -34,6 +35,14 @@ SMALL_ROW = 32  # step tokens up to which rows share one padded SDPA call; a lon
 def causal(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Plain causal attention over the forward pass's own tokens (no cache)."""
     return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, enable_gqa=True)
+
+
+def invariant_causal(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """`causal` in the batch-invariant mode: each row's queries by `block_attention` over its own keys in order."""
+    t = q.shape[2]
+    keys = path_keys(0, t, lambda positions: positions, q.device)
+    return torch.stack([block_attention(q[b].transpose(0, 1), k[b], v[b], keys).transpose(0, 1)
+                        for b in range(q.shape[0])])
 
 
 def paged(pool: KVPool, slots: torch.Tensor, attend: LayerAttention) -> Attend:
@@ -190,6 +199,51 @@ class TritonBackend:
             out = plan(q[0].transpose(0, 1), pool.blocks(k_all), pool.blocks(v_all), meta["block_table"],
                        meta["cu_seqlens"], meta["prefix_len"], meta["window"], meta["ngram"], meta["tree_end"])
             return out.transpose(0, 1)[None]
+
+        return attend
+
+    def end_step(self) -> None:
+        pass
+
+
+class InvariantBackend:
+    """The batch-invariant mode's attention (`Llama(batch_invariant=True)`): each row's queries by
+    `lookahead.kernels.block_attention`, which reduces every query's keys in position order and in blocks aligned to
+    position 0, so a query's output does not depend on its step's shape, the rows beside it, how its prompt was
+    chunked or whether its prefix came from the cache. The rows' key slots are laid out on the host once per step."""
+
+    name, graphable = "invariant", False
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.pool: KVPool | None = None
+
+    def resize(self, pool: KVPool, max_rows: int, row_tokens: Sequence[int]) -> None:
+        self.pool = pool  # for its scratch slot, which pads the tails
+
+    def begin_step(self, step: PackedStep, device_inputs=None) -> LayerAttention:
+        size, rows = step.block_size, []
+        for pattern, length, blocks, start in zip(step.patterns, step.lengths, step.tables, step.starts, strict=True):
+            table = torch.tensor(blocks, dtype=torch.int64)
+
+            def slot_of(positions: torch.Tensor, table: torch.Tensor = table) -> torch.Tensor:
+                return table[positions // size] * size + positions % size
+
+            t = pattern.num_tokens
+            if t == 1 or _is_path(pattern):
+                keys = path_keys(length, t, slot_of, self.device)
+            else:
+                index = torch.arange(t)
+                keys = row_keys(length, pattern.visible(index[:, None], index[None, :]), slot_of,
+                                self.pool.scratch_slot, self.device)
+            rows.append((start, t, keys))
+
+        def attend(layer: int, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor) -> torch.Tensor:
+            out = torch.zeros_like(q)  # padding tokens: seen by no one
+            for start, t, keys in rows:
+                queries = q[0, :, start : start + t].transpose(0, 1)  # [T, Hq, D]
+                out[0, :, start : start + t] = block_attention(queries, k_all, v_all, keys).transpose(0, 1)
+            return out
 
         return attend
 
