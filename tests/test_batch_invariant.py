@@ -4,11 +4,16 @@ beside random other rows, prompts prefilled in random chunks, prefixes from the 
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
+from test_default_model import chat_ids, dev_prompts
 
+from helpers import RandomCost, fixed
+from lookahead import LookaheadConfig
 from lookahead.kernels import StepPattern
 from lookahead.kernels.block_attention import BLOCK, block_attention, path_keys, row_keys
 from lookahead.kernels.row_plans import ROW_PLANS, RowPlan, invariant_linear, invariant_matmul
@@ -18,6 +23,7 @@ from lookahead.models.runner import CachedRunner
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 VOCAB = 101  # the tiny checkpoint's
+TURNS = Path(__file__).resolve().parents[1] / "bench" / "data" / "dev-turn2.jsonl"
 
 
 @pytest.fixture(scope="module")
@@ -263,3 +269,54 @@ def test_block_attention_matches_sdpa_and_does_not_depend_on_the_step():
     out2 = block_attention(q2, k2, v2, tree)
     for i, position in ((0, 37), (2, 38), (3, 39), (4, 40)):
         assert torch.equal(out2[i], out[position])
+
+
+# ----- the default model in bfloat16 -----
+
+def dev_conversations(count: int) -> list[list[str]]:
+    rows = [json.loads(line) for line in TURNS.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [row["turns"] for row in rows[:count]]
+
+
+def bf16_prompts(folder, count: int) -> list[list[int]]:
+    prompts = [p for kind in ("chat", "code", "math", "summarize") for p in dev_prompts((kind,))[:3]]
+    assert len(prompts) >= count
+    return [chat_ids(folder, text) for text in prompts[:count]]
+
+
+@pytest.mark.slow
+def test_bf16_lookahead_batches_and_cached_prefixes_equal_plain_greedy(default_model_dir):
+    """The promise in bfloat16 on the default model: lookahead with full-size and self-tuned steps (random step sizes:
+    every size the budget can choose), a batch of 4 and a second turn with its prefix cached each give plain greedy's
+    tokens, token for token."""
+    model = Llama.from_pretrained(default_model_dir, dtype=torch.bfloat16, batch_invariant=True)
+    prompts = bf16_prompts(default_model_dir, 12)
+    plain = [model.generate(ids, max_new_tokens=32, eos_token_id=[]).tokens for ids in prompts]
+    for i, ids in enumerate(prompts):
+        fixed_steps = model.generate(ids, max_new_tokens=32, eos_token_id=[], lookahead=fixed())
+        assert fixed_steps.tokens == plain[i], f"prompt {i}, fixed steps"
+        model.cost_model = RandomCost(i)
+        tuned = model.generate(ids, max_new_tokens=32, eos_token_id=[], lookahead=LookaheadConfig(warm=False))
+        assert tuned.tokens == plain[i], f"prompt {i}, self-tuned steps"
+    batch = model.generate(prompts[:4], max_new_tokens=32, eos_token_id=[], lookahead=fixed())
+    assert [r.tokens for r in batch] == plain[:4]
+    for turns in dev_conversations(3):  # a second turn: cached from the first's blocks, then cold
+        first = chat_ids(default_model_dir, turns[0])
+        answer = model.generate(first, max_new_tokens=16, eos_token_id=[]).tokens
+        second = first + answer + chat_ids(default_model_dir, turns[1])
+        cached = model.generate(second, max_new_tokens=16, eos_token_id=[], lookahead=fixed())
+        assert cached.cached_tokens > 0
+        model.release()
+        cold = model.generate(second, max_new_tokens=16, eos_token_id=[])
+        assert cold.cached_tokens == 0 and cached.tokens == cold.tokens
+
+
+@pytest.mark.slow
+def test_bf16_without_the_mode_lookahead_differs_somewhere(default_model_dir):
+    """The negative control of the test above: the same prompts in bfloat16 with the mode off give plain greedy's
+    tokens on some prompts only (so the test above can fail)."""
+    model = Llama.from_pretrained(default_model_dir, dtype=torch.bfloat16)
+    prompts = bf16_prompts(default_model_dir, 12)
+    differs = sum(model.generate(ids, max_new_tokens=64, eos_token_id=[], lookahead=fixed()).tokens
+                  != model.generate(ids, max_new_tokens=64, eos_token_id=[]).tokens for ids in prompts)
+    assert differs >= 1

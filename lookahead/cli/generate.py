@@ -136,14 +136,15 @@ def load(args: argparse.Namespace, parallel, say):
     backend = _backend(args.attn_backend, device)
     folder = args.model if args.model else default_model_dir(args.cache_dir)
     model = Llama.from_pretrained(folder, dtype=args.dtype, device=device, attn_backend=backend,
-                                  fusion=args.fusion)
+                                  fusion=args.fusion, batch_invariant=args.batch_invariant)
     tokenizer = _tokenizer(folder)
     dtype = str(model.dtype).removeprefix("torch.")
     say(f"loaded in {time.perf_counter() - start:.1f} s ({dtype}, {device}); generating"
         + ("" if parallel is None else f" on {ranks} processes (lookahead parallelism)"))
-    if dtype != "float32" and lookahead is not None and args.temperature == 0:
+    if dtype != "float32" and lookahead is not None and args.temperature == 0 and not args.batch_invariant:
         say(f"note: in {dtype} the output may differ from plain greedy decoding where two tokens are "
-             "nearly tied (a multi-token pass rounds differently from a one-token pass); float32 is token-exact")
+             "nearly tied (a multi-token pass rounds differently from a one-token pass); float32 is token-exact, "
+             "and so is every dtype with --batch-invariant")
     return model, tokenizer, lookahead
 
 
