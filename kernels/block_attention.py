@@ -68,6 +68,18 @@ def path_keys(length: int, tokens: int, slot_of, device) -> RowKeys:
     return RowKeys(shared.to(device), valid.to(device), None, None)
 
 
+def single_keys(lengths: list[int], slots_of: list, scratch: int, device) -> RowKeys:
+    """The keys of one-token steps of several rows taken together, each query its own row's positions 0..L as a tail
+    (padded to the longest; padding adds exact zeros): one call for every plain step of a packed step."""
+    width = -(-(max(lengths) + 1) // BLOCK) * BLOCK
+    tail = torch.full((len(lengths), width), scratch, dtype=torch.int64)
+    valid = torch.zeros(len(lengths), width, dtype=torch.bool)
+    for i, (length, slot_of) in enumerate(zip(lengths, slots_of, strict=True)):
+        tail[i, : length + 1] = slot_of(torch.arange(length + 1))
+        valid[i, : length + 1] = True
+    return RowKeys(torch.zeros(0, dtype=torch.int64, device=device), None, tail.to(device), valid.to(device))
+
+
 def block_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, keys: RowKeys,
                     scale: float | None = None) -> torch.Tensor:
     """One row's queries q [R, Hq, D] over the keys and values k_all, v_all [Hkv, slots, D] that `keys` names; returns
@@ -78,27 +90,30 @@ def block_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, k
     scale = dim ** -0.5 if scale is None else scale
     q32 = (q.float() * scale).view(r, kv_heads, group, dim).permute(1, 0, 2, 3)  # [Hkv, R, G, D]
     blocks = keys.shared.numel() // BLOCK
-    k_shared = k_all[:, keys.shared].float().view(kv_heads, blocks, BLOCK, dim)
-    v_shared = _with_ones(v_all[:, keys.shared].float().view(kv_heads, blocks, BLOCK, dim))
-    # scores: the shared blocks for all the row's (query, head) pairs at once, each tail block per query
-    scores = [invariant_matmul(q32.reshape(kv_heads, 1, r * group, dim), k_shared.transpose(-1, -2), "scores")
-              .view(kv_heads, blocks, r, group, BLOCK).permute(0, 2, 3, 1, 4)]  # [Hkv, R, G, S, BLOCK]
-    valid = [keys.shared_valid.view(r, 1, blocks, BLOCK) if keys.shared_valid is not None
-             else torch.ones(1, 1, blocks, BLOCK, dtype=torch.bool, device=q.device).expand(r, 1, blocks, BLOCK)]
+    scores, valid = [], []
+    if blocks:  # the shared blocks for all the row's (query, head) pairs at once
+        k_shared = k_all[:, keys.shared].float().view(kv_heads, blocks, BLOCK, dim)
+        v_shared = _with_ones(v_all[:, keys.shared].float().view(kv_heads, blocks, BLOCK, dim))
+        scores.append(invariant_matmul(q32.reshape(kv_heads, 1, r * group, dim), k_shared.transpose(-1, -2),
+                                       "scores").view(kv_heads, blocks, r, group, BLOCK).permute(0, 2, 3, 1, 4))
+        valid.append(keys.shared_valid.view(r, 1, blocks, BLOCK) if keys.shared_valid is not None
+                     else torch.ones(1, 1, blocks, BLOCK, dtype=torch.bool, device=q.device).expand(r, 1, blocks,
+                                                                                                     BLOCK))
     if keys.tail is not None:
         tails = keys.tail.shape[1] // BLOCK
         k_tail = k_all[:, keys.tail].float().view(kv_heads, r, tails, BLOCK, dim)
         scores.append(invariant_matmul(q32[:, :, None], k_tail.transpose(-1, -2), "scores")
-                      .permute(0, 1, 3, 2, 4))  # [Hkv, R, G, U, BLOCK]
+                      .permute(0, 1, 3, 2, 4))  # each tail block per query: [Hkv, R, G, U, BLOCK]
         valid.append(keys.tail_valid.view(r, 1, tails, BLOCK))
     scores = torch.cat(scores, dim=3)
     valid = torch.cat(valid, dim=2)[None]  # [1, R, 1, S + U, BLOCK]
     scores = scores.masked_fill(~valid, float("-inf"))
     weights = torch.exp(scores - scores.amax(dim=(-1, -2), keepdim=True))  # masked keys: exactly 0
-    # weighted values and weight sums: [Hkv, R, G, blocks, D + 1]
-    sums = [invariant_matmul(weights[:, :, :, :blocks].permute(0, 3, 1, 2, 4).reshape(kv_heads, blocks, r * group,
-                                                                                    BLOCK), v_shared, "values")
-            .view(kv_heads, blocks, r, group, dim + 1).permute(0, 2, 3, 1, 4)]
+    sums = []  # weighted values and weight sums: [Hkv, R, G, blocks, D + 1]
+    if blocks:
+        shared = weights[:, :, :, :blocks].permute(0, 3, 1, 2, 4).reshape(kv_heads, blocks, r * group, BLOCK)
+        sums.append(invariant_matmul(shared, v_shared, "values").view(kv_heads, blocks, r, group, dim + 1)
+                    .permute(0, 2, 3, 1, 4))
     if keys.tail is not None:
         v_tail = v_all[:, keys.tail].float().view(kv_heads, r, tails, BLOCK, dim)
         v_tail = _with_ones(v_tail.masked_fill(~keys.tail_valid.view(1, r, tails, BLOCK, 1), 0.0))

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from lookahead.kernels import StepPattern
-from lookahead.kernels.block_attention import block_attention, path_keys, row_keys
+from lookahead.kernels.block_attention import block_attention, path_keys, row_keys, single_keys
 
 from .kv_cache import KVPool
 
@@ -222,7 +222,7 @@ class InvariantBackend:
         self.pool = pool  # for its scratch slot, which pads the tails
 
     def begin_step(self, step: PackedStep, device_inputs=None) -> LayerAttention:
-        size, rows = step.block_size, []
+        size, rows, singles = step.block_size, [], []
         for pattern, length, blocks, start in zip(step.patterns, step.lengths, step.tables, step.starts, strict=True):
             table = torch.tensor(blocks, dtype=torch.int64)
 
@@ -230,19 +230,26 @@ class InvariantBackend:
                 return table[positions // size] * size + positions % size
 
             t = pattern.num_tokens
-            if t == 1 or _is_path(pattern):
-                keys = path_keys(length, t, slot_of, self.device)
+            if t == 1:  # plain steps: all of them in one call below
+                singles.append((start, length, slot_of))
+            elif _is_path(pattern):
+                rows.append((torch.arange(start, start + t), path_keys(length, t, slot_of, self.device)))
             else:
                 index = torch.arange(t)
-                keys = row_keys(length, pattern.visible(index[:, None], index[None, :]), slot_of,
-                                self.pool.scratch_slot, self.device)
-            rows.append((start, t, keys))
+                rows.append((torch.arange(start, start + t), row_keys(
+                    length, pattern.visible(index[:, None], index[None, :]), slot_of, self.pool.scratch_slot,
+                    self.device)))
+        if singles:
+            starts, lengths, slots = zip(*singles, strict=True)
+            rows.append((torch.tensor(starts), single_keys(list(lengths), list(slots), self.pool.scratch_slot,
+                                                           self.device)))
+        rows = [(queries.to(self.device), keys) for queries, keys in rows]
 
         def attend(layer: int, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor) -> torch.Tensor:
             out = torch.zeros_like(q)  # padding tokens: seen by no one
-            for start, t, keys in rows:
-                queries = q[0, :, start : start + t].transpose(0, 1)  # [T, Hq, D]
-                out[0, :, start : start + t] = block_attention(queries, k_all, v_all, keys).transpose(0, 1)
+            for queries, keys in rows:
+                out[0][:, queries] = block_attention(q[0][:, queries].transpose(0, 1), k_all, v_all,
+                                                     keys).transpose(0, 1)
             return out
 
         return attend

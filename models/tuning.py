@@ -18,7 +18,7 @@ from lookahead.request import Request
 from lookahead.tuning import Curve, buckets, knots_up_to
 from lookahead.tuning import measure as shared
 
-from .runner import CachedRunner
+from .runner import CachedRunner, backend_name
 
 
 def cost_model_for(model, runner: CachedRunner, request: Request):

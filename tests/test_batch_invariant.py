@@ -134,6 +134,8 @@ def run_schedule(model, sequence: list[int], seed: int, others: int, reference: 
             tokens = sequence[length : length + size]
             step = RowStep(row, tokens, path_step(size), list(range(size)), prefill=True)
             committed = list(range(size))
+        elif rng.random() < 0.2:  # a plain step
+            step, committed = RowStep.chunk(row, [sequence[length]]), [0]
         else:
             step, committed = lookahead_step(rng, row, sequence, length, chains=rng.random() < 0.3)
             assert [step.tokens[i] for i in committed] == sequence[length : length + len(committed)]
@@ -142,8 +144,8 @@ def run_schedule(model, sequence: list[int], seed: int, others: int, reference: 
             other, other_seq, other_len = entry
             if other_len >= len(other_seq) - 1 or rng.random() < 0.25:
                 continue
-            if rng.random() < 0.4:
-                size = rng.randint(1, min(20, len(other_seq) - 1 - other_len))
+            if rng.random() < 0.6:  # a plain step or a prompt chunk
+                size = 1 if rng.random() < 0.5 else rng.randint(1, min(20, len(other_seq) - 1 - other_len))
                 steps.append(RowStep.chunk(other, other_seq[other_len : other_len + size]))
                 commits.append(list(range(size)))
             else:
