@@ -14,6 +14,13 @@ Where the figures come from:
   cost, so a machine that gets busier (multi-token steps suffer from contention more than one-token steps) is
   noticed within a few steps; the move is split between the base and the cost per position by the step's cache
   length, so a curve first measured at one length learns the cost per position from steps at others;
+- figures that may be stale are not kept on trust. A knot no step has run lately (`STALE_AFTER` observations of the
+  curve; never, for a curve just read or measured) is stale (`stale_at`), and the budget explores it now and then; a
+  stale knot's own step that ran faster than it says overwrites it (timing noise only adds time: a fast step is
+  evidence, a slow one may be a pause, so that direction keeps the bounded move). A stale knot whose step confirmed
+  it waits twice as long before it is stale again, so a size that is truly dear is re-run ever more rarely. And a
+  one-token step `SHIFT` times faster than the curve's t(1) means the curve was measured on a slower moment: the whole
+  curve is scaled by what that step measured, and its multi-token knots become stale;
 - kept on disk under the user's cache folder, keyed by what the figures depend on (device, model shape, dtype,
   backend, threads, versions: `save`/`load`), as the next process's starting point. A file is read only if it is a
   regular file of at most `MAX_FILE_BYTES`; one that does not parse (however it fails) or whose figures are not what
@@ -44,6 +51,9 @@ MAX_FILE_BYTES = 1 << 16  # a cost file is ~2 KB; a larger one is not ours (and 
 SPREAD = 0.5  # the share of a multi-token step's move that reaches the other multi-token knots (contention slows
 # every multi-token size, if not alike), so sizes not run lately are not judged by stale figures; a one-token step
 # moves its own knot only, as contention slows it less
+STALE_AFTER = 32  # observations of a curve after which a knot no step has run since is stale (and may be explored)
+MAX_STALE_AFTER = 1024  # a stale knot confirmed by its step waits twice as long before it is stale again, up to this
+SHIFT = 3.0  # a one-token step this many times faster than t(1) says the whole curve was measured on a slower moment
 
 
 @dataclass
@@ -61,6 +71,12 @@ class Curve:
                 raise TypeError(f"Curve.{name} must be a list, got {type(values).__name__} {values!r:.80}")
             setattr(self, name, list(values))
         self.check()
+        # what the steps of this process have run (not saved, not compared): observations so far, and per knot the
+        # observation that last ran it (None: none yet, so a curve read from a file or just measured is stale) and
+        # how many observations it stays trusted after that
+        self.observed = 0
+        self.ran: list[int | None] = [None] * len(self.knots)
+        self.trusted_for = [STALE_AFTER] * len(self.knots)
 
     def check(self) -> None:
         """Refuse what no measurement gives (TypeError, ValueError naming the field and the value): knots that are not
@@ -110,6 +126,27 @@ class Curve:
         i = j - 1
         return i, j, (tokens - knots[i]) / (knots[j] - knots[i])
 
+    def _own(self, tokens: int) -> int:
+        """The knot a step of `tokens` tokens runs: the nearest (the lower of two as near)."""
+        i, j, w = self._bracket(tokens)
+        return j if w > 0.5 else i
+
+    def _is_stale(self, k: int) -> bool:
+        if len(self.ran) != len(self.knots):  # the knots were changed by hand: nothing about them is known
+            self.ran, self.trusted_for = [None] * len(self.knots), [STALE_AFTER] * len(self.knots)
+        return self.ran[k] is None or self.observed - self.ran[k] >= self.trusted_for[k]
+
+    def stale_at(self, tokens: int) -> bool:
+        """Whether a step of `tokens` tokens would run a stale knot: one no step has run in its last `trusted_for`
+        observations (never, since the curve was read or measured)."""
+        return self._is_stale(self._own(tokens))
+
+    def floor(self, tokens: int, length: int) -> float:
+        """The least a step of `tokens` tokens may cost by the knots steps ran lately: the prediction at the largest
+        such knot at or below it (a larger step never costs less); 0 where there is none."""
+        fresh = [k for k, knot in enumerate(self.knots) if knot <= tokens and not self._is_stale(k)]
+        return self.base[fresh[-1]] + self.per_position[fresh[-1]] * length if fresh else 0.0
+
     def predict(self, tokens: int, length: int) -> float:
         """Seconds of a step of `tokens` tokens over `length` cached positions."""
         i, j, w = self._bracket(tokens)
@@ -125,22 +162,59 @@ class Curve:
         between its base and its cost per position as a normalised least-mean-squares step on the features
         (1, L / LENGTH_SCALE) would split it: all to the base at L = 0, evenly at `LENGTH_SCALE`, mostly to the slope
         beyond. So steps at different lengths teach the cost per position, even where the first measurement had one
-        length only (a transformers model, a small cache)."""
+        length only (a transformers model, a small cache).
+
+        Stale figures (see the module's docstring): where the step's nearest knot is stale and the step ran faster
+        than predicted, that knot takes the whole difference (the curve then predicts what the step took) and stale
+        knots below it are held to it; a one-token step `SHIFT` times faster than predicted rescales the curve."""
         if not (math.isfinite(seconds) and seconds > 0):
             return
         length = max(length, 0)
-        ratio = min(max(seconds / self.predict(tokens, length), 1 / MAX_RATIO), MAX_RATIO)
+        predicted = self.predict(tokens, length)
+        measured = seconds / predicted
+        own = self._own(tokens)
+        stale = self._is_stale(own)
+        self.observed += 1
+        if tokens == 1 and measured * SHIFT <= 1.0:
+            self._rescale(measured)
+            return
+        ratio = min(max(measured, 1 / MAX_RATIO), MAX_RATIO)
         i, j, w = self._bracket(tokens)
         w = min(max(w, 0.0), 1.0)
         spread = SPREAD if tokens > 1 else 0.0
         shares = [spread if knot > 1 else 0.0 for knot in self.knots]
         shares[i], shares[j] = (1.0, 1.0) if i == j else (max(1.0 - w, shares[i]), max(w, shares[j]))
+        # each knot's prediction at this length moves by its share of the step's (bounded) move
+        changes = [(self.base[k] + self.per_position[k] * length) * UPDATE_RATE * share * (ratio - 1.0)
+                   for k, share in enumerate(shares)]
+        if stale and measured < 1.0:
+            # a stale knot's own step that ran faster overwrites it (no pause makes a step fast): the curve then
+            # predicts what the step took, the other knot of its segment moved as usual
+            weight = {i: 1.0 - w, j: w} if i != j else {i: 1.0}
+            other = sum(weight[k] * changes[k] for k in weight if k != own)
+            changes[own] = (seconds - predicted - other) / weight[own]
         u = length / LENGTH_SCALE
-        for k, share in enumerate(shares):
-            change = (self.base[k] + self.per_position[k] * length) * UPDATE_RATE * share * (ratio - 1.0)
+        for k, change in enumerate(changes):
             self.base[k] = max(self.base[k] + change / (1 + u * u), MIN_SECONDS)
             self.per_position[k] = max(self.per_position[k] + change * u / (LENGTH_SCALE * (1 + u * u)), 0.0)
+        if stale and measured < 1.0:  # a smaller step costs no more: stale knots below it are held to it
+            for k in range(own):
+                if self._is_stale(k):
+                    self.base[k] = min(self.base[k], self.base[own])
+                    self.per_position[k] = min(self.per_position[k], self.per_position[own])
+        if stale:  # confirmed: trusted twice as long; found dear by a factor of 2: as long as at first
+            confirmed = measured >= 1 / MAX_RATIO
+            self.trusted_for[own] = min(2 * self.trusted_for[own], MAX_STALE_AFTER) if confirmed else STALE_AFTER
+        self.ran[own] = self.observed
         self._monotone()
+
+    def _rescale(self, factor: float) -> None:
+        """The machine runs `factor` times the speed the curve was measured at (a one-token step said so): every
+        knot scaled by it, the one-token knot run now, the multi-token ones stale (to be measured again)."""
+        self.base[:] = [max(b * factor, MIN_SECONDS) for b in self.base]
+        self.per_position[:] = [p * factor for p in self.per_position]
+        self.ran = [self.observed if knot == 1 else None for knot in self.knots]
+        self.trusted_for = [STALE_AFTER] * len(self.knots)
 
     def to_dict(self) -> dict:
         return {"knots": list(self.knots), "base": list(self.base), "per_position": list(self.per_position)}
@@ -216,6 +290,14 @@ class CostModel:
     def observe(self, tokens: int, length: int, seconds: float, kind: str = "greedy") -> None:
         """Fold a step's measured time into the curve (see `Curve.observe`)."""
         self._curve(kind).observe(tokens, length, seconds)
+
+    def stale_at(self, tokens: int, kind: str = "greedy") -> bool:
+        """Whether a step of `tokens` tokens would run a knot of the `kind` curve that no step ran lately."""
+        return self._curve(kind).stale_at(tokens)
+
+    def floor(self, tokens: int, length: int, kind: str = "greedy") -> float:
+        """The least a step of `tokens` tokens may cost by the knots steps ran lately (see `Curve.floor`)."""
+        return self._curve(kind).floor(tokens, length)
 
     def plain_rate(self, length: int, kind: str = "greedy") -> float:
         """Tokens per second plain decoding would give here at cache length `length` (one token a step)."""
