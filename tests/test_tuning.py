@@ -262,6 +262,48 @@ def test_costs_measured_under_load_do_not_keep_a_quiet_machine_plain(tmp_path, l
     assert cost.predict(8, 100) < 1.5 * quiet(8)  # the file's figures were overwritten
 
 
+class TimedModel(MockStepModel):
+    """A mock model whose every pass advances a fake clock by what a pass of its tokens costs (`seconds_of`)."""
+
+    def __init__(self, vocab, fn, seconds_of, now: list[float]) -> None:
+        super().__init__(vocab, fn)
+        self.seconds_of, self.now = seconds_of, now
+
+    def step(self, tokens, pattern, rows, topk: int = 0, sample=None):
+        self.now[0] += self.seconds_of(len(tokens))
+        return super().step(tokens, pattern, rows, topk, sample)
+
+
+def test_an_engine_on_a_poisoned_cost_file_decodes_faster_than_plain_within_a_few_dozen_steps(tmp_path):
+    """The engine itself, on a fake clock: a cost model whose multi-token figures are 15x a quiet machine's (as read
+    from a file measured beside busy processes), then a quiet generation: plain steps until the first exploration,
+    lookahead steps only after two dozen, decoding faster than plain decoding; its tokens plain greedy's throughout."""
+    from lookahead.loop import Engine, SingleRowModel
+    from lookahead.request import Request
+
+    quiet = lambda tokens: 0.1 * (1 + 0.03 * (tokens - 1))  # noqa: E731
+    knots = knots_up_to(LookaheadConfig().step_tokens)
+    path = tmp_path / "costs.json"
+    CostModel({"greedy": Curve(knots, [quiet(t) * (1 if t == 1 else 15) for t in knots], [0.0] * len(knots))},
+              key={"k": 1}).save(path)
+    cost = CostModel.load(path, {"k": 1})
+    target = [7, 8, 9, 10, 11, 12, 13, 14] * 30
+    fn = lambda ctx: context_logits(ctx, VOCAB, target)  # noqa: E731  (drafts that are often right)
+    prompt = target[:12]
+    now = [0.0]
+    stamps = []
+    request = Request([prompt], 160, GREEDY, LookaheadConfig(), frozenset())
+    (result,) = Engine(SingleRowModel(TimedModel(VOCAB, fn, quiet, now)), cost=cost, clock=lambda: now[0]).run(
+        request, lambda tokens: stamps.append((now[0], len(tokens))))
+    assert result.tokens == decode_one(MockStepModel(VOCAB, fn), prompt, 160).tokens
+    sizes = result.step_sizes
+    assert all(size == 1 for size in sizes[:7]) and any(size > 1 for size in sizes[:24])
+    assert len(sizes) > 30 and all(size > 1 for size in sizes[24:])  # then lookahead steps only
+    later = stamps[24:]
+    rate = sum(n for _, n in later[1:]) / (later[-1][0] - later[0][0])
+    assert rate > 1.5 / quiet(1)  # faster than plain decoding, on the fake clock
+
+
 def test_a_size_that_is_truly_dear_is_explored_ever_more_rarely():
     """Exploration is bounded: where a 2-token step truly costs 1.8 one-token steps (measured right, but not yet run
     by a step of this process), steps of draft sizes run only now and then, ever more rarely, and the run keeps
