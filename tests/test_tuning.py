@@ -83,8 +83,9 @@ def test_a_stale_knot_is_overwritten_by_a_faster_step_and_moved_a_bounded_way_by
 
 
 def test_a_one_token_step_much_faster_than_the_curve_rescales_it_and_makes_its_sizes_stale():
-    """The plain step's time is measured at every step: one `SHIFT` times faster than the curve's t(1) says the
-    curve was measured on a slower moment; every knot is scaled by it and the multi-token knots are measured again."""
+    """The plain step's time is measured at every step: one `SHIFT` times faster than the curve's t(1) (a batch's:
+    its first knot) says the curve was measured on a slower moment; every knot is scaled by it and the others are
+    measured again."""
     curve = Curve([1, 4, 8], [0.5, 1.0, 2.0], [1e-4, 2e-4, 4e-4])
     for tokens in (4, 8):
         curve.observe(tokens, 0, curve.predict(tokens, 0))
@@ -95,6 +96,9 @@ def test_a_one_token_step_much_faster_than_the_curve_rescales_it_and_makes_its_s
     slower = Curve([1, 4], [0.1, 0.2], [0.0, 0.0])
     slower.observe(1, 0, 0.1 / cost_module.SHIFT * 1.01)  # not SHIFT times faster: its own knot only
     assert slower.base[1] == 0.2
+    batch = Curve([4, 8, 16], [0.4, 0.8, 1.6], [0.0, 0.0, 0.0])  # measured for a batch of 4: its plain step is 4
+    batch.observe(4, 0, 0.1)
+    assert batch.base == pytest.approx([0.1, 0.2, 0.4]) and batch.stale_at(8) and not batch.stale_at(4)
 
 
 def test_cost_model_round_trips_through_its_cache_file(tmp_path):

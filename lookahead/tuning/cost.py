@@ -19,8 +19,9 @@ Where the figures come from:
   stale knot's own step that ran faster than it says overwrites it (timing noise only adds time: a fast step is
   evidence, a slow one may be a pause, so that direction keeps the bounded move). A stale knot whose step confirmed
   it waits twice as long before it is stale again, so a size that is truly dear is re-run ever more rarely. And a
-  one-token step `SHIFT` times faster than the curve's t(1) means the curve was measured on a slower moment: the whole
-  curve is scaled by what that step measured, and its multi-token knots become stale;
+  plain step (no larger than the first knot: one token, or a batch's one a row) `SHIFT` times faster than the curve
+  says means the curve was measured on a slower moment: the whole curve is scaled by what that step measured, and
+  its other knots become stale;
 - kept on disk under the user's cache folder, keyed by what the figures depend on (device, model shape, dtype,
   backend, threads, versions: `save`/`load`), as the next process's starting point. A file is read only if it is a
   regular file of at most `MAX_FILE_BYTES`; one that does not parse (however it fails) or whose figures are not what
@@ -53,7 +54,7 @@ SPREAD = 0.5  # the share of a multi-token step's move that reaches the other mu
 # moves its own knot only, as contention slows it less
 STALE_AFTER = 32  # observations of a curve after which a knot no step has run since is stale (and may be explored)
 MAX_STALE_AFTER = 1024  # a stale knot confirmed by its step waits twice as long before it is stale again, up to this
-SHIFT = 3.0  # a one-token step this many times faster than t(1) says the whole curve was measured on a slower moment
+SHIFT = 3.0  # a plain step this many times faster than predicted says the whole curve was measured on a slower moment
 
 
 @dataclass
@@ -166,7 +167,7 @@ class Curve:
 
         Stale figures (see the module's docstring): where the step's nearest knot is stale and the step ran faster
         than predicted, that knot takes the whole difference (the curve then predicts what the step took) and stale
-        knots below it are held to it; a one-token step `SHIFT` times faster than predicted rescales the curve."""
+        knots below it are held to it; a plain step `SHIFT` times faster than predicted rescales the curve."""
         if not (math.isfinite(seconds) and seconds > 0):
             return
         length = max(length, 0)
@@ -175,7 +176,7 @@ class Curve:
         own = self._own(tokens)
         stale = self._is_stale(own)
         self.observed += 1
-        if tokens == 1 and measured * SHIFT <= 1.0:
+        if tokens <= self.knots[0] and measured * SHIFT <= 1.0:  # the plain step (one token, or one a row)
             self._rescale(measured)
             return
         ratio = min(max(measured, 1 / MAX_RATIO), MAX_RATIO)
@@ -209,11 +210,11 @@ class Curve:
         self._monotone()
 
     def _rescale(self, factor: float) -> None:
-        """The machine runs `factor` times the speed the curve was measured at (a one-token step said so): every
-        knot scaled by it, the one-token knot run now, the multi-token ones stale (to be measured again)."""
+        """The machine runs `factor` times the speed the curve was measured at (a plain step said so): every knot
+        scaled by it, the smallest run now, the others stale (to be measured again)."""
         self.base[:] = [max(b * factor, MIN_SECONDS) for b in self.base]
         self.per_position[:] = [p * factor for p in self.per_position]
-        self.ran = [self.observed if knot == 1 else None for knot in self.knots]
+        self.ran = [self.observed] + [None] * (len(self.knots) - 1)
         self.trusted_for = [STALE_AFTER] * len(self.knots)
 
     def to_dict(self) -> dict:
