@@ -70,6 +70,10 @@ def test_a_stale_knot_is_overwritten_by_a_faster_step_and_moved_a_bounded_way_by
     assert curve.floor(9, 0) == pytest.approx(0.2) and curve.floor(7, 0) == 0.0
     curve.observe(8, 0, 0.1)  # run lately: a bounded move (the knots pooled where they cross)
     assert 0.2 * (1 - cost_module.UPDATE_RATE / 2) <= curve.predict(8, 0) < 0.19
+    apart = Curve([1, 4, 8, 16], [0.1, 2.0, 3.0, 4.0], [0.0] * 4)
+    apart.observe(16, 0, 4.0)  # knot 16 run now, as its figure says
+    apart.observe(8, 0, 0.2)  # a stale figure's miss is its own: knot 16 is not moved by it, knot 4 held to it
+    assert apart.base == pytest.approx([0.1, 0.2, 0.2, 4.0])
     fresh = Curve([1, 8], [0.1, 0.2], [0.0, 0.0])
     fresh.observe(8, 0, 20.0)  # stale but slower: a pause, moved the bounded way
     assert fresh.predict(8, 0) == pytest.approx(0.2 * (1 + cost_module.UPDATE_RATE * (cost_module.MAX_RATIO - 1)))
@@ -322,6 +326,31 @@ def test_a_size_that_is_truly_dear_is_explored_ever_more_rarely():
     assert all(b - a >= budget.EXPLORE_EVERY for a, b in zip(explored, explored[1:], strict=False))
     assert sum(i >= 200 for i in explored) <= 2  # ever more rarely
     assert gave / now[0] >= 0.97 / dear(1)
+
+
+def test_static_steps_explore_a_stale_bucket_at_its_fullest():
+    """With captured sizes (CUDA graphs) an exploration runs a stale bucket with as many nodes as it holds (padding
+    costs the same), and a poisoned curve is corrected bucket by bucket."""
+    cfg = LookaheadConfig(4, 5, 30)  # branch 16
+    round_up = lambda tokens: 1 if tokens == 1 else -(-tokens // 32) * 32  # noqa: E731  (plain steps: 1 token)
+    quiet = lambda tokens: 0.1 * (1 + 0.002 * (round_up(tokens) - 1))  # noqa: E731  (a GPU: tokens nearly free)
+    knots = [1, 32, 64, 96, 128]
+    cost = CostModel({"greedy": Curve(knots, [quiet(t) * (1 if t == 1 else 15) for t in knots], [0.0] * 5)})
+    now = [0.0]
+    chooser = StepBudget(cfg, cost, static=True, clock=lambda: now[0], round_up=round_up)
+    scores = [0.5 * 0.9**i for i in range(100)]
+    sizes = []
+    for _ in range(48):
+        (choice,) = chooser.choose([scores], 16, [100])
+        seconds = quiet(choice.tokens)
+        now[0] += seconds
+        promised = [sum(scores[: choice.nodes])] if choice.nodes else []
+        chooser.record(choice.tokens, 100, seconds, promised, promised)
+        sizes.append(choice.tokens)
+    first = next(i for i, t in enumerate(sizes) if t > 1)
+    assert first < budget.EXPLORE_EVERY + 1 and sizes[first] == 32  # the first bucket, full: 16 + 16 nodes
+    assert all(t == round_up(t) or t == 16 + len(scores) for t in sizes if t > 1)
+    assert min(sizes[-8:]) >= 64  # larger buckets pay once measured again
 
 
 def test_exploration_runs_only_a_size_that_could_win():

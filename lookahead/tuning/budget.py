@@ -19,11 +19,12 @@ It keeps itself honest with what the steps then did:
   large ones high, so one factor for all would misjudge both ends; another model or text drafts better or worse);
 - the cost model learns each step's measured time (`CostModel.observe`), so a machine that gets busier steps
   smaller, and h follows the loop's time outside the model;
-- it explores: at most one step in `EXPLORE_EVERY` runs a size whose knot no step ran lately (`CostModel.stale_at`),
-  the smallest such that could beat the step it would otherwise take were it as cheap as the knots run lately allow
-  (`CostModel.floor`), so costs measured on a busy moment (a file, a first measurement, a burst of contention) are
-  measured again once the machine quietens, and a size that is truly dear is re-run ever more rarely (the cost
-  model trusts a confirmed knot twice as long each time).
+- it explores: at most one step in `EXPLORE_EVERY` runs a size whose knot no step ran lately (`CostModel.stale_knot`:
+  the knot's own size where the draft reaches it, else the fullest step nearest to it), the smallest such that could
+  beat the step it would otherwise take were it as cheap as the knots run lately allow (`CostModel.floor`), so costs
+  measured on a busy moment (a file, a first measurement, a burst of contention) are measured again once the
+  machine quietens, and a size that is truly dear is re-run ever more rarely (the cost model trusts a confirmed knot
+  twice as long each time).
 
 The lookahead branch (W(N - 1) tokens of Jacobi iterations) is worth nothing in its own step: its n-grams pay
 later, through the pool. On a CPU (steps of any size) a lookahead row runs without it: the input token and its n
@@ -178,17 +179,16 @@ class StepBudget:
         run a knot no step ran lately and that would beat the best rate were it only as dear as the knots run lately
         allow (a larger step never costs less than a smaller one, nor than the plain step). None where there is none:
         a size known to be dear, or one that could not win, is not worth a step."""
-        last = None
+        runs: dict[int, tuple] = {}  # per stale knot (smallest first): the option of its size, else the fullest
         for option in options:
-            _, _, tokens, expected = option
-            size = self.round_up(tokens)
-            if size == last:
-                continue
-            last = size
-            if not self.cost.stale_at(size, self.kind):
-                continue
+            size = self.round_up(option[2])
+            knot = self.cost.stale_knot(size, self.kind)
+            if knot is not None and (knot not in runs or size == knot or self.round_up(runs[knot][2]) != knot):
+                runs[knot] = option  # options come in growing size: the last kept is the fullest
+        for option in runs.values():
+            size = self.round_up(option[2])
             least = max(self.cost.floor(size, length, self.kind), plain_seconds) + self.host
-            if expected / least > best:
+            if option[3] / least > best:
                 return option
         return None
 

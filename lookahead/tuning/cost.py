@@ -15,7 +15,7 @@ Where the figures come from:
   noticed within a few steps; the move is split between the base and the cost per position by the step's cache
   length, so a curve first measured at one length learns the cost per position from steps at others;
 - figures that may be stale are not kept on trust. A knot no step has run lately (`STALE_AFTER` observations of the
-  curve; never, for a curve just read or measured) is stale (`stale_at`), and the budget explores it now and then; a
+  curve; never, for a curve just read or measured) is stale (`stale_knot`), and the budget explores it now and then; a
   stale knot's own step that ran faster than it says overwrites it (timing noise only adds time: a fast step is
   evidence, a slow one may be a pause, so that direction keeps the bounded move). A stale knot whose step confirmed
   it waits twice as long before it is stale again, so a size that is truly dear is re-run ever more rarely. And a
@@ -137,10 +137,16 @@ class Curve:
             self.ran, self.trusted_for = [None] * len(self.knots), [STALE_AFTER] * len(self.knots)
         return self.ran[k] is None or self.observed - self.ran[k] >= self.trusted_for[k]
 
+    def stale_knot(self, tokens: int) -> int | None:
+        """The stale knot a step of `tokens` tokens would run (its nearest), None where that knot is not stale: a
+        knot is stale where no step has run it in its last `trusted_for` observations (or ever, since the curve was
+        read or measured)."""
+        own = self._own(tokens)
+        return self.knots[own] if self._is_stale(own) else None
+
     def stale_at(self, tokens: int) -> bool:
-        """Whether a step of `tokens` tokens would run a stale knot: one no step has run in its last `trusted_for`
-        observations (never, since the curve was read or measured)."""
-        return self._is_stale(self._own(tokens))
+        """Whether a step of `tokens` tokens would run a stale knot (`stale_knot`)."""
+        return self.stale_knot(tokens) is not None
 
     def floor(self, tokens: int, length: int) -> float:
         """The least a step of `tokens` tokens may cost by the knots steps ran lately: the prediction at the largest
@@ -166,13 +172,13 @@ class Curve:
         length only (a transformers model, a small cache).
 
         Stale figures (see the module's docstring): where the step's nearest knot is stale and the step ran faster
-        than predicted, that knot takes the whole difference (the curve then predicts what the step took) and stale
-        knots below it are held to it; a plain step `SHIFT` times faster than predicted rescales the curve."""
+        than predicted, that knot is overwritten with what the step took, stale knots below it are held to it, and
+        the other knots are not moved (a stale figure's miss is its own, not the machine's); a plain step `SHIFT`
+        times faster than predicted rescales the curve."""
         if not (math.isfinite(seconds) and seconds > 0):
             return
         length = max(length, 0)
-        predicted = self.predict(tokens, length)
-        measured = seconds / predicted
+        measured = seconds / self.predict(tokens, length)
         own = self._own(tokens)
         stale = self._is_stale(own)
         self.observed += 1
@@ -182,22 +188,23 @@ class Curve:
         ratio = min(max(measured, 1 / MAX_RATIO), MAX_RATIO)
         i, j, w = self._bracket(tokens)
         w = min(max(w, 0.0), 1.0)
-        spread = SPREAD if tokens > 1 else 0.0
+        spread = SPREAD if tokens > 1 and not stale else 0.0  # a stale figure's miss is its own, not the machine's
         shares = [spread if knot > 1 else 0.0 for knot in self.knots]
         shares[i], shares[j] = (1.0, 1.0) if i == j else (max(1.0 - w, shares[i]), max(w, shares[j]))
         # each knot's prediction at this length moves by its share of the step's (bounded) move
         changes = [(self.base[k] + self.per_position[k] * length) * UPDATE_RATE * share * (ratio - 1.0)
                    for k, share in enumerate(shares)]
         if stale and measured < 1.0:
-            # a stale knot's own step that ran faster overwrites it (no pause makes a step fast): the curve then
-            # predicts what the step took, the other knot of its segment moved as usual
-            weight = {i: 1.0 - w, j: w} if i != j else {i: 1.0}
-            other = sum(weight[k] * changes[k] for k in weight if k != own)
-            changes[own] = (seconds - predicted - other) / weight[own]
+            # a stale knot's own step that ran faster overwrites it (no pause makes a step fast) with what the step
+            # took: exact for a step of the knot's size, near it for a step nearest to it
+            changes[own] = seconds - (self.base[own] + self.per_position[own] * length)
         u = length / LENGTH_SCALE
         for k, change in enumerate(changes):
+            target = self.base[k] + self.per_position[k] * length + change
             self.base[k] = max(self.base[k] + change / (1 + u * u), MIN_SECONDS)
             self.per_position[k] = max(self.per_position[k] + change * u / (LENGTH_SCALE * (1 + u * u)), 0.0)
+            if k == own and stale and measured < 1.0:  # what the cost per position cannot give up, the base does
+                self.base[k] = max(target - self.per_position[k] * length, MIN_SECONDS)
         if stale and measured < 1.0:  # a smaller step costs no more: stale knots below it are held to it
             for k in range(own):
                 if self._is_stale(k):
@@ -292,9 +299,10 @@ class CostModel:
         """Fold a step's measured time into the curve (see `Curve.observe`)."""
         self._curve(kind).observe(tokens, length, seconds)
 
-    def stale_at(self, tokens: int, kind: str = "greedy") -> bool:
-        """Whether a step of `tokens` tokens would run a knot of the `kind` curve that no step ran lately."""
-        return self._curve(kind).stale_at(tokens)
+    def stale_knot(self, tokens: int, kind: str = "greedy") -> int | None:
+        """The knot of the `kind` curve a step of `tokens` tokens would run, where no step ran it lately (else
+        None; see `Curve.stale_knot`)."""
+        return self._curve(kind).stale_knot(tokens)
 
     def floor(self, tokens: int, length: int, kind: str = "greedy") -> float:
         """The least a step of `tokens` tokens may cost by the knots steps ran lately (see `Curve.floor`)."""
