@@ -172,9 +172,9 @@ class Curve:
         length only (a transformers model, a small cache).
 
         Stale figures (see the module's docstring): where the step's nearest knot is stale and the step ran faster
-        than predicted, that knot is overwritten with what the step took, stale knots below it are held to it, and
-        the other knots are not moved (a stale figure's miss is its own, not the machine's); a plain step `SHIFT`
-        times faster than predicted rescales the curve."""
+        than predicted, that knot is overwritten with what the step took and stale knots below it are held to it;
+        slower, it alone moves the bounded way (a stale figure's miss is its own, not news of the machine's load); a
+        plain step `SHIFT` times faster than predicted rescales the curve."""
         if not (math.isfinite(seconds) and seconds > 0):
             return
         length = max(length, 0)
@@ -188,9 +188,12 @@ class Curve:
         ratio = min(max(measured, 1 / MAX_RATIO), MAX_RATIO)
         i, j, w = self._bracket(tokens)
         w = min(max(w, 0.0), 1.0)
-        spread = SPREAD if tokens > 1 and not stale else 0.0  # a stale figure's miss is its own, not the machine's
-        shares = [spread if knot > 1 else 0.0 for knot in self.knots]
-        shares[i], shares[j] = (1.0, 1.0) if i == j else (max(1.0 - w, shares[i]), max(w, shares[j]))
+        if stale:  # a stale figure's miss is its own, not news of the machine's load: it alone moves
+            shares = [1.0 if k == own else 0.0 for k in range(len(self.knots))]
+        else:
+            spread = SPREAD if tokens > 1 else 0.0
+            shares = [spread if knot > 1 else 0.0 for knot in self.knots]
+            shares[i], shares[j] = (1.0, 1.0) if i == j else (max(1.0 - w, shares[i]), max(w, shares[j]))
         # each knot's prediction at this length moves by its share of the step's (bounded) move
         changes = [(self.base[k] + self.per_position[k] * length) * UPDATE_RATE * share * (ratio - 1.0)
                    for k, share in enumerate(shares)]
