@@ -80,6 +80,18 @@ def single_keys(lengths: list[int], slots_of: list, scratch: int, device) -> Row
     return RowKeys(torch.zeros(0, dtype=torch.int64, device=device), None, tail.to(device), valid.to(device))
 
 
+def query_slots(keys: RowKeys, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same keys as one list per query, for `invariant_triton.invariant_attention`: (slots [R, width], counts
+    [R]), query i's key slots in position order in slots[i, :counts[i]] (the shared blocks' valid part, then its
+    tail's)."""
+    shared = keys.shared[None].expand(rows, -1)
+    shared_count = (keys.shared_valid.sum(1) if keys.shared_valid is not None
+                    else torch.full((rows,), keys.shared.numel(), device=keys.shared.device))
+    if keys.tail is None:
+        return shared, shared_count
+    return torch.cat([shared, keys.tail], dim=1), shared_count + keys.tail_valid.sum(1)
+
+
 def block_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, keys: RowKeys,
                     scale: float | None = None) -> torch.Tensor:
     """One row's queries q [R, Hq, D] over the keys and values k_all, v_all [Hkv, slots, D] that `keys` names; returns

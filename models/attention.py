@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from lookahead.kernels import StepPattern
-from lookahead.kernels.block_attention import block_attention, path_keys, row_keys, single_keys
+from lookahead.kernels.block_attention import block_attention, path_keys, query_slots, row_keys, single_keys
 
 from .kv_cache import KVPool
 
@@ -214,8 +214,11 @@ class InvariantBackend:
 
     name, graphable = "invariant", False
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, kernel: bool = False) -> None:
+        """kernel: reduce with the Triton kernel (`lookahead.kernels.invariant_triton`, the Triton backend's mode)
+        instead of torch ops: the same order of blocks, its own float32 sums."""
         self.device = torch.device(device)
+        self.kernel = kernel
         self.pool: KVPool | None = None
 
     def resize(self, pool: KVPool, max_rows: int, row_tokens: Sequence[int]) -> None:
@@ -244,12 +247,32 @@ class InvariantBackend:
             rows.append((torch.tensor(starts), single_keys(list(lengths), list(slots), self.pool.scratch_slot,
                                                            self.device)))
         rows = [(queries.to(self.device), keys) for queries, keys in rows]
+        if self.kernel:
+            return self._kernel_step(rows)
 
         def attend(layer: int, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor) -> torch.Tensor:
             out = torch.zeros_like(q)  # padding tokens: seen by no one
             for queries, keys in rows:
                 out[0][:, queries] = block_attention(q[0][:, queries].transpose(0, 1), k_all, v_all,
                                                      keys).transpose(0, 1)
+            return out
+
+        return attend
+
+    def _kernel_step(self, rows: list) -> LayerAttention:
+        """Every row's queries in one launch per layer: each query's key slots as one padded list."""
+        from lookahead.kernels.invariant_triton import invariant_attention
+
+        lists = [query_slots(keys, queries.numel()) for queries, keys in rows]
+        width = max(slots.shape[1] for slots, _ in lists)
+        slots = torch.cat([F.pad(s, (0, width - s.shape[1])) for s, _ in lists]).to(torch.int32)
+        counts = torch.cat([c for _, c in lists]).to(torch.int32)
+        queries = torch.cat([q for q, _ in rows])
+
+        def attend(layer: int, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor) -> torch.Tensor:
+            out = torch.zeros_like(q)  # padding tokens: seen by no one
+            out[0][:, queries] = invariant_attention(q[0][:, queries].transpose(0, 1), k_all, v_all, slots,
+                                                     counts).transpose(0, 1)
             return out
 
         return attend

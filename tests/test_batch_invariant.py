@@ -341,3 +341,34 @@ def test_bf16_without_the_mode_lookahead_differs_somewhere(default_model_dir):
     prompts = bf16_prompts(default_model_dir, 12)
     assert any(model.generate(ids, max_new_tokens=64, eos_token_id=[], lookahead=fixed()).tokens
                != model.generate(ids, max_new_tokens=64, eos_token_id=[]).tokens for ids in prompts)
+
+
+# ----- the Triton kernel (under the interpreter on a CPU) -----
+
+def test_the_triton_kernel_agrees_with_block_attention_and_with_itself():
+    """`invariant_attention` to rounding against `block_attention`; a query's output bitwise the same computed alone,
+    among other queries and with its slot list padded wider."""
+    from lookahead.kernels.block_attention import query_slots
+    from lookahead.kernels.invariant_triton import invariant_attention
+
+    torch.manual_seed(3)
+    heads, kv_heads, dim, n = 4, 2, 16, 37
+    k, v, q = torch.randn(kv_heads, n + 5, dim), torch.randn(kv_heads, n + 5, dim), torch.randn(n, heads, dim)
+    keys = path_keys(0, n, lambda p: p, "cpu")
+    slots, counts = query_slots(keys, n)
+    out = invariant_attention(q, k, v, slots, counts)
+    torch.testing.assert_close(out, block_attention(q, k, v, keys), rtol=1e-5, atol=1e-5)
+    for i in (0, 15, 16, 36):
+        alone = invariant_attention(q[i : i + 1], k, v, slots[i : i + 1], counts[i : i + 1])
+        assert torch.equal(alone, out[i : i + 1])
+        wider = torch.nn.functional.pad(slots[i : i + 1], (0, 2 * BLOCK))
+        assert torch.equal(invariant_attention(q[i : i + 1], k, v, wider, counts[i : i + 1]), out[i : i + 1])
+
+
+def test_every_position_is_bitwise_the_plain_steps_with_the_triton_kernel(tiny_checkpoint):
+    """The model-level check of the Triton backend's mode, float32 (the interpreter's bf16 is wrong)."""
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"), attn_backend="triton", batch_invariant=True)
+    rng = random.Random(7)
+    sequence = [rng.randrange(VOCAB) for _ in range(34)]
+    reference = plain_logits(model, sequence)
+    assert run_schedule(model, sequence, 7, others=1, reference=reference, chunk_prefix=20) >= 17
