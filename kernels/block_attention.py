@@ -7,7 +7,7 @@ like. They are reduced in blocks of `BLOCK` positions aligned to position 0, in 
 - the softmax's max over every visible score (a max is exact in any order), masked keys as -inf (their weight an
   exact 0);
 - each block's weighted values and weight sum by one batch-invariant GEMM against [V | 1];
-- the blocks' partial sums added one after another by `cumsum` (a sequential scan), then divided.
+- the blocks' partial sums added one after another in float32, then divided.
 So the order of every floating-point operation a query's output comes from depends on its position alone. Blocks past
 a query's last one, and its block's positions past p, add exact zeros.
 
@@ -101,37 +101,39 @@ def block_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, k
     group = heads // kv_heads
     scale = dim ** -0.5 if scale is None else scale
     q32 = (q.float() * scale).view(r, kv_heads, group, dim).permute(1, 0, 2, 3)  # [Hkv, R, G, D]
-    blocks = keys.shared.numel() // BLOCK
-    scores, valid = [], []
-    if blocks:  # the shared blocks for all the row's (query, head) pairs at once
-        k_shared = k_all[:, keys.shared].float().view(kv_heads, blocks, BLOCK, dim)
-        v_shared = _with_ones(v_all[:, keys.shared].float().view(kv_heads, blocks, BLOCK, dim))
-        scores.append(invariant_matmul(q32.reshape(kv_heads, 1, r * group, dim), k_shared.transpose(-1, -2),
-                                       "scores").view(kv_heads, blocks, r, group, BLOCK).permute(0, 2, 3, 1, 4))
-        valid.append(keys.shared_valid.view(r, 1, blocks, BLOCK) if keys.shared_valid is not None
-                     else torch.ones(1, 1, blocks, BLOCK, dtype=torch.bool, device=q.device).expand(r, 1, blocks,
-                                                                                                     BLOCK))
-    if keys.tail is not None:
-        tails = keys.tail.shape[1] // BLOCK
-        k_tail = k_all[:, keys.tail].float().view(kv_heads, r, tails, BLOCK, dim)
-        scores.append(invariant_matmul(q32[:, :, None], k_tail.transpose(-1, -2), "scores")
-                      .permute(0, 1, 3, 2, 4))  # each tail block per query: [Hkv, R, G, U, BLOCK]
-        valid.append(keys.tail_valid.view(r, 1, tails, BLOCK))
-    scores = torch.cat(scores, dim=3)
-    valid = torch.cat(valid, dim=2)[None]  # [1, R, 1, S + U, BLOCK]
-    scores = scores.masked_fill(~valid, float("-inf"))
-    weights = torch.exp(scores - scores.amax(dim=(-1, -2), keepdim=True))  # masked keys: exactly 0
-    sums = []  # weighted values and weight sums: [Hkv, R, G, blocks, D + 1]
-    if blocks:
-        shared = weights[:, :, :, :blocks].permute(0, 3, 1, 2, 4).reshape(kv_heads, blocks, r * group, BLOCK)
-        sums.append(invariant_matmul(shared, v_shared, "values").view(kv_heads, blocks, r, group, dim + 1)
-                    .permute(0, 2, 3, 1, 4))
-    if keys.tail is not None:
-        v_tail = v_all[:, keys.tail].float().view(kv_heads, r, tails, BLOCK, dim)
-        v_tail = _with_ones(v_tail.masked_fill(~keys.tail_valid.view(1, r, tails, BLOCK, 1), 0.0))
-        sums.append(invariant_matmul(weights[:, :, :, blocks:].permute(0, 1, 3, 2, 4), v_tail, "values")
-                    .permute(0, 1, 3, 2, 4))
-    total = torch.cat(sums, dim=3).cumsum(dim=3)[:, :, :, -1]  # block after block, in position order
+    shared, tails = keys.shared.numel() // BLOCK, 0 if keys.tail is None else keys.tail.shape[1] // BLOCK
+    maxima = []
+    if shared:  # the shared blocks for all the row's (query, head) pairs at once: [Hkv, S, R, G, BLOCK]
+        k = k_all[:, keys.shared].float().view(kv_heads, shared, BLOCK, dim)
+        s_shared = invariant_matmul(q32.reshape(kv_heads, 1, r * group, dim), k.transpose(-1, -2), "scores")
+        s_shared = s_shared.view(kv_heads, shared, r, group, BLOCK)
+        if keys.shared_valid is not None:
+            hidden = ~keys.shared_valid.view(r, shared, BLOCK).transpose(0, 1)[None, :, :, None]
+            s_shared = s_shared.masked_fill(hidden, float("-inf"))
+        maxima.append(s_shared.amax(dim=(1, 4)))
+    if tails:  # each query's own blocks: [Hkv, R, U, G, BLOCK]
+        k = k_all[:, keys.tail].float().view(kv_heads, r, tails, BLOCK, dim)
+        s_tail = invariant_matmul(q32[:, :, None], k.transpose(-1, -2), "scores")
+        hidden = ~keys.tail_valid.view(r, tails, BLOCK)
+        s_tail = s_tail.masked_fill(hidden[None, :, :, None], float("-inf"))
+        maxima.append(s_tail.amax(dim=(2, 4)))
+    top = maxima[0] if len(maxima) == 1 else torch.maximum(*maxima)  # [Hkv, R, G]: exact in any order
+    partials = []  # each block's weighted values and weight sum, [Hkv, R, G, D + 1], in position order
+    if shared:
+        v = _with_ones(v_all[:, keys.shared].float().view(kv_heads, shared, BLOCK, dim))
+        weights = torch.exp(s_shared - top[:, None, :, :, None])  # masked keys: exactly 0
+        sums = invariant_matmul(weights.view(kv_heads, shared, r * group, BLOCK), v, "values")
+        sums = sums.view(kv_heads, shared, r, group, dim + 1)
+        partials += [sums[:, b] for b in range(shared)]
+    if tails:
+        v = v_all[:, keys.tail].float().view(kv_heads, r, tails, BLOCK, dim)
+        v = _with_ones(v.masked_fill(hidden[None, :, :, :, None], 0.0))  # padding slots may hold anything
+        weights = torch.exp(s_tail - top[:, :, None, :, None])
+        sums = invariant_matmul(weights, v, "values")  # [Hkv, R, U, G, D + 1]
+        partials += [sums[:, :, u] for u in range(tails)]
+    total = partials[0]
+    for partial in partials[1:]:  # block after block, in float32: a query's blocks past its own add exact zeros
+        total = total + partial
     out = total[..., :dim] / total[..., dim:]
     return out.permute(1, 0, 2, 3).reshape(r, heads, dim).to(q.dtype)
 

@@ -6,9 +6,8 @@ with each query's key slots given as a list: `slots[i, :counts[i]]` are query i'
 then its ancestors). One program per (query, KV head) reduces the query heads of its group. Every program runs the
 same code on blocks of the same shape, and a block's sums (over D, over the block's 16 keys) are the same
 `tl.sum` trees whatever the query's length, so a query's output depends on its own keys alone. In float32 throughout
-(`tl.sum` of products, no `tl.dot`: a tensor core's accumulation order is the hardware's). Its float32 sums are not
-`block_attention`'s (which adds the blocks in double through `cumsum`): the two agree to rounding, each with itself
-bitwise.
+(`tl.sum` of products, no `tl.dot`: a tensor core's accumulation order is the hardware's). Its sums within a block are
+`tl.sum` trees, not `block_attention`'s GEMMs: the two agree to rounding, each with itself bitwise.
 """
 
 from __future__ import annotations

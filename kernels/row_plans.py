@@ -48,6 +48,8 @@ class RowPlan:
 # cheapest first: no padding (a one-token step pays nothing), then fewer calls; RowPlan(1, 1) always holds
 ROW_PLANS = (RowPlan(1, 32), RowPlan(1, 16), RowPlan(4, 32), RowPlan(4, 16), RowPlan(1, 8), RowPlan(4, 8),
              RowPlan(8, 8), RowPlan(4, 4), RowPlan(1, 1))
+# for small operands (attention's per-block GEMMs, checked in milliseconds): first try calls of up to 256 rows
+WIDE_PLANS = (RowPlan(1, 256), RowPlan(4, 256), *ROW_PLANS)
 _plans: dict[tuple, RowPlan] = {}
 _lock = threading.Lock()
 
@@ -57,7 +59,7 @@ def _aligned(x: torch.Tensor) -> bool:
 
 
 def plan_for(key: tuple, probe: Callable[[], Callable[[torch.Tensor], torch.Tensor]], k: int, dtype: torch.dtype,
-             device: torch.device) -> RowPlan:
+             device: torch.device, plans: tuple[RowPlan, ...] = ROW_PLANS) -> RowPlan:
     """The cheapest plan under which `probe()` (a function of rows [..., M, k] -> [..., M, N]) computes every row
     alike, found once per `key` (with the dtype, device and thread count: the library's split among threads may
     change with it) and remembered."""
@@ -67,16 +69,16 @@ def plan_for(key: tuple, probe: Callable[[], Callable[[torch.Tensor], torch.Tens
         with _lock:
             plan = _plans.get(full_key)
             if plan is None:
-                plan = _plans[full_key] = _find_plan(probe(), k, dtype, device)
+                plan = _plans[full_key] = _find_plan(probe(), k, dtype, device, plans)
     return plan
 
 
-def _find_plan(fn: Callable[[torch.Tensor], torch.Tensor], k: int, dtype: torch.dtype,
-               device: torch.device) -> RowPlan:
-    rows = max(plan.limit for plan in ROW_PLANS)
+def _find_plan(fn: Callable[[torch.Tensor], torch.Tensor], k: int, dtype: torch.dtype, device: torch.device,
+               plans: tuple[RowPlan, ...]) -> RowPlan:
+    rows = max(plan.limit for plan in plans)
     generator = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(rows, k, generator=generator).to(device=device, dtype=dtype)
-    for plan in ROW_PLANS:
+    for plan in plans:
         alone = [plan.apply(fn, x[i : i + 1]) for i in range(plan.limit)]
         if all(torch.equal(plan.apply(fn, x[:m]), torch.cat(alone[:m], dim=-2)) for m in range(2, plan.limit + 1)):
             return plan
@@ -98,10 +100,12 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return out.view(*shape[:-1], weight.shape[0])
 
 
-def invariant_matmul(a: torch.Tensor, b: torch.Tensor, key: str) -> torch.Tensor:
+def invariant_matmul(a: torch.Tensor, b: torch.Tensor, key: str, plans: tuple[RowPlan, ...] = WIDE_PLANS
+                     ) -> torch.Tensor:
     """`torch.matmul(a, b)` (a [..., M, K], b [..., K, N], batch dims broadcasting) whose every row of every batch
     item is bitwise the same whatever rows and items come with it. `key` names b's layout (every call with one key
-    passes b with the same strides' order: transposed or not), which the plan is found for."""
+    passes b with the same strides' order: transposed or not), which the plan is found for; `plans`: the candidates,
+    cheapest first (the default tries calls of up to 256 rows: for small b, whose check costs little)."""
 
     def probe() -> Callable[[torch.Tensor], torch.Tensor]:  # b's layout over two batch items of random values
         generator = torch.Generator(device="cpu").manual_seed(1)
@@ -110,5 +114,5 @@ def invariant_matmul(a: torch.Tensor, b: torch.Tensor, key: str) -> torch.Tensor
             other = other.transpose(-1, -2).contiguous().transpose(-1, -2)
         return lambda chunk: torch.matmul(chunk, other)
 
-    plan = plan_for(("matmul", key, tuple(b.shape[-2:])), probe, a.shape[-1], a.dtype, a.device)
+    plan = plan_for(("matmul", key, tuple(b.shape[-2:]), plans), probe, a.shape[-1], a.dtype, a.device, plans)
     return plan.apply(lambda chunk: torch.matmul(chunk, b), a)
