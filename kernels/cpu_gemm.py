@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import sys
 import threading
 import warnings
 from dataclasses import dataclass
@@ -150,16 +151,20 @@ def _load(build_dir):
             try:
                 from torch.utils.cpp_extension import load_inline
 
+                name = f"lookahead_rows_gemm_{_cpu_tag()}"
                 folder = None
                 if build_dir is not None:
                     folder = Path(build_dir)
                     folder.mkdir(parents=True, exist_ok=True)
+                    if not (folder / f"{name}.so").is_file():  # a long silence otherwise
+                        print(f"lookahead: compiling the batch-invariant CPU GEMM for this machine into {folder} "
+                              "(once; about a minute)", file=sys.stderr, flush=True)
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    _module = load_inline(f"lookahead_rows_gemm_{_cpu_tag()}", cpp_sources=_SOURCE, functions=["rows_gemm"],
+                    _module = load_inline(name, cpp_sources=_SOURCE, functions=["rows_gemm"],
                                           extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
-                                          extra_ldflags=["-fopenmp"], build_directory=None if folder is None
-                                          else str(folder), verbose=False)
+                                          extra_ldflags=["-fopenmp"],
+                                          build_directory=None if folder is None else str(folder), verbose=False)
             except Exception as e:  # no compiler, no ninja, a read-only folder: the slower row plans instead
                 _failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 warnings.warn(f"lookahead: the CPU GEMM kernel could not be compiled ({_failed}); the batch-invariant "

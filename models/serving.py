@@ -35,8 +35,8 @@ def engine_for(model: Llama, *, max_batch: int = 8, lookahead: LookaheadConfig |
     at least one full-length row). warm: rows draft from a memory of what earlier requests taught (shared by all
     rows, bounded). prefix_cache: a prompt takes the cached KV blocks it begins with (False: every prompt prefills
     whole, for comparison). batch_invariant: switch the model's mode (`Llama.batch_invariant`: every answer bitwise
-    what the request gives alone, in every dtype) before the engine is built; None keeps the model's. Start it with `engine.start()` (or drive it with `engine.step()`); `engine.stop()` ends
-    it."""
+    what the request gives alone, in every dtype) before the engine is built; None keeps the model's. Start it
+    with `engine.start()` (or drive it with `engine.step()`); `engine.stop()` ends it."""
     if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
         raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
     if isinstance(lookahead, str) and lookahead == "auto":

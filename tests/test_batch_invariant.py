@@ -200,6 +200,20 @@ def test_16bit_greedy_and_seeded_sampling_lookahead_equal_plain(models, dtype):
             assert [r.tokens for r in batch] == plain
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_without_the_cpu_kernel_torch_gemms_through_row_plans_are_invariant_too(tiny_checkpoint, monkeypatch, dtype):
+    """Where the CPU GEMM cannot be compiled, the mode falls back to torch's GEMMs through verified row plans."""
+    from lookahead.kernels import cpu_gemm
+
+    monkeypatch.setattr(cpu_gemm, "available", lambda build_dir=None: False)
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"), dtype=dtype, batch_invariant=True)
+    rng = random.Random(9)
+    sequence = [rng.randrange(VOCAB) for _ in range(60)]
+    reference = plain_logits(model, sequence)
+    assert run_schedule(model, sequence, 9, others=2, reference=reference, chunk_prefix=33) >= 30
+    assert model._invariant_linears._cpu_kernel is False
+
+
 def test_the_mode_off_differs_somewhere(tiny_checkpoint):
     """The negative control: without the mode, 16-bit logits of one position differ between a one-token step and a
     many-token step (so the tests above can fail)."""

@@ -78,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_DefaultsFormatter,
         description="Generate text with lookahead decoding. In float32 with temperature 0 the output is token "
                     "for token plain greedy decoding; in float16/bfloat16 near-ties can flip (a multi-token pass "
-                    "rounds differently from a one-token pass) unless --batch-invariant. Ends with a summary line on stderr.")
+                    "rounds differently from a one-token pass) unless --batch-invariant. Ends with a summary line "
+                    "on stderr.")
     gen.add_argument("prompt", help="the user message (or raw text with --raw)")
     gen.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
     gen.add_argument("--compare", action="store_true",
