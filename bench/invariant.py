@@ -58,7 +58,8 @@ def main(argv=None) -> int:
     for dtype in DTYPES:
         for mode in (False, True):
             start = time.perf_counter()
-            model = Llama.from_pretrained(folder, dtype=dtype, batch_invariant=mode)
+            model = Llama.from_pretrained(folder, dtype=dtype, batch_invariant=mode,
+                                          device="cuda" if torch.cuda.is_available() else "cpu")
             model.generate(prompts[0], max_new_tokens=2, lookahead=LookaheadConfig())  # costs measured, kernels built
             print(f"{dtype} mode {'on' if mode else 'off'}: ready in {time.perf_counter() - start:.1f} s",
                   file=sys.stderr)

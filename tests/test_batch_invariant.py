@@ -214,6 +214,21 @@ def test_without_the_cpu_kernel_torch_gemms_through_row_plans_are_invariant_too(
     assert model._invariant_linears._cpu_kernel is False
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the mode on CUDA needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_every_position_is_bitwise_the_plain_steps_on_cuda(tiny_checkpoint, dtype, backend):
+    """The first thing a GPU must show: the mode holds there too (cuBLAS GEMMs through verified row plans, the Triton
+    kernel or the torch path for attention)."""
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"), dtype=dtype, device="cuda", attn_backend=backend,
+                                  batch_invariant=True)
+    for seed in range(3):
+        rng = random.Random(seed)
+        sequence = [rng.randrange(VOCAB) for _ in range(rng.randint(40, 90))]
+        reference = plain_logits(model, sequence)
+        assert run_schedule(model, sequence, seed, others=2, reference=reference, chunk_prefix=[0, 20, 37][seed]) > 0
+
+
 def test_the_mode_off_differs_somewhere(tiny_checkpoint):
     """The negative control: without the mode, 16-bit logits of one position differ between a one-token step and a
     many-token step (so the tests above can fail)."""
