@@ -45,6 +45,38 @@ static inline float widen(uint16_t v) {  // bfloat16 -> float32: its bits are a 
 }
 
 // MR rows of x [.., K] times one column block [K, NB]: each output a fused multiply-add chain over k in order
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const uint16_t* p) {  // 16 bfloat16 -> float32: shift each into a float's upper half
+  __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+template <int MR, typename W>
+static void tile(const float* x, int64_t K, const W* block, float* out, int64_t N, int64_t col0) {
+  __m512 acc[MR][4];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const W* wk = block + k * NB;
+    const __m512 w0 = load16(wk), w1 = load16(wk + 16), w2 = load16(wk + 32), w3 = load16(wk + 48);
+    for (int r = 0; r < MR; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[r * K + k]);
+      acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(xv, w1, acc[r][1]);
+      acc[r][2] = _mm512_fmadd_ps(xv, w2, acc[r][2]);
+      acc[r][3] = _mm512_fmadd_ps(xv, w3, acc[r][3]);
+    }
+  }
+  const int64_t cols = std::min<int64_t>(NB, N - col0);
+  for (int r = 0; r < MR; ++r) {
+    float row[NB];
+    for (int v = 0; v < 4; ++v) _mm512_storeu_ps(row + 16 * v, acc[r][v]);
+    std::memcpy(out + r * N + col0, row, cols * sizeof(float));
+  }
+}
+#else
 template <int MR, typename W>
 static void tile(const float* x, int64_t K, const W* block, float* out, int64_t N, int64_t col0) {
   float acc[MR][NB];
@@ -62,6 +94,7 @@ static void tile(const float* x, int64_t K, const W* block, float* out, int64_t 
   const int64_t cols = std::min<int64_t>(NB, N - col0);
   for (int r = 0; r < MR; ++r) std::memcpy(out + r * N + col0, acc[r], cols * sizeof(float));
 }
+#endif
 
 template <typename W>
 static void run(const float* x, int64_t M, int64_t K, const W* w, float* out, int64_t N) {
