@@ -54,10 +54,14 @@ static inline __m512 load16(const uint16_t* p) {  // 16 bfloat16 -> float32: shi
 }
 
 template <int MR, typename W>
-static void tile(const float* x, int64_t K, const W* block, float* out, int64_t N, int64_t col0) {
+static void tile(const float* x, int64_t K, const W* block, float* out, int64_t N, int64_t col0, const float* init) {
+  const int64_t cols = std::min<int64_t>(NB, N - col0);
   __m512 acc[MR][4];
-  for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int r = 0; r < MR; ++r) {
+    float row[NB] = {0.f};
+    if (init) std::memcpy(row, init + r * N + col0, cols * sizeof(float));
+    for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_loadu_ps(row + 16 * v);
+  }
   for (int64_t k = 0; k < K; ++k) {
     const W* wk = block + k * NB;
     const __m512 w0 = load16(wk), w1 = load16(wk + 16), w2 = load16(wk + 32), w3 = load16(wk + 48);
@@ -69,7 +73,6 @@ static void tile(const float* x, int64_t K, const W* block, float* out, int64_t 
       acc[r][3] = _mm512_fmadd_ps(xv, w3, acc[r][3]);
     }
   }
-  const int64_t cols = std::min<int64_t>(NB, N - col0);
   for (int r = 0; r < MR; ++r) {
     float row[NB];
     for (int v = 0; v < 4; ++v) _mm512_storeu_ps(row + 16 * v, acc[r][v]);
@@ -78,10 +81,11 @@ static void tile(const float* x, int64_t K, const W* block, float* out, int64_t 
 }
 #else
 template <int MR, typename W>
-static void tile(const float* x, int64_t K, const W* block, float* out, int64_t N, int64_t col0) {
+static void tile(const float* x, int64_t K, const W* block, float* out, int64_t N, int64_t col0, const float* init) {
+  const int64_t cols = std::min<int64_t>(NB, N - col0);
   float acc[MR][NB];
   for (int r = 0; r < MR; ++r)
-    for (int n = 0; n < NB; ++n) acc[r][n] = 0.f;
+    for (int n = 0; n < NB; ++n) acc[r][n] = init && n < cols ? init[r * N + col0 + n] : 0.f;
   for (int64_t k = 0; k < K; ++k) {
     float w[NB];
     const W* wk = block + k * NB;
@@ -91,41 +95,47 @@ static void tile(const float* x, int64_t K, const W* block, float* out, int64_t 
       for (int n = 0; n < NB; ++n) acc[r][n] = std::fma(xv, w[n], acc[r][n]);
     }
   }
-  const int64_t cols = std::min<int64_t>(NB, N - col0);
   for (int r = 0; r < MR; ++r) std::memcpy(out + r * N + col0, acc[r], cols * sizeof(float));
 }
 #endif
 
+// B independent products: x [B, M, K] times packed weights [B, blocks, K, NB], each output's chain starting from
+// init [B, M, N] (nullptr: from zero); threads split (product, column block) pairs
 template <typename W>
-static void run(const float* x, int64_t M, int64_t K, const W* w, float* out, int64_t N) {
+static void run(const float* x, int64_t B, int64_t M, int64_t K, const W* w, float* out, int64_t N,
+                const float* init) {
   const int64_t blocks = (N + NB - 1) / NB;
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const W* block = w + b * K * NB;
+  at::parallel_for(0, B * blocks, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / blocks, c = i % blocks;
+      const W* block = w + (b * blocks + c) * K * NB;
       for (int64_t m = 0; m < M; m += 6) {
-        const float* xm = x + m * K;
-        float* om = out + m * N;
+        const float* xm = x + (b * M + m) * K;
+        float* om = out + (b * M + m) * N;
+        const float* im = init ? init + (b * M + m) * N : nullptr;
         switch (std::min<int64_t>(6, M - m)) {
-          case 6: tile<6>(xm, K, block, om, N, b * NB); break;
-          case 5: tile<5>(xm, K, block, om, N, b * NB); break;
-          case 4: tile<4>(xm, K, block, om, N, b * NB); break;
-          case 3: tile<3>(xm, K, block, om, N, b * NB); break;
-          case 2: tile<2>(xm, K, block, om, N, b * NB); break;
-          default: tile<1>(xm, K, block, om, N, b * NB); break;
+          case 6: tile<6>(xm, K, block, om, N, c * NB, im); break;
+          case 5: tile<5>(xm, K, block, om, N, c * NB, im); break;
+          case 4: tile<4>(xm, K, block, om, N, c * NB, im); break;
+          case 3: tile<3>(xm, K, block, om, N, c * NB, im); break;
+          case 2: tile<2>(xm, K, block, om, N, c * NB, im); break;
+          default: tile<1>(xm, K, block, om, N, c * NB, im); break;
         }
       }
     }
   });
 }
 
-torch::Tensor rows_gemm(torch::Tensor x, torch::Tensor packed, int64_t n) {
-  const int64_t M = x.size(0), K = x.size(1);
-  auto out = torch::empty({M, n}, x.options());
+// x [B, M, K] float32, packed [B, blocks, K, NB] (float32, or bfloat16 bits as int16), init [B, M, n] or empty
+torch::Tensor rows_gemm(torch::Tensor x, torch::Tensor packed, int64_t n, torch::Tensor init) {
+  const int64_t B = x.size(0), M = x.size(1), K = x.size(2);
+  auto out = torch::empty({B, M, n}, x.options());
+  const float* start = init.numel() ? init.data_ptr<float>() : nullptr;
   if (packed.scalar_type() == torch::kFloat32)
-    run<float>(x.data_ptr<float>(), M, K, packed.data_ptr<float>(), out.data_ptr<float>(), n);
+    run<float>(x.data_ptr<float>(), B, M, K, packed.data_ptr<float>(), out.data_ptr<float>(), n, start);
   else
-    run<uint16_t>(x.data_ptr<float>(), M, K, reinterpret_cast<uint16_t*>(packed.data_ptr()),
-                  out.data_ptr<float>(), n);
+    run<uint16_t>(x.data_ptr<float>(), B, M, K, reinterpret_cast<uint16_t*>(packed.data_ptr()),
+                  out.data_ptr<float>(), n, start);
   return out;
 }
 """
@@ -136,21 +146,22 @@ _lock = threading.Lock()
 
 @dataclass(frozen=True)
 class Packed:
-    """A weight [N, K] as column blocks [ceil(N / 64), K, 64] (float32, or bfloat16 bits as int16)."""
+    """Weights [..., N, K] as column blocks [..., ceil(N / 64), K, 64] (float32, or bfloat16 bits as int16)."""
 
     blocks: torch.Tensor
     out_features: int
 
 
 def pack(weight: torch.Tensor) -> Packed:
-    """Lay a CPU weight [N, K] out for `gemm`: bfloat16 stays 16-bit, every other dtype becomes float32."""
-    n, k = weight.shape
+    """Lay CPU weights [N, K] (or a batch of them, [B, N, K]) out for `gemm`: bfloat16 stays 16-bit, every other
+    dtype becomes float32."""
+    *batch, n, k = weight.shape
     w = weight.detach()
     w = w if w.dtype == torch.bfloat16 else w.float()
     pad = -n % COLUMNS
     if pad:
-        w = torch.cat([w, w.new_zeros(pad, k)])
-    blocks = w.view(-1, COLUMNS, k).transpose(1, 2).contiguous()
+        w = torch.nn.functional.pad(w, (0, 0, 0, pad))
+    blocks = w.reshape(*batch, -1, COLUMNS, k).transpose(-1, -2).contiguous()
     return Packed(blocks.view(torch.int16) if blocks.dtype == torch.bfloat16 else blocks, n)
 
 
@@ -159,9 +170,17 @@ def available(build_dir: str | os.PathLike | None = None) -> bool:
     return _load(build_dir) is not None
 
 
-def gemm(x: torch.Tensor, packed: Packed) -> torch.Tensor:
-    """x [M, K] (float32, contiguous, on the CPU) times the packed weight: [M, N] float32. Call `available` first."""
-    return _module.rows_gemm(x, packed.blocks, packed.out_features)
+def gemm(x: torch.Tensor, packed: Packed, start: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (or [B, M, K]: B products, each with its own weight of a batch `pack`) times the packed weights, in
+    float32: [M, N] (or [B, M, N]). start: each output's chain starts from this value instead of zero (float32, the
+    output's shape): a product over K1 + K2 equals the product over K2 started from the one over K1, bitwise. Call
+    `available` first."""
+    batched = x.dim() == 3
+    x3 = (x if batched else x[None]).float().contiguous()
+    init = torch.empty(0) if start is None else (start if batched else start[None]).float().contiguous()
+    out = _module.rows_gemm(x3, packed.blocks if packed.blocks.dim() == 4 else packed.blocks[None],
+                            packed.out_features, init)
+    return out if batched else out[0]
 
 
 def _cpu_tag() -> str:

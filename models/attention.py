@@ -21,7 +21,14 @@ import torch
 import torch.nn.functional as F
 
 from lookahead.kernels import StepPattern
-from lookahead.kernels.block_attention import block_attention, path_keys, query_slots, row_keys, single_keys
+from lookahead.kernels.block_attention import (
+    block_attention,
+    chain_attention,
+    path_keys,
+    query_slots,
+    row_keys,
+    single_keys,
+)
 
 from .kv_cache import KVPool
 
@@ -214,11 +221,13 @@ class InvariantBackend:
 
     name, graphable = "invariant", False
 
-    def __init__(self, device: torch.device, kernel: bool = False) -> None:
+    def __init__(self, device: torch.device, kernel: bool = False, chains: bool = False) -> None:
         """kernel: reduce with the Triton kernel (`lookahead.kernels.invariant_triton`, the Triton backend's mode)
-        instead of torch ops: the same order of blocks, its own float32 sums."""
+        instead of torch ops: the same order of blocks, its own float32 sums. chains: on the CPU, through the
+        compiled CPU GEMM (`chain_attention`: a chain over each query's keys in position order, no blocks)."""
         self.device = torch.device(device)
         self.kernel = kernel
+        self.attention = chain_attention if chains else block_attention
         self.pool: KVPool | None = None
 
     def resize(self, pool: KVPool, max_rows: int, row_tokens: Sequence[int]) -> None:
@@ -253,8 +262,8 @@ class InvariantBackend:
         def attend(layer: int, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor) -> torch.Tensor:
             out = torch.zeros_like(q)  # padding tokens: seen by no one
             for queries, keys in rows:
-                out[0][:, queries] = block_attention(q[0][:, queries].transpose(0, 1), k_all, v_all,
-                                                     keys).transpose(0, 1)
+                out[0][:, queries] = self.attention(q[0][:, queries].transpose(0, 1), k_all, v_all,
+                                                    keys).transpose(0, 1)
             return out
 
         return attend

@@ -30,7 +30,7 @@ class InvariantLinears:
     def __call__(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, shape[-1]).float().contiguous()
-        if x.device.type == "cpu" and self._cpu_gemm():
+        if x.device.type == "cpu" and self.cpu_gemm():
             out = cpu_gemm.gemm(rows, self._copy(module.weight, "packed", cpu_gemm.pack))
         else:
             out = invariant_linear(rows, self._copy(module.weight, "float32", torch.Tensor.float))
@@ -38,7 +38,8 @@ class InvariantLinears:
             out = out + module.bias.float()
         return out.to(x.dtype).view(*shape[:-1], out.shape[-1])
 
-    def _cpu_gemm(self) -> bool:
+    def cpu_gemm(self) -> bool:
+        """Whether the CPU GEMM is built (building it into the cache folder on the first call)."""
         if self._cpu_kernel is None:
             root = cache_root()
             self._cpu_kernel = cpu_gemm.available(None if root is None else root / "kernels")

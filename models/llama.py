@@ -202,6 +202,12 @@ class Llama(nn.Module):
                 self.runner = None
 
     @property
+    def cpu_gemm(self) -> bool:
+        """Whether the batch-invariant mode runs on the package's compiled CPU GEMM here (`lookahead.kernels.cpu_gemm`;
+        compiled on the first call, once per machine), its attention too; else on torch's GEMMs through row plans."""
+        return self.device.type == "cpu" and self._invariant_linears.cpu_gemm()
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
