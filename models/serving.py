@@ -63,4 +63,4 @@ def engine_for(model: Llama, *, max_batch: int = 8, lookahead: LookaheadConfig |
         else:
             cost = model.cost_model
     return Engine(runner, max_rows=max_batch, max_queue=max_queue, cost=cost,
-                  memory=DraftMemory() if warm else None, max_positions=cfg.max_position_embeddings)
+                  memory=DraftMemory() if warm else None, max_positions=cfg.max_position_embeddings, vocab_size=cfg.vocab_size)

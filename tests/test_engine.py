@@ -187,6 +187,30 @@ def test_the_queue_limit_and_bad_requests_are_refused_at_submit():
             engine.submit(**bad)
 
 
+def test_token_ids_are_checked_against_the_vocabulary_at_submit_and_the_context_edge_is_accepted(tiny_checkpoint):
+    """A prompt holding id == vocab size is refused at submit (it used to fail every row of its step with an
+    IndexError, its neighbours' too); vocab size - 1 is a token, and prompt + max_new_tokens == the model's positions
+    fits (one more does not)."""
+    from helpers import flat_cost
+    from lookahead.models import engine_for
+
+    model = Llama.from_pretrained(tiny_checkpoint("ctx64", max_position_embeddings=64))
+    model.cost_model = flat_cost()
+    engine = engine_for(model, max_batch=2, lookahead=LookaheadConfig(1, 3, 2, warm=False), warm=False)
+    good = engine.submit([100, 5, 7], 12)
+    with pytest.raises(ValueError, match=r"token id\(s\) \[101\] outside the model's vocabulary \[0, 101\)"):
+        engine.submit([5, 101], 4)
+    edge = engine.submit(list(range(24)), 40)
+    with pytest.raises(ValueError, match="exceeds the model's 64 positions"):
+        engine.submit(list(range(25)), 40)
+    while engine.step():
+        pass
+    reference = Llama.from_pretrained(tiny_checkpoint("ctx64", max_position_embeddings=64))
+    assert good.result().tokens == reference.generate([100, 5, 7], max_new_tokens=12, eos_token_id=[]).tokens
+    assert edge.result().tokens == reference.generate(list(range(24)), max_new_tokens=40, eos_token_id=[]).tokens
+    assert len(edge.result().tokens) == 40
+
+
 def test_a_failing_step_fails_its_rows_and_the_engine_goes_on():
     model = MockRowModel(VOCAB, logits_fn)
     engine = Engine(model)

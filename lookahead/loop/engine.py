@@ -51,16 +51,19 @@ class Engine:
     (`submit` raises `QueueFull` past it; None: no limit). cost: the machine's cost model (sizes self-tuned lookahead
     steps and prefill chunks; None: full-size steps). memory: the drafting memory rows draft from (warm drafting);
     each request adds to it when it ends. max_positions: refuse requests that would pass it (the model's positions).
+    vocab_size: refuse prompts holding a token id outside [0, vocab_size) (one bad id would fail every row of its step).
     """
 
     def __init__(self, model: RowModel, *, max_rows: int | None = None, max_queue: int | None = None,
                  cost: CostModel | None = None, memory: DraftMemory | None = None,
-                 max_positions: int | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
+                 max_positions: int | None = None, vocab_size: int | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         for name, value in (("max_rows", max_rows), ("max_queue", max_queue)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
         self.model, self.cost, self.memory, self.clock = model, cost, memory, clock
         self.max_rows, self.max_queue, self.max_positions = max_rows, max_queue, max_positions
+        self.vocab_size = vocab_size
         self.waiting: collections.deque[Job] = collections.deque()
         self.active: list[Job] = []
         self.budget: StepBudget | None = None
@@ -91,6 +94,7 @@ class Engine:
                                      or not 0 <= logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an int in 0..{MAX_LOGPROBS} or None, got {logprobs!r}")
         self._check_positions(request)
+        self._check_vocabulary(request)
         limit = getattr(self.model, "max_step_tokens", None)
         if lookahead is not None and limit is not None and lookahead.step_tokens > limit:
             raise ValueError(f"lookahead {lookahead.window}-{lookahead.ngram}-{lookahead.guesses} steps feed up to "
@@ -344,6 +348,14 @@ class Engine:
             raise ValueError(f"the prompt ({len(prompt)} tokens) + max_new_tokens ({request.max_new_tokens}) = "
                              f"{len(prompt) + request.max_new_tokens} exceeds the model's {self.max_positions} "
                              "positions; shorten the prompt or ask for fewer tokens")
+
+
+    def _check_vocabulary(self, request: Request) -> None:
+        (prompt,) = request.prompts
+        bad = [t for t in prompt if t >= self.vocab_size] if self.vocab_size is not None else []
+        if bad:
+            raise ValueError(f"the prompt holds token id(s) {bad[:5]} outside the model's vocabulary "
+                             f"[0, {self.vocab_size}); give ids the model's tokenizer produced")
 
 
 def _stream_sink(stream, index: int, batch: bool) -> Sink:

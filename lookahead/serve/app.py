@@ -74,7 +74,8 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, api_key: str | Non
     open). lookahead: what every request decodes with, the configuration the engine was built for ("auto":
     `LookaheadConfig.auto` for the engine's device, as `engine_for` resolves it; None: plain decoding).
     eos_token_ids: the tokens that end an answer (default: the tokenizer's EOS; the server passes the model config's,
-    as `Llama.generate` does). vocab_size: token ids a prompt may hold (default: the tokenizer's length).
+    as `Llama.generate` does). vocab_size: token ids a prompt may hold (default: the engine's, else the tokenizer's
+    length).
     max_body_bytes: a larger request body gets 413.
     """
     if isinstance(lookahead, str):
@@ -87,7 +88,8 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, api_key: str | Non
         raise ValueError(f"max_body_bytes must be an int >= 1, got {max_body_bytes!r}")
     if api_key is not None and not api_key:
         raise ValueError("api_key is empty; give a key or None")
-    served = Served(engine, tokenizer, model_name, lookahead, eos, vocab_size or len(tokenizer),
+    vocab_size = vocab_size or engine.vocab_size or len(tokenizer)  # the model's when the engine knows it
+    served = Served(engine, tokenizer, model_name, lookahead, eos, vocab_size,
                     engine.max_positions, api_key, max_body_bytes, Metrics(engine, model_name))
 
     @asynccontextmanager
