@@ -111,8 +111,11 @@ class BlockPool:
         return self._id_of[block]
 
     def release(self, blocks: Sequence[int]) -> None:
-        """A row lets go of its blocks: each held by no one any more becomes cached if keyed, else free."""
-        for block in blocks:
+        """A row lets go of its blocks: each held by no one any more becomes cached if keyed, else free.
+
+        Last block first, so a prefix's later blocks are older in the eviction order than its first: evicting a first
+        block makes every block after it unmatchable, so it goes last (as nano-vllm and vLLM free them)."""
+        for block in reversed(blocks):
             if self.refs[block] <= 0:
                 raise ValueError(f"block {block} is not held")
             self.refs[block] -= 1

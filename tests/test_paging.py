@@ -62,8 +62,23 @@ def test_a_matched_prefix_is_held_by_both_and_cached_when_both_leave():
     pool.release(shared)
     pool.check()
     assert pool.cached == 2 and pool.free == 6
-    # the least recently used cached block goes first when memory is needed
-    assert pool.allocate(7)[-1] == first[0] and pool.cached == 1 and pool.match([1, 2, 3, 4, 5], 4)[0] == []
+    # the least recently used cached block goes first when memory is needed; a row's blocks are freed last first, so
+    # the prefix's second block goes before its first, and the first still matches
+    assert pool.allocate(7)[-1] == first[1] and pool.cached == 1 and pool.match([1, 2, 3, 4, 5], 4)[0] == [first[0]]
+
+
+def test_after_an_eviction_a_cached_prompt_still_matches_all_but_its_last_block():
+    """A row of three keyed blocks released, then one block evicted: the prompt matches two of its three blocks
+    (evicting the first block first made the rest unmatchable: 0 of 3)."""
+    pool = BlockPool(4, 2)
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+    blocks = pool.allocate(4)
+    parent = -1
+    for b in range(3):
+        parent = pool.publish(blocks[b], parent, prompt[2 * b : 2 * b + 2])
+    pool.release(blocks)
+    assert pool.allocate(2) and pool.cached == 2  # the free block, then one cached one evicted
+    assert len(pool.match(prompt, 6)[0]) == 2
 
 
 def test_clearing_the_cache_forgets_every_key():
