@@ -12,6 +12,7 @@ from lookahead import LookaheadConfig
 from lookahead.loop import Engine, QueueFull
 from lookahead.models import Llama
 from lookahead.request import SamplingParams
+from lookahead.tuning import CostModel, Curve
 
 VOCAB = 24
 TARGET = [7, 3, 9, 12, 4, 8, 1, 11, 5, 14, 6, 10, 13] * 6  # each token determines the next: drafts pay
@@ -209,6 +210,51 @@ def test_token_ids_are_checked_against_the_vocabulary_at_submit_and_the_context_
     assert good.result().tokens == reference.generate([100, 5, 7], max_new_tokens=12, eos_token_id=[]).tokens
     assert edge.result().tokens == reference.generate(list(range(24)), max_new_tokens=40, eos_token_id=[]).tokens
     assert len(edge.result().tokens) == 40
+
+
+class KindCost(CostModel):
+    """A cost model that learns nothing: greedy steps of any size cost the same (drafts always pay); sampled steps
+    cost twice as much for every token more (they never do, beside any rows)."""
+
+    def __init__(self) -> None:
+        super().__init__({"greedy": Curve([1], [1.0], [0.0]), "sampling": Curve([1], [1.0], [0.0])})
+
+    def predict(self, tokens: int, length: int, kind: str = "greedy") -> float:
+        return 0.01 if kind == "greedy" else 2.0 ** min(tokens, 1000)
+
+    def observe(self, tokens: int, length: int, seconds: float, kind: str = "greedy") -> None:
+        pass
+
+
+@pytest.mark.parametrize("first", ["greedy-auto", "sampled-auto"])
+def test_each_row_is_sized_by_its_own_kind_and_configuration_not_the_first_requests(first):
+    """A budget="fixed" request runs full-size steps and a sampled one is costed with the sampling curve, whatever
+    request came first (the first lookahead request's budget used to size every row: a fixed request after an auto
+    one got self-tuned steps, a sampled one the greedy curve). Each takes the steps it takes alone."""
+    prompt = [1, 2] + TARGET[:10]
+    specs = {"greedy-auto": dict(lookahead=LookaheadConfig(1, 4, 5, warm=False)),
+             "sampled-auto": dict(lookahead=LookaheadConfig(1, 4, 5, warm=False), sampling=SamplingParams(0.9),
+                                  seed=5),
+             "fixed": dict(lookahead=LookaheadConfig(1, 4, 5, budget="fixed", warm=False))}
+    order = [first, "fixed", "sampled-auto" if first == "greedy-auto" else "greedy-auto"]
+
+    def run(names):
+        engine = Engine(MockRowModel(VOCAB, logits_fn), cost=KindCost())
+        handles = []
+        for name in names:
+            handles.append(engine.submit(prompt, 30, **specs[name]))
+            engine.step()
+            engine.step()
+        while engine.step():
+            pass
+        return [handle.result() for handle in handles]
+
+    together = run(order)
+    for name, result in zip(order, together, strict=True):
+        (alone,) = run([name])
+        assert (result.tokens, result.steps) == (alone.tokens, alone.steps), name
+    steps = {name: result.steps for name, result in zip(order, together, strict=True)}
+    assert steps["fixed"] < steps["sampled-auto"] and steps["greedy-auto"] < steps["sampled-auto"]
 
 
 def test_a_failing_step_fails_its_rows_and_the_engine_goes_on():

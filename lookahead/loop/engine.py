@@ -66,9 +66,11 @@ class Engine:
         self.vocab_size = vocab_size
         self.waiting: collections.deque[Job] = collections.deque()
         self.active: list[Job] = []
-        self.budget: StepBudget | None = None
-        self._expected: dict[Job, float] = {}  # the sized rows' expected nodes, for the budget's record
-        self._sized, self._lengths = False, []
+        # one budget per (sampled, static): a row is sized by the curve of its own kind, never by another request's
+        # configuration (None: that kind has no curve, so full steps)
+        self.budgets: dict[tuple[bool, bool], StepBudget | None] = {}
+        self._sized: list[tuple[StepBudget, dict[Job, float]]] = []  # the step's budgets, their rows' expected nodes
+        self._lengths: list[int] = []
         self._inbox: list[Job] = []
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -160,14 +162,13 @@ class Engine:
         for job, step, output in zip(jobs, steps, outputs, strict=True):
             commit, taken = job.finish(step, output, self.memory)
             self.model.commit(job.row, commit)
-            if job in self._expected:
-                accepted[job] = len(commit) - 1
+            accepted[job] = len(commit) - 1
             self._send(job, taken)
-        if self._sized:
-            tokens = sum(len(s.tokens) for s in steps)
-            weight = sum(len(s.tokens) * length for s, length in zip(steps, self._lengths, strict=True))
-            self.budget.record(tokens, weight // max(tokens, 1), seconds, list(self._expected.values()),
-                               [accepted[job] for job in self._expected])
+        tokens = sum(len(s.tokens) for s in steps)
+        weight = sum(len(s.tokens) * length for s, length in zip(steps, self._lengths, strict=True))
+        for i, (budget, expected) in enumerate(self._sized):  # the cost model learns the step's time once
+            budget.record(tokens, weight // max(tokens, 1), seconds, list(expected.values()),
+                          [accepted[job] for job in expected], observe=i == 0)
         if self.on_step is not None:
             self.on_step(steps, seconds)
         self._retire([job for job in self.active if job.out.done])
@@ -232,7 +233,8 @@ class Engine:
 
     def _plan(self) -> tuple[list[Job], list[RowStep]]:
         """Every live row's part of the next step: prompt chunks within the step's prefill allowance, then the
-        decoding rows, the lookahead ones sized together by the budget around the rest."""
+        decoding rows: plain ones, full-size lookahead ones (`budget="fixed"`, or no cost model), then the self-tuned
+        ones, each kind sized together by its budget around the rest."""
         decoding = [job for job in self.active if not job.prefilling]
         plain = [job for job in decoding if job.loop is None]
         lookahead = [job for job in decoding if job.loop is not None]
@@ -244,14 +246,31 @@ class Engine:
             steps.append(job.chunk(allowance))
             jobs.append(job)
             allowance = None if allowance is None else allowance - len(steps[-1].tokens)
-        for job in plain:
+        groups: dict[StepBudget, list[Job]] = {}
+        full = []
+        for job in lookahead:
+            job.draft_now()
+            budget = self._budget_for(job)
+            if budget is None:
+                full.append(job)
+            else:
+                groups.setdefault(budget, []).append(job)
+        for job in [*plain, *full]:
             jobs.append(job)
             steps.append(job.plan(None))
-        fixed = Fixed(sum(len(s.tokens) for s in steps), float(len(plain)),
-                      sum(len(s.tokens) * self._length_of(job) for job, s in zip(jobs, steps, strict=True)))
-        for job, choice in zip(lookahead, self._size(lookahead, fixed), strict=True):
-            jobs.append(job)
-            steps.append(job.plan(choice))
+        expected = float(len(plain) + len(full))
+        self._sized = []
+        for budget, rows in groups.items():
+            fixed = Fixed(sum(len(s.tokens) for s in steps), expected,
+                          sum(len(s.tokens) * self._length_of(job) for job, s in zip(jobs, steps, strict=True)))
+            choices = budget.choose([job.draft.scores for job in rows], [job.loop.branch_tokens for job in rows],
+                                    [job.loop.length for job in rows], fixed)
+            self._sized.append((budget, {job: sum(job.draft.scores[: min(choice.nodes, len(job.draft))])
+                                         for job, choice in zip(rows, choices, strict=True) if choice.nodes}))
+            for job, choice in zip(rows, choices, strict=True):
+                jobs.append(job)
+                steps.append(job.plan(choice))
+                expected += choice.expected
         self._lengths = [self._length_of(job) for job in jobs]
         return jobs, steps
 
@@ -260,22 +279,15 @@ class Engine:
         """The row's cache length L before the step."""
         return job.filled if job.prefilling else len(job.prompt) + len(job.out.result.tokens) - 1
 
-    def _size(self, lookahead: list[Job], fixed: Fixed) -> list:
-        """Each lookahead row's size for this step: the budget's choice (None: full steps)."""
-        self._expected, self._sized = {}, False
-        for job in lookahead:
-            job.draft_now()
-        if lookahead and self.budget is None:
-            first = lookahead[0]
-            self.budget = step_budget(first.loop, self.cost, first.seed is not None, self.model)
-        if self.budget is None or not lookahead:
-            return [None] * len(lookahead)
-        self._sized = True
-        choices = self.budget.choose([job.draft.scores for job in lookahead], lookahead[0].loop.branch_tokens,
-                                     [job.loop.length for job in lookahead], fixed)
-        self._expected = {job: sum(job.draft.scores[: min(choice.nodes, len(job.draft))])
-                          for job, choice in zip(lookahead, choices, strict=True) if choice.nodes}
-        return choices
+    def _budget_for(self, job: Job) -> StepBudget | None:
+        """The budget that sizes a lookahead row's steps (None: full-size steps): the one of its kind (sampled or
+        greedy, static or not), made when the first row of that kind comes."""
+        if self.cost is None or not job.loop.tunable:
+            return None
+        key = (job.seed is not None, job.loop.static)
+        if key not in self.budgets:
+            self.budgets[key] = step_budget(job.loop, self.cost, job.seed is not None, self.model)
+        return self.budgets[key]
 
     def _prefill_allowance(self, decoding_tokens: int) -> int | None:
         """Prompt tokens the next step may carry (None: no limit): the model's chunk alone; beside decoding rows as
