@@ -11,7 +11,7 @@ from helpers import MockRowModel, MockStepModel, RandomCost, context_logits, dec
 from lookahead import LookaheadConfig
 from lookahead.loop import Engine, QueueFull
 from lookahead.models import Llama
-from lookahead.request import SamplingParams
+from lookahead.request import Request, SamplingParams
 from lookahead.tuning import CostModel, Curve
 
 VOCAB = 24
@@ -255,6 +255,31 @@ def test_each_row_is_sized_by_its_own_kind_and_configuration_not_the_first_reque
         assert (result.tokens, result.steps) == (alone.tokens, alone.steps), name
     steps = {name: result.steps for name, result in zip(order, together, strict=True)}
     assert steps["fixed"] < steps["sampled-auto"] and steps["greedy-auto"] < steps["sampled-auto"]
+
+
+class NoRoomForLong(MockRowModel):
+    """A model that keeps answering "no room yet" for prompts of more than 10 tokens, even with no row live."""
+
+    def admit(self, prompt, positions):
+        return None if len(prompt) > 10 else super().admit(prompt, positions)
+
+
+def test_a_request_the_model_refuses_with_no_row_live_fails_instead_of_waiting_forever():
+    engine = Engine(NoRoomForLong(VOCAB, logits_fn))
+    long = engine.submit(list(range(12)), 4)
+    with pytest.raises(RuntimeError, match="no room for a request of 12 prompt tokens"):
+        for _ in range(5):  # bounded: the engine used to spin here forever
+            engine.step()
+    with pytest.raises(RuntimeError, match="no room"):
+        long.result(0)
+    with pytest.raises(RuntimeError, match="no room"):  # a library caller's run raises it too
+        engine.run(Request([list(range(12))], 4))
+    engine.start()  # the engine's thread fails it and goes on
+    long, short = engine.submit(list(range(12)), 4), engine.submit([1, 2, 3], 5)
+    with pytest.raises(RuntimeError, match="no room"):
+        long.result(30)
+    assert short.result(30).tokens == decode_one(MockStepModel(VOCAB, logits_fn), [1, 2, 3], 5).tokens
+    engine.stop(10)
 
 
 def test_a_failing_step_fails_its_rows_and_the_engine_goes_on():

@@ -225,6 +225,13 @@ class Engine:
                 self.waiting.popleft()
                 self._fail([job], str(e))
                 continue
+            if place is None and not self.active:  # nothing will ever free room for it: fail it, not spin forever
+                self.waiting.popleft()
+                message = (f"the model has no room for a request of {len(job.prompt)} prompt tokens (up to "
+                           f"{job.positions} positions) even with no other request running; shorten the prompt, ask "
+                           "for fewer tokens, or give the model more memory")
+                self._fail([job], message)
+                raise RuntimeError(message)
             if place is None:
                 return
             self.waiting.popleft()
