@@ -40,6 +40,28 @@ def test_a_client_that_disconnects_leaves_the_engine_and_others_are_unaffected(w
     assert not server.engine.model.rows  # every row released
 
 
+def test_a_client_that_gives_up_is_counted_as_499_and_not_logged_as_a_failure(warm_server, caplog):
+    """A client that leaves while its body is arriving, or while it waits for a whole answer: no traceback, no 500
+    (they were an InvalidStateError after cancel() and a ClientDisconnect, each a logged 500)."""
+    server = warm_server
+    cancelled = server.metric("request_success_total", finished_reason="cancelled")
+    closed = server.metric("request_rejected_total", status="499")
+    data = json.dumps(dict(model="tiny", prompt="abc", max_tokens=480, ignore_eos=True, temperature=0)).encode()
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", server.port), timeout=TIMEOUT) as sock:  # half a body, then gone
+        sock.sendall(head % len(data) + data[:10])
+    server.wait_for(lambda: server.metric("request_rejected_total", status="499") == closed + 1,
+                    "the half-sent request to be counted as 499")
+    with socket.create_connection(("127.0.0.1", server.port), timeout=TIMEOUT) as sock:  # a whole body, then gone
+        sock.sendall(head % len(data) + data)
+        server.wait_for(lambda: len(server.engine.active) + server.engine.queued >= 1, "the request to start")
+    server.wait_for(lambda: server.metric("request_success_total", finished_reason="cancelled") == cancelled + 1,
+                    "the whole-answer request to be cancelled")
+    ask(server.client(), "tiny", "completions", "after", False, max_tokens=4, temperature=0)  # handlers have ended
+    assert server.metric("request_rejected_total", status="500") == 0
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")], caplog.text
+
+
 def test_the_api_key(served_dir):
     from openai import AuthenticationError
 

@@ -19,12 +19,13 @@ from dataclasses import dataclass, field
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from lookahead.config import LookaheadConfig
 from lookahead.loop import Engine
 
 from .completions import chat, complete
-from .errors import APIError, bad_request, install, overloaded
+from .errors import APIError, bad_request, client_closed, install, overloaded
 from .metrics import CONTENT_TYPE, Metrics
 from .protocol import ChatCompletionRequest, CompletionRequest, FieldError
 from .text import TokenText
@@ -186,11 +187,14 @@ async def _read_body(request: Request, limit: int) -> bytes:
             raise APIError(413, f"the request body ({length} bytes) is larger than the server's limit of {limit} "
                            "bytes", code="request_too_large")
     body = bytearray()
-    async for chunk in request.stream():  # a body sent in chunks, without a length, is held to the limit too
-        body += chunk
-        if len(body) > limit:
-            raise APIError(413, f"the request body is larger than the server's limit of {limit} bytes",
-                           code="request_too_large")
+    try:
+        async for chunk in request.stream():  # a body sent in chunks, without a length, is held to the limit too
+            body += chunk
+            if len(body) > limit:
+                raise APIError(413, f"the request body is larger than the server's limit of {limit} bytes",
+                               code="request_too_large")
+    except ClientDisconnect:  # the client gave up while sending: its mistake or its choice, not the server's failure
+        raise client_closed("the client disconnected before sending the whole body") from None
     return bytes(body)
 
 

@@ -21,14 +21,13 @@ from jinja2 import TemplateError
 
 from lookahead.loop import QueueFull, TokenLogprob
 
-from .errors import APIError, bad_request, overloaded
+from .errors import CLIENT_CLOSED, APIError, bad_request, overloaded
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .submission import Submission
 
 # the engine's finish reasons as the API shows them: a request the server ended (it is shutting down) is "abort",
 # vLLM's name for it; the openai client takes any string here
 FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort"}
-CLIENT_CLOSED = 499  # the status logged for a request whose client left before its answer (nginx's)
 
 
 async def chat(served, request: Request, body: ChatCompletionRequest) -> Response:
@@ -129,7 +128,8 @@ async def _until_done(submission: Submission, request: Request):
         if not answer.done():
             answer.cancel()
             submission.cancel()
-    return answer.result() if not answer.cancelled() else None
+    # a task just cancelled is not done yet (its cancellation runs at its next turn): only a done one has a result
+    return answer.result() if answer.done() and not answer.cancelled() else None
 
 
 async def _disconnected(request: Request) -> None:

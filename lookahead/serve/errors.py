@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException
 log = logging.getLogger("lookahead.serve")
 
 RETRY_AFTER_S = 1  # what a 503 tells the client to wait before trying again
+CLIENT_CLOSED = 499  # the status counted for a request whose client left before its answer (nginx's)
 
 
 class APIError(Exception):
@@ -37,6 +38,12 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def client_closed(message: str) -> APIError:
+    """A client that gave up (disconnected before its answer): counted as 499, never logged as the server's failure.
+    Nobody reads the response."""
+    return APIError(CLIENT_CLOSED, message, code="client_closed")
 
 
 def overloaded(message: str) -> APIError:
