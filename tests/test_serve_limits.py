@@ -62,6 +62,50 @@ def test_a_client_that_gives_up_is_counted_as_499_and_not_logged_as_a_failure(wa
     assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")], caplog.text
 
 
+THINKING = "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n{% endif %}"
+
+
+def test_the_sdks_and_vllms_and_llama_servers_extra_fields(warm_server, served_reference, caplog):
+    """The openai SDK's hints are accepted and ignored (logged once), chat_template_kwargs reaches the template,
+    add_generation_prompt and n_predict are honoured; what would change the answer and is not supported is refused by
+    name, and a field nobody defines is still unrecognized."""
+    import logging
+
+    server, tokenizer = warm_server, warm_server.tokenizer
+    caplog.set_level(logging.INFO, logger="lookahead.serve")
+    client = server.client()
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    template = tokenizer.chat_template
+    tokenizer.chat_template = template + THINKING  # a template that reads a keyword, as Qwen3's enable_thinking
+    try:
+        for _ in range(2):
+            answer = client.chat.completions.create(
+                model="tiny", messages=messages, max_tokens=12, temperature=0, prompt_cache_key="k",
+                safety_identifier="user-1", verbosity="medium",
+                extra_body={"cache_prompt": True, "chat_template_kwargs": {"enable_thinking": False}})
+        ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False, enable_thinking=False))
+        assert ids != chat_ids(tokenizer, PROMPTS[0]) and answer.usage.prompt_tokens == len(ids)
+        assert answer.choices[0].message.content == expected(served_reference, tokenizer, ids, 12).text
+        bare = list(tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=True,
+                                                  return_dict=False))
+        answer = client.chat.completions.create(model="tiny", messages=messages, temperature=0,
+                                                extra_body={"add_generation_prompt": False, "n_predict": 5})
+        assert answer.usage.prompt_tokens == len(bare) and answer.usage.completion_tokens <= 5
+        assert answer.choices[0].message.content == expected(served_reference, tokenizer, bare, 5).text
+    finally:
+        tokenizer.chat_template = template
+    logged = [r.getMessage() for r in caplog.records if "ignoring the request field" in r.getMessage()]
+    assert sorted(logged) == sorted(f"ignoring the request field {name!r} (it cannot change the answer); logged once"
+                                    for name in ("prompt_cache_key", "safety_identifier", "cache_prompt"))
+    for change, param in [({"verbosity": "low"}, "verbosity"), ({"chat_template": "{{ x }}"}, "chat_template"),
+                          ({"chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs"),
+                          ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+                          ({"n_predict": 7, "max_tokens": 8}, "n_predict"), ({"flavour": 1}, "flavour")]:
+        status, _, body = server.post("/v1/chat/completions", {"model": "tiny", "messages": messages, **change})
+        assert status == 400 and body["error"]["param"] == param, (change, body)
+
+
 def test_the_api_key(served_dir):
     from openai import AuthenticationError
 

@@ -11,6 +11,7 @@ import asyncio
 import copy
 import hmac
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -29,6 +30,8 @@ from .errors import APIError, bad_request, client_closed, install, overloaded
 from .metrics import CONTENT_TYPE, Metrics
 from .protocol import ChatCompletionRequest, CompletionRequest, FieldError
 from .text import TokenText
+
+log = logging.getLogger("lookahead.serve")
 
 MAX_BODY_BYTES = 4 * 1024 * 1024  # a request body's default limit (413 beyond)
 STOP_TIMEOUT_S = 10.0  # how long the app waits for the engine's thread to end when it stops
@@ -53,6 +56,7 @@ class Served:
     token_text: TokenText = field(init=False)
     created: int = field(default_factory=lambda: int(time.time()))
     serving: bool = False
+    ignored: set[str] = field(default_factory=set)  # ignored request fields logged so far (each is logged once)
 
     def __post_init__(self) -> None:
         self.engine_tokenizer = copy.deepcopy(self.tokenizer)  # fast tokenizers must not be shared between threads
@@ -175,6 +179,10 @@ async def _parse(request: Request, served: Served, model: type[BaseModel]):
     except ValidationError as e:
         raise _validation_error(e, raw) from None
     _check_model(served, body.model)
+    for name in body.ignored:
+        if name not in served.ignored:
+            served.ignored.add(name)
+            log.info("ignoring the request field %r (it cannot change the answer); logged once", name)
     return body
 
 

@@ -51,7 +51,8 @@ def _chat_prompt(tokenizer, body: ChatCompletionRequest) -> list[int]:
         raise bad_request("messages: this model's tokenizer has no chat template; use /v1/completions", "messages")
     messages = [message.for_template() for message in body.messages]
     try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt, tokenize=True,
+                                            return_dict=False, **(body.chat_template_kwargs or {}))
     except (TemplateError, ValueError, TypeError, KeyError, IndexError) as e:  # the template refused the messages
         raise bad_request(f"messages: the chat template refused them: {e}", "messages") from None
     return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)  # some versions return an encoding anyway
