@@ -148,7 +148,10 @@ def test_full_rows_and_queue_answer_503_with_retry_after(served_dir, served_refe
 
 def test_stopping_ends_requests_in_flight_with_abort_which_the_openai_client_reads(served_dir):
     """What SIGTERM does (the subprocess test sends one): a stream gets a last chunk, finish_reason "abort", then
-    [DONE]; a request waiting for its whole answer gets what it has, "abort"; the server's thread ends."""
+    [DONE]; a request waiting for its whole answer gets a 503 that says it was cut (a 200 with part of the answer
+    passed for the whole with clients that ignore finish_reason); the server's thread ends."""
+    from openai import APIStatusError
+
     server = Running(served_dir, max_batch=2)
     body = dict(model="tiny", max_tokens=480, temperature=0, extra_body={"ignore_eos": True})
     whole = ThreadPoolExecutor(1).submit(server.client().completions.create, prompt="xyz", **body)
@@ -159,10 +162,37 @@ def test_stopping_ends_requests_in_flight_with_abort_which_the_openai_client_rea
     stopping.start()
     rest = list(chunks)
     assert rest[-1].choices[0].finish_reason == "abort" and all(c.choices[0].finish_reason is None for c in rest[:-1])
-    answer = whole.result(TIMEOUT)
-    assert answer.choices[0].finish_reason == "abort" and 0 < answer.usage.completion_tokens < 480
+    with pytest.raises(APIStatusError, match="shutting down: the answer was cut after") as cut:
+        whole.result(TIMEOUT)
+    assert cut.value.status_code == 503
     stopping.join(TIMEOUT)
     assert not server.server._thread.is_alive() and not server.engine.active
+
+
+def test_a_request_that_arrives_after_the_signal_gets_503_shutting_down(served_dir):
+    """Between the signal and uvicorn's shutdown (its next tick; held open here) a new request is refused: it used to
+    be let in and then cut, a 200 with no text."""
+    import asyncio
+    import signal
+
+    server = Running(served_dir, max_batch=2)
+    uv = server.server._uvicorn
+    shutdown, release = uv.shutdown, threading.Event()
+
+    async def held(sockets=None):
+        await asyncio.to_thread(release.wait, TIMEOUT)
+        await shutdown(sockets)
+
+    uv.shutdown = held
+    try:
+        uv.handle_exit(signal.SIGTERM, None)
+        for body in ({**COMPLETION}, {**COMPLETION, "stream": True}):
+            status, _, answer = server.post("/v1/completions", body)
+            assert status == 503 and "shutting down" in answer["error"]["message"], answer
+        assert server.get("/health")[0] == 503
+    finally:
+        release.set()
+        server.stop()
 
 
 CHAT = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0)

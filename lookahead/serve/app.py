@@ -62,6 +62,11 @@ class Served:
         self.engine_tokenizer = copy.deepcopy(self.tokenizer)  # fast tokenizers must not be shared between threads
         self.token_text = TokenText(self.tokenizer)
 
+    def refuse_new(self) -> None:
+        """Refuse new requests from now on (503 "shutting down"), the moment a signal arrives: uvicorn accepts
+        connections until its shutdown begins, and a request let in then would be cut at once."""
+        self.serving = False
+
     def begin_shutdown(self) -> None:
         """Stop serving: refuse new requests and cancel every one in flight (each ends at the next step boundary;
         streams get their last chunk). The engine's thread is joined when the app stops."""
@@ -172,6 +177,8 @@ async def _parse(request: Request, served: Served, model: type[BaseModel]):
     if not served.serving:
         raise overloaded("the server is shutting down")
     raw = await _read_body(request, served.max_body_bytes)
+    if not served.serving:  # (a signal arrived while the body did)
+        raise overloaded("the server is shutting down")
     try:
         body = model.model_validate_json(raw)
     except FieldError as e:

@@ -77,6 +77,8 @@ async def _generate(served, request: Request, body, prompt: list[int], fmt, prom
                                 lookahead=served.lookahead, stop=body.stop, logprobs=body.engine_logprobs,
                                 arrival=arrival)
     except QueueFull as e:
+        if not served.serving:
+            raise overloaded("the server is shutting down; send the request again once it is back") from None
         raise overloaded(f"the server is busy ({e}); try again later") from None
     except ValueError as e:  # the engine's own checks (the request is checked before: a backstop)
         raise bad_request(str(e)) from None
@@ -88,6 +90,10 @@ async def _generate(served, request: Request, body, prompt: list[int], fmt, prom
     text, logprobs, last = final
     if last.finish_reason == "error":
         raise APIError(500, f"generation failed: {last.error}")
+    if last.finish_reason == "cancelled":  # the server is stopping (a client that left gets nothing): a cut answer
+        # is an error, so that a client that ignores finish_reason does not take it for the whole answer
+        raise overloaded(f"the server is shutting down: the answer was cut after {len(last.result.tokens)} tokens; "
+                         "send the request again once it is back")
     return JSONResponse(fmt.response(text, logprobs, FINISH_REASONS[last.finish_reason],
                                      usage(last.result, len(prompt))))
 

@@ -1,8 +1,8 @@
 """Running the app: uvicorn, with the shutdown a model server needs.
 
-On SIGTERM or SIGINT (or `Server.stop()` from another thread) the server stops accepting connections, the engine
-cancels every request in flight (each stream ends with a last chunk whose finish_reason is "abort", then
-`data: [DONE]`), and `run()` returns once they have ended: within a step or two, at most `graceful_s` seconds. A
+On SIGTERM or SIGINT (or `Server.stop()` from another thread) the server refuses new requests at once (503), stops
+accepting connections, the engine cancels every request in flight (each stream ends with a last chunk whose
+finish_reason is "abort", then `data: [DONE]`; a whole answer that was cut is a 503 saying so), and `run()` returns once they have ended: within a step or two, at most `graceful_s` seconds. A
 signal is a request to stop, and stopping is success: the process goes on to exit with status 0 (uvicorn would
 raise the signal again once it is done, which ends a process with the signal's status).
 """
@@ -30,7 +30,9 @@ class Server:
                                 timeout_graceful_shutdown=graceful_s, timeout_keep_alive=5)
         self.app, self.host = app, host
         self._thread: threading.Thread | None = None
-        self._uvicorn = _Uvicorn(config, app.state.served.begin_shutdown, lambda: on_started and on_started(self))
+        served = app.state.served
+        self._uvicorn = _Uvicorn(config, served.refuse_new, served.begin_shutdown,
+                                 lambda: on_started and on_started(self))
 
     def run(self) -> None:
         """Serve until stopped (a signal in the main thread, or `stop()`)."""
@@ -52,7 +54,7 @@ class Server:
 
     def stop(self, timeout: float | None = GRACEFUL_S + 5) -> None:
         """Stop serving (from any thread), as a SIGTERM does; after `start()`, wait for it to end."""
-        self._uvicorn.should_exit = True
+        self._uvicorn.handle_exit(signal.SIGTERM, None)
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -76,9 +78,15 @@ def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, **options) ->
 
 
 class _Uvicorn(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, on_shutdown: Callable[[], None], on_started: Callable[[], None]):
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None], on_shutdown: Callable[[], None],
+                 on_started: Callable[[], None]):
         super().__init__(config)
-        self._on_shutdown, self._on_started = on_shutdown, on_started
+        self._on_exit, self._on_shutdown, self._on_started = on_exit, on_shutdown, on_started
+
+    def handle_exit(self, sig: int, frame) -> None:
+        # a signal (or stop()): refuse new requests now; uvicorn notices should_exit only at its next tick
+        super().handle_exit(sig, frame)
+        self._on_exit()
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
