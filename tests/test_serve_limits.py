@@ -106,6 +106,45 @@ def test_the_sdks_and_vllms_and_llama_servers_extra_fields(warm_server, served_r
         assert status == 400 and body["error"]["param"] == param, (change, body)
 
 
+def test_prompts_are_tokenized_off_the_event_loop_and_what_cannot_fit_is_refused_untokenized(warm_server,
+                                                                                           served_reference):
+    """While a prompt is being tokenized (held here), the server answers others; a prompt whose characters alone
+    need more tokens than the model's positions is refused without tokenizing it (a 4 MB prompt took seconds to be
+    refused, every stream stopped meanwhile)."""
+    server = warm_server
+    served = server.app.state.served
+    tokenizer, entered, release, calls = served.tokenizer, threading.Event(), threading.Event(), []
+
+    class Held:
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+        def __call__(self, *args, **kwargs):
+            calls.append(args)
+            entered.set()
+            release.wait(TIMEOUT)
+            return tokenizer(*args, **kwargs)
+
+    served.tokenizer = Held()
+    try:
+        too_long = "a" * (512 * served.longest_token + 1)
+        status, _, answer = server.post("/v1/completions", {**COMPLETION, "prompt": too_long})
+        assert status == 400 and answer["error"]["code"] == "context_length_exceeded" and not calls
+        held = ThreadPoolExecutor(1).submit(ask, server.client(), "tiny", "completions", "xyz", False, max_tokens=8,
+                                            temperature=0)
+        assert entered.wait(TIMEOUT)
+        assert server.get("/health")[0] == 200  # the loop is free while the prompt is tokenized
+        ids = chat_ids(tokenizer, PROMPTS[1])  # token ids: no tokenizing, so it need not wait for the held one
+        answer = server.client().completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0)
+        assert answer.choices[0].text == expected(served_reference, tokenizer, ids, 8).text
+        assert not held.done()
+    finally:
+        release.set()
+        served.tokenizer = tokenizer
+    want = expected(served_reference, tokenizer, tokenizer("xyz")["input_ids"], 8)
+    assert held.result(TIMEOUT)["text"] == want.text
+
+
 def test_the_api_key(served_dir):
     from openai import AuthenticationError
 

@@ -8,6 +8,7 @@ routes only translate (`completions.py` for the two generating endpoints): no ha
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import copy
 import hmac
 import json
@@ -39,8 +40,9 @@ STOP_TIMEOUT_S = 10.0  # how long the app waits for the engine's thread to end w
 
 @dataclass
 class Served:
-    """What the handlers need: the engine, the tokenizers (the loop's, and a copy for the engine's thread), the model's
-    name and limits, the decoding every request gets (lookahead, stop tokens), the metrics."""
+    """What the handlers need: the engine, the tokenizers (one for prompts, used on a thread of its own (`tokenize`),
+    a copy for the engine's thread and one for the loop's logprobs: a fast tokenizer must not be used by two threads at
+    once), the model's name and limits, the decoding every request gets (lookahead, stop tokens), the metrics."""
 
     engine: Engine
     tokenizer: object
@@ -54,13 +56,25 @@ class Served:
     metrics: Metrics
     engine_tokenizer: object = field(init=False)
     token_text: TokenText = field(init=False)
+    longest_token: int = field(init=False)  # characters of the vocabulary's longest token: a prompt's at most per token
     created: int = field(default_factory=lambda: int(time.time()))
     serving: bool = False
     ignored: set[str] = field(default_factory=set)  # ignored request fields logged so far (each is logged once)
 
     def __post_init__(self) -> None:
         self.engine_tokenizer = copy.deepcopy(self.tokenizer)  # fast tokenizers must not be shared between threads
-        self.token_text = TokenText(self.tokenizer)
+        self.token_text = TokenText(copy.deepcopy(self.tokenizer))
+        self.longest_token = max(map(len, self.tokenizer.get_vocab()), default=1) or 1
+        # prompts are tokenized and templated here, one at a time, never on the event loop: a 4 MB prompt takes
+        # seconds, and every stream would stop meanwhile
+        self._prompts = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lookahead-prompts")
+
+    async def tokenize(self, function, *args):
+        """`function(self.tokenizer, *args)` on the prompts' thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._prompts, function, self.tokenizer, *args)
+
+    def close(self) -> None:
+        self._prompts.shutdown(wait=False, cancel_futures=True)
 
     def refuse_new(self) -> None:
         """Refuse new requests from now on (503 "shutting down"), the moment a signal arrives: uvicorn accepts
@@ -112,6 +126,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, api_key: str | Non
             yield
         finally:
             served.serving = False
+            served.close()
             await asyncio.to_thread(engine.stop, STOP_TIMEOUT_S)
 
     app = FastAPI(title="lookahead", summary="OpenAI-compatible serving with exact lookahead decoding",

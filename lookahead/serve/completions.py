@@ -31,19 +31,36 @@ FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort"}
 
 
 async def chat(served, request: Request, body: ChatCompletionRequest) -> Response:
-    prompt = _chat_prompt(served.tokenizer, body)
+    _refuse_what_cannot_fit(served, sum(len(message.content) for message in body.messages), "messages")
+    prompt = await served.tokenize(_chat_prompt, body)
     return await _generate(served, request, body, prompt, ChatFormat(served, body), "messages")
 
 
 async def complete(served, request: Request, body: CompletionRequest) -> Response:
     if isinstance(body.prompt, str):
-        prompt = list(served.tokenizer(body.prompt, add_special_tokens=True)["input_ids"])
+        _refuse_what_cannot_fit(served, len(body.prompt), "prompt")
+        prompt = await served.tokenize(_encode, body.prompt)
         if not prompt:
             raise bad_request("prompt: the prompt is empty (it encodes to no tokens)", "prompt")
     else:
         prompt = body.prompt
         _check_ids(prompt, served.vocab_size, "prompt")
     return await _generate(served, request, body, prompt, CompletionFormat(served, body), "prompt")
+
+
+def _refuse_what_cannot_fit(served, characters: int, param: str) -> None:
+    """400 before tokenizing a text that cannot fit the model's positions whatever its tokens: no token holds more
+    than the vocabulary's longest token's characters, so the text needs at least characters / longest tokens."""
+    positions = served.max_positions
+    fewest = -(-characters // served.longest_token)
+    if positions is not None and fewest > positions:
+        raise bad_request(f"This model's maximum context length is {positions} tokens. However, your {param} hold "
+                          f"{characters} characters, at least {fewest} tokens. Please reduce the length of the "
+                          f"{param}.", param, code="context_length_exceeded")
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
 
 
 def _chat_prompt(tokenizer, body: ChatCompletionRequest) -> list[int]:
