@@ -267,6 +267,7 @@ MALFORMED = [
     ("stop-5", "chat", {"stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ("stop-empty", "chat", {"stop": [""]}, 400, "stop"),
     ("stop-int", "chat", {"stop": 7}, 400, "stop"),
+    ("stop-too-long", "chat", {"stop": ["x" * 1025]}, 400, "stop"),
     ("top-logprobs-21", "chat", {"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ("top-logprobs-alone", "chat", {"top_logprobs": 2}, 400, "top_logprobs"),
     ("seed-string", "chat", {"seed": "x"}, 400, "seed"),

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from lookahead.request import SamplingParams
 
 MAX_STOPS = 4  # stop strings per request (OpenAI's limit)
+MAX_STOP_CHARS = 1024  # characters per stop string: each is matched on the engine's thread, every token
 MAX_LOGPROBS = 20  # top log-probabilities per token (OpenAI's limit for chat; the engine's)
 COMPLETION_MAX_TOKENS = 16  # /v1/completions' default max_tokens, as OpenAI's
 SEED_SPAN = 2**64  # seeds in [-2**63, 2**64): a negative seed s is s mod 2**64
@@ -153,6 +154,9 @@ class _Generation(_Body):
             raise ValueError(f"at most {MAX_STOPS} stop strings, got {len(stops)}")
         if any(not s for s in stops):
             raise ValueError("a stop string must not be empty")
+        longest = max(map(len, stops), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise ValueError(f"a stop string may hold at most {MAX_STOP_CHARS} characters, got one of {longest}")
         return tuple(stops)
 
     @model_validator(mode="after")
