@@ -145,6 +145,33 @@ def test_prompts_are_tokenized_off_the_event_loop_and_what_cannot_fit_is_refused
     assert held.result(TIMEOUT)["text"] == want.text
 
 
+def test_unset_sampling_fields_take_the_models_generation_config(served_dir, served_reference, tmp_path):
+    """A generation_config.json with temperature 0: a request that sets no temperature is greedy (not OpenAI's
+    temperature 1); one that sets it samples; a folder without the file gives OpenAI's defaults."""
+    import shutil
+
+    from lookahead.serve import sampling_defaults
+
+    folder = shutil.copytree(served_dir, tmp_path / "model")
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 257, "temperature": 0.0,
+                                                               "top_p": 0.9, "top_k": 20}))
+    assert sampling_defaults(folder) == {"temperature": 0.0, "top_p": 0.9, "top_k": 20}
+    (tmp_path / "bare").mkdir()
+    assert sampling_defaults(tmp_path / "bare") == {}
+    server = Running(folder, sampling_defaults=sampling_defaults(folder))
+    try:
+        ids = server.tokenizer("xyz")["input_ids"]
+        greedy = expected(served_reference, server.tokenizer, ids, 16)
+        sampled = expected(served_reference, server.tokenizer, ids, 16, temperature=1.0, top_p=0.9, top_k=20, seed=3)
+        assert greedy.text != sampled.text  # (the test's premise)
+        unset = server.client().completions.create(model="tiny", prompt="xyz", max_tokens=16, seed=3)
+        assert unset.choices[0].text == greedy.text
+        hot = server.client().completions.create(model="tiny", prompt="xyz", max_tokens=16, seed=3, temperature=1.0)
+        assert hot.choices[0].text == sampled.text  # top_p and top_k from the file still
+    finally:
+        server.stop()
+
+
 def test_the_api_key(served_dir):
     from openai import AuthenticationError
 

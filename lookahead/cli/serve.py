@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from lookahead.models import Llama, default_model_dir, engine_for
-    from lookahead.serve import Server, create_app
+    from lookahead.serve import Server, create_app, sampling_defaults
 
     device = _device(torch, args.device)
     folder = Path(args.model if args.model else default_model_dir(args.cache_dir))
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     name = args.served_model_name or folder.name
     app = create_app(engine, tokenizer, name, api_key=args.api_key, lookahead=lookahead,
                      eos_token_ids=model.config.eos_token_id, vocab_size=model.config.vocab_size,
-                     max_body_bytes=args.max_body_bytes)
+                     max_body_bytes=args.max_body_bytes, sampling_defaults=sampling_defaults(folder))
     mode = "plain decoding" if lookahead is None else (f"lookahead W={lookahead.window} N={lookahead.ngram} "
                                                        f"G={lookahead.guesses}")
 

@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
@@ -25,6 +26,7 @@ from starlette.requests import ClientDisconnect
 
 from lookahead.config import LookaheadConfig
 from lookahead.loop import Engine
+from lookahead.request import SamplingParams
 
 from .completions import chat, complete
 from .errors import APIError, bad_request, client_closed, install, overloaded
@@ -54,6 +56,7 @@ class Served:
     api_key: str | None
     max_body_bytes: int
     metrics: Metrics
+    sampling_defaults: dict
     engine_tokenizer: object = field(init=False)
     token_text: TokenText = field(init=False)
     longest_token: int = field(init=False)  # characters of the vocabulary's longest token: a prompt's at most per token
@@ -90,7 +93,7 @@ class Served:
 
 def create_app(engine: Engine, tokenizer, model_name: str, *, api_key: str | None = None,
                lookahead: LookaheadConfig | str | None = "auto", eos_token_ids=None, vocab_size: int | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = MAX_BODY_BYTES, sampling_defaults: dict | None = None) -> FastAPI:
     """The OpenAI-compatible app over `engine` (not started: the app starts and stops it).
 
     tokenizer: the model's (a transformers tokenizer with its chat template). model_name: the `model` requests name
@@ -100,7 +103,9 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, api_key: str | Non
     eos_token_ids: the tokens that end an answer (default: the tokenizer's EOS; the server passes the model config's,
     as `Llama.generate` does). vocab_size: token ids a prompt may hold (default: the engine's, else the tokenizer's
     length).
-    max_body_bytes: a larger request body gets 413.
+    max_body_bytes: a larger request body gets 413. sampling_defaults: the temperature, top_p and top_k a request that
+    leaves them unset gets (`sampling_defaults(folder)`: the model's generation_config.json's; None: OpenAI's,
+    temperature 1 and top_p 1).
     """
     if isinstance(lookahead, str):
         if lookahead != "auto":
@@ -113,8 +118,13 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, api_key: str | Non
     if api_key is not None and not api_key:
         raise ValueError("api_key is empty; give a key or None")
     vocab_size = vocab_size or engine.vocab_size or len(tokenizer)  # the model's when the engine knows it
+    sampling_defaults = dict(sampling_defaults or {})
+    unknown = sorted(set(sampling_defaults) - set(SAMPLING_DEFAULTS))
+    if unknown:
+        raise ValueError(f"sampling_defaults may set {', '.join(SAMPLING_DEFAULTS)}; got {', '.join(unknown)}")
+    SamplingParams(**sampling_defaults)  # checked now, not at the first request
     served = Served(engine, tokenizer, model_name, lookahead, eos, vocab_size,
-                    engine.max_positions, api_key, max_body_bytes, Metrics(engine, model_name))
+                    engine.max_positions, api_key, max_body_bytes, Metrics(engine, model_name), sampling_defaults)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -135,6 +145,22 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, api_key: str | Non
     install(app, served.metrics.reject)
     app.include_router(_routes(served))
     return app
+
+
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k")  # what a model's generation_config sets for the server
+
+
+def sampling_defaults(folder: str | Path) -> dict:
+    """The temperature, top_p and top_k a checkpoint folder's generation_config.json sets (those it sets), which a
+    request that leaves them unset gets, as vLLM serves them by default; {} without the file."""
+    path = Path(folder) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); fix or remove it") from None
+    return {name: config[name] for name in SAMPLING_DEFAULTS if config.get(name) is not None}
 
 
 def _routes(served: Served) -> APIRouter:

@@ -10,12 +10,14 @@ them: `top_k` (-1 or 0: off), `ignore_eos`, `stop_token_ids`, `n_predict` (llama
 remains), and for chat `add_generation_prompt` and `chat_template_kwargs` (passed to the chat template, e.g. Qwen3's
 `enable_thinking`).
 
-Defaults are OpenAI's: temperature 1 and top_p 1 (temperature 0 is greedy); `max_tokens` is what remains of the
-model's positions for a chat completion and 16 for a completion.
+Defaults: the model's generation_config.json's temperature, top_p and top_k where it sets them (as vLLM does),
+else OpenAI's, temperature 1 and top_p 1 (temperature 0 is greedy); `max_tokens` is what remains of the model's
+positions for a chat completion and 16 for a completion.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -186,11 +188,14 @@ class _Generation(_Body):
 
     # ----- what the engine is asked for -----
 
-    def sampling(self) -> SamplingParams:
-        """OpenAI's defaults: temperature 1, top_p 1; temperature 0 is greedy; top_k -1 or 0 is off."""
-        temperature = 1.0 if self.temperature is None else float(self.temperature)
-        top_p = 1.0 if self.top_p is None else float(self.top_p)
-        return SamplingParams(temperature, max(self.top_k or 0, 0), top_p)
+    def sampling(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """The request's sampling; what it leaves unset from `defaults` (the model's generation_config), else
+        OpenAI's: temperature 1, top_p 1. Temperature 0 is greedy; top_k -1 or 0 is off."""
+        defaults = defaults or {}
+        temperature = self.temperature if self.temperature is not None else defaults.get("temperature", 1.0)
+        top_p = self.top_p if self.top_p is not None else defaults.get("top_p", 1.0)
+        top_k = self.top_k if self.top_k is not None else defaults.get("top_k", 0)
+        return SamplingParams(float(temperature), max(top_k, 0), float(top_p))
 
     def engine_seed(self) -> int | None:
         """The seed for the engine, in [0, 2**64)."""
