@@ -68,6 +68,14 @@ def test_bad_flags_are_one_line_naming_the_flag(capsys, argv, message):
     assert code == 2 and len(err.splitlines()) == 1 and message in err, err
 
 
+def test_without_the_serve_extra_the_error_names_it(capsys, monkeypatch, served_dir):
+    monkeypatch.setitem(sys.modules, "fastapi", None)  # as if not installed (import fastapi raises)
+    monkeypatch.setitem(sys.modules, "lookahead.serve", None)  # (imported by this module already: forgotten)
+    assert main(["serve", "--model", str(served_dir)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "needs the [serve] extra (fastapi not installed)" in err and "torch==2.13.0" in err, err
+
+
 def test_the_api_key_comes_from_the_environment_unless_given():
     parse = build_parser().parse_args
     args = parse(["serve"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import os
 import sys
 import time
@@ -18,12 +19,19 @@ from .generate import _backend, _device, _tokenizer
 from .launch import world_size
 
 GIB = 2**30
+SERVE_MODULES = ("fastapi", "uvicorn", "prometheus_client")  # what the [serve] extra installs
+INSTALL_SERVE = ('pip install torch==2.13.0 && pip install -e ".[serve]" in the repository (torch pinned first: '
+                 "unpinned, pip takes the 5 GB CUDA build, even on a CPU-only machine)")
 
 
 def run(args: argparse.Namespace) -> int:
     """Serve for `lookahead.cli`'s checked arguments; errors of the setup are raised for the front to print."""
     if world_size(os.environ) > 1:
         raise ValueError("lookahead serve runs in one process; unset WORLD_SIZE (torchrun is for lookahead generate)")
+    missing = [name for name in SERVE_MODULES if importlib.util.find_spec(name) is None]
+    if missing:  # said before the model loads, naming the extra (not a bare "No module named 'fastapi'")
+        raise ImportError(f"lookahead serve needs the [serve] extra ({', '.join(missing)} not installed): "
+                          f"{INSTALL_SERVE}")
     _say(f"loading torch and {args.model or 'the default model'} ...")
     start = time.perf_counter()
     import torch
