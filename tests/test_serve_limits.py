@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from served import PROMPTS, TIMEOUT, Running, ask, chat_ids, expected, open_stream, read_event
+from served import PROMPTS, TIMEOUT, Running, ask, chat_ids, expected, open_stream, read_event, request
 
 
 def test_a_client_that_disconnects_leaves_the_engine_and_others_are_unaffected(warm_server, served_reference):
@@ -187,6 +187,35 @@ def test_the_api_key(served_dir):
         with pytest.raises(AuthenticationError):
             server.client("wrong").models.list()
         assert [m.id for m in server.client("sesame").models.list()] == ["tiny"]
+        # the schema and its page are behind the key, and so are unknown routes and methods under /v1
+        key = {"Authorization": "Bearer sesame"}
+        for path in ("/openapi.json", "/docs", "/v1/nowhere"):
+            assert server.get(path)[0] == 401, path
+        assert server.get("/v1/nowhere", key)[0] == 404 and server.get("/v1/completions", key)[0] == 405
+        assert server.get("/docs", key)[0] == 200
+    finally:
+        server.stop()
+
+
+def test_the_openapi_schema_declares_the_request_bodies_health_answers_head_and_cors(served_dir):
+    server = Running(served_dir, max_batch=1, allowed_origins=["http://app.example"])
+    try:
+        status, _, schema = server.get("/openapi.json")
+        assert status == 200
+        components = schema["components"]["schemas"]
+        for path, model, field in (("/v1/chat/completions", "ChatCompletionRequest", "messages"),
+                                   ("/v1/completions", "CompletionRequest", "prompt")):
+            body = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+            assert body == {"$ref": f"#/components/schemas/{model}"} and field in components[model]["properties"]
+        assert "ChatMessage" in components  # what the bodies refer to is there too
+        assert request(server.port, "HEAD", "/health", None, {})[0] == 200
+        preflight = {"Origin": "http://app.example", "Access-Control-Request-Method": "POST",
+                     "Access-Control-Request-Headers": "authorization, content-type"}
+        status, headers, _ = request(server.port, "OPTIONS", "/v1/completions", None, preflight)
+        assert status == 200 and headers["access-control-allow-origin"] == "http://app.example"
+        status, headers, _ = request(server.port, "OPTIONS", "/v1/completions", None,
+                                     {**preflight, "Origin": "http://other.example"})
+        assert "access-control-allow-origin" not in headers
     finally:
         server.stop()
 

@@ -111,8 +111,11 @@ def _add_serve(commands) -> None:
     serve.add_argument("--port", type=int, default=8000, help="the port to listen on (0: a free one)")
     serve.add_argument("--served-model-name", metavar="NAME",
                        help="the model name requests give (default: the model folder's name)")
-    serve.add_argument("--api-key", metavar="KEY", help=f"require 'Authorization: Bearer KEY' on /v1/* (default: "
-                       f"${API_KEY_ENV} if set, else no key)")
+    serve.add_argument("--api-key", metavar="KEY", help=f"require 'Authorization: Bearer KEY' on /v1/*, /openapi.json "
+                       f"and /docs (default: ${API_KEY_ENV} if set, else no key)")
+    serve.add_argument("--allowed-origins", metavar="ORIGIN", nargs="+", default=None,
+                       help="browser origins allowed to call the server (CORS), e.g. http://localhost:3000, or '*' "
+                            "for any (default: none)")
     serve.add_argument("--max-batch", type=int, default=8, help="requests decoding at once (rows of each step)")
     serve.add_argument("--max-queue", type=int, default=256,
                        help="requests waiting for a row; beyond them a request gets 503 with Retry-After")

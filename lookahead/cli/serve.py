@@ -58,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
     name = args.served_model_name or folder.name
     app = create_app(engine, tokenizer, name, api_key=args.api_key, lookahead=lookahead,
                      eos_token_ids=model.config.eos_token_id, vocab_size=model.config.vocab_size,
-                     max_body_bytes=args.max_body_bytes, sampling_defaults=sampling_defaults(folder))
+                     max_body_bytes=args.max_body_bytes, sampling_defaults=sampling_defaults(folder),
+                     allowed_origins=args.allowed_origins)
     mode = "plain decoding" if lookahead is None else (f"lookahead W={lookahead.window} N={lookahead.ngram} "
                                                        f"G={lookahead.guesses}")
 

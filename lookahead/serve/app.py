@@ -20,7 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
@@ -93,19 +96,20 @@ class Served:
 
 def create_app(engine: Engine, tokenizer, model_name: str, *, api_key: str | None = None,
                lookahead: LookaheadConfig | str | None = "auto", eos_token_ids=None, vocab_size: int | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES, sampling_defaults: dict | None = None) -> FastAPI:
+               max_body_bytes: int = MAX_BODY_BYTES, sampling_defaults: dict | None = None,
+               allowed_origins: list[str] | None = None) -> FastAPI:
     """The OpenAI-compatible app over `engine` (not started: the app starts and stops it).
 
     tokenizer: the model's (a transformers tokenizer with its chat template). model_name: the `model` requests name
-    (others get 404). api_key: required as `Authorization: Bearer KEY` on /v1/* when set (/health and /metrics stay
-    open). lookahead: what every request decodes with, the configuration the engine was built for ("auto":
+    (others get 404). api_key: required as `Authorization: Bearer KEY` on /v1/*, /openapi.json and /docs when set
+    (/health and /metrics stay open; an unknown route under it is a 401 before a 404). lookahead: what every request decodes with, the configuration the engine was built for ("auto":
     `LookaheadConfig.auto` for the engine's device, as `engine_for` resolves it; None: plain decoding).
     eos_token_ids: the tokens that end an answer (default: the tokenizer's EOS; the server passes the model config's,
     as `Llama.generate` does). vocab_size: token ids a prompt may hold (default: the engine's, else the tokenizer's
     length).
     max_body_bytes: a larger request body gets 413. sampling_defaults: the temperature, top_p and top_k a request that
     leaves them unset gets (`sampling_defaults(folder)`: the model's generation_config.json's; None: OpenAI's,
-    temperature 1 and top_p 1).
+    temperature 1 and top_p 1). allowed_origins: the browser origins allowed to call it (CORS; None: none, ["*"]: any).
     """
     if isinstance(lookahead, str):
         if lookahead != "auto":
@@ -140,10 +144,13 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, api_key: str | Non
             await asyncio.to_thread(engine.stop, STOP_TIMEOUT_S)
 
     app = FastAPI(title="lookahead", summary="OpenAI-compatible serving with exact lookahead decoding",
-                  lifespan=lifespan, docs_url=None, redoc_url=None)
+                  lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)  # ours, behind the key
     app.state.served = served
-    install(app, served.metrics.reject)
+    install(app, served.metrics.reject, lambda request: _check_key(served, request) if _under_v1(request) else None)
     app.include_router(_routes(served))
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
     return app
 
 
@@ -165,9 +172,11 @@ def sampling_defaults(folder: str | Path) -> dict:
 
 def _routes(served: Served) -> APIRouter:
     router = APIRouter()
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_authorizer(served))])
+    keyed = [Depends(_authorizer(served))]
+    v1 = APIRouter(prefix="/v1", dependencies=keyed)
 
     @router.get("/health")
+    @router.head("/health", include_in_schema=False)  # load balancers' probes
     async def health() -> JSONResponse:
         if not served.serving:
             return JSONResponse({"status": "stopping"}, status_code=503)
@@ -186,30 +195,69 @@ def _routes(served: Served) -> APIRouter:
         _check_model(served, model)
         return _model_card(served)
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", openapi_extra=_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         return await chat(served, request, await _parse(request, served, ChatCompletionRequest))
 
-    @v1.post("/completions")
+    @v1.post("/completions", openapi_extra=_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         return await complete(served, request, await _parse(request, served, CompletionRequest))
 
     router.include_router(v1)
+
+    @router.get("/openapi.json", dependencies=keyed, include_in_schema=False)
+    async def openapi(request: Request) -> JSONResponse:
+        return JSONResponse(_openapi(request.app))
+
+    @router.get("/docs", dependencies=keyed, include_in_schema=False)
+    async def docs() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="lookahead")
+
     return router
 
 
-def _authorizer(served: Served):
-    key = None if served.api_key is None else served.api_key.encode()
+BODIES = (ChatCompletionRequest, CompletionRequest)  # the request bodies the schema declares (parsed by hand)
 
+
+def _body(model: type[BaseModel]) -> dict:
+    """The OpenAPI request body of a route that reads its body itself (within the size limit, before pydantic)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+def _openapi(app: FastAPI) -> dict:
+    """The app's OpenAPI schema, with the request bodies' models among its components (made once)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in BODIES:
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(body.pop("$defs", {}))
+            components[model.__name__] = body
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def _authorizer(served: Served):
     async def authorize(request: Request) -> None:
-        if key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key):  # constant time
-            raise APIError(401, "missing or incorrect API key: send the header 'Authorization: Bearer KEY'",
-                           code="invalid_api_key")
+        _check_key(served, request)
 
     return authorize
+
+
+def _under_v1(request: Request) -> bool:
+    path = request.url.path
+    return path == "/v1" or path.startswith("/v1/")
+
+
+def _check_key(served: Served, request: Request) -> None:
+    """401 unless the request carries the API key (when one is set)."""
+    if served.api_key is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), served.api_key.encode()):
+        raise APIError(401, "missing or incorrect API key: send the header 'Authorization: Bearer KEY'",
+                       code="invalid_api_key")  # (compared in constant time)
 
 
 async def _parse(request: Request, served: Served, model: type[BaseModel]):

@@ -51,8 +51,10 @@ def overloaded(message: str) -> APIError:
     return APIError(503, message, code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
-def install(app: FastAPI, on_error: Callable[[int], None]) -> None:
-    """Every error of `app` in OpenAI's shape; `on_error(status)` counts each (the metrics)."""
+def install(app: FastAPI, on_error: Callable[[int], None], guard: Callable[[Request], None] | None = None) -> None:
+    """Every error of `app` in OpenAI's shape; `on_error(status)` counts each (the metrics). guard: checked before an
+    unknown route or a wrong method is answered (raises `APIError`: the API key, so that a client without one learns
+    nothing of the routes)."""
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> JSONResponse:
@@ -61,6 +63,12 @@ def install(app: FastAPI, on_error: Callable[[int], None]) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> JSONResponse:
+        if guard is not None and error.status_code in (404, 405):
+            try:
+                guard(request)
+            except APIError as refused:
+                on_error(refused.status)
+                return refused.response()
         codes = {404: "not_found", 405: "method_not_allowed"}
         message = {404: f"no route {request.method} {request.url.path}",
                    405: f"{request.method} is not allowed on {request.url.path}"}.get(error.status_code, error.detail)
