@@ -16,6 +16,7 @@ minute give up with an error, and SIGINT/SIGTERM end them while they wait.
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 import re
@@ -304,10 +305,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:  # UsageError, or launch's errors naming the environment variable
         print(f"lookahead: error: {e}", file=sys.stderr)
         return 2
+    _show_progress()
     restore = _exit_on_sigterm(0 if args.command == "serve" else None)  # stopping a server is no failure
     with warnings.catch_warnings():  # the library's warnings as the command's one-line messages
         warnings.showwarning = _one_line_warning
         return _run(args, restore)
+
+
+def _show_progress() -> None:
+    """The library's progress lines (measuring step costs on a first start) on stderr, as the command's own."""
+    logger = logging.getLogger("lookahead.tuning")
+    if not any(getattr(h, "lookahead_progress", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("lookahead: %(message)s"))
+        handler.lookahead_progress = True
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
 
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
