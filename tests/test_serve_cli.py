@@ -88,6 +88,22 @@ def test_the_model_as_vllm_and_llama_server_take_it(served_dir):
         assert args.model == str(served_dir), argv
 
 
+def test_the_soft_limit_of_open_files_is_raised_to_the_hard_one():
+    import resource
+
+    from lookahead.cli.serve import raise_file_limit
+
+    before = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        hard = before[1]
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))
+        want = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
+        assert raise_file_limit() == want == resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        assert raise_file_limit() == want  # already raised: nothing changes
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, before)
+
+
 def test_the_api_key_comes_from_the_environment_unless_given():
     parse = build_parser().parse_args
     args = parse(["serve"])

@@ -220,6 +220,44 @@ def test_the_openapi_schema_declares_the_request_bodies_health_answers_head_and_
         server.stop()
 
 
+def read_until_closed(sock) -> bytes:
+    """What the server sends until it closes the connection (bounded by the socket's timeout)."""
+    data = b""
+    while chunk := sock.recv(4096):
+        data += chunk
+    return data
+
+
+def test_slow_clients_get_408_and_lose_their_connection_and_others_are_served(served_dir, served_reference):
+    """A request head, or a body, that stops arriving: after receive_timeout_s the client gets 408 and its
+    connection closes (they used to be held open for ever: 1,100 of them locked every client out); an idle connection
+    closes too; meanwhile and after, others are served. Past max_connections connections a request gets 503."""
+    server = Running(served_dir, max_batch=2, server_options=dict(receive_timeout_s=1.0, max_connections=4))
+    try:
+        data = json.dumps(COMPLETION).encode()
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+        socks = [socket.create_connection(("127.0.0.1", server.port), timeout=TIMEOUT) for _ in range(3)]
+        try:
+            socks[0].sendall(head[:30])  # half a head
+            socks[1].sendall(head % len(data) + data[:5])  # a head and part of its body
+            # socks[2] sends nothing
+            state = server.server._uvicorn.server_state
+            server.wait_for(lambda: len(state.connections) >= 3, "the three connections to be open")
+            status, _, answer = server.post("/v1/completions", COMPLETION)  # the fourth connection: at the cap
+            assert status == 503
+            for sock in socks:
+                said = read_until_closed(sock)
+                assert said.startswith(b"HTTP/1.1 408 ") and b"request_timeout" in said, said[:200]
+        finally:
+            for sock in socks:
+                sock.close()
+        server.wait_for(lambda: len(state.connections) == 0, "the slow connections to be closed")
+        answer = ask(server.client(), "tiny", "completions", "xyz", False, max_tokens=8, temperature=0)
+        assert answer["text"] == expected(served_reference, server.tokenizer, server.tokenizer("xyz")["input_ids"], 8).text
+    finally:
+        server.stop()
+
+
 def test_full_rows_and_queue_answer_503_with_retry_after(served_dir, served_reference):
     reference = served_reference
     server = Running(served_dir, max_batch=1, max_queue=1)

@@ -32,6 +32,7 @@ def run(args: argparse.Namespace) -> int:
     if missing:  # said before the model loads, naming the extra (not a bare "No module named 'fastapi'")
         raise ImportError(f"lookahead serve needs the [serve] extra ({', '.join(missing)} not installed): "
                           f"{INSTALL_SERVE}")
+    raise_file_limit()
     _say(f"loading torch and {args.model or 'the default model'} ...")
     start = time.perf_counter()
     import torch
@@ -102,6 +103,24 @@ def kv_cache_line(engine, max_batch: int) -> str:
     return (f"KV cache: {size:.2f} GiB, {runner.capacity} positions: {min(full, max_batch)} of the {max_batch} rows "
             f"can reach the full {length} positions at once (shorter requests share it; --kv-cache-gb or "
             "--max-model-len to change)")
+
+
+def raise_file_limit(most: int = 65536) -> int:
+    """Raise the process's soft limit of open files to its hard limit (at most `most`): each connection holds one,
+    and the usual soft limit (1024) is reached by the server's connection cap. Returns the soft limit now."""
+    try:
+        import resource
+    except ImportError:  # not on this system (Windows): nothing to raise
+        return -1
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = most if hard == resource.RLIM_INFINITY else min(hard, most)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError):
+            pass  # the limit stays: the connection cap still holds
+    return soft
 
 
 def _say(message: str) -> None:
