@@ -1,10 +1,10 @@
 """`engine_for`: a `Llama` behind an `Engine` of its own, for serving many requests at once (the server's, or a
 program's own).
 
-The engine gets a runner of its own (its own paged KV cache, sized here: by `kv_cache_bytes`, else for `max_batch`
-rows of `max_model_len` within a share of the free memory and a multiple of the weights' size) and a drafting memory of its own, so it never
-shares them with `Llama.generate` calls on the same model, which keep the model's runner. It shares the weights and
-the machine's cost model (measured here, before the first request, if the cache folder has none).
+The engine gets a runner of its own (its own paged KV cache, sized here: by `kv_cache_bytes`, else for `max_batch` rows
+of `max_model_len` within a share of the free memory and a multiple of the weights' size) and a drafting memory of its
+own, so it never shares them with `Llama.generate` calls on the same model, which keep the model's runner. It shares the
+weights and the machine's cost model (measured here, before the first request, if the cache folder has none).
 """
 
 from __future__ import annotations
@@ -34,16 +34,15 @@ def engine_for(model: Llama, *, max_batch: int = 8, lookahead: LookaheadConfig |
                prefix_cache: bool = True, max_model_len: int | None = None) -> Engine:
     """An `Engine` over `model` for up to `max_batch` rows at once and `max_queue` waiting requests (None: no limit).
 
-    lookahead: the configuration requests may decode with ("auto": `LookaheadConfig.auto` for the model's device;
-    None: plain decoding only); it sizes the runner's steps and the cost model measured. kv_cache_bytes: the KV
-    cache's size (default: `max_batch` rows of `max_model_len`, at most `MEMORY_SHARE` of the free memory and the
-    larger of `WEIGHTS_MULTIPLE` times the weights' bytes and `KV_FLOOR_BYTES`, at least one such row;
-    `engine.model.capacity` says how many positions it holds).
-    max_model_len: the positions a request may reach, prompt and answer (default: the model's
-    max_position_embeddings; less makes a smaller cache hold more requests at once). warm: rows draft from a memory
-    of what earlier requests taught (shared by all rows, bounded). prefix_cache: a prompt takes the cached KV blocks it begins with (False: every prompt prefills
-    whole, for comparison). Start it with `engine.start()` (or drive it with `engine.step()`); `engine.stop()` ends
-    it."""
+    lookahead: the configuration requests may decode with ("auto": `LookaheadConfig.auto` for the model's device; None:
+    plain decoding only); it sizes the runner's steps and the cost model measured. kv_cache_bytes: the KV cache's size
+    (default: `max_batch` rows of `max_model_len`, at most `MEMORY_SHARE` of the free memory and the larger of
+    `WEIGHTS_MULTIPLE` times the weights' bytes and `KV_FLOOR_BYTES`, at least one such row; `engine.model.capacity`
+    says how many positions it holds). max_model_len: the positions a request may reach, prompt and answer (default: the
+    model's max_position_embeddings; less makes a smaller cache hold more requests at once). warm: rows draft from a
+    memory of what earlier requests taught (shared by all rows, bounded). prefix_cache: a prompt takes the cached KV
+    blocks it begins with (False: every prompt prefills whole, for comparison). Start it with `engine.start()` (or drive
+    it with `engine.step()`); `engine.stop()` ends it."""
     if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
         raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
     if isinstance(lookahead, str) and lookahead == "auto":

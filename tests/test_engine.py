@@ -286,8 +286,7 @@ def test_the_default_kv_cache_is_sized_from_the_model_and_max_model_len(tiny_che
     """max_batch rows of max_model_len (requests past it refused), at most twice the weights' bytes beyond the floor
     (a 135M model held 3 GB for 8 rows of its 8192 positions), and never less than one such row."""
     from helpers import flat_cost
-    from lookahead.models import engine_for
-    from lookahead.models import serving
+    from lookahead.models import engine_for, serving
     from lookahead.models.runner import BLOCK_SIZE
 
     model = Llama.from_pretrained(tiny_checkpoint("gqa"))

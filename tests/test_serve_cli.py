@@ -18,8 +18,9 @@ from lookahead.cli import build_parser, check_args, main
 from served import open_stream, read_event, request
 
 FLAGS = ("--model", "--cache-dir", "--host", "--port", "--served-model-name", "--api-key", "--allowed-origins",
-         "--max-batch", "--max-queue", "--kv-cache-gb", "--max-body-bytes", "--window", "--ngram", "--guesses", "--no-lookahead",
-         "--fixed-steps", "--log-level", "--dtype", "--device", "--attn-backend", "--fusion", "--debug")
+         "--max-batch", "--max-queue", "--kv-cache-gb", "--max-body-bytes", "--window", "--ngram", "--guesses",
+         "--no-lookahead", "--fixed-steps", "--log-level", "--dtype", "--device", "--attn-backend", "--fusion",
+         "--debug", "--max-model-len")
 
 HELP = """
 import sys

@@ -235,7 +235,8 @@ def test_slow_clients_get_408_and_lose_their_connection_and_others_are_served(se
     server = Running(served_dir, max_batch=2, server_options=dict(receive_timeout_s=1.0, max_connections=4))
     try:
         data = json.dumps(COMPLETION).encode()
-        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+        head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n")
         socks = [socket.create_connection(("127.0.0.1", server.port), timeout=TIMEOUT) for _ in range(3)]
         try:
             socks[0].sendall(head[:30])  # half a head
@@ -253,7 +254,8 @@ def test_slow_clients_get_408_and_lose_their_connection_and_others_are_served(se
                 sock.close()
         server.wait_for(lambda: len(state.connections) == 0, "the slow connections to be closed")
         answer = ask(server.client(), "tiny", "completions", "xyz", False, max_tokens=8, temperature=0)
-        assert answer["text"] == expected(served_reference, server.tokenizer, server.tokenizer("xyz")["input_ids"], 8).text
+        ids = server.tokenizer("xyz")["input_ids"]
+        assert answer["text"] == expected(served_reference, server.tokenizer, ids, 8).text
     finally:
         server.stop()
 

@@ -102,14 +102,14 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, api_key: str | Non
 
     tokenizer: the model's (a transformers tokenizer with its chat template). model_name: the `model` requests name
     (others get 404). api_key: required as `Authorization: Bearer KEY` on /v1/*, /openapi.json and /docs when set
-    (/health and /metrics stay open; an unknown route under it is a 401 before a 404). lookahead: what every request decodes with, the configuration the engine was built for ("auto":
-    `LookaheadConfig.auto` for the engine's device, as `engine_for` resolves it; None: plain decoding).
-    eos_token_ids: the tokens that end an answer (default: the tokenizer's EOS; the server passes the model config's,
-    as `Llama.generate` does). vocab_size: token ids a prompt may hold (default: the engine's, else the tokenizer's
-    length).
-    max_body_bytes: a larger request body gets 413. sampling_defaults: the temperature, top_p and top_k a request that
-    leaves them unset gets (`sampling_defaults(folder)`: the model's generation_config.json's; None: OpenAI's,
-    temperature 1 and top_p 1). allowed_origins: the browser origins allowed to call it (CORS; None: none, ["*"]: any).
+    (/health and /metrics stay open; an unknown route under it is a 401 before a 404). lookahead: what every request
+    decodes with, the configuration the engine was built for ("auto": `LookaheadConfig.auto` for the engine's device, as
+    `engine_for` resolves it; None: plain decoding). eos_token_ids: the tokens that end an answer (default: the
+    tokenizer's EOS; the server passes the model config's, as `Llama.generate` does). vocab_size: token ids a prompt may
+    hold (default: the engine's, else the tokenizer's length). max_body_bytes: a larger request body gets 413.
+    sampling_defaults: the temperature, top_p and top_k a request that leaves them unset gets
+    (`sampling_defaults(folder)`: the model's generation_config.json's; None: OpenAI's, temperature 1 and top_p 1).
+    allowed_origins: the browser origins allowed to call it (CORS; None: none, ["*"]: any).
     """
     if isinstance(lookahead, str):
         if lookahead != "auto":

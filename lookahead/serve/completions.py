@@ -90,7 +90,8 @@ async def _generate(served, request: Request, body, prompt: list[int], fmt, prom
         stop_ids = (*stop_ids, *body.stop_token_ids)
     try:
         submission = Submission(served.engine, served.engine_tokenizer, served.metrics, prompt, limit,
-                                sampling=body.sampling(served.sampling_defaults), seed=body.engine_seed(), stop_token_ids=stop_ids,
+                                sampling=body.sampling(served.sampling_defaults), seed=body.engine_seed(),
+                                stop_token_ids=stop_ids,
                                 lookahead=served.lookahead, stop=body.stop, logprobs=body.engine_logprobs,
                                 arrival=arrival)
     except QueueFull as e:

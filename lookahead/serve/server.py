@@ -2,9 +2,10 @@
 
 On SIGTERM or SIGINT (or `Server.stop()` from another thread) the server refuses new requests at once (503), stops
 accepting connections, the engine cancels every request in flight (each stream ends with a last chunk whose
-finish_reason is "abort", then `data: [DONE]`; a whole answer that was cut is a 503 saying so), and `run()` returns once they have ended: within a step or two, at most `graceful_s` seconds. A
-signal is a request to stop, and stopping is success: the process goes on to exit with status 0 (uvicorn would
-raise the signal again once it is done, which ends a process with the signal's status).
+finish_reason is "abort", then `data: [DONE]`; a whole answer that was cut is a 503 saying so), and `run()` returns once
+they have ended: within a step or two, at most `graceful_s` seconds. A signal is a request to stop, and stopping is
+success: the process goes on to exit with status 0 (uvicorn would raise the signal again once it is done, which ends a
+process with the signal's status).
 
 Slow clients: uvicorn never times out a request that is still arriving, so clients that dribble their requests could
 hold every connection (and file descriptor) for as long as they like; here a request must arrive whole within

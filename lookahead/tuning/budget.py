@@ -128,7 +128,8 @@ class StepBudget:
                fixed: Fixed = NOTHING_FIXED) -> list[Choice]:
         """Each lookahead row's size for the next step. scores: each row's draft node scores, best first (a prefix
         of a best-first tree is a tree); branch: the lookahead branch's tokens per row (W times the window's levels;
-        carried only when `self.branch`), one for all rows or each row's own; lengths: each row's cache length L; fixed: the rest of the step.
+        carried only when `self.branch`), one for all rows or each row's own; lengths: each row's cache length L; fixed:
+        the rest of the step.
 
         The step takes (row, node) slots in decreasing calibrated worth (a row's node only after its parent, so each
         row's share is a prefix of its draft), and of every count of slots keeps the one that maximises the whole
