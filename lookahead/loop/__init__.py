@@ -18,10 +18,11 @@ from .core import (
     step_budget,
 )
 from .engine import Engine, QueueFull, decode, decode_batch
-from .jobs import Delta, Handle
+from .jobs import FINISH_REASONS, MAX_LOGPROBS, Delta, Handle
 from .layout import StepLayout, full_pattern, pack_step
 from .rows import RowModel, RowStep, SingleRowModel
 
-__all__ = ["PLAIN_STEP", "Delta", "Engine", "GenerationResult", "Handle", "LookaheadLoop", "Output", "QueueFull",
-           "RowModel", "RowStep", "SingleRowModel", "StepLayout", "StepModel", "StepOutput", "TokenLogprob", "decode",
-           "decode_batch", "first_token", "full_pattern", "pack_step", "path_step", "static_steps", "step_budget"]
+__all__ = ["FINISH_REASONS", "MAX_LOGPROBS", "PLAIN_STEP", "Delta", "Engine", "GenerationResult", "Handle",
+           "LookaheadLoop", "Output", "QueueFull", "RowModel", "RowStep", "SingleRowModel", "StepLayout", "StepModel",
+           "StepOutput", "TokenLogprob", "decode", "decode_batch", "first_token", "full_pattern", "pack_step",
+           "path_step", "static_steps", "step_budget"]

@@ -19,15 +19,16 @@ from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError
 
-from lookahead.loop import QueueFull, TokenLogprob
+from lookahead.loop import FINISH_REASONS, QueueFull, TokenLogprob
 
 from .errors import CLIENT_CLOSED, APIError, bad_request, overloaded
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .submission import Submission
 
-# the engine's finish reasons as the API shows them: a request the server ended (it is shutting down) is "abort",
-# vLLM's name for it; the openai client takes any string here
-FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort"}
+# the engine's finish reasons (but "error", which is an error response) as the API shows them: a request the server
+# ended (it is shutting down) is "abort", vLLM's name for it; the openai client takes any string here
+API_FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort"}
+assert set(API_FINISH_REASONS) == set(FINISH_REASONS) - {"error"}
 
 
 async def chat(served, request: Request, body: ChatCompletionRequest) -> Response:
@@ -112,7 +113,7 @@ async def _generate(served, request: Request, body, prompt: list[int], fmt, prom
         # is an error, so that a client that ignores finish_reason does not take it for the whole answer
         raise overloaded(f"the server is shutting down: the answer was cut after {len(last.result.tokens)} tokens; "
                          "send the request again once it is back")
-    return JSONResponse(fmt.response(text, logprobs, FINISH_REASONS[last.finish_reason],
+    return JSONResponse(fmt.response(text, logprobs, API_FINISH_REASONS[last.finish_reason],
                                      usage(last.result, len(prompt))))
 
 
@@ -190,7 +191,7 @@ async def _sse(submission: Submission, fmt, include_usage: bool, prompt_tokens: 
             if event.text or event.logprobs:
                 yield _data(fmt.chunk(event.text, event.logprobs or [], None), include_usage)
             if event.finish_reason is not None:
-                yield _data(fmt.chunk("", [], FINISH_REASONS[event.finish_reason]), include_usage)
+                yield _data(fmt.chunk("", [], API_FINISH_REASONS[event.finish_reason]), include_usage)
                 if include_usage:
                     yield _data(fmt.usage_chunk(usage(event.result, prompt_tokens)), False)
         yield "data: [DONE]\n\n"

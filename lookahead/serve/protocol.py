@@ -22,13 +22,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from lookahead.request import SamplingParams
+from lookahead.loop import MAX_LOGPROBS
+from lookahead.request import SEED_SPAN, SamplingParams
 
 MAX_STOPS = 4  # stop strings per request (OpenAI's limit)
 MAX_STOP_CHARS = 1024  # characters per stop string: each is matched on the engine's thread, every token
-MAX_LOGPROBS = 20  # top log-probabilities per token (OpenAI's limit for chat; the engine's)
 COMPLETION_MAX_TOKENS = 16  # /v1/completions' default max_tokens, as OpenAI's
-SEED_SPAN = 2**64  # seeds in [-2**63, 2**64): a negative seed s is s mod 2**64
 
 
 class FieldError(Exception):
@@ -96,7 +95,7 @@ class _Generation(_Body):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
-    seed: int | None = Field(None, ge=-(2**63), lt=SEED_SPAN)
+    seed: int | None = Field(None, ge=-(2**63), lt=SEED_SPAN)  # a negative seed s is s mod 2**64
     stop: Any = Field(None, validate_default=True)
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
