@@ -1,5 +1,6 @@
 """The decode loop: its one driver (`engine`: the `Engine`, with `decode` for one prompt over a one-sequence model and
-`decode_batch` for a request's prompts over a `RowModel`), the requests inside it (`jobs`), what it needs of a model
+`decode_batch` for a request's prompts over a `RowModel`), what its next step runs (`scheduler`: admission and each
+row's part of the step), the requests inside it (`jobs`), what it needs of a model
 (`rows`: `RowModel`, `RowStep`), the shared parts (`core`: the `StepModel` protocol, `StepOutput`, `GenerationResult`,
 `Output`, `LookaheadLoop`), the step's packing and numbering (`layout`), verification (`verify`), sampling
 (`sampling`) and the 2D window (`window`)."""

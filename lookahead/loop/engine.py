@@ -1,9 +1,9 @@
 """`Engine`: the decode loop's one driver. It owns a `RowModel` and runs packed steps over the live rows; requests join
 after their prefill and leave when they stop or are cancelled.
 
-One iteration (`step`): take what was submitted and cancelled since the last one; admit waiting requests while there
-are free rows and the model has room for them (first come, first served); plan every live row's part of one packed
-step (a chunk of its prompt, a plain step, or a lookahead step sized by the budget); run it; hand each row its
+One iteration (`step`): take what was submitted and cancelled since the last one; let the scheduler
+(`scheduler.py`) admit waiting requests and plan every live row's part of one packed step (a chunk of its prompt, a
+plain step, or a lookahead step sized by the budget); run it; hand each row its
 outputs, commit what each accepted, send each request its new tokens; retire the rows that are done.
 
 - **Exact whatever the traffic.** A row's tokens depend on its own prompt, settings and seed only: each row keeps its
@@ -30,13 +30,13 @@ from collections.abc import Callable, Sequence
 from lookahead.config import LookaheadConfig
 from lookahead.drafts import DraftMemory
 from lookahead.request import GREEDY, Request, SamplingParams, token_ids
-from lookahead.tuning import CostModel, Fixed, StepBudget
+from lookahead.tuning import CostModel
 
-from .core import GenerationResult, StepModel, Stream, sampling_seed, step_budget
+from .core import GenerationResult, StepModel, Stream, sampling_seed
 from .jobs import MAX_LOGPROBS, Delta, Handle, Job, Sink
 from .rows import RowModel, RowStep, SingleRowModel
+from .scheduler import Scheduler
 
-MIN_CHUNK = 16  # prompt tokens a step carries at least for a prefilling row, however busy the step
 IDLE_WAIT = 0.5  # seconds the engine's thread sleeps between looks at an empty queue (a submit wakes it at once)
 
 
@@ -61,16 +61,9 @@ class Engine:
         for name, value in (("max_rows", max_rows), ("max_queue", max_queue)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
-        self.model, self.cost, self.memory, self.clock = model, cost, memory, clock
-        self.max_rows, self.max_queue, self.max_positions = max_rows, max_queue, max_positions
-        self.vocab_size = vocab_size
-        self.waiting: collections.deque[Job] = collections.deque()
-        self.active: list[Job] = []
-        # one budget per (sampled, static): a row is sized by the curve of its own kind, never by another request's
-        # configuration (None: that kind has no curve, so full steps)
-        self.budgets: dict[tuple[bool, bool], StepBudget | None] = {}
-        self._sized: list[tuple[StepBudget, dict[Job, float]]] = []  # the step's budgets, their rows' expected nodes
-        self._lengths: list[int] = []
+        self.model, self.memory, self.clock = model, memory, clock
+        self.max_queue, self.max_positions, self.vocab_size = max_queue, max_positions, vocab_size
+        self.scheduler = Scheduler(model, max_rows, cost)
         self._inbox: list[Job] = []
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -120,6 +113,28 @@ class Engine:
             self._wake.notify()
 
     @property
+    def waiting(self) -> collections.deque[Job]:
+        """Requests waiting for a row (the scheduler's queue)."""
+        return self.scheduler.waiting
+
+    @property
+    def active(self) -> list[Job]:
+        """Requests with a row (the scheduler's live rows)."""
+        return self.scheduler.active
+
+    @property
+    def cost(self) -> CostModel | None:
+        return self.scheduler.cost
+
+    @cost.setter
+    def cost(self, cost: CostModel | None) -> None:
+        self.scheduler.cost = cost
+
+    @property
+    def max_rows(self) -> int | None:
+        return self.scheduler.max_rows
+
+    @property
     def queued(self) -> int:
         """Requests waiting for a row."""
         return len(self.waiting) + len(self._inbox)
@@ -151,10 +166,10 @@ class Engine:
         """One iteration: admit, one packed step over the live rows, retire. Returns whether work remains."""
         self._take_inbox()
         self._retire([job for job in self.active if job.cancelled])
-        self._admit()
+        self.scheduler.admit(self._fail)
         if not self.active:
             return bool(self.waiting)
-        jobs, steps = self._plan()
+        jobs, steps = self.scheduler.plan()
         start = self.clock()
         outputs = self.model.step(steps)
         seconds = self.clock() - start
@@ -164,11 +179,7 @@ class Engine:
             self.model.commit(job.row, commit)
             accepted[job] = len(commit) - 1
             self._send(job, taken)
-        tokens = sum(len(s.tokens) for s in steps)
-        weight = sum(len(s.tokens) * length for s, length in zip(steps, self._lengths, strict=True))
-        for i, (budget, expected) in enumerate(self._sized):  # the cost model learns the step's time once
-            budget.record(tokens, weight // max(tokens, 1), seconds, list(expected.values()),
-                          [accepted[job] for job in expected], observe=i == 0)
+        self.scheduler.record(steps, seconds, accepted)
         if self.on_step is not None:
             self.on_step(steps, seconds)
         self._retire([job for job in self.active if job.out.done])
@@ -215,101 +226,6 @@ class Engine:
         for job in cancelled:
             self.waiting.remove(job)
         self._finish(cancelled)
-
-    def _admit(self) -> None:
-        while self.waiting and (self.max_rows is None or len(self.active) < self.max_rows):
-            job = self.waiting[0]
-            try:
-                place = self.model.admit(job.prompt, job.positions)
-            except ValueError as e:  # can never fit: refuse it, admit the next
-                self.waiting.popleft()
-                self._fail([job], str(e))
-                continue
-            if place is None and not self.active:  # nothing will ever free room for it: fail it, not spin forever
-                self.waiting.popleft()
-                message = (f"the model has no room for a request of {len(job.prompt)} prompt tokens (up to "
-                           f"{job.positions} positions) even with no other request running; shorten the prompt, ask "
-                           "for fewer tokens, or give the model more memory")
-                self._fail([job], message)
-                raise RuntimeError(message)
-            if place is None:
-                return
-            self.waiting.popleft()
-            job.admitted(*place)
-            self.active.append(job)
-
-    def _plan(self) -> tuple[list[Job], list[RowStep]]:
-        """Every live row's part of the next step: prompt chunks within the step's prefill allowance, then the
-        decoding rows: plain ones, full-size lookahead ones (`budget="fixed"`, or no cost model), then the self-tuned
-        ones, each kind sized together by its budget around the rest."""
-        decoding = [job for job in self.active if not job.prefilling]
-        plain = [job for job in decoding if job.loop is None]
-        lookahead = [job for job in decoding if job.loop is not None]
-        allowance = self._prefill_allowance(len(plain) + sum(1 + len(job.loop.window.levels) for job in lookahead))
-        jobs, steps = [], []
-        for job in self.active:
-            if not job.prefilling or (allowance is not None and allowance <= 0 and (steps or decoding)):
-                continue
-            steps.append(job.chunk(allowance))
-            jobs.append(job)
-            allowance = None if allowance is None else allowance - len(steps[-1].tokens)
-        groups: dict[StepBudget, list[Job]] = {}
-        full = []
-        for job in lookahead:
-            job.draft_now()
-            budget = self._budget_for(job)
-            if budget is None:
-                full.append(job)
-            else:
-                groups.setdefault(budget, []).append(job)
-        for job in [*plain, *full]:
-            jobs.append(job)
-            steps.append(job.plan(None))
-        expected = float(len(plain) + len(full))
-        self._sized = []
-        for budget, rows in groups.items():
-            fixed = Fixed(sum(len(s.tokens) for s in steps), expected,
-                          sum(len(s.tokens) * self._length_of(job) for job, s in zip(jobs, steps, strict=True)))
-            choices = budget.choose([job.draft.scores for job in rows], [job.loop.branch_tokens for job in rows],
-                                    [job.loop.length for job in rows], fixed)
-            self._sized.append((budget, {job: sum(job.draft.scores[: min(choice.nodes, len(job.draft))])
-                                         for job, choice in zip(rows, choices, strict=True) if choice.nodes}))
-            for job, choice in zip(rows, choices, strict=True):
-                jobs.append(job)
-                steps.append(job.plan(choice))
-                expected += choice.expected
-        self._lengths = [self._length_of(job) for job in jobs]
-        return jobs, steps
-
-    @staticmethod
-    def _length_of(job: Job) -> int:
-        """The row's cache length L before the step."""
-        return job.filled if job.prefilling else len(job.prompt) + len(job.out.result.tokens) - 1
-
-    def _budget_for(self, job: Job) -> StepBudget | None:
-        """The budget that sizes a lookahead row's steps (None: full-size steps): the one of its kind (sampled or
-        greedy, static or not), made when the first row of that kind comes."""
-        if self.cost is None or not job.loop.tunable:
-            return None
-        key = (job.seed is not None, job.loop.static)
-        if key not in self.budgets:
-            self.budgets[key] = step_budget(job.loop, self.cost, job.seed is not None, self.model)
-        return self.budgets[key]
-
-    def _prefill_allowance(self, decoding_tokens: int) -> int | None:
-        """Prompt tokens the next step may carry (None: no limit): the model's chunk alone; beside decoding rows as
-        many as keep the step within about twice their own cost (`MIN_CHUNK` at least), never past the chunk."""
-        chunk = self.model.prefill_chunk
-        if decoding_tokens == 0 or chunk is None:
-            return chunk
-        if self.cost is None or not self.cost.curves:
-            return min(chunk, max(MIN_CHUNK, 4 * decoding_tokens))
-        kind = next(iter(self.cost.curves))
-        limit = 2 * self.cost.predict(decoding_tokens, 0, kind)
-        size = min(chunk, MIN_CHUNK)
-        while size * 2 <= chunk and self.cost.predict(decoding_tokens + size * 2, 0, kind) <= limit:
-            size *= 2
-        return size
 
     def _send(self, job: Job, taken: list[int]) -> None:
         """A step's tokens to the job's sink; a done job's wait for its final delta (`_finish`)."""
