@@ -35,7 +35,8 @@ def engine_for(model: Llama, *, max_batch: int = 8, lookahead: LookaheadConfig |
     """An `Engine` over `model` for up to `max_batch` rows at once and `max_queue` waiting requests (None: no limit).
 
     lookahead: the configuration requests may decode with ("auto": `LookaheadConfig.auto` for the model's device; None:
-    plain decoding only); it sizes the runner's steps and the cost model measured. kv_cache_bytes: the KV cache's size
+    plain decoding only); it sizes the runner's steps and the cost model measured, and the engine keeps it
+    (`engine.lookahead`: what a server's requests decode with). kv_cache_bytes: the KV cache's size
     (default: `max_batch` rows of `max_model_len`, at most `MEMORY_SHARE` of the free memory and the larger of
     `WEIGHTS_MULTIPLE` times the weights' bytes and `KV_FLOOR_BYTES`, at least one such row; `engine.model.capacity`
     says how many positions it holds). max_model_len: the positions a request may reach, prompt and answer (default: the
@@ -80,4 +81,5 @@ def engine_for(model: Llama, *, max_batch: int = 8, lookahead: LookaheadConfig |
         else:
             cost = model.cost_model
     return Engine(runner, max_rows=max_batch, max_queue=max_queue, cost=cost,
-                  memory=DraftMemory() if warm else None, max_positions=max_model_len, vocab_size=cfg.vocab_size)
+                  memory=DraftMemory() if warm else None, max_positions=max_model_len, vocab_size=cfg.vocab_size,
+                  lookahead=lookahead)

@@ -35,7 +35,7 @@ class Running:
         self.engine = engine_for(model, lookahead=lookahead, **engine_options)
         if cost is not None:
             self.engine.cost = cost
-        self.app = create_app(self.engine, self.tokenizer, name, api_key=api_key, lookahead=lookahead,
+        self.app = create_app(self.engine, self.tokenizer, name, api_key=api_key,
                               eos_token_ids=model.config.eos_token_id, vocab_size=model.config.vocab_size,
                               max_body_bytes=max_body_bytes, sampling_defaults=sampling_defaults,
                               allowed_origins=allowed_origins)

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from helpers import MockRowModel, MockStepModel, RandomCost, context_logits, decode_one
+from helpers import MockRowModel, MockStepModel, RandomCost, context_logits, decode_one, one
 from lookahead import LookaheadConfig
 from lookahead.loop import Engine, QueueFull
 from lookahead.models import Llama
@@ -43,9 +43,9 @@ def alone(spec: dict):
 
 
 def submit(engine: Engine, spec: dict, **extra):
-    return engine.submit(spec["prompt"], spec["max_new_tokens"], sampling=spec["sampling"],
-                         seed=None if spec["sampling"].greedy else spec["seed"], stop_token_ids=spec["stop"],
-                         lookahead=spec["lookahead"], **extra)
+    return engine.submit(one(spec["prompt"], spec["max_new_tokens"], sampling=spec["sampling"],
+                             seed=None if spec["sampling"].greedy else spec["seed"], stop_token_ids=spec["stop"],
+                             lookahead=spec["lookahead"]), **extra)
 
 
 @pytest.mark.parametrize("schedule", range(12), ids=lambda s: f"schedule{s}")
@@ -101,7 +101,7 @@ def test_logprobs_equal_plain_decodings():
 
     engine = Engine(MockRowModel(VOCAB, logits_fn))
     prompt = [5, 1, 2, 7, 3, 9]
-    handle = engine.submit(prompt, 24, lookahead=LookaheadConfig(2, 3, 2, warm=False), logprobs=3)
+    handle = engine.submit(one(prompt, 24, lookahead=LookaheadConfig(2, 3, 2, warm=False)), logprobs=3)
     while engine.step():
         pass
     result = handle.result()
@@ -160,32 +160,37 @@ def test_the_engine_thread_serves_submitters_of_many_threads():
 
 def test_stop_cancels_what_is_left_and_refuses_new_requests():
     engine = Engine(MockRowModel(VOCAB, logits_fn, max_rows=1))
-    first = engine.submit([1, 2, 3], 30)
-    second = engine.submit([4, 5], 30)
+    first = engine.submit(one([1, 2, 3], 30))
+    second = engine.submit(one([4, 5], 30))
     engine.step()
     engine.stop()
     while engine.step():
         pass
     assert first.result().finish_reason == second.result().finish_reason == "cancelled"
     with pytest.raises(QueueFull, match="shutting down"):
-        engine.submit([1], 2)
+        engine.submit(one([1], 2))
 
 
 def test_the_queue_limit_and_bad_requests_are_refused_at_submit():
     engine = Engine(MockRowModel(VOCAB, logits_fn), max_queue=2, max_positions=20)
-    engine.submit([1], 2)
-    engine.submit([1], 2)
+    engine.submit(one([1], 2))
+    engine.submit(one([1], 2))
     with pytest.raises(QueueFull, match="2 requests are waiting"):
-        engine.submit([1], 2)
+        engine.submit(one([1], 2))
     engine.model.max_step_tokens = 18
     for bad, message in [(dict(prompt=[1], max_new_tokens=2, lookahead=LookaheadConfig(3, 4, 5)), "at most 18"),
                          (dict(prompt=[], max_new_tokens=2), "at least one prompt"),
                          (dict(prompt=[1] * 15, max_new_tokens=10), "exceeds the model's 20 positions"),
                          (dict(prompt=[1], max_new_tokens=0), "max_new_tokens"),
                          (dict(prompt=[1], max_new_tokens=2, logprobs=21), "logprobs"),
-                         (dict(prompt=[1], max_new_tokens=2, stop_token_ids=[-1]), "stop_token_ids")]:
+                         (dict(prompt=[1], max_new_tokens=2, stop_token_ids=[-1]), "token ids >= 0")]:
+        logprobs = bad.pop("logprobs", None)
         with pytest.raises((ValueError, TypeError), match=message):
-            engine.submit(**bad)
+            engine.submit(one(**bad), logprobs=logprobs)
+    with pytest.raises(TypeError, match="submit takes a lookahead.request.Request, got list"):
+        engine.submit([1, 2])
+    with pytest.raises(ValueError, match="a request of one prompt, got 2"):
+        engine.submit(Request([[1], [2]], 2))
 
 
 def test_token_ids_are_checked_against_the_vocabulary_at_submit_and_the_context_edge_is_accepted(tiny_checkpoint):
@@ -198,12 +203,12 @@ def test_token_ids_are_checked_against_the_vocabulary_at_submit_and_the_context_
     model = Llama.from_pretrained(tiny_checkpoint("ctx64", max_position_embeddings=64))
     model.cost_model = flat_cost()
     engine = engine_for(model, max_batch=2, lookahead=LookaheadConfig(1, 3, 2, warm=False), warm=False)
-    good = engine.submit([100, 5, 7], 12)
+    good = engine.submit(one([100, 5, 7], 12))
     with pytest.raises(ValueError, match=r"token id\(s\) \[101\] outside the model's vocabulary \[0, 101\)"):
-        engine.submit([5, 101], 4)
-    edge = engine.submit(list(range(24)), 40)
+        engine.submit(one([5, 101], 4))
+    edge = engine.submit(one(list(range(24)), 40))
     with pytest.raises(ValueError, match="exceeds the model's 64 positions"):
-        engine.submit(list(range(25)), 40)
+        engine.submit(one(list(range(25)), 40))
     while engine.step():
         pass
     reference = Llama.from_pretrained(tiny_checkpoint("ctx64", max_position_embeddings=64))
@@ -242,7 +247,7 @@ def test_each_row_is_sized_by_its_own_kind_and_configuration_not_the_first_reque
         engine = Engine(MockRowModel(VOCAB, logits_fn), cost=KindCost())
         handles = []
         for name in names:
-            handles.append(engine.submit(prompt, 30, **specs[name]))
+            handles.append(engine.submit(one(prompt, 30, **specs[name])))
             engine.step()
             engine.step()
         while engine.step():
@@ -266,7 +271,7 @@ class NoRoomForLong(MockRowModel):
 
 def test_a_request_the_model_refuses_with_no_row_live_fails_instead_of_waiting_forever():
     engine = Engine(NoRoomForLong(VOCAB, logits_fn))
-    long = engine.submit(list(range(12)), 4)
+    long = engine.submit(one(list(range(12)), 4))
     with pytest.raises(RuntimeError, match="no room for a request of 12 prompt tokens"):
         for _ in range(5):  # bounded: the engine used to spin here forever
             engine.step()
@@ -275,7 +280,7 @@ def test_a_request_the_model_refuses_with_no_row_live_fails_instead_of_waiting_f
     with pytest.raises(RuntimeError, match="no room"):  # a library caller's run raises it too
         engine.run(Request([list(range(12))], 4))
     engine.start()  # the engine's thread fails it and goes on
-    long, short = engine.submit(list(range(12)), 4), engine.submit([1, 2, 3], 5)
+    long, short = engine.submit(one(list(range(12)), 4)), engine.submit(one([1, 2, 3], 5))
     with pytest.raises(RuntimeError, match="no room"):
         long.result(30)
     assert short.result(30).tokens == decode_one(MockStepModel(VOCAB, logits_fn), [1, 2, 3], 5).tokens
@@ -295,7 +300,7 @@ def test_the_default_kv_cache_is_sized_from_the_model_and_max_model_len(tiny_che
     row = -(-(100 + 1) // BLOCK_SIZE) * BLOCK_SIZE
     assert engine.max_positions == 100 and engine.model.capacity == 4 * row
     with pytest.raises(ValueError, match="exceeds the model's 100 positions"):
-        engine.submit([1] * 90, 11)
+        engine.submit(one([1] * 90, 11))
     with pytest.raises(ValueError, match="max_model_len \\(513\\) exceeds the model's max_position_embeddings"):
         engine_for(model, max_model_len=513)
     monkeypatch.setattr(serving, "KV_FLOOR_BYTES", 0)
@@ -323,10 +328,10 @@ def test_a_failing_step_fails_its_rows_and_the_engine_goes_on():
         return broken(steps)
 
     model.step = step
-    first = engine.submit([1, 2, 3], 5)
+    first = engine.submit(one([1, 2, 3], 5))
     with pytest.raises(RuntimeError, match="device lost"):
         first.result(30)
-    second = engine.submit([1, 2, 3], 5)
+    second = engine.submit(one([1, 2, 3], 5))
     assert second.result(30).tokens == decode_one(MockStepModel(VOCAB, logits_fn), [1, 2, 3], 5).tokens
     engine.stop(10)
 
@@ -353,8 +358,8 @@ def test_tiny_llama_rows_joining_a_running_batch_equal_each_alone(tiny_checkpoin
                       [None, LookaheadConfig(2, 3, 2, warm=False)][i % 2]))
     handles = []
     for i, (prompt, sampling, seed, cfg) in enumerate(specs):
-        handles.append(engine.submit(prompt, 20 if backend == "torch" else 8, sampling=sampling, seed=seed,
-                                     lookahead=cfg))
+        handles.append(engine.submit(one(prompt, 20 if backend == "torch" else 8, sampling=sampling, seed=seed,
+                                     lookahead=cfg)))
         for _ in range(i % 3):
             engine.step()
     while engine.step():

@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     _check_cache(engine, engine.max_positions, args.kv_cache_gb)
     _say(kv_cache_line(engine, args.max_batch))
     name = args.served_model_name or folder.name
-    app = create_app(engine, tokenizer, name, api_key=args.api_key, lookahead=lookahead,
+    app = create_app(engine, tokenizer, name, api_key=args.api_key,
                      eos_token_ids=model.config.eos_token_id, vocab_size=model.config.vocab_size,
                      max_body_bytes=args.max_body_bytes, sampling_defaults=sampling_defaults(folder),
                      allowed_origins=args.allowed_origins)

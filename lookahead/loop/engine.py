@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 
 from lookahead.config import LookaheadConfig
 from lookahead.drafts import DraftMemory
-from lookahead.request import GREEDY, Request, SamplingParams, token_ids
+from lookahead.request import Request
 from lookahead.tuning import CostModel
 
 from .core import GenerationResult, StepModel, Stream, sampling_seed
@@ -52,17 +52,20 @@ class Engine:
     steps and prefill chunks; None: full-size steps). memory: the drafting memory rows draft from (warm drafting);
     each request adds to it when it ends. max_positions: refuse requests that would pass it (the model's positions).
     vocab_size: refuse prompts holding a token id outside [0, vocab_size) (one bad id would fail every row of its step).
+    lookahead: the configuration its model was sized for (`engine_for`'s; what a server's requests decode with;
+    None: plain decoding).
     """
 
     def __init__(self, model: RowModel, *, max_rows: int | None = None, max_queue: int | None = None,
                  cost: CostModel | None = None, memory: DraftMemory | None = None,
                  max_positions: int | None = None, vocab_size: int | None = None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 lookahead: LookaheadConfig | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
         for name, value in (("max_rows", max_rows), ("max_queue", max_queue)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
         self.model, self.memory, self.clock = model, memory, clock
         self.max_queue, self.max_positions, self.vocab_size = max_queue, max_positions, vocab_size
+        self.lookahead = lookahead
         self.scheduler = Scheduler(model, max_rows, cost)
         self._inbox: list[Job] = []
         self._wake = threading.Condition()
@@ -72,19 +75,19 @@ class Engine:
 
     # ----- submitting (any thread) -----
 
-    def submit(self, prompt: Sequence[int], max_new_tokens: int, *, sampling: SamplingParams = GREEDY,
-               seed: int | None = None, stop_token_ids: Sequence[int] = (), lookahead: LookaheadConfig | None = None,
-               stops_at: Callable[[int], bool] | None = None, logprobs: int | None = None,
+    def submit(self, request: Request, *, stops_at: Callable[[int], bool] | None = None, logprobs: int | None = None,
                sink: Sink | None = None) -> Handle:
-        """Queue one prompt (token ids) for up to `max_new_tokens` new tokens; thread-safe. sampling, seed: as
-        `Llama.generate` (greedy by default; a seed makes sampling reproducible, and without one a fresh seed is
-        drawn). stop_token_ids: tokens that end the output (kept in it). stops_at: called with each new token, True
-        where the text now ends with a stop string. logprobs: with 0..20, each token comes with its log-probability
-        and that many top alternatives. sink: called on the engine's thread with each `Delta` (default: the handle
-        queues them for iteration). Raises ValueError for a bad request, QueueFull when the queue is full."""
-        request = Request([prompt], max_new_tokens, sampling, lookahead, frozenset(token_ids(stop_token_ids,
-                                                                                               "stop_token_ids")),
-                          seed)
+        """Queue a `Request` of one prompt (what `run` takes: its limit, sampling and seed as `Llama.generate`
+        takes them, its stop tokens, its lookahead); thread-safe. stops_at: called with each new token, True where
+        the text now ends with a stop string. logprobs: with 0..20, each token comes with its log-probability and that
+        many top alternatives. sink: called on the engine's thread with each `Delta` (default: the handle queues them
+        for iteration). Raises ValueError for a request this engine cannot serve, QueueFull when the queue is full."""
+        if not isinstance(request, Request):
+            raise TypeError(f"submit takes a lookahead.request.Request, got {type(request).__name__}")
+        if len(request.prompts) != 1:
+            raise ValueError(f"submit takes a request of one prompt, got {len(request.prompts)}; submit each "
+                             "(or give the batch to run)")
+        lookahead = request.lookahead
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
                                      or not 0 <= logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an int in 0..{MAX_LOGPROBS} or None, got {logprobs!r}")

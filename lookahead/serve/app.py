@@ -27,7 +27,6 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
-from lookahead.config import LookaheadConfig
 from lookahead.loop import Engine
 from lookahead.request import SamplingParams
 
@@ -47,12 +46,12 @@ STOP_TIMEOUT_S = 10.0  # how long the app waits for the engine's thread to end w
 class Served:
     """What the handlers need: the engine, the tokenizers (one for prompts, used on a thread of its own (`tokenize`),
     a copy for the engine's thread and one for the loop's logprobs: a fast tokenizer must not be used by two threads at
-    once), the model's name and limits, the decoding every request gets (lookahead, stop tokens), the metrics."""
+    once), the model's name and limits, the stop tokens every request gets, the metrics. (What every request decodes
+    with, lookahead or plain, is the engine's: `engine.lookahead`, the configuration it was sized for.)"""
 
     engine: Engine
     tokenizer: object
     model_name: str
-    lookahead: LookaheadConfig | None
     eos_token_ids: tuple[int, ...]
     vocab_size: int
     max_positions: int | None
@@ -95,26 +94,22 @@ class Served:
 
 
 def create_app(engine: Engine, tokenizer, model_name: str, *, api_key: str | None = None,
-               lookahead: LookaheadConfig | str | None = "auto", eos_token_ids=None, vocab_size: int | None = None,
+               eos_token_ids=None, vocab_size: int | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, sampling_defaults: dict | None = None,
                allowed_origins: list[str] | None = None) -> FastAPI:
     """The OpenAI-compatible app over `engine` (not started: the app starts and stops it).
 
     tokenizer: the model's (a transformers tokenizer with its chat template). model_name: the `model` requests name
     (others get 404). api_key: required as `Authorization: Bearer KEY` on /v1/*, /openapi.json and /docs when set
-    (/health and /metrics stay open; an unknown route under it is a 401 before a 404). lookahead: what every request
-    decodes with, the configuration the engine was built for ("auto": `LookaheadConfig.auto` for the engine's device, as
-    `engine_for` resolves it; None: plain decoding). eos_token_ids: the tokens that end an answer (default: the
-    tokenizer's EOS; the server passes the model config's, as `Llama.generate` does). vocab_size: token ids a prompt may
-    hold (default: the engine's, else the tokenizer's length). max_body_bytes: a larger request body gets 413.
-    sampling_defaults: the temperature, top_p and top_k a request that leaves them unset gets
-    (`sampling_defaults(folder)`: the model's generation_config.json's; None: OpenAI's, temperature 1 and top_p 1).
-    allowed_origins: the browser origins allowed to call it (CORS; None: none, ["*"]: any).
+    (/health and /metrics stay open; an unknown route under it is a 401 before a 404). Every request decodes with the
+    engine's configuration (`engine.lookahead`, what `engine_for` sized it for; None: plain decoding). eos_token_ids:
+    the tokens that end an answer (default: the tokenizer's EOS; the server passes the model config's, as
+    `Llama.generate` does). vocab_size: token ids a prompt may hold (default: the engine's, else the tokenizer's
+    length). max_body_bytes: a larger request body gets 413. sampling_defaults: the temperature, top_p and top_k a
+    request that leaves them unset gets (`sampling_defaults(folder)`: the model's generation_config.json's; None:
+    OpenAI's, temperature 1 and top_p 1). allowed_origins: the browser origins allowed to call it (CORS; None: none,
+    ["*"]: any).
     """
-    if isinstance(lookahead, str):
-        if lookahead != "auto":
-            raise ValueError(f"lookahead must be a LookaheadConfig, 'auto' or None, got {lookahead!r}")
-        lookahead = LookaheadConfig.auto(engine.model.device.type)
     eos = tokenizer.eos_token_id if eos_token_ids is None else eos_token_ids
     eos = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
     if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
@@ -127,7 +122,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, api_key: str | Non
     if unknown:
         raise ValueError(f"sampling_defaults may set {', '.join(SAMPLING_DEFAULTS)}; got {', '.join(unknown)}")
     SamplingParams(**sampling_defaults)  # checked now, not at the first request
-    served = Served(engine, tokenizer, model_name, lookahead, eos, vocab_size,
+    served = Served(engine, tokenizer, model_name, eos, vocab_size,
                     engine.max_positions, api_key, max_body_bytes, Metrics(engine, model_name), sampling_defaults)
 
     @asynccontextmanager

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError
 
 from lookahead.loop import FINISH_REASONS, QueueFull, TokenLogprob
+from lookahead.request import Request as EngineRequest
 
 from .errors import CLIENT_CLOSED, APIError, bad_request, overloaded
 from .protocol import ChatCompletionRequest, CompletionRequest
@@ -90,11 +91,11 @@ async def _generate(served, request: Request, body, prompt: list[int], fmt, prom
         _check_ids(body.stop_token_ids, served.vocab_size, "stop_token_ids")
         stop_ids = (*stop_ids, *body.stop_token_ids)
     try:
-        submission = Submission(served.engine, served.engine_tokenizer, served.metrics, prompt, limit,
-                                sampling=body.sampling(served.sampling_defaults), seed=body.engine_seed(),
-                                stop_token_ids=stop_ids,
-                                lookahead=served.lookahead, stop=body.stop, logprobs=body.engine_logprobs,
-                                arrival=arrival)
+        # the same Request that Engine.run and Llama.generate take: one prompt, with the engine's configuration
+        generation = EngineRequest([prompt], limit, body.sampling(served.sampling_defaults), served.engine.lookahead,
+                                   frozenset(stop_ids), body.engine_seed())
+        submission = Submission(served.engine, served.engine_tokenizer, served.metrics, generation, stop=body.stop,
+                                logprobs=body.engine_logprobs, arrival=arrival)
     except QueueFull as e:
         if not served.serving:
             raise overloaded("the server is shutting down; send the request again once it is back") from None
