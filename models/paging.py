@@ -1,5 +1,6 @@
-"""`BlockPool`: the bookkeeping of a paged KV cache. Which blocks are free, which rows hold which (reference counts),
-and which full blocks hold a known prefix that a later sequence may take instead of prefilling it.
+"""The bookkeeping of a paged KV cache: `BlockPool`, which blocks are free, which rows hold which (reference counts),
+and which full blocks hold a known prefix that a later sequence may take instead of prefilling it; and beside it
+`RowTables`, the rows themselves: each row's block table over the pool, its length, its tokens and its keyed blocks.
 
 A block is in exactly one of three states:
 - **free**: nothing in it is kept;
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 Key = tuple[int, tuple[int, ...]]  # (parent key id, -1 for a first block; the block's tokens)
 
@@ -111,8 +113,11 @@ class BlockPool:
         return self._id_of[block]
 
     def release(self, blocks: Sequence[int]) -> None:
-        """A row lets go of its blocks: each held by no one any more becomes cached if keyed, else free."""
-        for block in blocks:
+        """A row lets go of its blocks: each held by no one any more becomes cached if keyed, else free.
+
+        Last block first, so a prefix's later blocks are older in the eviction order than its first: evicting a first
+        block makes every block after it unmatchable, so it goes last (as nano-vllm and vLLM free them)."""
+        for block in reversed(blocks):
             if self.refs[block] <= 0:
                 raise ValueError(f"block {block} is not held")
             self.refs[block] -= 1
@@ -144,3 +149,67 @@ class BlockPool:
             assert states == 1, f"block {block}: free {block in free}, cached {block in cached}, refs {refs}"
         assert all(block in self._key_of for block in cached)
         assert {self._block_of[k] for k in self._block_of} == set(self._key_of)
+
+
+@dataclass
+class Row:
+    """A sequence in the cache: its blocks (its table), L, the token ids at positions 0..L-1 (None once unknown: then
+    none of its blocks is keyed) and the key ids of its keyed blocks (its first `len(keys)` blocks)."""
+
+    blocks: list[int]
+    length: int = 0
+    tokens: list[int] | None = field(default_factory=list)
+    keys: list[int] = field(default_factory=list)
+    step_tokens: Sequence[int] = ()  # the last step's tokens, for its commit
+
+
+class RowTables:
+    """The rows of a paged cache over `blocks`: admitted with the longest run of cached blocks that begins their
+    prompt and new blocks for the rest, their full blocks keyed as their committed positions fill them, released to
+    the pool (their keyed blocks stay cached). Like the pool, it touches no tensor."""
+
+    def __init__(self, blocks: BlockPool) -> None:
+        self.blocks = blocks
+        self.rows: dict[int, Row] = {}
+        self._next_row = 0
+
+    def admit(self, prompt: Sequence[int], need: int, prefix_cache: bool) -> tuple[int, int] | None:
+        """A row of `need` blocks for `prompt`: the cached blocks that begin it (never its last token's, which must
+        run for its logits; none without `prefix_cache`), then new ones; None while the pool lacks them. Returns
+        (row, positions taken from the cache)."""
+        size = self.blocks.block_size
+        shared, keys = self.blocks.match(prompt, len(prompt) - 1) if prefix_cache else ([], [])
+        if need - len(shared) > self.blocks.available:
+            self.blocks.release(shared)
+            return None
+        row = Row(shared + self.blocks.allocate(need - len(shared)))
+        row.length = cached = len(shared) * size
+        row.tokens = list(prompt[:cached])
+        row.keys = keys
+        index, self._next_row = self._next_row, self._next_row + 1
+        self.rows[index] = row
+        return index, cached
+
+    def release(self, row: int) -> None:
+        """The row leaves: its blocks go back to the pool (its keyed ones stay cached for later prefix matches)."""
+        self.blocks.release(self.rows.pop(row).blocks)
+
+    def publish(self, row: Row) -> None:
+        """Key the row's blocks that its committed positions have filled (its tokens known)."""
+        size = self.blocks.block_size
+        while (len(row.keys) + 1) * size <= row.length:
+            b = len(row.keys)
+            parent = row.keys[-1] if row.keys else -1
+            row.keys.append(self.blocks.publish(row.blocks[b], parent, row.tokens[b * size : (b + 1) * size]))
+
+    def slot(self, row: Row, position: int) -> int:
+        """The pool slot of the row's `position`, through its table."""
+        size = self.blocks.block_size
+        return row.blocks[position // size] * size + position % size
+
+    def clear_cache(self) -> None:
+        """Forget every cached prefix (the weights changed, or a step was cut midway): no row's blocks are keyed
+        from now on."""
+        self.blocks.clear_cache()
+        for row in self.rows.values():
+            row.tokens = None

@@ -1,10 +1,11 @@
 """`CachedRunner`: a `Llama` with its paged KV cache, speaking the engine's `RowModel` protocol (packed steps of rows).
 
-Rows are sequences, each with a block table over the pool (`paging.BlockPool` keeps the accounting, `KVPool` the
-memory). A packed step lays every row's step tokens end to end; one forward pass runs them all, each token at its
-row's L + relative position, its KV entry written at its row's L + step index (through the row's table), attending to
-its row's prefix and to what its row's pattern lets it see. It returns each row's requested logits with their argmax
-(and, when asked, every token's top-k and the rows' sampled tokens), fetched by one device-to-host copy.
+Rows are sequences, each with a block table over the pool (`paging.RowTables` keeps the tables, `paging.BlockPool` the
+blocks' accounting, `KVPool` the memory). A packed step lays every row's step tokens end to end; one forward pass runs
+them all, each token at its row's L + relative position, its KV entry written at its row's L + step index (through the
+row's table), attending to its row's prefix and to what its row's pattern lets it see. It returns each row's requested
+logits with their argmax (and, when asked, every token's top-k and the rows' sampled tokens), fetched by one
+device-to-host copy.
 
 A commit is deferred: the accepted entries' moves (slot to slot, any row) run at the start of the next step, as one
 gather over every layer. Once a row's committed positions fill a block, the block is keyed by its tokens
@@ -16,7 +17,6 @@ at those positions computes (docs/DESIGN.md, "Paged KV").
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -28,7 +28,7 @@ from lookahead.loop.sampling import SampleRequest, sample_positions
 from .attention import Attend, InvariantBackend, TorchBackend, TritonBackend
 from .config import LlamaConfig
 from .kv_cache import KVPool
-from .paging import BlockPool
+from .paging import BlockPool, Row, RowTables
 from .programs import MIN_TOKENS, Packing, StepProgram, StepShape, table_width
 
 BLOCK_SIZE = 16  # positions per block
@@ -56,18 +56,6 @@ class StepForward(Protocol):
                      rows: torch.Tensor | None) -> torch.Tensor: ...
 
 
-@dataclass
-class Row:
-    """A sequence in the cache: its blocks (its table), L, the token ids at positions 0..L-1 (None once unknown: then
-    none of its blocks is keyed) and the key ids of its keyed blocks (its first `len(keys)` blocks)."""
-
-    blocks: list[int]
-    length: int = 0
-    tokens: list[int] | None = field(default_factory=list)
-    keys: list[int] = field(default_factory=list)
-    step_tokens: Sequence[int] = ()  # the last step's tokens, for its commit
-
-
 class CachedRunner:
     """Packed steps over a pool of `num_blocks` blocks of `block_size` positions; rows of at most `max_step_tokens`
     step tokens. See the module docstring."""
@@ -77,7 +65,7 @@ class CachedRunner:
         cfg = model.config
         self.model, self.device, self.fusion = model, model.device, model.fusion
         self.max_step_tokens, self.max_rows = max_step_tokens, max_rows
-        self.blocks = BlockPool(num_blocks, block_size)
+        self.tables = RowTables(BlockPool(num_blocks, block_size))
         self.pool = KVPool(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, num_blocks, block_size,
                            model.dtype, model.device)
         if backend_name(model) == "invariant":
@@ -97,11 +85,17 @@ class CachedRunner:
                                        block_size)
         self.backend.resize(self.pool, max_rows, (max_step_tokens, self.prefill_chunk))
         self.prefix_cache = True  # prompts take the cached blocks they begin with (False: every prompt prefills whole)
-        self.rows: dict[int, Row] = {}
-        self._next_row = 0
         self._moves: tuple[list[int], list[int]] = ([], [])  # deferred commits: source and destination slots
         self.weights = weights_version(model)
         self._busy = False  # inside a step or a commit: still set on the next call if one was interrupted
+
+    @property
+    def blocks(self) -> BlockPool:
+        return self.tables.blocks
+
+    @property
+    def rows(self) -> dict[int, Row]:
+        return self.tables.rows
 
     @property
     def block_size(self) -> int:
@@ -147,21 +141,11 @@ class CachedRunner:
             return None
         self._check_weights()
         self._check_interrupted()
-        shared, keys = self.blocks.match(prompt, len(prompt) - 1) if self.prefix_cache else ([], [])
-        if need - len(shared) > self.blocks.available:
-            self.blocks.release(shared)
-            return None
-        row = Row(shared + self.blocks.allocate(need - len(shared)))
-        row.length = cached = len(shared) * self.block_size
-        row.tokens = list(prompt[:cached])
-        row.keys = keys
-        index, self._next_row = self._next_row, self._next_row + 1
-        self.rows[index] = row
-        return index, cached
+        return self.tables.admit(prompt, need, self.prefix_cache)
 
     def release(self, row: int) -> None:
         """The row leaves: its blocks go back to the pool (its keyed ones stay cached for later prefix matches)."""
-        self.blocks.release(self.rows.pop(row).blocks)
+        self.tables.release(row)
 
     def commit(self, row: int, step_indices: Sequence[int]) -> None:
         """Keep these step indices' entries of the row's last step at L, L + 1, ... (moved at the next step's start),
@@ -178,29 +162,19 @@ class CachedRunner:
         state.length += len(step_indices)
         if state.tokens is not None:
             state.tokens += [state.step_tokens[i] for i in step_indices]
-            self._publish(state)
+            self.tables.publish(state)
         self._busy = False
-
-    def _publish(self, row: Row) -> None:
-        size = self.block_size
-        while (len(row.keys) + 1) * size <= row.length:
-            b = len(row.keys)
-            parent = row.keys[-1] if row.keys else -1
-            row.keys.append(self.blocks.publish(row.blocks[b], parent, row.tokens[b * size : (b + 1) * size]))
 
     @property
     def scratch_slot(self) -> int:
         return self.pool.scratch_slot
 
     def slot(self, row: Row, position: int) -> int:
-        size = self.block_size
-        return row.blocks[position // size] * size + position % size
+        return self.tables.slot(row, position)
 
     def clear_cache(self) -> None:
         """Forget the cached prefixes (the weights changed)."""
-        self.blocks.clear_cache()
-        for row in self.rows.values():
-            row.tokens = None
+        self.tables.clear_cache()
 
     def _check_interrupted(self) -> None:
         """A step or commit that an exception (a KeyboardInterrupt, say) cut midway may have written part of its

@@ -25,6 +25,12 @@ def decode_one(model, prompt: Sequence[int], max_new_tokens: int, sampling: Samp
                   stream, cost=cost, memory=memory)
 
 
+def one(prompt: Sequence[int], max_new_tokens: int, *, sampling: SamplingParams = GREEDY, seed: int | None = None,
+        stop_token_ids: Sequence[int] = (), lookahead=None) -> Request:
+    """A `Request` of one prompt, as `Engine.submit` takes it."""
+    return Request([prompt], max_new_tokens, sampling, lookahead, frozenset(stop_token_ids), seed)
+
+
 def decode_rows(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: SamplingParams = GREEDY,
                 lookahead=None, *, stop: Sequence[int] = (), seeds=None, stream=None,
                 cost=None, memory=None) -> list[GenerationResult]:

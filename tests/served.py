@@ -23,7 +23,9 @@ class Running:
     same, so multi-token steps happen whatever the machine's load)."""
 
     def __init__(self, folder, name: str = "tiny", *, lookahead="auto", cost=None, api_key: str | None = None,
-                 max_body_bytes: int = 1 << 16, **engine_options) -> None:
+                 max_body_bytes: int = 1 << 16, sampling_defaults: dict | None = None,
+                 allowed_origins: list[str] | None = None, server_options: dict | None = None,
+                 **engine_options) -> None:
         from transformers import AutoTokenizer
 
         self.name = name
@@ -33,10 +35,11 @@ class Running:
         self.engine = engine_for(model, lookahead=lookahead, **engine_options)
         if cost is not None:
             self.engine.cost = cost
-        self.app = create_app(self.engine, self.tokenizer, name, api_key=api_key, lookahead=lookahead,
+        self.app = create_app(self.engine, self.tokenizer, name, api_key=api_key,
                               eos_token_ids=model.config.eos_token_id, vocab_size=model.config.vocab_size,
-                              max_body_bytes=max_body_bytes)
-        self.server = Server(self.app, "127.0.0.1", 0, log_level="warning").start(TIMEOUT)
+                              max_body_bytes=max_body_bytes, sampling_defaults=sampling_defaults,
+                              allowed_origins=allowed_origins)
+        self.server = Server(self.app, "127.0.0.1", 0, log_level="warning", **(server_options or {})).start(TIMEOUT)
         self.url, self.port = self.server.url, self.server.port
 
     def client(self, api_key: str = "none"):

@@ -96,7 +96,9 @@ def test_chat_on_a_terminal_prompts_and_ends_cleanly(default_model_dir, end):
 
 class FakeModel:
     """Answers each prompt with `answers[i]`'s tokens, streamed one step each; `interrupt_at` (turn, token): a SIGINT
-    arrives there, as a user's Ctrl-C would."""
+    arrives there, as a user's Ctrl-C would. It is raised in the main thread, whose handler has run when raise_signal
+    returns: os.kill may hand the signal to any thread of a busy test process (a full run's servers and engines), and
+    the handler then ran a token or two later, so the answer was cut elsewhere (a failure under load only)."""
 
     def __init__(self, answers, interrupt_at=None):
         self.answers, self.interrupt_at, self.prompts = answers, interrupt_at, []
@@ -108,7 +110,7 @@ class FakeModel:
         self.prompts.append(list(prompt))
         for i, token in enumerate(self.answers[turn]):
             if self.interrupt_at == (turn, i):
-                os.kill(os.getpid(), signal.SIGINT)
+                signal.raise_signal(signal.SIGINT)
             stream([token])
         return GenerationResult(tokens=list(self.answers[turn]), steps=len(self.answers[turn]))
 

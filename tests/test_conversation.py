@@ -5,7 +5,7 @@ exactly what a fresh model decodes from the whole prompt."""
 import pytest
 import torch
 
-from helpers import fixed
+from helpers import fixed, one
 from lookahead import LookaheadConfig
 from lookahead.models import Llama
 from lookahead.models.runner import BLOCK_SIZE
@@ -119,10 +119,10 @@ def test_the_prefix_cache_can_be_switched_off(tiny_checkpoint, prefix_cache):
 
     model = Llama.from_pretrained(tiny_checkpoint("gqa"))
     engine = engine_for(model, max_batch=2, lookahead=None, prefix_cache=prefix_cache, kv_cache_bytes=2**22)
-    first = engine.submit(SYSTEM, 4)
+    first = engine.submit(one(SYSTEM, 4))
     while engine.step():
         pass
-    second = engine.submit(SYSTEM + [1, 2], 6)
+    second = engine.submit(one(SYSTEM + [1, 2], 6))
     while engine.step():
         pass
     assert first.result().cached_tokens == 0

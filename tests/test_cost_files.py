@@ -302,3 +302,26 @@ def test_the_suite_writes_no_cost_file_into_the_users_cache():
     folder = store.cache_dir()
     assert folder is not None and Path(CACHE_ROOT) in folder.parents
     assert Path.home() / ".cache" / "lookahead" not in (folder, *folder.parents)
+
+
+def test_measuring_shows_its_rounds_and_stops_repeating_past_its_budget(capsys):
+    """A machine where every pass takes 4 s (a fake clock): the preparing round and the first timed pass at each
+    length run, the repeats do not (a first start took a minute, silently); each round is a progress line."""
+    from lookahead.cli import _show_progress
+
+    now, calls = [0.0], []
+
+    def run(i, length):
+        calls.append((i, length))
+        now[0] += 4.0
+
+    _show_progress()
+    curve = shared.time_steps(run, [1, 2, 4], 1, 1000, False, clock=lambda: now[0])
+    assert calls == [(0, 0), (1, 0), (2, 0)] + [(i, 0) for i in range(3)] + [(i, 1000) for i in range(3)]
+    assert curve.knots == [1, 2, 4]
+    err = capsys.readouterr().err
+    assert "lookahead: measuring what a step costs on this machine" in err and "round 3 of 5" in err
+    assert "36 s spent; the rest is learned from the steps" in err
+    now[0], calls[:] = 0.0, []
+    shared.time_steps(lambda i, length: calls.append((i, length)), [1, 2], 1, 1000, False, clock=lambda: now[0])
+    assert len(calls) == 2 * (1 + shared.REPEATS + 1)  # a fast machine: every repeat

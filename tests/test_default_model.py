@@ -3,6 +3,7 @@ cache (checksums, reconversion, leftovers of killed conversions)."""
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -332,3 +333,27 @@ def test_a_read_only_cache_folder_is_said_with_what_to_do(tmp_path, monkeypatch)
             dm.default_model_dir()
     finally:
         root.chmod(0o755)
+
+
+def test_a_full_disk_is_said_with_the_folder_and_the_room_needed(tmp_path, monkeypatch):
+    """Issue 37 item 11: a disk that filled during the conversion ended with safetensors' bare 'SafetensorError ...
+    No space left'; one without the room is refused before converting."""
+    from safetensors import SafetensorError
+
+    def full(gguf_path, out_dir, progress=True):
+        (out_dir / "model.safetensors").write_bytes(b"half written")
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No '
+                              'space left on device" })')
+
+    monkeypatch.setattr(dm, "find_gguf", lambda: tmp_path / "fake.gguf")
+    monkeypatch.setattr(dm, "convert_gguf", full)
+    cache = tmp_path / "cache"
+    with pytest.raises(OSError, match=r"no room in .*cache for the default model's conversion: it needs about 560 MB "
+                                      r"free; \d+ MB free there\. Free some space, or pass a --cache-dir"):
+        dm.default_model_dir(cache, progress=False)
+    assert entries(cache) == []
+    usage = shutil.disk_usage(tmp_path)._replace(free=10 * 2**20)
+    monkeypatch.setattr(dm.shutil, "disk_usage", lambda path: usage)
+    monkeypatch.setattr(dm, "convert_gguf", lambda *args, **kwargs: pytest.fail("converted without the room"))
+    with pytest.raises(OSError, match="it needs about 560 MB free; 10 MB free there"):
+        dm.default_model_dir(cache, progress=False)

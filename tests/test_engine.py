@@ -7,11 +7,12 @@ import threading
 
 import pytest
 
-from helpers import MockRowModel, MockStepModel, RandomCost, context_logits, decode_one
+from helpers import MockRowModel, MockStepModel, RandomCost, context_logits, decode_one, one
 from lookahead import LookaheadConfig
 from lookahead.loop import Engine, QueueFull
 from lookahead.models import Llama
-from lookahead.request import SamplingParams
+from lookahead.request import Request, SamplingParams
+from lookahead.tuning import CostModel, Curve
 
 VOCAB = 24
 TARGET = [7, 3, 9, 12, 4, 8, 1, 11, 5, 14, 6, 10, 13] * 6  # each token determines the next: drafts pay
@@ -42,9 +43,9 @@ def alone(spec: dict):
 
 
 def submit(engine: Engine, spec: dict, **extra):
-    return engine.submit(spec["prompt"], spec["max_new_tokens"], sampling=spec["sampling"],
-                         seed=None if spec["sampling"].greedy else spec["seed"], stop_token_ids=spec["stop"],
-                         lookahead=spec["lookahead"], **extra)
+    return engine.submit(one(spec["prompt"], spec["max_new_tokens"], sampling=spec["sampling"],
+                             seed=None if spec["sampling"].greedy else spec["seed"], stop_token_ids=spec["stop"],
+                             lookahead=spec["lookahead"]), **extra)
 
 
 @pytest.mark.parametrize("schedule", range(12), ids=lambda s: f"schedule{s}")
@@ -100,7 +101,7 @@ def test_logprobs_equal_plain_decodings():
 
     engine = Engine(MockRowModel(VOCAB, logits_fn))
     prompt = [5, 1, 2, 7, 3, 9]
-    handle = engine.submit(prompt, 24, lookahead=LookaheadConfig(2, 3, 2, warm=False), logprobs=3)
+    handle = engine.submit(one(prompt, 24, lookahead=LookaheadConfig(2, 3, 2, warm=False)), logprobs=3)
     while engine.step():
         pass
     result = handle.result()
@@ -159,32 +160,158 @@ def test_the_engine_thread_serves_submitters_of_many_threads():
 
 def test_stop_cancels_what_is_left_and_refuses_new_requests():
     engine = Engine(MockRowModel(VOCAB, logits_fn, max_rows=1))
-    first = engine.submit([1, 2, 3], 30)
-    second = engine.submit([4, 5], 30)
+    first = engine.submit(one([1, 2, 3], 30))
+    second = engine.submit(one([4, 5], 30))
     engine.step()
     engine.stop()
     while engine.step():
         pass
     assert first.result().finish_reason == second.result().finish_reason == "cancelled"
     with pytest.raises(QueueFull, match="shutting down"):
-        engine.submit([1], 2)
+        engine.submit(one([1], 2))
 
 
 def test_the_queue_limit_and_bad_requests_are_refused_at_submit():
     engine = Engine(MockRowModel(VOCAB, logits_fn), max_queue=2, max_positions=20)
-    engine.submit([1], 2)
-    engine.submit([1], 2)
+    engine.submit(one([1], 2))
+    engine.submit(one([1], 2))
     with pytest.raises(QueueFull, match="2 requests are waiting"):
-        engine.submit([1], 2)
+        engine.submit(one([1], 2))
     engine.model.max_step_tokens = 18
     for bad, message in [(dict(prompt=[1], max_new_tokens=2, lookahead=LookaheadConfig(3, 4, 5)), "at most 18"),
                          (dict(prompt=[], max_new_tokens=2), "at least one prompt"),
                          (dict(prompt=[1] * 15, max_new_tokens=10), "exceeds the model's 20 positions"),
                          (dict(prompt=[1], max_new_tokens=0), "max_new_tokens"),
                          (dict(prompt=[1], max_new_tokens=2, logprobs=21), "logprobs"),
-                         (dict(prompt=[1], max_new_tokens=2, stop_token_ids=[-1]), "stop_token_ids")]:
+                         (dict(prompt=[1], max_new_tokens=2, stop_token_ids=[-1]), "token ids >= 0")]:
+        logprobs = bad.pop("logprobs", None)
         with pytest.raises((ValueError, TypeError), match=message):
-            engine.submit(**bad)
+            engine.submit(one(**bad), logprobs=logprobs)
+    with pytest.raises(TypeError, match="submit takes a lookahead.request.Request, got list"):
+        engine.submit([1, 2])
+    with pytest.raises(ValueError, match="a request of one prompt, got 2"):
+        engine.submit(Request([[1], [2]], 2))
+
+
+def test_token_ids_are_checked_against_the_vocabulary_at_submit_and_the_context_edge_is_accepted(tiny_checkpoint):
+    """A prompt holding id == vocab size is refused at submit (it used to fail every row of its step with an
+    IndexError, its neighbours' too); vocab size - 1 is a token, and prompt + max_new_tokens == the model's positions
+    fits (one more does not)."""
+    from helpers import flat_cost
+    from lookahead.models import engine_for
+
+    model = Llama.from_pretrained(tiny_checkpoint("ctx64", max_position_embeddings=64))
+    model.cost_model = flat_cost()
+    engine = engine_for(model, max_batch=2, lookahead=LookaheadConfig(1, 3, 2, warm=False), warm=False)
+    good = engine.submit(one([100, 5, 7], 12))
+    with pytest.raises(ValueError, match=r"token id\(s\) \[101\] outside the model's vocabulary \[0, 101\)"):
+        engine.submit(one([5, 101], 4))
+    edge = engine.submit(one(list(range(24)), 40))
+    with pytest.raises(ValueError, match="exceeds the model's 64 positions"):
+        engine.submit(one(list(range(25)), 40))
+    while engine.step():
+        pass
+    reference = Llama.from_pretrained(tiny_checkpoint("ctx64", max_position_embeddings=64))
+    assert good.result().tokens == reference.generate([100, 5, 7], max_new_tokens=12, eos_token_id=[]).tokens
+    assert edge.result().tokens == reference.generate(list(range(24)), max_new_tokens=40, eos_token_id=[]).tokens
+    assert len(edge.result().tokens) == 40
+
+
+class KindCost(CostModel):
+    """A cost model that learns nothing: greedy steps of any size cost the same (drafts always pay); sampled steps
+    cost twice as much for every token more (they never do, beside any rows)."""
+
+    def __init__(self) -> None:
+        super().__init__({"greedy": Curve([1], [1.0], [0.0]), "sampling": Curve([1], [1.0], [0.0])})
+
+    def predict(self, tokens: int, length: int, kind: str = "greedy") -> float:
+        return 0.01 if kind == "greedy" else 2.0 ** min(tokens, 1000)
+
+    def observe(self, tokens: int, length: int, seconds: float, kind: str = "greedy") -> None:
+        pass
+
+
+@pytest.mark.parametrize("first", ["greedy-auto", "sampled-auto"])
+def test_each_row_is_sized_by_its_own_kind_and_configuration_not_the_first_requests(first):
+    """A budget="fixed" request runs full-size steps and a sampled one is costed with the sampling curve, whatever
+    request came first (the first lookahead request's budget used to size every row: a fixed request after an auto
+    one got self-tuned steps, a sampled one the greedy curve). Each takes the steps it takes alone."""
+    prompt = [1, 2] + TARGET[:10]
+    specs = {"greedy-auto": dict(lookahead=LookaheadConfig(1, 4, 5, warm=False)),
+             "sampled-auto": dict(lookahead=LookaheadConfig(1, 4, 5, warm=False), sampling=SamplingParams(0.9),
+                                  seed=5),
+             "fixed": dict(lookahead=LookaheadConfig(1, 4, 5, budget="fixed", warm=False))}
+    order = [first, "fixed", "sampled-auto" if first == "greedy-auto" else "greedy-auto"]
+
+    def run(names):
+        engine = Engine(MockRowModel(VOCAB, logits_fn), cost=KindCost())
+        handles = []
+        for name in names:
+            handles.append(engine.submit(one(prompt, 30, **specs[name])))
+            engine.step()
+            engine.step()
+        while engine.step():
+            pass
+        return [handle.result() for handle in handles]
+
+    together = run(order)
+    for name, result in zip(order, together, strict=True):
+        (alone,) = run([name])
+        assert (result.tokens, result.steps) == (alone.tokens, alone.steps), name
+    steps = {name: result.steps for name, result in zip(order, together, strict=True)}
+    assert steps["fixed"] < steps["sampled-auto"] and steps["greedy-auto"] < steps["sampled-auto"]
+
+
+class NoRoomForLong(MockRowModel):
+    """A model that keeps answering "no room yet" for prompts of more than 10 tokens, even with no row live."""
+
+    def admit(self, prompt, positions):
+        return None if len(prompt) > 10 else super().admit(prompt, positions)
+
+
+def test_a_request_the_model_refuses_with_no_row_live_fails_instead_of_waiting_forever():
+    engine = Engine(NoRoomForLong(VOCAB, logits_fn))
+    long = engine.submit(one(list(range(12)), 4))
+    with pytest.raises(RuntimeError, match="no room for a request of 12 prompt tokens"):
+        for _ in range(5):  # bounded: the engine used to spin here forever
+            engine.step()
+    with pytest.raises(RuntimeError, match="no room"):
+        long.result(0)
+    with pytest.raises(RuntimeError, match="no room"):  # a library caller's run raises it too
+        engine.run(Request([list(range(12))], 4))
+    engine.start()  # the engine's thread fails it and goes on
+    long, short = engine.submit(one(list(range(12)), 4)), engine.submit(one([1, 2, 3], 5))
+    with pytest.raises(RuntimeError, match="no room"):
+        long.result(30)
+    assert short.result(30).tokens == decode_one(MockStepModel(VOCAB, logits_fn), [1, 2, 3], 5).tokens
+    engine.stop(10)
+
+
+def test_the_default_kv_cache_is_sized_from_the_model_and_max_model_len(tiny_checkpoint, monkeypatch):
+    """max_batch rows of max_model_len (requests past it refused), at most twice the weights' bytes beyond the floor
+    (a 135M model held 3 GB for 8 rows of its 8192 positions), and never less than one such row."""
+    from helpers import flat_cost
+    from lookahead.models import engine_for, serving
+    from lookahead.models.runner import BLOCK_SIZE
+
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    model.cost_model = flat_cost()
+    engine = engine_for(model, max_batch=4, lookahead=None, max_model_len=100)
+    row = -(-(100 + 1) // BLOCK_SIZE) * BLOCK_SIZE
+    assert engine.max_positions == 100 and engine.model.capacity == 4 * row
+    with pytest.raises(ValueError, match="exceeds the model's 100 positions"):
+        engine.submit(one([1] * 90, 11))
+    with pytest.raises(ValueError, match="max_model_len \\(513\\) exceeds the model's max_position_embeddings"):
+        engine_for(model, max_model_len=513)
+    monkeypatch.setattr(serving, "KV_FLOOR_BYTES", 0)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    cfg = model.config
+    per_position = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
+    engine = engine_for(model, max_batch=64, lookahead=None)
+    full = -(-(512 + 1) // BLOCK_SIZE) * BLOCK_SIZE
+    assert full < engine.model.capacity and engine.model.capacity * per_position <= 2 * weights
+    monkeypatch.setattr(serving, "WEIGHTS_MULTIPLE", 0)
+    assert engine_for(model, max_batch=64, lookahead=None).model.capacity == full  # one full row at least
 
 
 def test_a_failing_step_fails_its_rows_and_the_engine_goes_on():
@@ -201,10 +328,10 @@ def test_a_failing_step_fails_its_rows_and_the_engine_goes_on():
         return broken(steps)
 
     model.step = step
-    first = engine.submit([1, 2, 3], 5)
+    first = engine.submit(one([1, 2, 3], 5))
     with pytest.raises(RuntimeError, match="device lost"):
         first.result(30)
-    second = engine.submit([1, 2, 3], 5)
+    second = engine.submit(one([1, 2, 3], 5))
     assert second.result(30).tokens == decode_one(MockStepModel(VOCAB, logits_fn), [1, 2, 3], 5).tokens
     engine.stop(10)
 
@@ -231,8 +358,8 @@ def test_tiny_llama_rows_joining_a_running_batch_equal_each_alone(tiny_checkpoin
                       [None, LookaheadConfig(2, 3, 2, warm=False)][i % 2]))
     handles = []
     for i, (prompt, sampling, seed, cfg) in enumerate(specs):
-        handles.append(engine.submit(prompt, 20 if backend == "torch" else 8, sampling=sampling, seed=seed,
-                                     lookahead=cfg))
+        handles.append(engine.submit(one(prompt, 20 if backend == "torch" else 8, sampling=sampling, seed=seed,
+                                     lookahead=cfg)))
         for _ in range(i % 3):
             engine.step()
     while engine.step():

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from helpers import MockStepModel, context_logits, decode_one
+from helpers import MockStepModel, context_logits, decode_one, one
 from lookahead import LookaheadConfig, Request
 from lookahead.kernels import StepPattern
 from lookahead.loop import Engine, RowStep, path_step
@@ -62,8 +62,23 @@ def test_a_matched_prefix_is_held_by_both_and_cached_when_both_leave():
     pool.release(shared)
     pool.check()
     assert pool.cached == 2 and pool.free == 6
-    # the least recently used cached block goes first when memory is needed
-    assert pool.allocate(7)[-1] == first[0] and pool.cached == 1 and pool.match([1, 2, 3, 4, 5], 4)[0] == []
+    # the least recently used cached block goes first when memory is needed; a row's blocks are freed last first, so
+    # the prefix's second block goes before its first, and the first still matches
+    assert pool.allocate(7)[-1] == first[1] and pool.cached == 1 and pool.match([1, 2, 3, 4, 5], 4)[0] == [first[0]]
+
+
+def test_after_an_eviction_a_cached_prompt_still_matches_all_but_its_last_block():
+    """A row of three keyed blocks released, then one block evicted: the prompt matches two of its three blocks
+    (evicting the first block first made the rest unmatchable: 0 of 3)."""
+    pool = BlockPool(4, 2)
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+    blocks = pool.allocate(4)
+    parent = -1
+    for b in range(3):
+        parent = pool.publish(blocks[b], parent, prompt[2 * b : 2 * b + 2])
+    pool.release(blocks)
+    assert pool.allocate(2) and pool.cached == 2  # the free block, then one cached one evicted
+    assert len(pool.match(prompt, 6)[0]) == 2
 
 
 def test_clearing_the_cache_forgets_every_key():
@@ -125,7 +140,7 @@ def test_a_pool_too_small_for_all_makes_requests_wait_then_answers_each_exactly(
     engine = Engine(runner)
     rng = random.Random(2)
     prompts = [[rng.randrange(101) for _ in range(rng.randrange(3, 12))] for _ in range(5)]
-    handles = [engine.submit(p, 10, lookahead=LookaheadConfig(2, 3, 2, warm=False)) for p in prompts]
+    handles = [engine.submit(one(p, 10, lookahead=LookaheadConfig(2, 3, 2, warm=False))) for p in prompts]
     rows_seen = []
     while engine.step():
         rows_seen.append(len(engine.active))
@@ -140,8 +155,8 @@ def test_a_request_that_can_never_fit_is_refused_and_the_others_served(tiny_chec
     model = Llama.from_pretrained(tiny_checkpoint("gqa"))
     runner = CachedRunner(model, num_blocks=4, max_step_tokens=1, block_size=4, max_rows=2)
     engine = Engine(runner)
-    big = engine.submit(list(range(30)), 4)
-    small = engine.submit([1, 2, 3], 4)
+    big = engine.submit(one(list(range(30)), 4))
+    small = engine.submit(one([1, 2, 3], 4))
     while engine.step():
         pass
     with pytest.raises(RuntimeError, match="blocks"):
@@ -242,8 +257,8 @@ def test_requests_sharing_a_system_prompt_under_eviction_get_a_fresh_models_answ
     for i in range(7):
         prompt = system + [rng.randrange(101) for _ in range(rng.randrange(1, 12))]
         specs.append((prompt, 0.0 if i % 2 else 0.9, 100 + i))
-    handles = [engine.submit(p, 9, sampling=SamplingParams(t, top_p=0.9) if t else SamplingParams(), seed=s,
-                             lookahead=LookaheadConfig(2, 3, 2, warm=False)) for p, t, s in specs]
+    handles = [engine.submit(one(p, 9, sampling=SamplingParams(t, top_p=0.9) if t else SamplingParams(), seed=s,
+                             lookahead=LookaheadConfig(2, 3, 2, warm=False))) for p, t, s in specs]
     while engine.step():
         runner.blocks.check()
     shared = [h.result().cached_tokens for h in handles]
@@ -267,8 +282,8 @@ def test_no_block_leaks_whatever_is_cancelled_when(tiny_checkpoint):
     for _ in range(60):
         if rng.random() < 0.3:
             prompts.append([rng.randrange(101) for _ in range(rng.randrange(1, 15))])
-            handles.append(engine.submit(prompts[-1], rng.randrange(1, 10),
-                                         lookahead=rng.choice([None, LookaheadConfig(2, 3, 2, warm=False)])))
+            handles.append(engine.submit(one(prompts[-1], rng.randrange(1, 10),
+                                         lookahead=rng.choice([None, LookaheadConfig(2, 3, 2, warm=False)]))))
         if handles and rng.random() < 0.15:
             rng.choice(handles).cancel()
         engine.step()

@@ -225,6 +225,16 @@ def test_target_probs_filters_like_top_k_and_top_p():
     assert torch.allclose(cooled, torch.softmax(logits / 0.5, -1))
 
 
+@pytest.mark.parametrize("top_p", [1e-300, 1e-46, 1e-9], ids=lambda p: f"top_p{p:g}")
+def test_a_tiny_top_p_keeps_the_top_token(top_p):
+    """A top_p below float32's range rounds to 0: the top token must stay, so the draw is the argmax (greedy)."""
+    logits = torch.log(torch.tensor([[0.1, 0.5, 0.2, 0.15, 0.05]]))
+    assert target_probs(logits, SamplingParams(1.0, top_p=top_p)).tolist() == [[0.0, 1.0, 0.0, 0.0, 0.0]]
+    model = MockStepModel(VOCAB)
+    greedy = decode_one(model, PROMPT, 8).tokens
+    assert decode_one(MockStepModel(VOCAB), PROMPT, 8, SamplingParams(1.0, top_p=top_p), seed=3).tokens == greedy
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(temperature=-1.0), "temperature must be"),
     (dict(temperature=float("nan")), "temperature must be"),

@@ -17,9 +17,10 @@ import pytest
 from lookahead.cli import build_parser, check_args, main
 from served import open_stream, read_event, request
 
-FLAGS = ("--model", "--cache-dir", "--host", "--port", "--served-model-name", "--api-key", "--max-batch",
-         "--max-queue", "--kv-cache-gb", "--max-body-bytes", "--window", "--ngram", "--guesses", "--no-lookahead",
-         "--fixed-steps", "--log-level", "--dtype", "--device", "--attn-backend", "--fusion", "--debug")
+FLAGS = ("--model", "--cache-dir", "--host", "--port", "--served-model-name", "--api-key", "--allowed-origins",
+         "--max-batch", "--max-queue", "--kv-cache-gb", "--max-body-bytes", "--window", "--ngram", "--guesses",
+         "--no-lookahead", "--fixed-steps", "--log-level", "--dtype", "--device", "--attn-backend", "--fusion",
+         "--debug", "--max-model-len")
 
 HELP = """
 import sys
@@ -57,6 +58,10 @@ def test_help_lists_the_flags_without_loading_torch_or_fastapi():
     (["-N", "1"], "--ngram/-N must be >= 2"),
     (["--device", "tpu"], "--device must be cpu, cuda or cuda:N"),
     (["--model", "/nonexistent/model"], "is not a folder"),
+    (["-m", "/nonexistent/model"], "is not a folder"),
+    (["HuggingFaceTB/SmolLM2-135M-Instruct"], "looks like a Hugging Face hub id, and this command does not download"),
+    (["/nonexistent/a", "--model", "/nonexistent/b"], "two models"),
+    (["--max-model-len", "0"], "--max-model-len must be >= 1"),
     (["--log-level", "loud"], "argument --log-level: invalid choice"),
 ], ids=lambda v: "=".join(v) if isinstance(v, list) else None)
 def test_bad_flags_are_one_line_naming_the_flag(capsys, argv, message):
@@ -66,6 +71,38 @@ def test_bad_flags_are_one_line_naming_the_flag(capsys, argv, message):
         code = e.code
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and message in err, err
+
+
+def test_without_the_serve_extra_the_error_names_it(capsys, monkeypatch, served_dir):
+    monkeypatch.setitem(sys.modules, "fastapi", None)  # as if not installed (import fastapi raises)
+    monkeypatch.setitem(sys.modules, "lookahead.serve", None)  # (imported by this module already: forgotten)
+    assert main(["serve", "--model", str(served_dir)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "needs the [serve] extra (fastapi not installed)" in err and "torch==2.13.0" in err, err
+
+
+def test_the_model_as_vllm_and_llama_server_take_it(served_dir):
+    for argv in (["serve", str(served_dir)], ["serve", "-m", str(served_dir)], ["serve", str(served_dir), "--model",
+                                                                                 str(served_dir)]):
+        args = build_parser().parse_args(argv)
+        check_args(args, {})
+        assert args.model == str(served_dir), argv
+
+
+def test_the_soft_limit_of_open_files_is_raised_to_the_hard_one():
+    import resource
+
+    from lookahead.cli.serve import raise_file_limit
+
+    before = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        hard = before[1]
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))
+        want = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
+        assert raise_file_limit() == want == resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        assert raise_file_limit() == want  # already raised: nothing changes
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, before)
 
 
 def test_the_api_key_comes_from_the_environment_unless_given():
@@ -84,8 +121,9 @@ def test_the_api_key_comes_from_the_environment_unless_given():
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_mid_stream_ends_the_stream_with_a_last_chunk_and_exits_0(served_dir, tmp_path, signum):
     env = {**os.environ, "HOME": str(tmp_path), "OMP_WAIT_POLICY": "PASSIVE"}  # its cost model cached there
-    command = [sys.executable, "-m", "lookahead", "serve", "--model", str(served_dir), "--port", "0", "--max-batch",
-               "2", "--served-model-name", "tiny", "--log-level", "warning"]
+    launch = [str(served_dir), "--max-model-len", "510"] if signum == signal.SIGTERM else ["-m", str(served_dir)]
+    command = [sys.executable, "-m", "lookahead", "serve", *launch, "--port", "0", "--max-batch", "2",
+               "--served-model-name", "tiny", "--log-level", "warning"]
     server = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in server.stderr], daemon=True).start()
@@ -102,6 +140,9 @@ def test_a_signal_mid_stream_ends_the_stream_with_a_last_chunk_and_exits_0(serve
                 assert found[1] == "tiny", said[-1]
                 port = int(found[2])
         assert request(port, "GET", "/health", None, {})[0] == 200
+        assert any(line.startswith("lookahead: KV cache: ") for line in said), "".join(said)
+        length = request(port, "GET", "/v1/models", None, {})[2]["data"][0]["max_model_len"]
+        assert length == (510 if signum == signal.SIGTERM else 512)
         conn, response = open_stream(port, "/v1/chat/completions", dict(
             model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=480, ignore_eos=True,
             temperature=0, stream=True))

@@ -75,6 +75,28 @@ def test_a_stop_string_ends_the_output_where_plain_decoding_completes_it(tokeniz
             assert len(streamed) <= text.index(stop)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_several_stop_strings_that_overlap_themselves_and_each_other(tokenizer, seed):
+    """Up to four stop strings from the text (self-overlapping ones too: "abab"), matched incrementally: the output
+    ends at the first token whose decode holds any of them, cut before the earliest, and what was handed out before
+    the end never holds the start of the one that completes."""
+    rng = random.Random(seed)
+    alphabet = "ab ✓"
+    for _ in range(60):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 40)))
+        tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
+        stops = ["".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 6))) for _ in range(rng.randrange(1, 5))]
+        pieces, stopped = run(tokenizer, tokens, stops)
+        first = next((k for k in range(1, len(tokens) + 1) if any(s in decode(tokenizer, tokens[:k]) for s in stops)),
+                     None)
+        assert stopped == (None if first is None else first - 1), (text, stops)
+        whole = decode(tokenizer, tokens[:first] if first else tokens)
+        cut = min((whole.index(s) for s in stops if s in whole), default=len(whole))
+        assert "".join(pieces) == whole[:cut], (text, stops)
+        streamed = "".join(pieces[:-1])
+        assert len(streamed) <= cut
+
+
 def test_token_text_gives_each_tokens_bytes(tokenizer):
     text = TokenText(tokenizer)
     assert text(ord("a")) == ("a", [97])

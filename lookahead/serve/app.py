@@ -8,26 +8,35 @@ routes only translate (`completions.py` for the two generating endpoints): no ha
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import copy
 import hmac
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
-from lookahead.config import LookaheadConfig
 from lookahead.loop import Engine
+from lookahead.request import SamplingParams
 
 from .completions import chat, complete
-from .errors import APIError, bad_request, install, overloaded
+from .errors import APIError, bad_request, client_closed, install, overloaded
 from .metrics import CONTENT_TYPE, Metrics
 from .protocol import ChatCompletionRequest, CompletionRequest, FieldError
 from .text import TokenText
+
+log = logging.getLogger("lookahead.serve")
 
 MAX_BODY_BYTES = 4 * 1024 * 1024  # a request body's default limit (413 beyond)
 STOP_TIMEOUT_S = 10.0  # how long the app waits for the engine's thread to end when it stops
@@ -35,27 +44,47 @@ STOP_TIMEOUT_S = 10.0  # how long the app waits for the engine's thread to end w
 
 @dataclass
 class Served:
-    """What the handlers need: the engine, the tokenizers (the loop's, and a copy for the engine's thread), the model's
-    name and limits, the decoding every request gets (lookahead, stop tokens), the metrics."""
+    """What the handlers need: the engine, the tokenizers (one for prompts, used on a thread of its own (`tokenize`),
+    a copy for the engine's thread and one for the loop's logprobs: a fast tokenizer must not be used by two threads at
+    once), the model's name and limits, the stop tokens every request gets, the metrics. (What every request decodes
+    with, lookahead or plain, is the engine's: `engine.lookahead`, the configuration it was sized for.)"""
 
     engine: Engine
     tokenizer: object
     model_name: str
-    lookahead: LookaheadConfig | None
     eos_token_ids: tuple[int, ...]
     vocab_size: int
     max_positions: int | None
     api_key: str | None
     max_body_bytes: int
     metrics: Metrics
+    sampling_defaults: dict
     engine_tokenizer: object = field(init=False)
     token_text: TokenText = field(init=False)
+    longest_token: int = field(init=False)  # characters of the vocabulary's longest token: a prompt's at most per token
     created: int = field(default_factory=lambda: int(time.time()))
     serving: bool = False
+    ignored: set[str] = field(default_factory=set)  # ignored request fields logged so far (each is logged once)
 
     def __post_init__(self) -> None:
         self.engine_tokenizer = copy.deepcopy(self.tokenizer)  # fast tokenizers must not be shared between threads
-        self.token_text = TokenText(self.tokenizer)
+        self.token_text = TokenText(copy.deepcopy(self.tokenizer))
+        self.longest_token = max(map(len, self.tokenizer.get_vocab()), default=1) or 1
+        # prompts are tokenized and templated here, one at a time, never on the event loop: a 4 MB prompt takes
+        # seconds, and every stream would stop meanwhile
+        self._prompts = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lookahead-prompts")
+
+    async def tokenize(self, function, *args):
+        """`function(self.tokenizer, *args)` on the prompts' thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._prompts, function, self.tokenizer, *args)
+
+    def close(self) -> None:
+        self._prompts.shutdown(wait=False, cancel_futures=True)
+
+    def refuse_new(self) -> None:
+        """Refuse new requests from now on (503 "shutting down"), the moment a signal arrives: uvicorn accepts
+        connections until its shutdown begins, and a request let in then would be cut at once."""
+        self.serving = False
 
     def begin_shutdown(self) -> None:
         """Stop serving: refuse new requests and cancel every one in flight (each ends at the next step boundary;
@@ -65,30 +94,36 @@ class Served:
 
 
 def create_app(engine: Engine, tokenizer, model_name: str, *, api_key: str | None = None,
-               lookahead: LookaheadConfig | str | None = "auto", eos_token_ids=None, vocab_size: int | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+               eos_token_ids=None, vocab_size: int | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES, sampling_defaults: dict | None = None,
+               allowed_origins: list[str] | None = None) -> FastAPI:
     """The OpenAI-compatible app over `engine` (not started: the app starts and stops it).
 
     tokenizer: the model's (a transformers tokenizer with its chat template). model_name: the `model` requests name
-    (others get 404). api_key: required as `Authorization: Bearer KEY` on /v1/* when set (/health and /metrics stay
-    open). lookahead: what every request decodes with, the configuration the engine was built for ("auto":
-    `LookaheadConfig.auto` for the engine's device, as `engine_for` resolves it; None: plain decoding).
-    eos_token_ids: the tokens that end an answer (default: the tokenizer's EOS; the server passes the model config's,
-    as `Llama.generate` does). vocab_size: token ids a prompt may hold (default: the tokenizer's length).
-    max_body_bytes: a larger request body gets 413.
+    (others get 404). api_key: required as `Authorization: Bearer KEY` on /v1/*, /openapi.json and /docs when set
+    (/health and /metrics stay open; an unknown route under it is a 401 before a 404). Every request decodes with the
+    engine's configuration (`engine.lookahead`, what `engine_for` sized it for; None: plain decoding). eos_token_ids:
+    the tokens that end an answer (default: the tokenizer's EOS; the server passes the model config's, as
+    `Llama.generate` does). vocab_size: token ids a prompt may hold (default: the engine's, else the tokenizer's
+    length). max_body_bytes: a larger request body gets 413. sampling_defaults: the temperature, top_p and top_k a
+    request that leaves them unset gets (`sampling_defaults(folder)`: the model's generation_config.json's; None:
+    OpenAI's, temperature 1 and top_p 1). allowed_origins: the browser origins allowed to call it (CORS; None: none,
+    ["*"]: any).
     """
-    if isinstance(lookahead, str):
-        if lookahead != "auto":
-            raise ValueError(f"lookahead must be a LookaheadConfig, 'auto' or None, got {lookahead!r}")
-        lookahead = LookaheadConfig.auto(engine.model.device.type)
     eos = tokenizer.eos_token_id if eos_token_ids is None else eos_token_ids
     eos = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
     if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be an int >= 1, got {max_body_bytes!r}")
     if api_key is not None and not api_key:
         raise ValueError("api_key is empty; give a key or None")
-    served = Served(engine, tokenizer, model_name, lookahead, eos, vocab_size or len(tokenizer),
-                    engine.max_positions, api_key, max_body_bytes, Metrics(engine, model_name))
+    vocab_size = vocab_size or engine.vocab_size or len(tokenizer)  # the model's when the engine knows it
+    sampling_defaults = dict(sampling_defaults or {})
+    unknown = sorted(set(sampling_defaults) - set(SAMPLING_DEFAULTS))
+    if unknown:
+        raise ValueError(f"sampling_defaults may set {', '.join(SAMPLING_DEFAULTS)}; got {', '.join(unknown)}")
+    SamplingParams(**sampling_defaults)  # checked now, not at the first request
+    served = Served(engine, tokenizer, model_name, eos, vocab_size,
+                    engine.max_positions, api_key, max_body_bytes, Metrics(engine, model_name), sampling_defaults)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -100,21 +135,43 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, api_key: str | Non
             yield
         finally:
             served.serving = False
+            served.close()
             await asyncio.to_thread(engine.stop, STOP_TIMEOUT_S)
 
     app = FastAPI(title="lookahead", summary="OpenAI-compatible serving with exact lookahead decoding",
-                  lifespan=lifespan, docs_url=None, redoc_url=None)
+                  lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)  # ours, behind the key
     app.state.served = served
-    install(app, served.metrics.reject)
+    install(app, served.metrics.reject, lambda request: _check_key(served, request) if _under_v1(request) else None)
     app.include_router(_routes(served))
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
     return app
+
+
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k")  # what a model's generation_config sets for the server
+
+
+def sampling_defaults(folder: str | Path) -> dict:
+    """The temperature, top_p and top_k a checkpoint folder's generation_config.json sets (those it sets), which a
+    request that leaves them unset gets, as vLLM serves them by default; {} without the file."""
+    path = Path(folder) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); fix or remove it") from None
+    return {name: config[name] for name in SAMPLING_DEFAULTS if config.get(name) is not None}
 
 
 def _routes(served: Served) -> APIRouter:
     router = APIRouter()
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_authorizer(served))])
+    keyed = [Depends(_authorizer(served))]
+    v1 = APIRouter(prefix="/v1", dependencies=keyed)
 
     @router.get("/health")
+    @router.head("/health", include_in_schema=False)  # load balancers' probes
     async def health() -> JSONResponse:
         if not served.serving:
             return JSONResponse({"status": "stopping"}, status_code=503)
@@ -133,30 +190,69 @@ def _routes(served: Served) -> APIRouter:
         _check_model(served, model)
         return _model_card(served)
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", openapi_extra=_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         return await chat(served, request, await _parse(request, served, ChatCompletionRequest))
 
-    @v1.post("/completions")
+    @v1.post("/completions", openapi_extra=_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         return await complete(served, request, await _parse(request, served, CompletionRequest))
 
     router.include_router(v1)
+
+    @router.get("/openapi.json", dependencies=keyed, include_in_schema=False)
+    async def openapi(request: Request) -> JSONResponse:
+        return JSONResponse(_openapi(request.app))
+
+    @router.get("/docs", dependencies=keyed, include_in_schema=False)
+    async def docs() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="lookahead")
+
     return router
 
 
-def _authorizer(served: Served):
-    key = None if served.api_key is None else served.api_key.encode()
+BODIES = (ChatCompletionRequest, CompletionRequest)  # the request bodies the schema declares (parsed by hand)
 
+
+def _body(model: type[BaseModel]) -> dict:
+    """The OpenAPI request body of a route that reads its body itself (within the size limit, before pydantic)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+def _openapi(app: FastAPI) -> dict:
+    """The app's OpenAPI schema, with the request bodies' models among its components (made once)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in BODIES:
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(body.pop("$defs", {}))
+            components[model.__name__] = body
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def _authorizer(served: Served):
     async def authorize(request: Request) -> None:
-        if key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key):  # constant time
-            raise APIError(401, "missing or incorrect API key: send the header 'Authorization: Bearer KEY'",
-                           code="invalid_api_key")
+        _check_key(served, request)
 
     return authorize
+
+
+def _under_v1(request: Request) -> bool:
+    path = request.url.path
+    return path == "/v1" or path.startswith("/v1/")
+
+
+def _check_key(served: Served, request: Request) -> None:
+    """401 unless the request carries the API key (when one is set)."""
+    if served.api_key is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), served.api_key.encode()):
+        raise APIError(401, "missing or incorrect API key: send the header 'Authorization: Bearer KEY'",
+                       code="invalid_api_key")  # (compared in constant time)
 
 
 async def _parse(request: Request, served: Served, model: type[BaseModel]):
@@ -165,6 +261,8 @@ async def _parse(request: Request, served: Served, model: type[BaseModel]):
     if not served.serving:
         raise overloaded("the server is shutting down")
     raw = await _read_body(request, served.max_body_bytes)
+    if not served.serving:  # (a signal arrived while the body did)
+        raise overloaded("the server is shutting down")
     try:
         body = model.model_validate_json(raw)
     except FieldError as e:
@@ -172,6 +270,10 @@ async def _parse(request: Request, served: Served, model: type[BaseModel]):
     except ValidationError as e:
         raise _validation_error(e, raw) from None
     _check_model(served, body.model)
+    for name in body.ignored:
+        if name not in served.ignored:
+            served.ignored.add(name)
+            log.info("ignoring the request field %r (it cannot change the answer); logged once", name)
     return body
 
 
@@ -184,11 +286,14 @@ async def _read_body(request: Request, limit: int) -> bytes:
             raise APIError(413, f"the request body ({length} bytes) is larger than the server's limit of {limit} "
                            "bytes", code="request_too_large")
     body = bytearray()
-    async for chunk in request.stream():  # a body sent in chunks, without a length, is held to the limit too
-        body += chunk
-        if len(body) > limit:
-            raise APIError(413, f"the request body is larger than the server's limit of {limit} bytes",
-                           code="request_too_large")
+    try:
+        async for chunk in request.stream():  # a body sent in chunks, without a length, is held to the limit too
+            body += chunk
+            if len(body) > limit:
+                raise APIError(413, f"the request body is larger than the server's limit of {limit} bytes",
+                               code="request_too_large")
+    except ClientDisconnect:  # the client gave up while sending: its mistake or its choice, not the server's failure
+        raise client_closed("the client disconnected before sending the whole body") from None
     return bytes(body)
 
 

@@ -19,26 +19,29 @@ from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError
 
-from lookahead.loop import QueueFull, TokenLogprob
+from lookahead.loop import FINISH_REASONS, QueueFull, TokenLogprob
+from lookahead.request import Request as EngineRequest
 
-from .errors import APIError, bad_request, overloaded
+from .errors import CLIENT_CLOSED, APIError, bad_request, overloaded
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .submission import Submission
 
-# the engine's finish reasons as the API shows them: a request the server ended (it is shutting down) is "abort",
-# vLLM's name for it; the openai client takes any string here
-FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort"}
-CLIENT_CLOSED = 499  # the status logged for a request whose client left before its answer (nginx's)
+# the engine's finish reasons (but "error", which is an error response) as the API shows them: a request the server
+# ended (it is shutting down) is "abort", vLLM's name for it; the openai client takes any string here
+API_FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort"}
+assert set(API_FINISH_REASONS) == set(FINISH_REASONS) - {"error"}
 
 
 async def chat(served, request: Request, body: ChatCompletionRequest) -> Response:
-    prompt = _chat_prompt(served.tokenizer, body)
+    _refuse_what_cannot_fit(served, sum(len(message.content) for message in body.messages), "messages")
+    prompt = await served.tokenize(_chat_prompt, body)
     return await _generate(served, request, body, prompt, ChatFormat(served, body), "messages")
 
 
 async def complete(served, request: Request, body: CompletionRequest) -> Response:
     if isinstance(body.prompt, str):
-        prompt = list(served.tokenizer(body.prompt, add_special_tokens=True)["input_ids"])
+        _refuse_what_cannot_fit(served, len(body.prompt), "prompt")
+        prompt = await served.tokenize(_encode, body.prompt)
         if not prompt:
             raise bad_request("prompt: the prompt is empty (it encodes to no tokens)", "prompt")
     else:
@@ -47,12 +50,28 @@ async def complete(served, request: Request, body: CompletionRequest) -> Respons
     return await _generate(served, request, body, prompt, CompletionFormat(served, body), "prompt")
 
 
+def _refuse_what_cannot_fit(served, characters: int, param: str) -> None:
+    """400 before tokenizing a text that cannot fit the model's positions whatever its tokens: no token holds more
+    than the vocabulary's longest token's characters, so the text needs at least characters / longest tokens."""
+    positions = served.max_positions
+    fewest = -(-characters // served.longest_token)
+    if positions is not None and fewest > positions:
+        raise bad_request(f"This model's maximum context length is {positions} tokens. However, your {param} hold "
+                          f"{characters} characters, at least {fewest} tokens. Please reduce the length of the "
+                          f"{param}.", param, code="context_length_exceeded")
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+
 def _chat_prompt(tokenizer, body: ChatCompletionRequest) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
         raise bad_request("messages: this model's tokenizer has no chat template; use /v1/completions", "messages")
     messages = [message.for_template() for message in body.messages]
     try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt, tokenize=True,
+                                            return_dict=False, **(body.chat_template_kwargs or {}))
     except (TemplateError, ValueError, TypeError, KeyError, IndexError) as e:  # the template refused the messages
         raise bad_request(f"messages: the chat template refused them: {e}", "messages") from None
     return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)  # some versions return an encoding anyway
@@ -72,11 +91,14 @@ async def _generate(served, request: Request, body, prompt: list[int], fmt, prom
         _check_ids(body.stop_token_ids, served.vocab_size, "stop_token_ids")
         stop_ids = (*stop_ids, *body.stop_token_ids)
     try:
-        submission = Submission(served.engine, served.engine_tokenizer, served.metrics, prompt, limit,
-                                sampling=body.sampling(), seed=body.engine_seed(), stop_token_ids=stop_ids,
-                                lookahead=served.lookahead, stop=body.stop, logprobs=body.engine_logprobs,
-                                arrival=arrival)
+        # the same Request that Engine.run and Llama.generate take: one prompt, with the engine's configuration
+        generation = EngineRequest([prompt], limit, body.sampling(served.sampling_defaults), served.engine.lookahead,
+                                   frozenset(stop_ids), body.engine_seed())
+        submission = Submission(served.engine, served.engine_tokenizer, served.metrics, generation, stop=body.stop,
+                                logprobs=body.engine_logprobs, arrival=arrival)
     except QueueFull as e:
+        if not served.serving:
+            raise overloaded("the server is shutting down; send the request again once it is back") from None
         raise overloaded(f"the server is busy ({e}); try again later") from None
     except ValueError as e:  # the engine's own checks (the request is checked before: a backstop)
         raise bad_request(str(e)) from None
@@ -88,7 +110,11 @@ async def _generate(served, request: Request, body, prompt: list[int], fmt, prom
     text, logprobs, last = final
     if last.finish_reason == "error":
         raise APIError(500, f"generation failed: {last.error}")
-    return JSONResponse(fmt.response(text, logprobs, FINISH_REASONS[last.finish_reason],
+    if last.finish_reason == "cancelled":  # the server is stopping (a client that left gets nothing): a cut answer
+        # is an error, so that a client that ignores finish_reason does not take it for the whole answer
+        raise overloaded(f"the server is shutting down: the answer was cut after {len(last.result.tokens)} tokens; "
+                         "send the request again once it is back")
+    return JSONResponse(fmt.response(text, logprobs, API_FINISH_REASONS[last.finish_reason],
                                      usage(last.result, len(prompt))))
 
 
@@ -129,7 +155,8 @@ async def _until_done(submission: Submission, request: Request):
         if not answer.done():
             answer.cancel()
             submission.cancel()
-    return answer.result() if not answer.cancelled() else None
+    # a task just cancelled is not done yet (its cancellation runs at its next turn): only a done one has a result
+    return answer.result() if answer.done() and not answer.cancelled() else None
 
 
 async def _disconnected(request: Request) -> None:
@@ -165,7 +192,7 @@ async def _sse(submission: Submission, fmt, include_usage: bool, prompt_tokens: 
             if event.text or event.logprobs:
                 yield _data(fmt.chunk(event.text, event.logprobs or [], None), include_usage)
             if event.finish_reason is not None:
-                yield _data(fmt.chunk("", [], FINISH_REASONS[event.finish_reason]), include_usage)
+                yield _data(fmt.chunk("", [], API_FINISH_REASONS[event.finish_reason]), include_usage)
                 if include_usage:
                     yield _data(fmt.usage_chunk(usage(event.result, prompt_tokens)), False)
         yield "data: [DONE]\n\n"

@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException
 log = logging.getLogger("lookahead.serve")
 
 RETRY_AFTER_S = 1  # what a 503 tells the client to wait before trying again
+CLIENT_CLOSED = 499  # the status counted for a request whose client left before its answer (nginx's)
 
 
 class APIError(Exception):
@@ -39,13 +40,21 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
+def client_closed(message: str) -> APIError:
+    """A client that gave up (disconnected before its answer): counted as 499, never logged as the server's failure.
+    Nobody reads the response."""
+    return APIError(CLIENT_CLOSED, message, code="client_closed")
+
+
 def overloaded(message: str) -> APIError:
     """A 503 for a full queue or a server that is stopping: come back in RETRY_AFTER_S seconds."""
     return APIError(503, message, code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
-def install(app: FastAPI, on_error: Callable[[int], None]) -> None:
-    """Every error of `app` in OpenAI's shape; `on_error(status)` counts each (the metrics)."""
+def install(app: FastAPI, on_error: Callable[[int], None], guard: Callable[[Request], None] | None = None) -> None:
+    """Every error of `app` in OpenAI's shape; `on_error(status)` counts each (the metrics). guard: checked before an
+    unknown route or a wrong method is answered (raises `APIError`: the API key, so that a client without one learns
+    nothing of the routes)."""
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> JSONResponse:
@@ -54,6 +63,12 @@ def install(app: FastAPI, on_error: Callable[[int], None]) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> JSONResponse:
+        if guard is not None and error.status_code in (404, 405):
+            try:
+                guard(request)
+            except APIError as refused:
+                on_error(refused.status)
+                return refused.response()
         codes = {404: "not_found", 405: "method_not_allowed"}
         message = {404: f"no route {request.method} {request.url.path}",
                    405: f"{request.method} is not allowed on {request.url.path}"}.get(error.status_code, error.detail)

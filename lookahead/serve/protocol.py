@@ -4,25 +4,30 @@ checked by pydantic before the engine sees them.
 Strict: a field of the wrong type is refused, not coerced ("10" is not a number of tokens), numbers must be finite,
 and a field this server does not know is refused as OpenAI refuses it ("Unrecognized request argument"). A field it
 knows but cannot honour (tools, logit_bias, a penalty, best_of > 1, echo, ...) is accepted at its neutral value and
-refused, naming it, at any other: nothing is silently ignored. Accepted beside OpenAI's fields, as vLLM accepts them:
-`top_k` (-1 or 0: off), `ignore_eos`, `stop_token_ids`.
+refused, naming it, at any other. A field that cannot change the answer (a cache or safety hint: `IGNORED`) is
+accepted and ignored, and the server logs it once. Accepted beside OpenAI's fields, as vLLM and llama-server accept
+them: `top_k` (-1 or 0: off), `ignore_eos`, `stop_token_ids`, `n_predict` (llama-server's max_tokens; -1: what
+remains), and for chat `add_generation_prompt` and `chat_template_kwargs` (passed to the chat template, e.g. Qwen3's
+`enable_thinking`).
 
-Defaults are OpenAI's: temperature 1 and top_p 1 (temperature 0 is greedy); `max_tokens` is what remains of the
-model's positions for a chat completion and 16 for a completion.
+Defaults: the model's generation_config.json's temperature, top_p and top_k where it sets them (as vLLM does),
+else OpenAI's, temperature 1 and top_p 1 (temperature 0 is greedy); `max_tokens` is what remains of the model's
+positions for a chat completion and 16 for a completion.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from lookahead.request import SamplingParams
+from lookahead.loop import MAX_LOGPROBS
+from lookahead.request import SEED_SPAN, SamplingParams
 
 MAX_STOPS = 4  # stop strings per request (OpenAI's limit)
-MAX_LOGPROBS = 20  # top log-probabilities per token (OpenAI's limit for chat; the engine's)
+MAX_STOP_CHARS = 1024  # characters per stop string: each is matched on the engine's thread, every token
 COMPLETION_MAX_TOKENS = 16  # /v1/completions' default max_tokens, as OpenAI's
-SEED_SPAN = 2**64  # seeds in [-2**63, 2**64): a negative seed s is s mod 2**64
 
 
 class FieldError(Exception):
@@ -57,7 +62,21 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "best_of": ((1,), "best_of > 1 is not supported (one sequence per request)"),
     "echo": ((False,), "echo is not supported"),
     "suffix": (("",), "suffix (insertion) is not supported"),
+    "verbosity": (("medium",), "verbosity is not supported (only 'medium')"),
+    "skip_special_tokens": ((True,), "only skip_special_tokens true is supported"),
+    "spaces_between_special_tokens": ((True,), "only spaces_between_special_tokens true is supported"),
+    "include_stop_str_in_output": ((False,), "include_stop_str_in_output is not supported (only false)"),
+    "chat_template": ((), "a request's own chat_template is not supported (the model's is used)"),
+    "continue_final_message": ((False,), "continue_final_message is not supported (only false)"),
+    "typical_p": ((1, 1.0), "typical_p is not supported (only 1)"),
+    "mirostat": ((0,), "mirostat is not supported (only 0)"),
 }
+# fields accepted at any value and ignored, since none changes the answer: the openai SDK's hints
+# (prompt_cache_key, safety_identifier), and vLLM's and llama-server's scheduling and caching extras
+IGNORED = ("prompt_cache_key", "safety_identifier", "cache_prompt", "priority", "request_id")
+# chat_template_kwargs that the server sets itself
+TEMPLATE_OWN = ("conversation", "messages", "tokenize", "return_dict", "return_tensors", "add_generation_prompt",
+                "chat_template", "tools", "documents", "continue_final_message")
 
 
 class _Body(BaseModel):
@@ -76,13 +95,14 @@ class _Generation(_Body):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
-    seed: int | None = Field(None, ge=-(2**63), lt=SEED_SPAN)
+    seed: int | None = Field(None, ge=-(2**63), lt=SEED_SPAN)  # a negative seed s is s mod 2**64
     stop: Any = Field(None, validate_default=True)
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     n: int | None = None
+    n_predict: int | None = Field(None, ge=-1)
     user: str | None = None
     metadata: dict[str, str] | None = None
     service_tier: Literal["auto", "default"] | None = None
@@ -103,6 +123,18 @@ class _Generation(_Body):
     audio: Any = None
     prediction: Any = None
     store: Any = None
+    verbosity: Any = None
+    skip_special_tokens: Any = None
+    spaces_between_special_tokens: Any = None
+    include_stop_str_in_output: Any = None
+    typical_p: Any = None
+    mirostat: Any = None
+    # accepted at any value and ignored (IGNORED)
+    prompt_cache_key: Any = None
+    safety_identifier: Any = None
+    cache_prompt: Any = None
+    priority: Any = None
+    request_id: Any = None
 
     @model_validator(mode="before")
     @classmethod
@@ -123,6 +155,9 @@ class _Generation(_Body):
             raise ValueError(f"at most {MAX_STOPS} stop strings, got {len(stops)}")
         if any(not s for s in stops):
             raise ValueError("a stop string must not be empty")
+        longest = max(map(len, stops), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise ValueError(f"a stop string may hold at most {MAX_STOP_CHARS} characters, got one of {longest}")
         return tuple(stops)
 
     @model_validator(mode="after")
@@ -131,15 +166,35 @@ class _Generation(_Body):
             raise FieldError("n", f"n: only n=1 is supported (one choice per request), got {self.n}")
         if self.stream_options is not None and not self.stream:
             raise FieldError("stream_options", "stream_options: only allowed when stream is true")
+        if self.n_predict == 0:
+            raise FieldError("n_predict", "n_predict: must be >= 1, or -1 for what remains of the context; got 0")
+        if self.n_predict is not None and self.max_tokens is not None and self.n_predict != self.max_tokens:
+            raise FieldError("n_predict", f"n_predict ({self.n_predict}) and max_tokens ({self.max_tokens}) disagree; "
+                             "give one of them")
         return self
+
+    @property
+    def ignored(self) -> list[str]:
+        """The fields given that the server ignores (they cannot change the answer)."""
+        return [name for name in IGNORED if getattr(self, name) is not None]
+
+    @property
+    def _max_tokens(self) -> int | None:
+        """max_tokens, or llama-server's n_predict (-1: none given)."""
+        if self.max_tokens is not None or self.n_predict is None:
+            return self.max_tokens
+        return None if self.n_predict == -1 else self.n_predict
 
     # ----- what the engine is asked for -----
 
-    def sampling(self) -> SamplingParams:
-        """OpenAI's defaults: temperature 1, top_p 1; temperature 0 is greedy; top_k -1 or 0 is off."""
-        temperature = 1.0 if self.temperature is None else float(self.temperature)
-        top_p = 1.0 if self.top_p is None else float(self.top_p)
-        return SamplingParams(temperature, max(self.top_k or 0, 0), top_p)
+    def sampling(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """The request's sampling; what it leaves unset from `defaults` (the model's generation_config), else
+        OpenAI's: temperature 1, top_p 1. Temperature 0 is greedy; top_k -1 or 0 is off."""
+        defaults = defaults or {}
+        temperature = self.temperature if self.temperature is not None else defaults.get("temperature", 1.0)
+        top_p = self.top_p if self.top_p is not None else defaults.get("top_p", 1.0)
+        top_k = self.top_k if self.top_k is not None else defaults.get("top_k", 0)
+        return SamplingParams(float(temperature), max(top_k, 0), float(top_p))
 
     def engine_seed(self) -> int | None:
         """The seed for the engine, in [0, 2**64)."""
@@ -199,6 +254,10 @@ class ChatCompletionRequest(_Generation):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     reasoning_effort: Any = None
     web_search_options: Any = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: Any = None
+    continue_final_message: Any = None
 
     @model_validator(mode="after")
     def _check_logprobs(self):
@@ -207,16 +266,22 @@ class ChatCompletionRequest(_Generation):
         for name in ("reasoning_effort", "web_search_options"):
             if getattr(self, name) is not None:
                 raise FieldError(name, f"{name}: not supported by this model server")
+        own = sorted(set(self.chat_template_kwargs or ()) & set(TEMPLATE_OWN))
+        if own:
+            raise FieldError("chat_template_kwargs", f"chat_template_kwargs: {', '.join(own)} cannot be set here (the "
+                             "server sets them; add_generation_prompt is a field of its own)")
         return self
 
     @property
     def limit(self) -> int | None:
         """The requested token limit (max_completion_tokens over the older max_tokens); None: what remains."""
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self._max_tokens
 
     @property
     def limit_param(self) -> str:
-        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return "n_predict" if self.max_tokens is None and self.n_predict is not None else "max_tokens"
 
     @property
     def engine_logprobs(self) -> int | None:
@@ -250,12 +315,16 @@ class CompletionRequest(_Generation):
         raise ValueError(f"must be a string or a list of token ids, got {_short(value)}")
 
     @property
-    def limit(self) -> int:
-        return COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+    def limit(self) -> int | None:
+        """The requested token limit (16 when none is given; None: n_predict -1, what remains)."""
+        if self.n_predict == -1 and self.max_tokens is None:
+            return None
+        limit = self._max_tokens
+        return COMPLETION_MAX_TOKENS if limit is None else limit
 
     @property
     def limit_param(self) -> str:
-        return "max_tokens"
+        return "n_predict" if self.max_tokens is None and self.n_predict is not None else "max_tokens"
 
     @property
     def engine_logprobs(self) -> int | None:

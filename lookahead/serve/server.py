@@ -1,36 +1,59 @@
 """Running the app: uvicorn, with the shutdown a model server needs.
 
-On SIGTERM or SIGINT (or `Server.stop()` from another thread) the server stops accepting connections, the engine
-cancels every request in flight (each stream ends with a last chunk whose finish_reason is "abort", then
-`data: [DONE]`), and `run()` returns once they have ended: within a step or two, at most `graceful_s` seconds. A
-signal is a request to stop, and stopping is success: the process goes on to exit with status 0 (uvicorn would
-raise the signal again once it is done, which ends a process with the signal's status).
+On SIGTERM or SIGINT (or `Server.stop()` from another thread) the server refuses new requests at once (503), stops
+accepting connections, the engine cancels every request in flight (each stream ends with a last chunk whose
+finish_reason is "abort", then `data: [DONE]`; a whole answer that was cut is a 503 saying so), and `run()` returns once
+they have ended: within a step or two, at most `graceful_s` seconds. A signal is a request to stop, and stopping is
+success: the process goes on to exit with status 0 (uvicorn would raise the signal again once it is done, which ends a
+process with the signal's status).
+
+Slow clients: uvicorn never times out a request that is still arriving, so clients that dribble their requests could
+hold every connection (and file descriptor) for as long as they like; here a request must arrive whole within
+`receive_timeout_s` (else 408 and the connection closes), and past `max_connections` connections a request gets 503.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
 
+import h11
 import uvicorn
 from fastapi import FastAPI
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 GRACEFUL_S = 10.0  # the most a shutdown waits for requests in flight to end
+RECEIVE_TIMEOUT_S = 30.0  # the most a request (its head and body) may take to arrive once it begins
+MAX_CONNECTIONS = 1000  # open connections (or requests in flight) past which a request gets 503
 
 
 class Server:
-    """uvicorn serving an app of `create_app` on host:port (port 0: a free one, read from `port` once started)."""
+    """uvicorn serving an app of `create_app` on host:port (port 0: a free one, read from `port` once started).
+
+    receive_timeout_s: the most a request may take to arrive whole (from its connection's opening, or its first byte
+    after a previous answer); a slower one gets 408 and its connection closes. max_connections: open connections past
+    which a request gets 503 (keep it below the process's file limit)."""
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info",
-                 graceful_s: float = GRACEFUL_S, on_started: Callable[[Server], None] | None = None) -> None:
+                 graceful_s: float = GRACEFUL_S, on_started: Callable[[Server], None] | None = None,
+                 receive_timeout_s: float = RECEIVE_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS) -> None:
+        if not receive_timeout_s > 0:
+            raise ValueError(f"receive_timeout_s must be > 0 seconds, got {receive_timeout_s!r}")
+        if isinstance(max_connections, bool) or not isinstance(max_connections, int) or max_connections < 1:
+            raise ValueError(f"max_connections must be an int >= 1, got {max_connections!r}")
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                                timeout_graceful_shutdown=graceful_s, timeout_keep_alive=5)
+                                timeout_graceful_shutdown=graceful_s, timeout_keep_alive=5,
+                                http=functools.partial(_DeadlineH11, receive_timeout_s=receive_timeout_s),
+                                limit_concurrency=max_connections)
         self.app, self.host = app, host
         self._thread: threading.Thread | None = None
-        self._uvicorn = _Uvicorn(config, app.state.served.begin_shutdown, lambda: on_started and on_started(self))
+        served = app.state.served
+        self._uvicorn = _Uvicorn(config, served.refuse_new, served.begin_shutdown,
+                                 lambda: on_started and on_started(self))
 
     def run(self) -> None:
         """Serve until stopped (a signal in the main thread, or `stop()`)."""
@@ -52,7 +75,7 @@ class Server:
 
     def stop(self, timeout: float | None = GRACEFUL_S + 5) -> None:
         """Stop serving (from any thread), as a SIGTERM does; after `start()`, wait for it to end."""
-        self._uvicorn.should_exit = True
+        self._uvicorn.handle_exit(signal.SIGTERM, None)
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -75,10 +98,64 @@ def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, **options) ->
     Server(app, host, port, **options).run()
 
 
+class _DeadlineH11(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with a deadline for receiving a request: from the connection's opening (or the
+    first byte of its next request) to the request's last byte. Past it the client gets 408 and the connection closes,
+    whatever the handler was waiting for (a body read then ends as a disconnect)."""
+
+    def __init__(self, *args, receive_timeout_s: float, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.receive_timeout_s = receive_timeout_s
+        self._deadline: object | None = None  # the timer while a request is arriving
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._watch()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._watch()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        super().connection_lost(exc)
+
+    def _arriving(self) -> bool:
+        return self.conn.their_state in (h11.IDLE, h11.SEND_BODY)
+
+    def _watch(self) -> None:
+        if self._arriving() and self._deadline is None:
+            self._deadline = self.loop.call_later(self.receive_timeout_s, self._too_slow)
+        elif not self._arriving() and self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _too_slow(self) -> None:
+        self._deadline = None
+        if not self._arriving() or self.transport.is_closing():
+            return
+        if self.cycle is None or not self.cycle.response_started:  # no answer begun: say why it closes
+            self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+                                 b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(_TOO_SLOW), _TOO_SLOW))
+        self.transport.close()
+
+
+_TOO_SLOW = (b'{"error": {"message": "the request did not arrive whole in time", "type": "invalid_request_error", '
+             b'"param": null, "code": "request_timeout"}}')
+
+
 class _Uvicorn(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, on_shutdown: Callable[[], None], on_started: Callable[[], None]):
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None], on_shutdown: Callable[[], None],
+                 on_started: Callable[[], None]):
         super().__init__(config)
-        self._on_shutdown, self._on_started = on_shutdown, on_started
+        self._on_exit, self._on_shutdown, self._on_started = on_exit, on_shutdown, on_started
+
+    def handle_exit(self, sig: int, frame) -> None:
+        # a signal (or stop()): refuse new requests now; uvicorn notices should_exit only at its next tick
+        super().handle_exit(sig, frame)
+        self._on_exit()
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)

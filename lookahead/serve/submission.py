@@ -14,9 +14,8 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-from lookahead.config import LookaheadConfig
 from lookahead.loop import Delta, Engine, GenerationResult, TokenLogprob
-from lookahead.request import SamplingParams
+from lookahead.request import Request
 
 from .metrics import Metrics
 from .text import TextStream
@@ -38,14 +37,13 @@ class Event:
 
 
 class Submission:
-    """Submit one prompt to the engine (from the asyncio loop); iterate `events()` for its `Event`s, `cancel()` to
-    end it at the next step boundary. Raises what `Engine.submit` raises (ValueError, QueueFull)."""
+    """Submit a `Request` of one prompt to the engine (from the asyncio loop); iterate `events()` for its `Event`s,
+    `cancel()` to end it at the next step boundary. Raises what `Engine.submit` raises (ValueError, QueueFull)."""
 
-    def __init__(self, engine: Engine, tokenizer, metrics: Metrics, prompt: Sequence[int], max_new_tokens: int, *,
-                 sampling: SamplingParams, seed: int | None, stop_token_ids: Sequence[int],
-                 lookahead: LookaheadConfig | None, stop: Sequence[str], logprobs: int | None, arrival: float) -> None:
+    def __init__(self, engine: Engine, tokenizer, metrics: Metrics, request: Request, *, stop: Sequence[str],
+                 logprobs: int | None, arrival: float) -> None:
         self.loop = asyncio.get_running_loop()
-        self.metrics, self.prompt_tokens, self.arrival = metrics, len(prompt), arrival
+        self.metrics, self.prompt_tokens, self.arrival = metrics, len(request.prompts[0]), arrival
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.text = TextStream(tokenizer, stop)
         self.received = 0  # tokens the sink has had
@@ -53,9 +51,8 @@ class Submission:
         self.failure: str | None = None
         self.finished = False
         self.handle = None
-        self.handle = engine.submit(prompt, max_new_tokens, sampling=sampling, seed=seed,
-                                    stop_token_ids=stop_token_ids, lookahead=lookahead,
-                                    stops_at=self._stops_at if stop else None, logprobs=logprobs, sink=self._sink)
+        self.handle = engine.submit(request, stops_at=self._stops_at if stop else None, logprobs=logprobs,
+                                    sink=self._sink)
 
     async def events(self) -> AsyncIterator[Event]:
         """The request's events as the engine decides them; the last has a finish reason."""

@@ -8,7 +8,9 @@ vLLM and OpenAI return it. Text goes out in pieces whose concatenation is exactl
 - a window of the last tokens is decoded with the tokens before it as context (vLLM's incremental detokenization),
   so a piece is never decoded without what precedes it (SentencePiece's leading spaces, byte-level merges);
 - a window whose text ends in U+FFFD (an incomplete UTF-8 character) waits for the bytes that complete it;
-- text that may be the start of a stop string is held back until the next tokens say whether it is;
+- text that may be the start of a stop string is held back until the next tokens say whether it is: each stop
+  string's matcher (`_StopMatcher`, Knuth-Morris-Pratt) knows how much of it the text ends with, kept up to date
+  character by character, so a token costs the same however long the text and the stop strings are;
 - the last piece is taken from one decode of all the tokens, so the whole is the full decode's even where windows
   could differ from it.
 """
@@ -31,6 +33,7 @@ class TextStream:
 
     def __init__(self, tokenizer, stop: Sequence[str] = ()) -> None:
         self.tokenizer, self.stop = tokenizer, tuple(stop)
+        self._matchers = [_StopMatcher(s) for s in self.stop]
         self.tokens: list[int] = []
         self.text = ""  # the decoded text of `tokens` (up to the stop, once one is found)
         self.stopped = False
@@ -74,25 +77,23 @@ class TextStream:
         """Look for a stop string that ends in the text added after `before` (the waiting characters included: a
         stop string completed by the whole characters before an incomplete one stops at this token, as it does in a
         decode of the tokens so far); cut the text before the first one."""
-        found, text = None, self.text + pending
-        for stop in self.stop:
-            at = text.find(stop, max(0, before - len(stop) + 1))
-            if at >= 0 and (found is None or at < found):
-                found = at
+        added, found = self.text[before:], None
+        for matcher in self._matchers:
+            end = matcher.feed(added)  # the text so far: kept
+            if end is None:
+                end = matcher.peek(pending)  # the waiting characters: not kept (they may decode otherwise later)
+                end = None if end is None else len(added) + end
+            if end is not None:
+                at = before + end + 1 - len(matcher.stop)
+                found = at if found is None else min(found, at)
         if found is None:
             return False
-        self.text, self.stopped = text[:found], True
+        self.text, self.stopped = (self.text + pending)[:found], True
         return True
 
     def _held(self) -> int:
         """Characters at the end of the text that could begin a stop string (held back until the next tokens)."""
-        held = 0
-        for stop in self.stop:
-            for n in range(min(len(stop) - 1, len(self.text)), held, -1):
-                if self.text.endswith(stop[:n]):
-                    held = n
-                    break
-        return held
+        return max((matcher.matched for matcher in self._matchers), default=0)
 
     def _finish(self) -> None:
         """The text from one decode of all the tokens (cut at the first stop string), which the pieces so far begin."""
@@ -106,6 +107,42 @@ class TextStream:
 
     def _decode(self, tokens: Sequence[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True) if tokens else ""
+
+
+class _StopMatcher:
+    """How much of one stop string the text ends with (`matched`), as the text grows: Knuth-Morris-Pratt's automaton,
+    each character O(1) amortized."""
+
+    def __init__(self, stop: str) -> None:
+        self.stop, self.matched = stop, 0
+        self._fail = [0] * len(stop)  # [i]: the longest proper prefix of stop[: i + 1] that is also its suffix
+        k = 0
+        for i in range(1, len(stop)):
+            while k and stop[i] != stop[k]:
+                k = self._fail[k - 1]
+            if stop[i] == stop[k]:
+                k += 1
+            self._fail[i] = k
+
+    def feed(self, text: str) -> int | None:
+        """Take `text` as the text's continuation; the index in it where the first whole match ends (None)."""
+        self.matched, end = self._run(self.matched, text)
+        return end
+
+    def peek(self, text: str) -> int | None:
+        """As `feed`, but `text` is not kept."""
+        return self._run(self.matched, text)[1]
+
+    def _run(self, matched: int, text: str) -> tuple[int, int | None]:
+        stop = self.stop
+        for i, char in enumerate(text):
+            while matched and stop[matched] != char:
+                matched = self._fail[matched - 1]
+            if stop[matched] == char:
+                matched += 1
+            if matched == len(stop):
+                return matched, i
+        return matched, None
 
 
 class TokenText:

@@ -129,22 +129,24 @@ class StepBudget:
         band = bisect.bisect_right(CALIBRATION_BANDS, expected)
         return expected * (self.accepted[band] + CALIBRATION_PRIOR) / (self.expected[band] + CALIBRATION_PRIOR)
 
-    def choose(self, scores: Sequence[Sequence[float]], branch: int, lengths: Sequence[int],
+    def choose(self, scores: Sequence[Sequence[float]], branch: int | Sequence[int], lengths: Sequence[int],
                fixed: Fixed = NOTHING_FIXED) -> list[Choice]:
         """Each lookahead row's size for the next step. scores: each row's draft node scores, best first (a prefix
         of a best-first tree is a tree); branch: the lookahead branch's tokens per row (W times the window's levels;
-        carried only when `self.branch`); lengths: each row's cache length L; fixed: the rest of the step.
+        carried only when `self.branch`), one for all rows or each row's own; lengths: each row's cache length L; fixed:
+        the rest of the step.
 
         The step takes (row, node) slots in decreasing calibrated worth (a row's node only after its parent, so each
         row's share is a prefix of its draft), and of every count of slots keeps the one that maximises the whole
         step's expected tokens per second, (expected tokens) / (t(tokens, L) + h), against every lookahead row
         decoding plainly. At most one step in `EXPLORE_EVERY` explores (`_explore`)."""
         rows = len(scores)
-        carry = branch if self.branch else 1
-        base_tokens, base_expected = fixed.tokens + rows * carry, fixed.expected + rows
+        branches = [branch] * rows if isinstance(branch, int) else list(branch)
+        carries = branches if self.branch else [1] * rows  # each row's tokens before its nodes
+        base_tokens, base_expected = fixed.tokens + sum(carries), fixed.expected + rows
         # the step's mean cache length, with every row at its base size: what each added slot's attention reads on
         # average (a slot of a longer row reads more; a second-order effect the choice ignores)
-        length = (fixed.weight + sum(lengths) * carry) // max(base_tokens, 1)
+        length = (fixed.weight + sum(n * c for n, c in zip(lengths, carries, strict=True))) // max(base_tokens, 1)
         plain = self._rate(fixed.tokens + rows, length, base_expected)
         best_rate, best_taken = plain, None
         taken = [0] * rows
@@ -172,7 +174,7 @@ class StepBudget:
         if best_taken is None:
             return [Choice(0, False, 0, 1, 1.0, best_rate[1]) for _ in scores]
         return [Choice(n, self.branch, n, carry + n, 1 + self.calibrated(sum(row[:n])), best_rate[1])
-                for n, row in zip(best_taken, scores, strict=True)]
+                for n, row, carry in zip(best_taken, scores, carries, strict=True)]
 
     def _explore(self, options: list, length: int, plain_seconds: float, best: float) -> tuple | None:
         """The option to run instead of the best one, to measure a stale knot again: the smallest whose step would
@@ -208,12 +210,14 @@ class StepBudget:
         return expected / seconds, seconds
 
     def record(self, tokens: int, length: int, step_seconds: float, expected: Sequence[float],
-               accepted: Sequence[int]) -> None:
+               accepted: Sequence[int], observe: bool = True) -> None:
         """What a step did: it fed `tokens` tokens (every row) whose mean cache length was `length`, the model took
         `step_seconds` (the rest of the time since the last record is the loop's own), and each lookahead row that
-        verified nodes accepted `accepted[i]` of them where its scores expected `expected[i]` (uncalibrated)."""
+        verified nodes accepted `accepted[i]` of them where its scores expected `expected[i]` (uncalibrated).
+        observe: the cost model learns the step's time (False: another budget of the step taught it already)."""
         now = self.clock()
-        self.cost.observe(self.round_up(tokens), length, step_seconds, self.kind)
+        if observe:
+            self.cost.observe(self.round_up(tokens), length, step_seconds, self.kind)
         self.host += HOST_RATE * (max(now - self.last - step_seconds, 0.0) - self.host)
         self.last = now
         for promised, got in zip(expected, accepted, strict=True):

@@ -8,13 +8,16 @@ or "sampling") up to its largest step, all rows together. A cost model the user 
 otherwise the model's own, else the cached file's, measured now for what it lacks (`store.prepared`).
 
 How it is measured: one untimed pass per step size (it prepares the shape: a kernel compile, a graph capture), then
-`REPEATS` timed passes of each at cache length 0 and one at a longer length (the cost per cached position), fitted by
-`cost.fit` (medians, made monotone). The longer length is what the adapter can hold (`MIN_SPAN` at least, else the
-cost per position is left to the steps to learn: `Curve.observe`).
+a timed pass of each at cache length 0 and one at a longer length (the cost per cached position), then up to
+`REPEATS - 1` more at length 0 while `MEASURE_BUDGET_S` lasts (a first start on a slow CPU took a minute before the
+bound), fitted by `cost.fit` (medians, made monotone); the steps keep the curve current after. The longer length is
+what the adapter can hold (`MIN_SPAN` at least, else the cost per position is left to the steps to learn:
+`Curve.observe`). Each round is logged (`lookahead.tuning`, INFO: the command shows it as a progress line).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -26,6 +29,9 @@ from .store import Saver, device_label, prepared, versions
 REPEATS = 3  # timed passes per step size at the shortest cache length (one at the longest): a median
 MIN_SPAN = 256  # cache positions between the two lengths timed; below it the cost per position is not measured
 MAX_SPAN = 2048  # the longer cache length timed, at most
+MEASURE_BUDGET_S = 10.0  # past it, no more repeats: the first timed pass at each length is all the fit gets
+
+log = logging.getLogger("lookahead.tuning")
 
 
 def self_tuned(cfg: LookaheadConfig | None) -> bool:
@@ -46,16 +52,25 @@ def cost_model_for(current: CostModel | None, cfg: LookaheadConfig | None, greed
 
 
 def time_steps(run: Callable[[int, int], None], sizes: Sequence[int], rows: int, longest: int, quick: bool,
-               clock: Callable[[], float] = time.perf_counter) -> Curve:
+               clock: Callable[[], float] = time.perf_counter, budget_s: float = MEASURE_BUDGET_S) -> Curve:
     """A curve from timed passes: `run(i, length)` runs one pass of step `i` (of `sizes[i]` tokens per row, `rows`
-    rows) at cache length `length` and returns when the device is done. Every step once untimed at length 0, then
-    `REPEATS` timed passes of each at length 0 and one at `longest` (if at least `MIN_SPAN`); `quick` (under Triton's
-    interpreter, where timings mean nothing): one timed pass at length 0."""
-    lengths = [0] * (1 if quick else REPEATS) + ([longest] if longest >= MIN_SPAN and not quick else [])
+    rows) at cache length `length` and returns when the device is done. Every step once untimed at length 0, then a
+    timed pass of each at length 0 and at `longest` (if at least `MIN_SPAN`), then `REPEATS - 1` more at length 0
+    unless `budget_s` seconds have passed since the start; `quick` (under Triton's interpreter, where timings mean
+    nothing): one timed pass at length 0. Logs a line per round (the command's progress)."""
+    far = [longest] if longest >= MIN_SPAN and not quick else []
+    lengths = [0, *far, *([0] * (0 if quick else REPEATS - 1))]
+    rounds, started = 1 + len(lengths), clock()
+    log.info("measuring what a step costs on this machine (once: it is cached), up to %.0f s: round 1 of %d",
+             budget_s, rounds)
     for i in range(len(sizes)):
         run(i, 0)  # prepares the shape
     samples = []
-    for length in lengths:  # length by length: an adapter that must fill its cache to a length does so once
+    for done, length in enumerate(lengths, 2):  # length by length: an adapter fills its cache to a length once a round
+        if done > 2 + len(far) and clock() - started > budget_s:
+            log.info("measuring: %.0f s spent; the rest is learned from the steps", clock() - started)
+            break
+        log.info("measuring: round %d of %d", done, rounds)
         for i, size in enumerate(sizes):
             start = clock()
             run(i, length)

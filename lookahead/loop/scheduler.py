@@ -1,0 +1,144 @@
+"""`Scheduler`: what the engine's next step runs. It keeps the waiting requests and the live rows, admits waiting
+requests first come, first served while there are free rows and the model has room for them, and plans every live
+row's part of one packed step: prompt chunks within the step's prefill allowance (beside decoding rows, as many prompt
+tokens as keep the step within about twice their own cost by the cost model, `MIN_CHUNK` at least), then the decoding
+rows, each self-tuned lookahead row sized by the budget of its own kind (one per sampled or greedy, static or not).
+After the step, `record` tells the budgets what it did. It runs nothing and sends nothing: the engine does.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable, Sequence
+
+from lookahead.tuning import CostModel, Fixed, StepBudget
+
+from .core import step_budget
+from .jobs import Job
+from .rows import RowModel, RowStep
+
+MIN_CHUNK = 16  # prompt tokens a step carries at least for a prefilling row, however busy the step
+
+
+class Scheduler:
+    """The waiting requests and live rows of an engine over `model` (at most `max_rows` live; None: as many as the
+    model admits), and the step budgets of the cost model `cost` (None: full-size steps)."""
+
+    def __init__(self, model: RowModel, max_rows: int | None, cost: CostModel | None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        """clock: the engine's, which times its steps (a budget times the loop's own work between them by it)."""
+        self.model, self.max_rows, self.cost, self.clock = model, max_rows, cost, clock
+        self.waiting: collections.deque[Job] = collections.deque()
+        self.active: list[Job] = []
+        # one budget per (sampled, static): a row is sized by the curve of its own kind, never by another request's
+        # configuration (None: that kind has no curve, so full steps)
+        self.budgets: dict[tuple[bool, bool], StepBudget | None] = {}
+        self._sized: list[tuple[StepBudget, dict[Job, float]]] = []  # the step's budgets, their rows' expected nodes
+        self._lengths: list[int] = []
+
+    def admit(self, fail: Callable[[list[Job], str], None]) -> None:
+        """Admit waiting requests, first come first served, while there are free rows and the model has room; `fail`
+        ends a request that can never fit. Raises RuntimeError when the head of the queue finds no room with no row
+        live (nothing would ever free it)."""
+        while self.waiting and (self.max_rows is None or len(self.active) < self.max_rows):
+            job = self.waiting[0]
+            try:
+                place = self.model.admit(job.prompt, job.positions)
+            except ValueError as e:  # can never fit: refuse it, admit the next
+                self.waiting.popleft()
+                fail([job], str(e))
+                continue
+            if place is None and not self.active:  # nothing will ever free room for it: fail it, not spin forever
+                self.waiting.popleft()
+                message = (f"the model has no room for a request of {len(job.prompt)} prompt tokens (up to "
+                           f"{job.positions} positions) even with no other request running; shorten the prompt, ask "
+                           "for fewer tokens, or give the model more memory")
+                fail([job], message)
+                raise RuntimeError(message)
+            if place is None:
+                return
+            self.waiting.popleft()
+            job.admitted(*place)
+            self.active.append(job)
+
+    def plan(self) -> tuple[list[Job], list[RowStep]]:
+        """Every live row's part of the next step: prompt chunks within the step's prefill allowance, then the
+        decoding rows: plain ones, full-size lookahead ones (`budget="fixed"`, or no cost model), then the self-tuned
+        ones, each kind sized together by its budget around the rest."""
+        decoding = [job for job in self.active if not job.prefilling]
+        plain = [job for job in decoding if job.loop is None]
+        lookahead = [job for job in decoding if job.loop is not None]
+        allowance = self._prefill_allowance(len(plain) + sum(1 + len(job.loop.window.levels) for job in lookahead))
+        jobs, steps = [], []
+        for job in self.active:
+            if not job.prefilling or (allowance is not None and allowance <= 0 and (steps or decoding)):
+                continue
+            steps.append(job.chunk(allowance))
+            jobs.append(job)
+            allowance = None if allowance is None else allowance - len(steps[-1].tokens)
+        groups: dict[StepBudget, list[Job]] = {}
+        full = []
+        for job in lookahead:
+            job.draft_now()
+            budget = self._budget_for(job)
+            if budget is None:
+                full.append(job)
+            else:
+                groups.setdefault(budget, []).append(job)
+        for job in [*plain, *full]:
+            jobs.append(job)
+            steps.append(job.plan(None))
+        expected = float(len(plain) + len(full))
+        self._sized = []
+        for budget, rows in groups.items():
+            fixed = Fixed(sum(len(s.tokens) for s in steps), expected,
+                          sum(len(s.tokens) * self._length_of(job) for job, s in zip(jobs, steps, strict=True)))
+            choices = budget.choose([job.draft.scores for job in rows], [job.loop.branch_tokens for job in rows],
+                                    [job.loop.length for job in rows], fixed)
+            self._sized.append((budget, {job: sum(job.draft.scores[: min(choice.nodes, len(job.draft))])
+                                         for job, choice in zip(rows, choices, strict=True) if choice.nodes}))
+            for job, choice in zip(rows, choices, strict=True):
+                jobs.append(job)
+                steps.append(job.plan(choice))
+                expected += choice.expected
+        self._lengths = [self._length_of(job) for job in jobs]
+        return jobs, steps
+
+    @staticmethod
+    def _length_of(job: Job) -> int:
+        """The row's cache length L before the step."""
+        return job.filled if job.prefilling else len(job.prompt) + len(job.out.result.tokens) - 1
+
+    def _budget_for(self, job: Job) -> StepBudget | None:
+        """The budget that sizes a lookahead row's steps (None: full-size steps): the one of its kind (sampled or
+        greedy, static or not), made when the first row of that kind comes."""
+        if self.cost is None or not job.loop.tunable:
+            return None
+        key = (job.seed is not None, job.loop.static)
+        if key not in self.budgets:
+            self.budgets[key] = step_budget(job.loop, self.cost, job.seed is not None, self.model, self.clock)
+        return self.budgets[key]
+
+    def _prefill_allowance(self, decoding_tokens: int) -> int | None:
+        """Prompt tokens the next step may carry (None: no limit): the model's chunk alone; beside decoding rows as
+        many as keep the step within about twice their own cost (`MIN_CHUNK` at least), never past the chunk."""
+        chunk = self.model.prefill_chunk
+        if decoding_tokens == 0 or chunk is None:
+            return chunk
+        if self.cost is None or not self.cost.curves:
+            return min(chunk, max(MIN_CHUNK, 4 * decoding_tokens))
+        kind = next(iter(self.cost.curves))
+        limit = 2 * self.cost.predict(decoding_tokens, 0, kind)
+        size = min(chunk, MIN_CHUNK)
+        while size * 2 <= chunk and self.cost.predict(decoding_tokens + size * 2, 0, kind) <= limit:
+            size *= 2
+        return size
+
+    def record(self, steps: Sequence[RowStep], seconds: float, accepted: dict[Job, int]) -> None:
+        """What the planned step did: its time and each sized row's accepted nodes, for the budgets that sized it."""
+        tokens = sum(len(s.tokens) for s in steps)
+        weight = sum(len(s.tokens) * length for s, length in zip(steps, self._lengths, strict=True))
+        for i, (budget, expected) in enumerate(self._sized):  # the cost model learns the step's time once
+            budget.record(tokens, weight // max(tokens, 1), seconds, list(expected.values()),
+                          [accepted[job] for job in expected], observe=i == 0)
