@@ -244,6 +244,17 @@ def test_cli_notes_that_16_bit_may_flip_near_ties(capsys, default_model_dir):
 
 
 @pytest.mark.slow
+def test_cli_batch_invariant_is_exact_in_bf16_and_says_no_caveat(capsys, default_model_dir):
+    """--batch-invariant: --compare's plain and lookahead answers are the same tokens in bfloat16, and the 16-bit
+    caveat is not printed."""
+    code, out, err = run_main(capsys, "generate", "Name three colors.", "--cache-dir", str(default_model_dir.parent),
+                              "--max-new-tokens", "12", "--dtype", "bfloat16", "--batch-invariant", "--compare")
+    assert code == 0 and out.strip()
+    assert not any("may differ from plain greedy" in line for line in err)
+    assert any("the same tokens" in line for line in err), err
+
+
+@pytest.mark.slow
 def test_cli_converts_a_damaged_cached_model_again(capsys, default_model_dir, tmp_path):
     """Zeroing half of the cached weights used to make `lookahead generate` print an empty line and exit 0."""
     cache = tmp_path / "cache"

@@ -319,12 +319,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _show_progress() -> None:
     """The library's progress lines (measuring step costs on a first start) on stderr, as the command's own."""
     logger = logging.getLogger("lookahead.tuning")
-    if not any(getattr(h, "lookahead_progress", False) for h in logger.handlers):
-        handler = logging.StreamHandler(sys.stderr)
+    if not any(isinstance(h, _ProgressLines) for h in logger.handlers):
+        handler = _ProgressLines()
         handler.setFormatter(logging.Formatter("lookahead: %(message)s"))
-        handler.lookahead_progress = True
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
+
+
+class _ProgressLines(logging.Handler):
+    """Each record a line on the stderr of the moment (a handler holding the stream it started with would write to a
+    closed one after sys.stderr is replaced: a second `main` in one process, pytest's capture)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(self.format(record), file=sys.stderr, flush=True)
 
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
