@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_flatten
 
 import lookahead.kernels.triton_attention as launcher
 import lookahead.models.runner as runner_module
+from helpers import needs_interpreter
 from lookahead import LookaheadConfig
 from lookahead.kernels import StepAttentionPlan, StepPattern, device_binding
 from lookahead.kernels.triton_attention import TilePlan, tile_plan
@@ -162,6 +163,7 @@ class FakeGraphs:
         yield
 
 
+@needs_interpreter
 def test_runner_binds_its_device_for_streams_captures_replays_and_launches(tiny_checkpoint, monkeypatch):
     """With CUDA graphs faked: every stream, capture, replay and kernel launch of a step happens while the model's
     device is bound; captures are thread-local; `capture` prepares each given shape once, up front."""

@@ -13,6 +13,7 @@ import torch
 from graph_emulator import KERNELS, CaptureViolation, GraphEmulator, aliases, reachable_tensors, triton_launches
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from helpers import needs_interpreter
 from lookahead import LookaheadConfig
 from lookahead.kernels import StepPattern
 from lookahead.loop import RowStep, full_pattern, path_step
@@ -130,6 +131,7 @@ SHAPES = {
 }
 
 
+@needs_interpreter
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_step_region_is_capturable_and_replays_as_eager(runner, monkeypatch, name):
     triton_launches(monkeypatch)
@@ -237,7 +239,8 @@ BUDGET = {"default-1-4-5": 943, "15-5-15": 943, "default-topk": 945,
           "fused-default-1-4-5": 389, "fused-15-5-15": 389, "fused-default-topk": 391}
 
 
-@pytest.mark.parametrize("name", list(BUDGET))
+@pytest.mark.parametrize("name", [pytest.param(name, marks=needs_interpreter) if name.startswith("fused") else name
+                                  for name in BUDGET])
 def test_op_budget_of_an_8b_shaped_step(monkeypatch, name):
     """Aten ops and Triton launches per step (no host sync: the emulator forbids them) of a tiny-width model with
     8B's layer structure, counted in the region a CUDA graph captures."""

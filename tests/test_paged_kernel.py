@@ -12,6 +12,7 @@ from test_kernel import DEVICE, DTYPES, FLOOR, Recorder, constexpr_names
 from test_pattern import TREES, ancestors, tree_end_of
 
 import lookahead.kernels.triton_attention as module
+from helpers import needs_triton
 from lookahead.kernels import (
     PagedAttentionPlan,
     StepPattern,
@@ -20,6 +21,8 @@ from lookahead.kernels import (
     paged_reference_attention,
     reference_attention,
 )
+
+pytestmark = needs_triton  # kernels on DEVICE: the GPU where there is one, else the interpreter
 
 # a row's step by name: (W, N, tree_end), or None for an idle row (T = 0)
 ROWS = {
