@@ -281,19 +281,28 @@ def part_batch_invariant(out: Out) -> None:
         for invariant in (False, True):
             if out.late(2.0 if out.dry else 25.0):
                 return
-            model = random_llama(shape, dtype, device, batch_invariant=invariant)
-            runner = runner_of(model, 18, max(lengths) + 64)
-            seq = runner.sequence(max(lengths) + 64)
-            for name, (pattern, tokens, rows, requests) in (("plain", (PLAIN_STEP, [1], [0], {})),
-                                                            ("1-4-5", full_step(1, 4, 5))):
-                for length in lengths:
-                    first, median = time_step(seq, pattern, tokens, rows, requests, length, 3 if out.dry else 20)
-                    out.line("step", model=shape_name, batch_invariant=invariant, config=name, T=pattern.num_tokens,
-                             L=length, ms=round(median * 1e3, 4), first_s=round(first, 3))
-            seq.close()
-            del seq, runner, model
+            try:
+                time_modes(out, shape_name, shape, invariant, lengths)
+            except Exception as e:  # noqa: BLE001 - the other mode and shape still measure
+                out.line("error", model=shape_name, batch_invariant=invariant, error=f"{type(e).__name__}: {e}"[:500])
             if GPU:
                 torch.cuda.empty_cache()
+
+
+def time_modes(out: Out, shape_name: str, shape, invariant: bool, lengths: tuple[int, ...]) -> None:
+    """A plain and a 1-4-5 step at each L, on a model built with `batch_invariant=invariant`."""
+    dtype, device = setup(out.dry)
+    model = random_llama(shape, dtype, device, batch_invariant=invariant)
+    seq = runner_of(model, 18, max(lengths) + 64).sequence(max(lengths) + 64)
+    try:
+        for name, (pattern, tokens, rows, requests) in (("plain", (PLAIN_STEP, [1], [0], {})),
+                                                        ("1-4-5", full_step(1, 4, 5))):
+            for length in lengths:
+                first, median = time_step(seq, pattern, tokens, rows, requests, length, 3 if out.dry else 20)
+                out.line("step", model=shape_name, batch_invariant=invariant, config=name, T=pattern.num_tokens,
+                         L=length, ms=round(median * 1e3, 4), first_s=round(first, 3))
+    finally:
+        seq.close()
 
 
 PARTS = {"a": part_step_time, "b": part_replay, "c": part_engine, "d": part_batch_invariant}

@@ -95,14 +95,33 @@ tests() {  # e: the GPU tests (in the dry run, their collection) with what time 
     finished e "$rc" "$give"
 }
 
-if [ "$dry" = 0 ] && ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-    event setup error "no CUDA GPU visible to torch: on a CPU run bash bench/gpu_first_run.sh --dry-run"
-    exit 2
-fi
-if ! "$PYTHON" -c "import lookahead.kernels, lookahead.models" 2>/dev/null; then  # this checkout, installed offline
-    "$PYTHON" -m pip install -q --no-deps --no-build-isolation -e . >>"$LOG" 2>&1 \
-        || { event setup error "pip install -e . failed (log: first-run.log)"; exit 2; }
-fi
+# exit 3: no CUDA (a GPU run), 4: this checkout is not importable (then installed offline)
+"$PYTHON" -c "import sys, torch
+if not ($dry or torch.cuda.is_available()):
+    sys.exit(3)
+try:
+    import lookahead.kernels, lookahead.models
+except ImportError:
+    sys.exit(4)"
+case $? in
+    0) ;;
+    3) event setup error "no CUDA GPU visible to torch: on a CPU run bash bench/gpu_first_run.sh --dry-run"; exit 2 ;;
+    4) if ! "$PYTHON" -m pip install -q --no-deps --no-build-isolation -e . >>"$LOG" 2>&1; then
+        # no pip or setuptools that can: the three folders laid out as the package they install as, on PYTHONPATH
+        shim=$(mktemp -d)
+        trap 'rm -rf "$shim"' EXIT
+        mkdir "$shim/lookahead"
+        ln -s "$PWD"/lookahead/* "$shim/lookahead/"
+        ln -s "$PWD/kernels" "$shim/lookahead/kernels"
+        ln -s "$PWD/models" "$shim/lookahead/models"
+        # and no current or script folder first on sys.path (Python >= 3.11), where ./lookahead would shadow it
+        export PYTHONPATH=$shim:$PWD/bench${PYTHONPATH:+:$PYTHONPATH} PYTHONSAFEPATH=1
+        "$PYTHON" -c "import lookahead.kernels, lookahead.models" >>"$LOG" 2>&1 \
+            || { event setup error "lookahead is not importable, even from $shim (log: first-run.log)"; exit 2; }
+        event setup shim "pip install -e . failed; lookahead imported from $shim"
+    fi ;;
+    *) event setup error "$PYTHON could not import torch"; exit 2 ;;
+esac
 event setup start "parts: $parts; dry run: $dry; budget $total s; commit $(git rev-parse --short HEAD 2>/dev/null)"
 dry_flag=()
 [ "$dry" = 1 ] && dry_flag=(--dry-run)
