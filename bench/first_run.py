@@ -111,6 +111,15 @@ def time_step(seq, pattern: StepPattern, tokens, rows, requests: dict, length: i
     return first, statistics.median(times)
 
 
+def splits_of(runner: CachedRunner, pattern: StepPattern) -> int | None:
+    """The prefix splits the attention takes for this one-row step (None: the torch backend has none)."""
+    plans = getattr(runner.backend, "plans", None)
+    if not plans:
+        return None
+    plan = next(plan for tokens, plan in plans if tokens >= pattern.num_tokens)
+    return plan.splits(1, runner.round_up(pattern.num_tokens))
+
+
 def part_step_time(out: Out) -> None:
     dtype, device = setup(out.dry)
     shape, lengths, repeats = (TINY, (96, 32, 200), 3) if out.dry else (LLAMA_8B, (4096, 1024, 16384), 20)
@@ -137,7 +146,7 @@ def part_step_time(out: Out) -> None:
                 return
             runner = plain if runner_name == "plain" else wide
             where = dict(runner=runner_name, config=name, T=pattern.num_tokens,
-                         padded=runner.round_up(pattern.num_tokens), L=length)
+                         padded=runner.round_up(pattern.num_tokens), L=length, splits=splits_of(runner, pattern))
             try:
                 first, median = time_step(sequences[runner_name], pattern, tokens, rows, requests, length, repeats)
             except Exception as e:  # noqa: BLE001 - an out-of-memory at one size leaves the others to measure

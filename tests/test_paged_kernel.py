@@ -150,6 +150,16 @@ def test_plan_splits_of_the_prefix(num_splits):
     check_against_reference(batch, num_splits=num_splits)
 
 
+def test_each_call_splits_the_prefix_by_its_own_rows_and_tokens():
+    """A plan sized for 8 rows of 40-token steps splits a lone plain row's long prefix more than its largest call's
+    (more programs for the SMs: 1 query tile x 4 KV heads, not 8 rows' worth), and computes it right."""
+    lone = Batch(["plain"], [1900], dtype=torch.float16, heads_q=8, heads_kv=4, seed=5)
+    plan = PagedAttentionPlan(heads_q=8, heads_kv=4, head_dim=16, dtype=torch.float16, device=DEVICE, max_rows=8,
+                              max_row_tokens=40, max_len=2000)
+    assert plan.splits(1, 1) > plan.num_splits == plan.splits(8, 320) >= 1
+    check_against_reference(lone, plan(*lone.args()))
+
+
 def test_plan_pads_tokens_past_the_last_row_with_zeros():
     """A CUDA graph's bucket: q holds more tokens than cu_seqlens[B]; they belong to no row and come out as zeros."""
     batch = Batch(["plain", "3-3-star"], [20, 7], seed=4)
