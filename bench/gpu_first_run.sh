@@ -33,7 +33,7 @@ while [ $# -gt 0 ]; do
 done
 if [ "$dry" = 1 ]; then  # seconds: the whole run, each part, the least a part starts with, kept back at the end
     total=${budget:-90} reserve=2 least=3 slug=cpu
-    declare -A want=([a]=20 [b]=15 [c]=15 [d]=10 [e]=$total)  # e: whatever is left
+    declare -A want=([a]=25 [b]=15 [c]=20 [d]=10 [e]=$total)  # e: whatever is left
 else
     total=${budget:-540} reserve=10 least=20 slug=cuda
     declare -A want=([a]=150 [b]=90 [c]=90 [d]=60 [e]=$total)

