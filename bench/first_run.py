@@ -265,53 +265,60 @@ def part_engine(out: Out) -> None:
                              same_as_plain=sum(a == b for a, b in zip(answers[name], answers["plain"], strict=True)))
 
 
+# (name, options to `random_llama`): the default forward, the unfused one the mode runs, and the mode itself
+MODES = [("default", {}), ("unfused", {"fusion": "none"}), ("invariant", {"fusion": "none", "batch_invariant": True})]
+
+
 def part_batch_invariant(out: Out) -> None:
+    """Where `Llama` has `batch_invariant`: a plain and a 1-4-5 step in each of `MODES` (SmolLM2's shape), the
+    bitwise tests (tests/test_batch_invariant.py) with what is left but the last 25 s, then the 8B shape."""
     if "batch_invariant" not in inspect.signature(Llama.__init__).parameters:
         out.line("skipped", reason="Llama has no batch_invariant argument in this checkout (the mode is not merged)")
         return
+    config, lengths = (LlamaConfig(**TINY), (64,)) if out.dry else (traces(False)[0], (1024, 4096))
+    time_modes(out, "tiny" if out.dry else "SmolLM2-135M", config, lengths)
     tests = ROOT / "tests" / "test_batch_invariant.py"
     if out.dry:
         out.line("tests", ran=False, reason="the dry run does not run the bitwise tests", found=tests.is_file())
-    elif tests.is_file():
-        budget = max(10.0, out.left() * 0.6)
+    elif not tests.is_file():
+        out.line("tests", ran=False, reason=f"{tests.relative_to(ROOT)} is missing")
+    elif out.left() > 40:
+        budget = out.left() - 25
         try:
-            run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests)],
+            run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", str(tests)],
                                  capture_output=True, text=True, timeout=budget, cwd=ROOT)
             lines = (run.stdout + run.stderr).strip().splitlines()
-            out.line("tests", ran=True, rc=run.returncode, summary=lines[-1] if lines else "", tail=lines[-15:])
+            out.line("tests", ran=True, rc=run.returncode, summary=lines[-1] if lines else "", tail=lines[-25:])
         except subprocess.TimeoutExpired:
             out.line("tests", ran=True, rc=None, summary=f"cut after {budget:.0f} s")
-    else:
-        out.line("tests", ran=False, reason=f"{tests.relative_to(ROOT)} is missing")
+    if not out.dry:
+        time_modes(out, "8B", LLAMA_8B, lengths)
+
+
+def time_modes(out: Out, shape_name: str, shape, lengths: tuple[int, ...]) -> None:
+    """A plain and a 1-4-5 step at each L, on a model of each of `MODES`; a mode that fails writes its error."""
     dtype, device = setup(out.dry)
-    config, lengths = (LlamaConfig(**TINY), (64,)) if out.dry else (traces(False)[0], (1024, 4096))
-    shapes = [("tiny", config)] if out.dry else [("SmolLM2-135M", config), ("8B", LLAMA_8B)]
-    for shape_name, shape in shapes:
-        for invariant in (False, True):
-            if out.late(2.0 if out.dry else 25.0):
-                return
-            try:
-                time_modes(out, shape_name, shape, invariant, lengths)
-            except Exception as e:  # noqa: BLE001 - the other mode and shape still measure
-                out.line("error", model=shape_name, batch_invariant=invariant, error=f"{type(e).__name__}: {e}"[:500])
+    for mode, options in MODES:
+        if out.late(2.0 if out.dry else 20.0):
+            return
+        seq = None
+        try:
+            model = random_llama(shape, dtype, device, **options)
+            seq = runner_of(model, 18, max(lengths) + 64).sequence(max(lengths) + 64)
+            for name, (pattern, tokens, rows, requests) in (("plain", (PLAIN_STEP, [1], [0], {})),
+                                                            ("1-4-5", full_step(1, 4, 5))):
+                for length in lengths:
+                    first, median = time_step(seq, pattern, tokens, rows, requests, length, 3 if out.dry else 20)
+                    out.line("step", model=shape_name, mode=mode, fusion=model.fusion, config=name,
+                             T=pattern.num_tokens, L=length, ms=round(median * 1e3, 4), first_s=round(first, 3))
+        except Exception as e:  # noqa: BLE001 - the other modes and shapes still measure
+            out.line("error", model=shape_name, mode=mode, error=f"{type(e).__name__}: {e}"[:500])
+        finally:
+            if seq is not None:
+                seq.close()
+            seq = model = None
             if GPU:
                 torch.cuda.empty_cache()
-
-
-def time_modes(out: Out, shape_name: str, shape, invariant: bool, lengths: tuple[int, ...]) -> None:
-    """A plain and a 1-4-5 step at each L, on a model built with `batch_invariant=invariant`."""
-    dtype, device = setup(out.dry)
-    model = random_llama(shape, dtype, device, batch_invariant=invariant)
-    seq = runner_of(model, 18, max(lengths) + 64).sequence(max(lengths) + 64)
-    try:
-        for name, (pattern, tokens, rows, requests) in (("plain", (PLAIN_STEP, [1], [0], {})),
-                                                        ("1-4-5", full_step(1, 4, 5))):
-            for length in lengths:
-                first, median = time_step(seq, pattern, tokens, rows, requests, length, 3 if out.dry else 20)
-                out.line("step", model=shape_name, batch_invariant=invariant, config=name, T=pattern.num_tokens,
-                         L=length, ms=round(median * 1e3, 4), first_s=round(first, 3))
-    finally:
-        seq.close()
 
 
 PARTS = {"a": part_step_time, "b": part_replay, "c": part_engine, "d": part_batch_invariant}
