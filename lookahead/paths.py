@@ -2,7 +2,8 @@
 
 `cache_root()` is `$LOOKAHEAD_CACHE_DIR` if set, else `$XDG_CACHE_HOME/lookahead` (an absolute XDG_CACHE_HOME, as the
 XDG spec asks), else `~/.cache/lookahead`; None where there is no home folder to put it in. The converted default
-model lives in it, and the measured cost models under `costs/`. What is kept there is an optimisation: a folder that
+model lives in it, the measured cost models under `costs/`, and the batch-invariant mode's CPU kernel, compiled once
+per machine, under `kernels/`. What is kept there is an optimisation: a folder that
 cannot be written costs a measurement or a conversion per process, never a generation (`lookahead.tuning.store`).
 """
 

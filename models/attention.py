@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from lookahead.kernels import StepPattern
+from lookahead.kernels.block_attention import block_attention, path_keys, query_slots, row_keys, single_keys
 
 from .kv_cache import KVPool
 
@@ -34,6 +35,14 @@ SMALL_ROW = 32  # step tokens up to which rows share one padded SDPA call; a lon
 def causal(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Plain causal attention over the forward pass's own tokens (no cache)."""
     return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, enable_gqa=True)
+
+
+def invariant_causal(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """`causal` in the batch-invariant mode: each row's queries by `block_attention` over its own keys in order."""
+    t = q.shape[2]
+    keys = path_keys(0, t, lambda positions: positions, q.device)
+    return torch.stack([block_attention(q[b].transpose(0, 1), k[b], v[b], keys).transpose(0, 1)
+                        for b in range(q.shape[0])])
 
 
 def paged(pool: KVPool, slots: torch.Tensor, attend: LayerAttention) -> Attend:
@@ -190,6 +199,81 @@ class TritonBackend:
             out = plan(q[0].transpose(0, 1), pool.blocks(k_all), pool.blocks(v_all), meta["block_table"],
                        meta["cu_seqlens"], meta["prefix_len"], meta["window"], meta["ngram"], meta["tree_end"])
             return out.transpose(0, 1)[None]
+
+        return attend
+
+    def end_step(self) -> None:
+        pass
+
+
+class InvariantBackend:
+    """The batch-invariant mode's attention (`Llama(batch_invariant=True)`): each row's queries by
+    `lookahead.kernels.block_attention`, which reduces every query's keys in position order and in blocks aligned to
+    position 0, so a query's output does not depend on its step's shape, the rows beside it, how its prompt was
+    chunked or whether its prefix came from the cache. The rows' key slots are laid out on the host once per step."""
+
+    name, graphable = "invariant", False
+
+    def __init__(self, device: torch.device, kernel: bool = False) -> None:
+        """kernel: reduce with the Triton kernel (`lookahead.kernels.invariant_triton`, the Triton backend's mode)
+        instead of torch ops: the same order of blocks, its own float32 sums."""
+        self.device = torch.device(device)
+        self.kernel = kernel
+        self.pool: KVPool | None = None
+
+    def resize(self, pool: KVPool, max_rows: int, row_tokens: Sequence[int]) -> None:
+        self.pool = pool  # for its scratch slot, which pads the tails
+
+    def begin_step(self, step: PackedStep, device_inputs=None) -> LayerAttention:
+        size, rows, singles = step.block_size, [], []
+        for pattern, length, blocks, start in zip(step.patterns, step.lengths, step.tables, step.starts, strict=True):
+            table = torch.tensor(blocks, dtype=torch.int64)
+
+            def slot_of(positions: torch.Tensor, table: torch.Tensor = table) -> torch.Tensor:
+                return table[positions // size] * size + positions % size
+
+            t = pattern.num_tokens
+            if t == 1:  # plain steps: all of them in one call below
+                singles.append((start, length, slot_of))
+            elif _is_path(pattern):
+                rows.append((torch.arange(start, start + t), path_keys(length, t, slot_of, self.device)))
+            else:
+                index = torch.arange(t)
+                rows.append((torch.arange(start, start + t), row_keys(
+                    length, pattern.visible(index[:, None], index[None, :]), slot_of, self.pool.scratch_slot,
+                    self.device)))
+        if singles:
+            starts, lengths, slots = zip(*singles, strict=True)
+            rows.append((torch.tensor(starts), single_keys(list(lengths), list(slots), self.pool.scratch_slot,
+                                                           self.device)))
+        rows = [(queries.to(self.device), keys) for queries, keys in rows]
+        if self.kernel:
+            return self._kernel_step(rows)
+
+        def attend(layer: int, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor) -> torch.Tensor:
+            out = torch.zeros_like(q)  # padding tokens: seen by no one
+            for queries, keys in rows:
+                out[0][:, queries] = block_attention(q[0][:, queries].transpose(0, 1), k_all, v_all,
+                                                     keys).transpose(0, 1)
+            return out
+
+        return attend
+
+    def _kernel_step(self, rows: list) -> LayerAttention:
+        """Every row's queries in one launch per layer: each query's key slots as one padded list."""
+        from lookahead.kernels.invariant_triton import invariant_attention
+
+        lists = [query_slots(keys, queries.numel()) for queries, keys in rows]
+        width = max(slots.shape[1] for slots, _ in lists)
+        slots = torch.cat([F.pad(s, (0, width - s.shape[1])) for s, _ in lists]).to(torch.int32)
+        counts = torch.cat([c for _, c in lists]).to(torch.int32)
+        queries = torch.cat([q for q, _ in rows])
+
+        def attend(layer: int, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor) -> torch.Tensor:
+            out = torch.zeros_like(q)  # padding tokens: seen by no one
+            out[0][:, queries] = invariant_attention(q[0][:, queries].transpose(0, 1), k_all, v_all, slots,
+                                                     counts).transpose(0, 1)
+            return out
 
         return attend
 

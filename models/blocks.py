@@ -4,6 +4,8 @@ the backbone (`model.*` of a checkpoint). Each attention and MLP also has a merg
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -12,6 +14,13 @@ from .attention import Attend
 from .config import LlamaConfig
 from .fusion import MergedLinears, TorchOps, TritonOps
 from .rope import apply_rotary_qk
+
+Linear = Callable[[nn.Linear, torch.Tensor], torch.Tensor]  # how a block runs one of its linears on an input
+
+
+def _call(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """The linear as torch runs it (the batch-invariant mode passes `models.invariant.InvariantLinears` instead)."""
+    return module(x)
 
 
 class RMSNorm(nn.Module):
@@ -42,17 +51,17 @@ class Attention(MergedLinears):
         self.merge()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
-                attend: Attend) -> torch.Tensor:
+                attend: Attend, linear: Linear = _call) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = linear(self.q_proj, x).view(b, t, self.heads, self.head_dim)
+        k = linear(self.k_proj, x).view(b, t, self.kv_heads, self.head_dim)
+        v = linear(self.v_proj, x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary_qk(q, k, cos, sin)
         # [B, Hq, T, D]; the kernel's is a view of [B, T, Hq, D], so the reshape below copies nothing
         out = attend(layer, q.transpose(1, 2), k.transpose(1, 2), v)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+        return linear(self.o_proj, out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
     def merged_forward(self, x: torch.Tensor, ops: TritonOps | TorchOps, layer: int, attend: Attend) -> torch.Tensor:
         """q, k and v from one GEMM; RoPE by `ops` on views of its output (in place with the Triton kernel)."""
@@ -76,8 +85,8 @@ class MLP(MergedLinears):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.merge()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, linear: Linear = _call) -> torch.Tensor:
+        return linear(self.down_proj, F.silu(linear(self.gate_proj, x)) * linear(self.up_proj, x))
 
     def merged_forward(self, x: torch.Tensor, ops: TritonOps | TorchOps) -> torch.Tensor:
         """Gate and up from one GEMM, then SiLU(gate) * up by `ops`."""
@@ -92,9 +101,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, layer: int, attend: Attend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, attend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, layer: int, attend: Attend, linear: Linear = _call) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, attend, linear)
+        return x + self.mlp(self.post_attention_layernorm(x), linear)
 
     def merged_forward(self, x: torch.Tensor, residual: torch.Tensor | None, ops: TritonOps | TorchOps, layer: int,
                        attend: Attend) -> tuple[torch.Tensor, torch.Tensor]:

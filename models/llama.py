@@ -19,11 +19,12 @@ from lookahead.loop import GenerationResult
 from lookahead.tuning import CostModel
 from lookahead.tuning.store import Saver
 
-from .attention import Attend, causal
+from .attention import Attend, causal, invariant_causal
 from .blocks import Backbone
 from .config import LlamaConfig
 from .fusion import MergedLinears, TorchOps, TritonOps
 from .generation import generate, warmup
+from .invariant import InvariantLinears
 from .loading import check_layer_count, check_shapes, load_weights, tensor_names
 from .rope import inverse_frequencies, rotary_cos_sin
 from .runner import CachedRunner
@@ -36,12 +37,15 @@ class Llama(nn.Module):
     """A LLaMA-shaped causal LM (LLaMA, Mistral, Qwen2/Qwen2.5, Qwen3 dense: `LlamaConfig`'s fields tell them
     apart). Build with `Llama.from_pretrained(folder)`; decode with `generate`."""
 
-    def __init__(self, config: LlamaConfig, attn_backend: str = "torch", fusion: str = "none") -> None:
-        """attn_backend: "torch" or "triton"; fusion: "none", "triton" or "compile" (see `from_pretrained`)."""
+    def __init__(self, config: LlamaConfig, attn_backend: str = "torch", fusion: str = "none",
+                 batch_invariant: bool = False) -> None:
+        """attn_backend: "torch" or "triton"; fusion: "none", "triton" or "compile"; batch_invariant: the mode in
+        which a position's logits are bitwise the same whatever the step (see `from_pretrained`)."""
         super().__init__()
         if fusion not in ("none", "triton", "compile"):
             raise ValueError(f"fusion must be 'none', 'triton' or 'compile' here, got {fusion!r} ('auto' is resolved "
                              "by from_pretrained, or by lookahead.backends.choose_fusion for a device)")
+        _check_invariant(batch_invariant, fusion)
         self.config = config
         self.model = Backbone(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -49,6 +53,8 @@ class Llama(nn.Module):
         self.register_buffer("rope_inv_freq", inverse_frequencies(config.head_dim, config.rope), persistent=False)
         self.attn_backend = attn_backend
         self.fusion = fusion
+        self._batch_invariant = batch_invariant
+        self._invariant_linears = InvariantLinears()  # the mode's float32 GEMMs (and 16-bit weights' fp32 copies)
         self._compiled_forward = None  # fusion "compile": the step's forward, compiled on its first step
         self.runner: CachedRunner | None = None  # the KV cache, plans and graphs generations reuse (`generate`)
         self.lock = threading.RLock()  # generations on one model share its runner: they take turns
@@ -61,13 +67,20 @@ class Llama(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype | str | None = None,
-                        device: torch.device | str = "cpu", attn_backend: str = "auto", fusion: str = "auto") -> Llama:
+                        device: torch.device | str = "cpu", attn_backend: str = "auto", fusion: str = "auto",
+                        batch_invariant: bool = False) -> Llama:
         """Load a Hugging Face checkpoint folder (config.json + model.safetensors, sharded or not) of model_type
         llama, mistral, qwen2 or qwen3; other architectures are refused (`lookahead.hf` decodes transformers models).
 
         dtype: float32, float16 or bfloat16; None means bfloat16 on CUDA and float32 elsewhere. Lookahead
         decoding is token for token plain greedy in float32; in 16-bit a multi-token pass rounds differently
-        from a one-token pass, so near-ties can flip.
+        from a one-token pass, so near-ties can flip, unless `batch_invariant`.
+        batch_invariant: a position's logits are bitwise the same whatever step computes them (a plain step, a
+        lookahead step of any shape, the rows packed beside it, how its prompt was chunked, a cached prefix), so
+        lookahead and batches give plain greedy's tokens bitwise in every dtype. Every GEMM runs in float32 through
+        row counts that compute each row alike, and attention reduces each query's keys in position order
+        (`lookahead.kernels.block_attention`); fusion is "none" and steps run eagerly (no CUDA graphs). The property
+        of the same name switches it later.
         attn_backend: "auto" (Triton on CUDA, torch on CPU), "torch", or "triton" (on CPU only under
         TRITON_INTERPRET=1).
         fusion: how the small ops around the GEMMs and attention run (norms, RoPE, residual adds, SiLU; about 700
@@ -97,7 +110,11 @@ class Llama(nn.Module):
         device = resolve_device(device)
         dtype = resolve_dtype(dtype if dtype is not None else default_dtype(device))
         backend = resolve_backend(attn_backend, device)
-        fusion = choose_fusion(fusion, device.type, backend, interpreting())
+        if batch_invariant is not True and batch_invariant is not False:
+            raise TypeError(f"batch_invariant must be True or False, got {batch_invariant!r}")
+        fusion = "none" if batch_invariant and fusion == "auto" else choose_fusion(fusion, device.type, backend,
+                                                                                  interpreting())
+        _check_invariant(batch_invariant, fusion)
         config = LlamaConfig.from_file(path)
         names = tensor_names(path)
         check_layer_count(names, config.num_hidden_layers, path)  # before building: a damaged count takes hours
@@ -106,7 +123,7 @@ class Llama(nn.Module):
         if both_in_file:  # load both; tied again below only if they are equal (transformers' rule)
             config = dataclasses.replace(config, tie_word_embeddings=False)
         with torch.device("meta"):
-            model = cls(config, attn_backend=backend, fusion=fusion)
+            model = cls(config, attn_backend=backend, fusion=fusion, batch_invariant=batch_invariant)
         check_shapes(model, path)  # before allocating: a config.json's absurd size is refused, not allocated
         # the dtype first, on meta (free), then memory at that dtype: ~2 bytes per parameter in 16-bit, where
         # materialising fp32 and casting peaks at 4 + 2 (out of memory for a 34B model on an 80 GB GPU)
@@ -169,6 +186,22 @@ class Llama(nn.Module):
         self._draft_memory = value
 
     @property
+    def batch_invariant(self) -> bool:
+        """Whether a position's logits are bitwise the same whatever step computes them (`from_pretrained`). Setting
+        it drops the runner (its KV cache holds what the other mode computed)."""
+        return self._batch_invariant
+
+    @batch_invariant.setter
+    def batch_invariant(self, value: bool) -> None:
+        if value is not True and value is not False:
+            raise TypeError(f"batch_invariant must be True or False, got {value!r}")
+        _check_invariant(value, self.fusion)
+        if value != self._batch_invariant:
+            with self.lock:
+                self._batch_invariant = value
+                self.runner = None
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
@@ -194,8 +227,10 @@ class Llama(nn.Module):
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        attend = attention if attention is not None else causal
+        attend = attention if attention is not None else invariant_causal if self._batch_invariant else causal
         x = self.model.embed_tokens(input_ids)
+        if self._batch_invariant:
+            return self._invariant_forward(x, positions, attend, rows)
         if self.fusion != "none":
             return self._merged_forward(x, positions, attend, rows)
         # fp32 angles, cast once to the model dtype as transformers does; [(B,) T, 1, D] broadcasts over heads
@@ -203,6 +238,15 @@ class Llama(nn.Module):
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, i, attend)
         return self.lm_head(self.model.norm(_take_rows(x, rows)))
+
+    def _invariant_forward(self, x: torch.Tensor, positions: torch.Tensor, attend: Attend,
+                           rows: torch.Tensor | None) -> torch.Tensor:
+        """The batch-invariant mode: every linear by `InvariantLinears`; norms, RoPE and SiLU are per row already."""
+        linear = self._invariant_linears
+        cos, sin = (c.to(x.dtype).unsqueeze(-2) for c in rotary_cos_sin(self.rope_inv_freq, positions))
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, i, attend, linear)
+        return linear(self.lm_head, self.model.norm(_take_rows(x, rows)))
 
     def _merged_forward(self, x: torch.Tensor, positions: torch.Tensor, attend: Attend,
                         rows: torch.Tensor | None) -> torch.Tensor:
@@ -330,6 +374,11 @@ class Llama(nn.Module):
         resumes from no cached prefix.)"""
         with self.lock:
             self.runner = None
+
+
+def _check_invariant(batch_invariant: bool, fusion: str) -> None:
+    if batch_invariant and fusion != "none":
+        raise ValueError(f"batch_invariant=True runs the unfused forward (fusion='none'), got fusion={fusion!r}")
 
 
 def _take_rows(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:

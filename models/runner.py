@@ -25,7 +25,7 @@ from lookahead.kernels import StepPattern, device_binding
 from lookahead.loop import RowStep, StepOutput
 from lookahead.loop.sampling import SampleRequest, sample_positions
 
-from .attention import Attend, TorchBackend, TritonBackend
+from .attention import Attend, InvariantBackend, TorchBackend, TritonBackend
 from .config import LlamaConfig
 from .kv_cache import KVPool
 from .paging import BlockPool
@@ -80,7 +80,9 @@ class CachedRunner:
         self.blocks = BlockPool(num_blocks, block_size)
         self.pool = KVPool(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, num_blocks, block_size,
                            model.dtype, model.device)
-        if model.attn_backend == "triton":
+        if backend_name(model) == "invariant":
+            self.backend = InvariantBackend(model.device, kernel=model.attn_backend == "triton")
+        elif model.attn_backend == "triton":
             self.backend = TritonBackend(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, model.dtype,
                                          model.device)
         else:
@@ -112,7 +114,7 @@ class CachedRunner:
     def serves(self, model) -> bool:
         """Whether this runner still fits the model as it is now (its dtype, device, backend and fusion)."""
         return (self.pool.k.dtype == model.dtype and self.pool.k.device == model.device
-                and self.backend.name == model.attn_backend and self.fusion == model.fusion)
+                and self.backend.name == backend_name(model) and self.fusion == model.fusion)
 
     def grow(self, num_blocks: int, max_rows: int, max_step_tokens: int) -> None:
         """Make room for at least `num_blocks` blocks, `max_rows` rows and steps of `max_step_tokens` tokens, keeping
@@ -304,6 +306,11 @@ class CachedRunner:
         """A new row as a one-sequence `StepModel` (with room for `positions` positions), for drivers that decode one
         sequence by themselves (lookahead parallelism)."""
         return RowSequence(self, positions)
+
+
+def backend_name(model) -> str:
+    """The attention backend a runner for this model uses: "invariant" in the batch-invariant mode, else its own."""
+    return "invariant" if getattr(model, "batch_invariant", False) else model.attn_backend
 
 
 def weights_version(model) -> int:

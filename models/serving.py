@@ -26,7 +26,7 @@ MEMORY_SHARE = 0.4  # of the free memory, the most a default-sized KV cache take
 
 def engine_for(model: Llama, *, max_batch: int = 8, lookahead: LookaheadConfig | str | None = "auto",
                max_queue: int | None = 256, kv_cache_bytes: int | None = None, warm: bool = True,
-               prefix_cache: bool = True) -> Engine:
+               prefix_cache: bool = True, batch_invariant: bool | None = None) -> Engine:
     """An `Engine` over `model` for up to `max_batch` rows at once and `max_queue` waiting requests (None: no limit).
 
     lookahead: the configuration requests may decode with ("auto": `LookaheadConfig.auto` for the model's device;
@@ -34,14 +34,17 @@ def engine_for(model: Llama, *, max_batch: int = 8, lookahead: LookaheadConfig |
     cache's size (default: `max_batch` rows of the model's full length, at most `MEMORY_SHARE` of the free memory,
     at least one full-length row). warm: rows draft from a memory of what earlier requests taught (shared by all
     rows, bounded). prefix_cache: a prompt takes the cached KV blocks it begins with (False: every prompt prefills
-    whole, for comparison). Start it with `engine.start()` (or drive it with `engine.step()`); `engine.stop()` ends
-    it."""
+    whole, for comparison). batch_invariant: switch the model's mode (`Llama.batch_invariant`: every answer bitwise
+    what the request gives alone, in every dtype) before the engine is built; None keeps the model's. Start it
+    with `engine.start()` (or drive it with `engine.step()`); `engine.stop()` ends it."""
     if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
         raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
     if isinstance(lookahead, str) and lookahead == "auto":
         lookahead = LookaheadConfig.auto(model.device.type)
     if lookahead is not None and not isinstance(lookahead, LookaheadConfig):
         raise TypeError(f"lookahead must be a LookaheadConfig, 'auto' or None, got {lookahead!r}")
+    if batch_invariant is not None:
+        model.batch_invariant = batch_invariant
     cfg = model.config
     step = full_pattern(lookahead).num_tokens if lookahead is not None else PLAIN_STEP.num_tokens
     row_blocks = -(-(cfg.max_position_embeddings + step) // BLOCK_SIZE)

@@ -18,7 +18,7 @@ from lookahead.request import Request
 from lookahead.tuning import Curve, buckets, knots_up_to
 from lookahead.tuning import measure as shared
 
-from .runner import CachedRunner
+from .runner import CachedRunner, backend_name
 
 
 def cost_model_for(model, runner: CachedRunner, request: Request):
@@ -75,5 +75,5 @@ def cost_key(model, runner: CachedRunner) -> dict:
     cfg = model.config
     shape = [cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
              cfg.intermediate_size, cfg.vocab_size]
-    return shared.cost_key(model.device, model.dtype, model.attn_backend, shape, interpreting(), fusion=model.fusion,
+    return shared.cost_key(model.device, model.dtype, backend_name(model), shape, interpreting(), fusion=model.fusion,
                            cuda_graphs=runner.cuda_graphs)

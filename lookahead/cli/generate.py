@@ -20,7 +20,7 @@ from datetime import timedelta
 from lookahead.config import LookaheadConfig
 
 from .launch import remove_empty_log_dir, world_size
-from .report import comparison, plain_rate, probe_plain, summary, why_plain
+from .report import comparison, decoding_rate, pass_cost, plain_rate, probe_plain, summary, why_plain, why_slower
 
 _COLORS = ("\033[38;5;39m", "\033[38;5;208m")  # alternate per multi-token step, like the authors' demo
 _RESET = "\033[0m"
@@ -136,14 +136,15 @@ def load(args: argparse.Namespace, parallel, say):
     backend = _backend(args.attn_backend, device)
     folder = args.model if args.model else default_model_dir(args.cache_dir)
     model = Llama.from_pretrained(folder, dtype=args.dtype, device=device, attn_backend=backend,
-                                  fusion=args.fusion)
+                                  fusion=args.fusion, batch_invariant=args.batch_invariant)
     tokenizer = _tokenizer(folder)
     dtype = str(model.dtype).removeprefix("torch.")
     say(f"loaded in {time.perf_counter() - start:.1f} s ({dtype}, {device}); generating"
         + ("" if parallel is None else f" on {ranks} processes (lookahead parallelism)"))
-    if dtype != "float32" and lookahead is not None and args.temperature == 0:
+    if dtype != "float32" and lookahead is not None and args.temperature == 0 and not args.batch_invariant:
         say(f"note: in {dtype} the output may differ from plain greedy decoding where two tokens are "
-             "nearly tied (a multi-token pass rounds differently from a one-token pass); float32 is token-exact")
+             "nearly tied (a multi-token pass rounds differently from a one-token pass); float32 is token-exact, "
+             "and so is every dtype with --batch-invariant")
     return model, tokenizer, lookahead
 
 
@@ -162,16 +163,30 @@ def _run(args: argparse.Namespace, parallel, say) -> int:
     if parallel is None and lookahead is not None and lookahead.budget == "auto":
         _prepare(model, lookahead, len(prompt_ids) + args.max_new_tokens, args.temperature > 0, say)
     printer = StreamPrinter(tokenizer, args.show_steps, color=sys.stdout.isatty()) if printing else None
+    stamps: list[float] = []  # when each token arrived: the answer's decoding rate, timed as plain's is
     start = time.perf_counter()
-    result = model.generate(prompt_ids, **generate_kwargs(args, lookahead), stream=printer,
+    result = model.generate(prompt_ids, **generate_kwargs(args, lookahead),
+                            stream=_stamped(printer, stamps) if printing else None,
                             process_group=None if parallel is None else parallel[0])
     elapsed = time.perf_counter() - start
     if not printing:
         return 0
     print(flush=True)
     rate, why = baseline(model, result, elapsed, lookahead, prompt_ids, parallel is not None)
+    if lookahead is not None:
+        passes = pass_cost(model, result, len(prompt_ids))[1]
+        why = why_slower(result, decoding_rate(result, stamps), rate, why, passes) or why
     print(summary(result, elapsed, lookahead, 1 if parallel is None else parallel[1], rate, why), file=sys.stderr)
     return 0
+
+
+def _stamped(stream, stamps: list[float]):
+    """`stream`, noting when each token arrives."""
+    def note(tokens: list[int]) -> None:
+        stamps.extend([time.perf_counter()] * len(tokens))
+        if stream is not None:
+            stream(tokens)
+    return note
 
 
 def _prepare(model, lookahead, positions: int, sampling: bool, say) -> None:
@@ -217,9 +232,11 @@ def _compare(args: argparse.Namespace, model, tokenizer, lookahead, prompt_ids: 
     (plain, plain_seconds), (result, seconds) = timed
     print(flush=True)
     print(summary(plain, plain_seconds), file=sys.stderr)
-    print(summary(result, seconds, lookahead, why=why_plain(model, result, len(prompt_ids))), file=sys.stderr)
+    why = why_plain(model, result, len(prompt_ids))
+    print(summary(result, seconds, lookahead, why=why), file=sys.stderr)
     exact = args.temperature == 0 or args.seed is not None
-    print(comparison(plain, plain_seconds, result, seconds, exact), file=sys.stderr)
+    passes = pass_cost(model, result, len(prompt_ids))[1]
+    print(comparison(plain, plain_seconds, result, seconds, exact, why, passes), file=sys.stderr)
     return 0
 
 

@@ -1,6 +1,7 @@
 """What the command says after an answer: the summary line (the method, tokens, forward passes, S, tokens/s), plain
-decoding's rate on this machine beside it, why self-tuned steps stayed plain where most did, and `--compare`'s
-lines (plain and lookahead timed in one process, after one load).
+decoding's rate on this machine beside it, why self-tuned steps stayed plain where most did, where lookahead was
+slower than plain decoding by how much and why (`why_slower`), and `--compare`'s lines (plain and lookahead timed in
+one process, after one load).
 
 A newcomer's first question is whether lookahead paid here. Plain decoding's rate is read from the model's cost
 model where a self-tuned run measured one, else timed by a short plain continuation of the prompt (`probe_plain`:
@@ -16,6 +17,7 @@ PROBE_TOKENS = 16  # plain steps timed for the baseline where no cost model give
 MOSTLY_PLAIN = 0.5  # a self-tuned run with more plain steps than this says why
 BUSY = 1.5  # a lookahead step costing this many one-token steps or more: multi-token passes are slow here
 WEAK = 1.5  # lookahead steps giving fewer tokens than this: the drafts do not pay
+LOOP = 2.0  # steps taking this many times what their pass costs: the loop's own work is what is slow
 
 
 def summary(result, seconds: float, lookahead=None, ranks: int = 1, plain_rate: float | None = None,
@@ -52,6 +54,18 @@ def probe_plain(model, prompt_ids: list[int], tokens: int = PROBE_TOKENS) -> flo
     return (len(stamps) - 1) / max(stamps[-1] - stamps[0], 1e-9)
 
 
+def pass_cost(model, result, prompt_length: int) -> tuple[int, float | None]:
+    """(the run's mean lookahead step size, what a pass of it costs in one-token passes by the model's cost model at
+    the answer's middle; None without one). Size 2 where the run took no lookahead step."""
+    sizes = [size for size in result.step_sizes if size > 1]
+    size = round(sum(sizes) / len(sizes)) if sizes else 2
+    cost = getattr(model, "cost_model", None)
+    if cost is None or not cost.curves:
+        return size, None
+    length = prompt_length + len(result.tokens) // 2
+    return size, cost.predict(size, length) / cost.predict(1, length)
+
+
 def why_plain(model, result, prompt_length: int) -> str | None:
     """Where most steps of a self-tuned run were plain, why: what a lookahead step cost here in one-token steps (a
     busy or slow machine makes multi-token passes dear) and what the lookahead steps it did take gave (drafts that
@@ -60,12 +74,9 @@ def why_plain(model, result, prompt_length: int) -> str | None:
     plain = sum(size == 1 for size in sizes)
     if not sizes or plain / len(sizes) <= MOSTLY_PLAIN:
         return None
-    lookahead = [(size, len(got)) for size, got in zip(sizes, gained, strict=False) if size > 1]
-    size = round(sum(s for s, _ in lookahead) / len(lookahead)) if lookahead else 2
-    gave = sum(n for _, n in lookahead) / len(lookahead) if lookahead else None
-    cost = getattr(model, "cost_model", None)
-    length = prompt_length + len(result.tokens) // 2
-    ratio = cost.predict(size, length) / cost.predict(1, length) if cost is not None and cost.curves else None
+    lookahead = [len(got) for size, got in zip(sizes, gained, strict=False) if size > 1]
+    gave = sum(lookahead) / len(lookahead) if lookahead else None
+    size, ratio = pass_cost(model, result, prompt_length)
     reasons = []
     if ratio is not None and ratio >= BUSY:
         reasons.append("multi-token steps are dear here (a busy or slow machine)")
@@ -76,16 +87,57 @@ def why_plain(model, result, prompt_length: int) -> str | None:
         facts.append(f"a {size}-token step costs {ratio:.1f} one-token steps")
     if gave is not None:
         facts.append(f"lookahead steps gave {gave:.1f} tokens each")
-    return (f"{plain} of {len(sizes)} steps plain: {' and '.join(reasons) or 'drafts worth less than their cost'}"
-            + (f" ({', '.join(facts)})" if facts else ""))
+    because = " and ".join(reasons) or "drafts worth less than their cost"
+    return f"{plain} of {len(sizes)} steps fell back to plain because {because}" + (
+        f" ({', '.join(facts)})" if facts else "")
 
 
-def comparison(plain_result, plain_seconds: float, result, seconds: float, exact: bool) -> str:
-    """`--compare`'s verdict: lookahead's tokens/s over plain decoding's, and (greedy or seeded) whether the tokens
-    are the same."""
+def decoding_rate(result, stamps: list[float]) -> float | None:
+    """Tokens per second from the answer's first token to its last (`stamps`: when each token arrived), as
+    `probe_plain` times plain decoding: the prefill is in neither. None for an answer of one token."""
+    if len(stamps) < 2 or stamps[-1] <= stamps[0]:
+        return None
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+
+def why_slower(result, rate: float | None, plain_rate: float | None, why: str | None = None,
+               passes: float | None = None) -> str | None:
+    """Where lookahead decoded slower than plain decoding here (`rate` against `plain_rate`, tokens/s timed alike),
+    by how much and why, plainly; None where it did not. Lookahead's rate is plain's times S over what a step took in
+    plain steps, so it loses exactly where its steps took longer than the tokens they gave: because most steps fell
+    back to plain (`why`, `why_plain`'s) and the loop's own work per step (drafting, checking) was not repaid, because
+    the drafts were seldom right (lookahead steps gave fewer than `WEAK` tokens), because the loop's own work took
+    most of each step (a step took `LOOP` times what its pass costs, `passes`: `pass_cost`'s, where known), or
+    because multi-token passes are dear here (a busy or slow machine)."""
+    decoded = result.step_tokens[1:]  # the prefill's step gives the first token only
+    if rate is None or not plain_rate or rate >= plain_rate or not decoded:
+        return None
+    gave = sum(len(tokens) for tokens in decoded) / len(decoded)
+    took = gave * plain_rate / rate  # a decoding step's time, in plain steps
+    fact = f"a step gave {gave:.2f} tokens and took {took:.2f} plain steps' time"
+    lookahead = [len(tokens) for tokens, size in zip(decoded, result.step_sizes, strict=False) if size > 1]
+    if why is not None:
+        cause = f"{why}; the loop's own work per step (drafting, checking) was not repaid ({fact})"
+    elif lookahead and sum(lookahead) / len(lookahead) < WEAK:
+        cause = f"the drafts were seldom right on this text ({fact})"
+    elif passes is not None and took >= LOOP * max(passes, 1.0):
+        cause = (f"the loop's own work per step (drafting, checking) took most of each step ({fact}, its pass "
+                 f"{passes:.2f})")
+    else:
+        cause = f"multi-token passes are dear here, a busy or slow machine ({fact})"
+    return f"lookahead was {rate / plain_rate:.2f}x plain here: {cause}"
+
+
+def comparison(plain_result, plain_seconds: float, result, seconds: float, exact: bool,
+               why: str | None = None, passes: float | None = None) -> str:
+    """`--compare`'s verdict: lookahead's tokens/s over plain decoding's, (greedy or seeded) whether the tokens are
+    the same, and where lookahead was slower, why (`why_slower`, given `why_plain`'s `why` and `pass_cost`'s
+    `passes`)."""
     plain_rate = len(plain_result.tokens) / plain_seconds
     rate = len(result.tokens) / seconds
     same = ""
     if exact:
         same = ", the same tokens" if plain_result.tokens == result.tokens else ", different tokens (16-bit near-ties)"
-    return f"lookahead / plain: {rate / plain_rate:.2f}x ({rate:.1f} against {plain_rate:.1f} tok/s{same})"
+    line = f"lookahead / plain: {rate / plain_rate:.2f}x ({rate:.1f} against {plain_rate:.1f} tok/s{same})"
+    slower = why_slower(result, rate, plain_rate, why, passes)
+    return line if slower is None else f"{line}; {slower}"

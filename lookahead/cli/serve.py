@@ -34,7 +34,8 @@ def run(args: argparse.Namespace) -> int:
     device = _device(torch, args.device)
     folder = Path(args.model if args.model else default_model_dir(args.cache_dir))
     model = Llama.from_pretrained(folder, dtype=args.dtype, device=device,
-                                  attn_backend=_backend(args.attn_backend, device), fusion=args.fusion)
+                                  attn_backend=_backend(args.attn_backend, device),
+                                  fusion=args.fusion, batch_invariant=args.batch_invariant)
     tokenizer = _tokenizer(folder)
     lookahead = lookahead_config(args, model.device.type)
     dtype = str(model.dtype).removeprefix("torch.")

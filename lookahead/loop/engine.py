@@ -263,7 +263,7 @@ class Engine:
             job.draft_now()
         if lookahead and self.budget is None:
             first = lookahead[0]
-            self.budget = step_budget(first.loop, self.cost, first.seed is not None, self.model)
+            self.budget = step_budget(first.loop, self.cost, first.seed is not None, self.model, self.clock)
         if self.budget is None or not lookahead:
             return [None] * len(lookahead)
         self._sized = True

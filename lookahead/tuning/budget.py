@@ -19,8 +19,12 @@ It keeps itself honest with what the steps then did:
   large ones high, so one factor for all would misjudge both ends; another model or text drafts better or worse);
 - the cost model learns each step's measured time (`CostModel.observe`), so a machine that gets busier steps
   smaller, and h follows the loop's time outside the model;
-- after `PROBE_AFTER` plain steps in a row it takes its best lookahead count once, so multi-token costs learned on a
-  busy machine are measured again when the machine quietens.
+- it explores: at most one step in `EXPLORE_EVERY` runs a size whose knot no step ran lately (`CostModel.stale_knot`:
+  the knot's own size where the draft reaches it, else the fullest step nearest to it), the smallest such that could
+  beat the step it would otherwise take were it as cheap as the knots run lately allow (`CostModel.floor`), so costs
+  measured on a busy moment (a file, a first measurement, a burst of contention) are measured again once the
+  machine quietens, and a size that is truly dear is re-run ever more rarely (the cost model trusts a confirmed knot
+  twice as long each time).
 
 The lookahead branch (W(N - 1) tokens of Jacobi iterations) is worth nothing in its own step: its n-grams pay
 later, through the pool. On a CPU (steps of any size) a lookahead row runs without it: the input token and its n
@@ -44,7 +48,7 @@ from .cost import CostModel
 BUCKET_SIZES = (8, 16, 32, 64, 128, 256, 512)  # tokens per row of the static shapes between plain and full
 BRANCH_POLICIES = ("always", "never")  # steps of any size (CPU) run the lookahead branch always, or never
 BRANCH = "never"
-PROBE_AFTER = 8  # plain steps in a row after which one lookahead step measures multi-token costs again
+EXPLORE_EVERY = 8  # steps at least between two that run a size only to measure it again (a stale knot)
 CALIBRATION_BANDS = (0.25, 0.5, 1.0, 2.0, 4.0)  # bounds of the bands of a row's expected nodes, calibrated apart
 CALIBRATION_PRIOR = 2.0  # expected nodes of evidence each band's calibration starts from (c = 1)
 HOST_RATE = 0.2  # how fast the loop's own time per step follows its measurements
@@ -115,7 +119,8 @@ class StepBudget:
         self.expected = [0.0] * (len(CALIBRATION_BANDS) + 1)  # per band: nodes the scores expected, and accepted
         self.accepted = [0.0] * (len(CALIBRATION_BANDS) + 1)
         self.host = 0.0  # seconds per step the loop spends outside the model
-        self.plain_run = 0  # plain steps in a row
+        self.since_explored = 0  # steps since the last one that explored a stale knot
+        self.explored = 0  # steps that did
         self.last = clock()  # when the last step was recorded: a step's loop time runs from there
 
     def calibrated(self, expected: float) -> float:
@@ -133,7 +138,7 @@ class StepBudget:
         The step takes (row, node) slots in decreasing calibrated worth (a row's node only after its parent, so each
         row's share is a prefix of its draft), and of every count of slots keeps the one that maximises the whole
         step's expected tokens per second, (expected tokens) / (t(tokens, L) + h), against every lookahead row
-        decoding plainly. After `PROBE_AFTER` plain steps in a row it takes its best lookahead count once."""
+        decoding plainly. At most one step in `EXPLORE_EVERY` explores (`_explore`)."""
         rows = len(scores)
         carry = branch if self.branch else 1
         base_tokens, base_expected = fixed.tokens + rows * carry, fixed.expected + rows
@@ -147,22 +152,45 @@ class StepBudget:
         heads = [(-w[0], r) for r, w in enumerate(worth) if w]  # each row's next node
         heapq.heapify(heads)
         tokens, expected = base_tokens, base_expected
-        options = [(self._rate(tokens, length, expected), list(taken))] if self.branch else []
+        options = [(self._rate(tokens, length, expected), list(taken), tokens, expected)] if self.branch else []
         while heads:
             value, r = heapq.heappop(heads)
             taken[r] += 1
             tokens, expected = tokens + 1, expected - value
             if taken[r] < len(worth[r]):
                 heapq.heappush(heads, (-worth[r][taken[r]], r))
-            options.append((self._rate(tokens, length, expected), list(taken)))
+            options.append((self._rate(tokens, length, expected), list(taken), tokens, expected))
         lookahead = max(options, key=lambda option: option[0][0], default=None)
-        if lookahead is not None and (lookahead[0][0] > best_rate[0] or self.plain_run >= PROBE_AFTER):
-            best_rate, best_taken = lookahead
-        self.plain_run = self.plain_run + 1 if best_taken is None or not any(best_taken) else 0
+        if lookahead is not None and lookahead[0][0] > best_rate[0]:
+            best_rate, best_taken = lookahead[:2]
+        self.since_explored += 1
+        if self.since_explored >= EXPLORE_EVERY:
+            explore = self._explore(options, length, plain[1] - self.host, best_rate[0])
+            if explore is not None and explore[1] != best_taken:
+                best_rate, best_taken = explore[:2]
+                self.since_explored, self.explored = 0, self.explored + 1
         if best_taken is None:
             return [Choice(0, False, 0, 1, 1.0, best_rate[1]) for _ in scores]
         return [Choice(n, self.branch, n, carry + n, 1 + self.calibrated(sum(row[:n])), best_rate[1])
                 for n, row in zip(best_taken, scores, strict=True)]
+
+    def _explore(self, options: list, length: int, plain_seconds: float, best: float) -> tuple | None:
+        """The option to run instead of the best one, to measure a stale knot again: the smallest whose step would
+        run a knot no step ran lately and that would beat the best rate were it only as dear as the knots run lately
+        allow (a larger step never costs less than a smaller one, nor than the plain step). None where there is none:
+        a size known to be dear, or one that could not win, is not worth a step."""
+        runs: dict[int, tuple] = {}  # per stale knot (smallest first): the option of its size, else the fullest
+        for option in options:
+            size = self.round_up(option[2])
+            knot = self.cost.stale_knot(size, self.kind)
+            if knot is not None and (knot not in runs or size == knot or self.round_up(runs[knot][2]) != knot):
+                runs[knot] = option  # options come in growing size: the last kept is the fullest
+        for option in runs.values():
+            size = self.round_up(option[2])
+            least = max(self.cost.floor(size, length, self.kind), plain_seconds) + self.host
+            if option[3] / least > best:
+                return option
+        return None
 
     def _worths(self, scores: Sequence[float]) -> list[float]:
         """The calibrated expected nodes each further node of a row's draft adds."""

@@ -14,6 +14,14 @@ Where the figures come from:
   cost, so a machine that gets busier (multi-token steps suffer from contention more than one-token steps) is
   noticed within a few steps; the move is split between the base and the cost per position by the step's cache
   length, so a curve first measured at one length learns the cost per position from steps at others;
+- figures that may be stale are not kept on trust. A knot no step has run lately (`STALE_AFTER` observations of the
+  curve; never, for a curve just read or measured) is stale (`stale_knot`), and the budget explores it now and then; a
+  stale knot's own step that ran faster than it says overwrites it (timing noise only adds time: a fast step is
+  evidence, a slow one may be a pause, so that direction keeps the bounded move). A stale knot whose step confirmed
+  it waits twice as long before it is stale again, so a size that is truly dear is re-run ever more rarely. And a
+  plain step (no larger than the first knot: one token, or a batch's one a row) `SHIFT` times faster than the curve
+  says means the curve was measured on a slower moment: the whole curve is scaled by what that step measured, and
+  its other knots become stale;
 - kept on disk under the user's cache folder, keyed by what the figures depend on (device, model shape, dtype,
   backend, threads, versions: `save`/`load`), as the next process's starting point. A file is read only if it is a
   regular file of at most `MAX_FILE_BYTES`; one that does not parse (however it fails) or whose figures are not what
@@ -44,6 +52,9 @@ MAX_FILE_BYTES = 1 << 16  # a cost file is ~2 KB; a larger one is not ours (and 
 SPREAD = 0.5  # the share of a multi-token step's move that reaches the other multi-token knots (contention slows
 # every multi-token size, if not alike), so sizes not run lately are not judged by stale figures; a one-token step
 # moves its own knot only, as contention slows it less
+STALE_AFTER = 32  # observations of a curve after which a knot no step has run since is stale (and may be explored)
+MAX_STALE_AFTER = 1024  # a stale knot confirmed by its step waits twice as long before it is stale again, up to this
+SHIFT = 3.0  # a plain step this many times faster than predicted says the whole curve was measured on a slower moment
 
 
 @dataclass
@@ -61,6 +72,12 @@ class Curve:
                 raise TypeError(f"Curve.{name} must be a list, got {type(values).__name__} {values!r:.80}")
             setattr(self, name, list(values))
         self.check()
+        # what the steps of this process have run (not saved, not compared): observations so far, and per knot the
+        # observation that last ran it (None: none yet, so a curve read from a file or just measured is stale) and
+        # how many observations it stays trusted after that
+        self.observed = 0
+        self.ran: list[int | None] = [None] * len(self.knots)
+        self.trusted_for = [STALE_AFTER] * len(self.knots)
 
     def check(self) -> None:
         """Refuse what no measurement gives (TypeError, ValueError naming the field and the value): knots that are not
@@ -110,6 +127,33 @@ class Curve:
         i = j - 1
         return i, j, (tokens - knots[i]) / (knots[j] - knots[i])
 
+    def _own(self, tokens: int) -> int:
+        """The knot a step of `tokens` tokens runs: the nearest (the lower of two as near)."""
+        i, j, w = self._bracket(tokens)
+        return j if w > 0.5 else i
+
+    def _is_stale(self, k: int) -> bool:
+        if len(self.ran) != len(self.knots):  # the knots were changed by hand: nothing about them is known
+            self.ran, self.trusted_for = [None] * len(self.knots), [STALE_AFTER] * len(self.knots)
+        return self.ran[k] is None or self.observed - self.ran[k] >= self.trusted_for[k]
+
+    def stale_knot(self, tokens: int) -> int | None:
+        """The stale knot a step of `tokens` tokens would run (its nearest), None where that knot is not stale: a
+        knot is stale where no step has run it in its last `trusted_for` observations (or ever, since the curve was
+        read or measured)."""
+        own = self._own(tokens)
+        return self.knots[own] if self._is_stale(own) else None
+
+    def stale_at(self, tokens: int) -> bool:
+        """Whether a step of `tokens` tokens would run a stale knot (`stale_knot`)."""
+        return self.stale_knot(tokens) is not None
+
+    def floor(self, tokens: int, length: int) -> float:
+        """The least a step of `tokens` tokens may cost by the knots steps ran lately: the prediction at the largest
+        such knot at or below it (a larger step never costs less); 0 where there is none."""
+        fresh = [k for k, knot in enumerate(self.knots) if knot <= tokens and not self._is_stale(k)]
+        return self.base[fresh[-1]] + self.per_position[fresh[-1]] * length if fresh else 0.0
+
     def predict(self, tokens: int, length: int) -> float:
         """Seconds of a step of `tokens` tokens over `length` cached positions."""
         i, j, w = self._bracket(tokens)
@@ -125,22 +169,63 @@ class Curve:
         between its base and its cost per position as a normalised least-mean-squares step on the features
         (1, L / LENGTH_SCALE) would split it: all to the base at L = 0, evenly at `LENGTH_SCALE`, mostly to the slope
         beyond. So steps at different lengths teach the cost per position, even where the first measurement had one
-        length only (a transformers model, a small cache)."""
+        length only (a transformers model, a small cache).
+
+        Stale figures (see the module's docstring): where the step's nearest knot is stale and the step ran faster
+        than predicted, that knot is overwritten with what the step took and stale knots below it are held to it;
+        slower, it alone moves the bounded way (a stale figure's miss is its own, not news of the machine's load); a
+        plain step `SHIFT` times faster than predicted rescales the curve."""
         if not (math.isfinite(seconds) and seconds > 0):
             return
         length = max(length, 0)
-        ratio = min(max(seconds / self.predict(tokens, length), 1 / MAX_RATIO), MAX_RATIO)
+        measured = seconds / self.predict(tokens, length)
+        own = self._own(tokens)
+        stale = self._is_stale(own)
+        self.observed += 1
+        if tokens <= self.knots[0] and measured * SHIFT <= 1.0:  # the plain step (one token, or one a row)
+            self._rescale(measured)
+            return
+        ratio = min(max(measured, 1 / MAX_RATIO), MAX_RATIO)
         i, j, w = self._bracket(tokens)
         w = min(max(w, 0.0), 1.0)
-        spread = SPREAD if tokens > 1 else 0.0
-        shares = [spread if knot > 1 else 0.0 for knot in self.knots]
-        shares[i], shares[j] = (1.0, 1.0) if i == j else (max(1.0 - w, shares[i]), max(w, shares[j]))
+        if stale:  # a stale figure's miss is its own, not news of the machine's load: it alone moves
+            shares = [1.0 if k == own else 0.0 for k in range(len(self.knots))]
+        else:
+            spread = SPREAD if tokens > 1 else 0.0
+            shares = [spread if knot > 1 else 0.0 for knot in self.knots]
+            shares[i], shares[j] = (1.0, 1.0) if i == j else (max(1.0 - w, shares[i]), max(w, shares[j]))
+        # each knot's prediction at this length moves by its share of the step's (bounded) move
+        changes = [(self.base[k] + self.per_position[k] * length) * UPDATE_RATE * share * (ratio - 1.0)
+                   for k, share in enumerate(shares)]
+        if stale and measured < 1.0:
+            # a stale knot's own step that ran faster overwrites it (no pause makes a step fast) with what the step
+            # took: exact for a step of the knot's size, near it for a step nearest to it
+            changes[own] = seconds - (self.base[own] + self.per_position[own] * length)
         u = length / LENGTH_SCALE
-        for k, share in enumerate(shares):
-            change = (self.base[k] + self.per_position[k] * length) * UPDATE_RATE * share * (ratio - 1.0)
+        for k, change in enumerate(changes):
+            target = self.base[k] + self.per_position[k] * length + change
             self.base[k] = max(self.base[k] + change / (1 + u * u), MIN_SECONDS)
             self.per_position[k] = max(self.per_position[k] + change * u / (LENGTH_SCALE * (1 + u * u)), 0.0)
+            if k == own and stale and measured < 1.0:  # what the cost per position cannot give up, the base does
+                self.base[k] = max(target - self.per_position[k] * length, MIN_SECONDS)
+        if stale and measured < 1.0:  # a smaller step costs no more: stale knots below it are held to it
+            for k in range(own):
+                if self._is_stale(k):
+                    self.base[k] = min(self.base[k], self.base[own])
+                    self.per_position[k] = min(self.per_position[k], self.per_position[own])
+        if stale:  # confirmed: trusted twice as long; found dear by a factor of 2: as long as at first
+            confirmed = measured >= 1 / MAX_RATIO
+            self.trusted_for[own] = min(2 * self.trusted_for[own], MAX_STALE_AFTER) if confirmed else STALE_AFTER
+        self.ran[own] = self.observed
         self._monotone()
+
+    def _rescale(self, factor: float) -> None:
+        """The machine runs `factor` times the speed the curve was measured at (a plain step said so): every knot
+        scaled by it, the smallest run now, the others stale (to be measured again)."""
+        self.base[:] = [max(b * factor, MIN_SECONDS) for b in self.base]
+        self.per_position[:] = [p * factor for p in self.per_position]
+        self.ran = [self.observed] + [None] * (len(self.knots) - 1)
+        self.trusted_for = [STALE_AFTER] * len(self.knots)
 
     def to_dict(self) -> dict:
         return {"knots": list(self.knots), "base": list(self.base), "per_position": list(self.per_position)}
@@ -216,6 +301,15 @@ class CostModel:
     def observe(self, tokens: int, length: int, seconds: float, kind: str = "greedy") -> None:
         """Fold a step's measured time into the curve (see `Curve.observe`)."""
         self._curve(kind).observe(tokens, length, seconds)
+
+    def stale_knot(self, tokens: int, kind: str = "greedy") -> int | None:
+        """The knot of the `kind` curve a step of `tokens` tokens would run, where no step ran it lately (else
+        None; see `Curve.stale_knot`)."""
+        return self._curve(kind).stale_knot(tokens)
+
+    def floor(self, tokens: int, length: int, kind: str = "greedy") -> float:
+        """The least a step of `tokens` tokens may cost by the knots steps ran lately (see `Curve.floor`)."""
+        return self._curve(kind).floor(tokens, length)
 
     def plain_rate(self, length: int, kind: str = "greedy") -> float:
         """Tokens per second plain decoding would give here at cache length `length` (one token a step)."""

@@ -1,0 +1,403 @@
+"""The batch-invariant mode (`Llama(batch_invariant=True)`): a position's logits are bitwise equal (`torch.equal`,
+never a tolerance) whatever computes them: plain steps, lookahead steps of random shapes (chains and trees), packed
+beside random other rows, prompts prefilled in random chunks, prefixes from the cache."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from test_default_model import chat_ids, dev_prompts
+
+from helpers import RandomCost, fixed
+from lookahead import LookaheadConfig
+from lookahead.kernels import StepPattern
+from lookahead.kernels.block_attention import BLOCK, block_attention, path_keys, row_keys
+from lookahead.kernels.row_plans import ROW_PLANS, RowPlan, invariant_linear, invariant_matmul
+from lookahead.loop import RowStep, path_step
+from lookahead.models import Llama
+from lookahead.models.runner import CachedRunner
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+VOCAB = 101  # the tiny checkpoint's
+TURNS = Path(__file__).resolve().parents[1] / "bench" / "data" / "dev-turn2.jsonl"
+
+
+@pytest.fixture(scope="module")
+def models(tiny_checkpoint):
+    folder = tiny_checkpoint("gqa")
+    return {dtype: Llama.from_pretrained(folder, dtype=dtype, batch_invariant=True) for dtype in DTYPES}
+
+
+def plain_logits(model, sequence: list[int]) -> list[torch.Tensor]:
+    """Every position's logits by one-token steps from position 0: the reference."""
+    runner = CachedRunner(model, 16, max_step_tokens=1)
+    row, _ = runner.admit([], len(sequence) + 1)
+    logits = []
+    for token in sequence:
+        (out,) = runner.step([RowStep.chunk(row, [token])])
+        logits.append(out.logits[0].clone())
+        runner.commit(row, [0])
+    return logits
+
+
+def random_tree(rng: random.Random, truth: list[int], size: int) -> tuple[list[int], tuple[int, ...], list[int]]:
+    """A random draft tree of about `size` nodes in pre-order holding a root-to-node path of the true next tokens:
+    (tokens, tree_end, the true path's node indices)."""
+    children: dict[int, list[int]] = {-1: []}
+    parents, on_path, tokens = [], [], []
+    depth_of = {-1: 0}
+    path_end = -1  # the deepest node of the true path so far
+    for j in range(size):
+        if path_end + 1 == len(parents) and depth_of[path_end] < len(truth) and rng.random() < 0.6:
+            parent = path_end  # extend the true path
+        else:
+            parent = rng.choice([-1, *range(len(parents))])
+        parents.append(parent)
+        children.setdefault(parent, []).append(j)
+        depth_of[j] = depth_of[parent] + 1
+        true = parent == path_end and depth_of[j] <= len(truth) and (parent == -1 or on_path[parent])
+        true = true and not any(on_path[c] for c in children[parent][:-1])
+        on_path.append(true)
+        if true:
+            path_end = j
+        tokens.append(truth[depth_of[j] - 1] if true else rng.randrange(VOCAB))
+    order = []  # pre-order of the forest
+
+    def visit(node):
+        for child in children.get(node, []):
+            order.append(child)
+            visit(child)
+
+    visit(-1)
+    place = {node: i for i, node in enumerate(order)}
+    ends = [0] * len(order)
+    for node in reversed(order):
+        ends[place[node]] = max([place[node] + 1] + [ends[place[c]] for c in children.get(node, [])])
+    path = sorted(place[n] for n in range(len(order)) if on_path[n])
+    return [tokens[n] for n in order], tuple(ends), path
+
+
+def lookahead_step(rng: random.Random, row: int, sequence: list[int], length: int, chains: bool):
+    """A random lookahead step at L = `length` of `sequence` (its next tokens known): (RowStep, the committed step
+    indices, which the true path's verification nodes are; their logits are positions L, L + 1, ...)."""
+    window, ngram = rng.randint(1, 10), rng.randint(2, 5)
+    truth = sequence[length + 1 : length + ngram]
+    lookahead = [sequence[length]] + [rng.randrange(VOCAB) for _ in range(window * (ngram - 1) - 1)]
+    if chains:
+        guesses = rng.randint(0, 4)
+        candidates = [[rng.randrange(VOCAB) for _ in range(ngram - 1)] for _ in range(guesses)]
+        keep = 0
+        if guesses and len(truth) == ngram - 1:
+            true_at = rng.randrange(guesses)
+            keep = rng.randint(0, ngram - 1)  # how much of it is right
+            candidates[true_at][:keep] = truth[:keep]
+        pattern = StepPattern(window, ngram, guesses)
+        path = [pattern.candidate_index(true_at, k) for k in range(1, keep + 1)] if keep else []
+        tokens = lookahead + [t for c in candidates for t in c]
+    else:
+        nodes, ends, path = random_tree(rng, truth, rng.randint(0, 20))
+        pattern = StepPattern(window, ngram, 0, ends)
+        path = [pattern.lookahead_len + j for j in path]
+        tokens = lookahead + nodes
+    verified = [0, *path]
+    return RowStep(row, tokens, pattern, verified), verified
+
+
+def run_schedule(model, sequence: list[int], seed: int, others: int, reference: list[torch.Tensor],
+                 chunk_prefix: int) -> int:
+    """Decode `sequence` by a random schedule (random prompt chunks, then random lookahead steps, packed beside
+    `others` rows stepping at random; with a cached prefix when `chunk_prefix`), checking every verified position's
+    logits against `reference`; returns how many positions were checked."""
+    rng = random.Random(seed)
+    runner = CachedRunner(model, 64, max_step_tokens=120, max_rows=others + 1)
+    if chunk_prefix:  # an earlier sequence with the same first tokens leaves its full blocks cached
+        first, _ = runner.admit(sequence[:chunk_prefix], chunk_prefix)
+        runner.step([RowStep.chunk(first, sequence[:chunk_prefix])])
+        runner.commit(first, range(chunk_prefix))
+        runner.release(first)
+    prompt_len = rng.randint(1, len(sequence) // 2)
+    row, length = runner.admit(sequence[:prompt_len], len(sequence) + 120)
+    assert length == (min(chunk_prefix, prompt_len - 1) // BLOCK * BLOCK if chunk_prefix else 0)
+    side = []  # the other rows: (row, their own random sequence, L)
+    for _ in range(others):
+        other_seq = [rng.randrange(VOCAB) for _ in range(rng.randint(8, 70))]
+        other, _ = runner.admit([], len(other_seq) + 120)
+        side.append([other, other_seq, 0])
+    checked = 0
+    while length < len(sequence) - 1:
+        if length < prompt_len:  # a prompt chunk, every position's logits asked for
+            size = rng.randint(1, prompt_len - length)
+            tokens = sequence[length : length + size]
+            step = RowStep(row, tokens, path_step(size), list(range(size)), prefill=True)
+            committed = list(range(size))
+        elif rng.random() < 0.2:  # a plain step
+            step, committed = RowStep.chunk(row, [sequence[length]]), [0]
+        else:
+            step, committed = lookahead_step(rng, row, sequence, length, chains=rng.random() < 0.3)
+            assert [step.tokens[i] for i in committed] == sequence[length : length + len(committed)]
+        steps, commits = [step], [committed]
+        for entry in side:  # each other row takes a plain step, a prompt chunk or a lookahead step, or sits out
+            other, other_seq, other_len = entry
+            if other_len >= len(other_seq) - 1 or rng.random() < 0.25:
+                continue
+            if rng.random() < 0.6:  # a plain step or a prompt chunk
+                size = 1 if rng.random() < 0.5 else rng.randint(1, min(20, len(other_seq) - 1 - other_len))
+                steps.append(RowStep.chunk(other, other_seq[other_len : other_len + size]))
+                commits.append(list(range(size)))
+            else:
+                other_step, other_commit = lookahead_step(rng, other, other_seq, other_len, rng.random() < 0.3)
+                steps.append(other_step)
+                commits.append(other_commit)
+        rng.shuffle(order := list(range(len(steps))))
+        outputs = runner.step([steps[i] for i in order])
+        out = outputs[order.index(0)]
+        for k, logits in enumerate(out.logits):
+            position = length + k
+            assert torch.equal(logits, reference[position]), f"position {position} (seed {seed})"
+            checked += 1
+        for i in order:
+            runner.commit(steps[i].row, commits[i])
+        length += len(committed)
+        lengths = {s.row: len(c) for s, c in zip(steps[1:], commits[1:], strict=True)}
+        for entry in side:
+            entry[2] += lengths.get(entry[0], 0)
+    return checked
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("seed", range(4))
+def test_every_position_is_bitwise_the_plain_steps(models, dtype, seed):
+    model = models[dtype]
+    rng = random.Random(seed)
+    sequence = [rng.randrange(VOCAB) for _ in range(rng.randint(40, 90))]
+    reference = plain_logits(model, sequence)
+    checked = run_schedule(model, sequence, seed, others=seed % 3, reference=reference,
+                           chunk_prefix=[0, 20, 37, 48][seed])
+    assert checked >= len(sequence) // 2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_16bit_greedy_and_seeded_sampling_lookahead_equal_plain(models, dtype):
+    """What a user sees: in 16-bit, lookahead (full-size and random self-tuned steps) and a batch give plain decoding's
+    tokens, greedy and seeded sampling alike."""
+    model = models[dtype]
+    rng = random.Random(5)
+    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(3, 40))] for _ in range(3)]
+    for sampling in ({}, {"temperature": 0.9, "top_p": 0.95, "seed": 11}):
+        plain = [model.generate(p, max_new_tokens=40, eos_token_id=[], **sampling).tokens for p in prompts]
+        for i, prompt in enumerate(prompts):
+            assert model.generate(prompt, max_new_tokens=40, eos_token_id=[], lookahead=fixed(4, 4, 6),
+                                  **sampling).tokens == plain[i]
+            model.cost_model = RandomCost(i)
+            assert model.generate(prompt, max_new_tokens=40, eos_token_id=[], lookahead=LookaheadConfig(warm=False),
+                                  **sampling).tokens == plain[i]
+        if not sampling:
+            batch = model.generate(prompts, max_new_tokens=40, eos_token_id=[], lookahead=fixed(2, 3, 4))
+            assert [r.tokens for r in batch] == plain
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_without_the_cpu_kernel_torch_gemms_through_row_plans_are_invariant_too(tiny_checkpoint, monkeypatch, dtype):
+    """Where the CPU GEMM cannot be compiled, the mode falls back to torch's GEMMs through verified row plans."""
+    from lookahead.kernels import cpu_gemm
+
+    monkeypatch.setattr(cpu_gemm, "available", lambda build_dir=None: False)
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"), dtype=dtype, batch_invariant=True)
+    rng = random.Random(9)
+    sequence = [rng.randrange(VOCAB) for _ in range(60)]
+    reference = plain_logits(model, sequence)
+    assert run_schedule(model, sequence, 9, others=2, reference=reference, chunk_prefix=33) >= 30
+    assert model._invariant_linears._cpu_kernel is False
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the mode on CUDA needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_every_position_is_bitwise_the_plain_steps_on_cuda(tiny_checkpoint, dtype, backend):
+    """The first thing a GPU must show: the mode holds there too (cuBLAS GEMMs through verified row plans, the Triton
+    kernel or the torch path for attention)."""
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"), dtype=dtype, device="cuda", attn_backend=backend,
+                                  batch_invariant=True)
+    for seed in range(3):
+        rng = random.Random(seed)
+        sequence = [rng.randrange(VOCAB) for _ in range(rng.randint(40, 90))]
+        reference = plain_logits(model, sequence)
+        assert run_schedule(model, sequence, seed, others=2, reference=reference, chunk_prefix=[0, 20, 37][seed]) > 0
+
+
+def test_the_mode_off_differs_somewhere(tiny_checkpoint):
+    """The negative control: without the mode, 16-bit logits of one position differ between a one-token step and a
+    many-token step (so the tests above can fail)."""
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"), dtype=torch.bfloat16)
+    rng = random.Random(0)
+    sequence = [rng.randrange(VOCAB) for _ in range(64)]
+    reference = plain_logits(model, sequence)
+    runner = CachedRunner(model, 16, max_step_tokens=64)
+    row, _ = runner.admit(sequence, 65)
+    (out,) = runner.step([RowStep(row, sequence, path_step(64), list(range(64)), prefill=True)])
+    assert any(not torch.equal(out.logits[p], reference[p]) for p in range(64))
+
+
+def test_the_mode_is_a_property_that_drops_the_runner(tiny_checkpoint):
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    assert not model.batch_invariant
+    model.generate([1, 2, 3], max_new_tokens=2)
+    assert model.runner is not None
+    model.batch_invariant = True
+    assert model.runner is None and model.batch_invariant
+    with pytest.raises(TypeError, match="batch_invariant"):
+        model.batch_invariant = 1
+    with pytest.raises(ValueError, match="fusion"):
+        Llama.from_pretrained(tiny_checkpoint("gqa"), batch_invariant=True, fusion="compile")
+
+
+# ----- the pieces -----
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_invariant_linear_rows_do_not_depend_on_the_rows_beside_them(dtype):
+    torch.manual_seed(0)
+    weight = torch.randn(96, 48).to(dtype)
+    x = torch.randn(70, 48).to(dtype)
+    alone = torch.cat([invariant_linear(x[i : i + 1], weight) for i in range(70)])
+    for m in (2, 3, 5, 17, 33, 70):
+        assert torch.equal(invariant_linear(x[:m], weight), alone[:m])
+
+
+def test_a_plan_pads_and_cuts_rows():
+    calls = []
+
+    def gemm(chunk):
+        calls.append(chunk.shape[0])
+        return chunk * 2
+
+    x = torch.arange(22.0)[:, None]
+    assert torch.equal(RowPlan(4, 8).apply(gemm, x), x * 2)
+    assert calls == [8, 8, 8]  # 8, 8 and 6 rows padded to 8
+    assert ROW_PLANS[-1] == RowPlan(1, 1)  # the plan that holds by construction comes last
+
+
+def test_matmul_rows_do_not_depend_on_the_rows_beside_them():
+    torch.manual_seed(1)
+    keys = torch.randn(3, 5, BLOCK, 16)
+    q = torch.randn(3, 1, 40, 16)
+    full = invariant_matmul(q, keys.transpose(-1, -2), "scores")
+    for m in (1, 2, 3, 7, 21):
+        assert torch.equal(invariant_matmul(q[:, :, :m], keys.transpose(-1, -2), "scores"), full[:, :, :m])
+
+
+def test_block_attention_matches_sdpa_and_does_not_depend_on_the_step():
+    """A query's output through the shared route (a path) equals its output as a tree node whose ancestors sit
+    elsewhere in the step, bitwise; both are SDPA's within float32 rounding."""
+    torch.manual_seed(2)
+    heads, kv_heads, dim, n = 4, 2, 16, 45
+    k = torch.randn(kv_heads, n + 10, dim)
+    v = torch.randn(kv_heads, n + 10, dim)
+    q = torch.randn(n, heads, dim)
+    keys = path_keys(0, n, lambda p: p, "cpu")
+    out = block_attention(q, k, v, keys)
+    mask = torch.ones(n, n, dtype=torch.bool).tril()
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k[:, :n], v[:, :n], attn_mask=mask,
+                                                            enable_gqa=True).transpose(0, 1)
+    torch.testing.assert_close(out, sdpa, rtol=1e-5, atol=1e-5)
+    # the query at position 40 as node 3 of a step at L = 37 whose nodes 0, 2 and 3 are positions 37, 38, 39 and 40,
+    # the step's slots 50..53 holding those positions' keys (slot 51 a stranger's)
+    k2, v2 = k.clone(), v.clone()
+    for slot, position in ((50, 37), (52, 38), (53, 39), (54, 40)):
+        k2[:, slot], v2[:, slot] = k[:, position], v[:, position]
+    k2[:, 51] = torch.randn(kv_heads, dim)
+    visible = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 0, 1, 1, 0], [1, 0, 1, 1, 1]],
+                           dtype=torch.bool)
+
+    def slot_of(positions):
+        return torch.where(positions < 37, positions, positions - 37 + 50)
+
+    tree = row_keys(37, visible, slot_of, 0, "cpu")
+    q2 = torch.stack([q[37], q[0], q[38], q[39], q[40]])
+    out2 = block_attention(q2, k2, v2, tree)
+    for i, position in ((0, 37), (2, 38), (3, 39), (4, 40)):
+        assert torch.equal(out2[i], out[position])
+
+
+# ----- the default model in bfloat16 -----
+
+def dev_conversations(count: int) -> list[list[str]]:
+    rows = [json.loads(line) for line in TURNS.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [row["turns"] for row in rows[:count]]
+
+
+def bf16_prompts(folder, count: int) -> list[list[int]]:
+    prompts = [p for kind in ("chat", "code", "math") for p in dev_prompts((kind,))[:4]]  # short: prefill is cheap
+    assert len(prompts) >= count
+    return [chat_ids(folder, text) for text in prompts[:count]]
+
+
+@pytest.mark.slow
+def test_bf16_lookahead_batches_and_cached_prefixes_equal_plain_greedy(default_model_dir):
+    """The promise in bfloat16 on the default model: lookahead with full-size and self-tuned steps (random step sizes:
+    every size the budget can choose), a batch of 4 and a second turn with its prefix cached each give plain greedy's
+    tokens, token for token."""
+    model = Llama.from_pretrained(default_model_dir, dtype=torch.bfloat16, batch_invariant=True)
+    prompts = bf16_prompts(default_model_dir, 12)
+    plain = [model.generate(ids, max_new_tokens=32, eos_token_id=[]).tokens for ids in prompts]
+    for i, ids in enumerate(prompts):
+        fixed_steps = model.generate(ids, max_new_tokens=32, eos_token_id=[], lookahead=fixed())
+        assert fixed_steps.tokens == plain[i], f"prompt {i}, fixed steps"
+        model.cost_model = RandomCost(i)
+        tuned = model.generate(ids, max_new_tokens=32, eos_token_id=[], lookahead=LookaheadConfig(warm=False))
+        assert tuned.tokens == plain[i], f"prompt {i}, self-tuned steps"
+    batch = model.generate(prompts[:4], max_new_tokens=32, eos_token_id=[], lookahead=fixed())
+    assert [r.tokens for r in batch] == plain[:4]
+    for turns in dev_conversations(3):  # a second turn: cached from the first's blocks, then cold
+        first = chat_ids(default_model_dir, turns[0])
+        answer = model.generate(first, max_new_tokens=16, eos_token_id=[]).tokens
+        second = first + answer + chat_ids(default_model_dir, turns[1])
+        cached = model.generate(second, max_new_tokens=16, eos_token_id=[], lookahead=fixed())
+        assert cached.cached_tokens > 0
+        model.release()
+        cold = model.generate(second, max_new_tokens=16, eos_token_id=[])
+        assert cold.cached_tokens == 0 and cached.tokens == cold.tokens
+
+
+@pytest.mark.slow
+def test_bf16_without_the_mode_lookahead_differs_somewhere(default_model_dir):
+    """The negative control of the test above: the same prompts in bfloat16 with the mode off give plain greedy's
+    tokens on some prompts only (so the test above can fail)."""
+    model = Llama.from_pretrained(default_model_dir, dtype=torch.bfloat16)
+    prompts = bf16_prompts(default_model_dir, 12)
+    assert any(model.generate(ids, max_new_tokens=64, eos_token_id=[], lookahead=fixed()).tokens
+               != model.generate(ids, max_new_tokens=64, eos_token_id=[]).tokens for ids in prompts)
+
+
+# ----- the Triton kernel (under the interpreter on a CPU) -----
+
+def test_the_triton_kernel_agrees_with_block_attention_and_with_itself():
+    """`invariant_attention` to rounding against `block_attention`; a query's output bitwise the same computed alone,
+    among other queries and with its slot list padded wider."""
+    from lookahead.kernels.block_attention import query_slots
+    from lookahead.kernels.invariant_triton import invariant_attention
+
+    torch.manual_seed(3)
+    heads, kv_heads, dim, n = 4, 2, 16, 37
+    k, v, q = torch.randn(kv_heads, n + 5, dim), torch.randn(kv_heads, n + 5, dim), torch.randn(n, heads, dim)
+    keys = path_keys(0, n, lambda p: p, "cpu")
+    slots, counts = query_slots(keys, n)
+    out = invariant_attention(q, k, v, slots, counts)
+    torch.testing.assert_close(out, block_attention(q, k, v, keys), rtol=1e-5, atol=1e-5)
+    for i in (0, 15, 16, 36):
+        alone = invariant_attention(q[i : i + 1], k, v, slots[i : i + 1], counts[i : i + 1])
+        assert torch.equal(alone, out[i : i + 1])
+        wider = torch.nn.functional.pad(slots[i : i + 1], (0, 2 * BLOCK))
+        assert torch.equal(invariant_attention(q[i : i + 1], k, v, wider, counts[i : i + 1]), out[i : i + 1])
+
+
+def test_every_position_is_bitwise_the_plain_steps_with_the_triton_kernel(tiny_checkpoint):
+    """The model-level check of the Triton backend's mode, float32 (the interpreter's bf16 is wrong)."""
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"), attn_backend="triton", batch_invariant=True)
+    rng = random.Random(7)
+    sequence = [rng.randrange(VOCAB) for _ in range(34)]
+    reference = plain_logits(model, sequence)
+    assert run_schedule(model, sequence, 7, others=1, reference=reference, chunk_prefix=20) >= 17
