@@ -32,20 +32,17 @@ def machine() -> dict:
                                 text=True, check=False).stdout.strip()
     except OSError:
         commit = ""
-    import transformers
-
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "not installed"
+    versions = {}
+    for name in ("triton", "transformers"):  # neither is needed to time a random model (bench/first_run.py)
+        try:
+            versions[name] = __import__(name).__version__
+        except ImportError:
+            versions[name] = "not installed"
     return {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU: {cpu}",
         "cpu_threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        "triton": triton_version,
-        "transformers": transformers.__version__,
+        **versions,
         "commit": commit,
         "date": time.strftime("%Y-%m-%d %H:%M"),
     }
@@ -128,6 +125,38 @@ def load_model(folder: str | None = None):
     folder = Path(folder) if folder else default_model_dir()
     model = Llama.from_pretrained(folder, device="cuda" if torch.cuda.is_available() else "cpu")
     return folder, model, AutoTokenizer.from_pretrained(str(folder))
+
+
+# an 8B LLaMA-3's shape (random weights stand in: a step's time depends on its shapes, not on the values)
+LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+                rms_norm_eps=1e-5)
+
+
+def random_llama(shape, dtype: torch.dtype, device: str, fusion: str = "auto", backend: str | None = None,
+                 **options):
+    """A LLaMA of the given shape (a `LlamaConfig` or its fields) with random weights, made on the device (no
+    checkpoint); fusion as `Llama.from_pretrained` takes it; backend: "triton" on CUDA, else "torch" unless given;
+    `options` go to `Llama` (`batch_invariant=True` where the model has it)."""
+    from lookahead.backends import choose_fusion
+    from lookahead.models import Llama, LlamaConfig
+
+    config = shape if isinstance(shape, LlamaConfig) else LlamaConfig(**shape)
+    backend = backend or ("triton" if device == "cuda" else "torch")
+    with torch.device("meta"):
+        model = Llama(config, attn_backend=backend, fusion=choose_fusion(fusion, device, backend), **options)
+    model.to(dtype).to_empty(device=device)  # the dtype on meta first: no fp32 copy of 8B parameters
+    model._tie_weights()
+    gen = torch.Generator(device=device).manual_seed(0)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.data.fill_(1.0)
+        else:
+            p.data.normal_(0.0, 0.02, generator=gen)
+    from lookahead.models.rope import inverse_frequencies
+
+    model.rope_inv_freq = inverse_frequencies(config.head_dim, config.rope).to(device)
+    return model.eval().requires_grad_(False)
 
 
 REFERENCES = Path.home() / ".cache" / "lookahead" / "greedy-references.json"

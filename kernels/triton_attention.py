@@ -2,9 +2,11 @@
 KV cache, the one launch path), and the classic dense contract on top of it: `StepAttentionPlan` (the model's
 pre-checked launch of one step shape) and `lookahead_attention` (public, checked).
 
-A plan fixes the tiles, the split count and the compile-time arguments once; calling it only allocates the output and
-the partials and launches two kernels: no validation, no host read of a device value, nothing recompiled after the
-first call whatever the rows' T, L, W, N, trees and tables, so it can run inside a CUDA graph. The dense layout is the
+A plan fixes the tiles and the compile-time arguments once; calling it only allocates the output and the partials and
+launches two kernels: no validation, no host read of a device value, nothing recompiled after the first call whatever
+the rows' T, L, W, N, trees and tables, so it can run inside a CUDA graph. The split count of the prefix is chosen per
+call from the call's rows and tokens (tensor shapes, known on the host: a graph captures one), so a short step or a
+lone row over a long cache keeps the SMs busy. The dense layout is the
 paged one with one block of S positions per row (block_table[b] = [b]) and every row the same step; chains are their
 tree. The kernels are looked up through this module's globals at each launch and every compile-time argument is passed
 by keyword, so a test can wrap a global and record the constexprs used.
@@ -107,11 +109,13 @@ class PagedAttentionPlan:
     called per layer with device tensors and no checks.
 
     Fixed at construction: heads_q, heads_kv, head_dim, dtype, device, the scale, and from max_rows (B), max_row_tokens
-    (the most step tokens of one row, T_b) and max_len (the most prefix positions of one row, L_b) the row tile and
-    the split count of the prefix (`launch_config`, `num_splits_for`). Each call brings its own number of rows and
-    tokens (tensor shapes, read on the host: a CUDA graph captures one), and its own T_b, L_b, W_b, N_b, trees, block
-    tables and block size (values on the device, or the pool's shape): none recompiles the kernels. Calls must keep
-    T_b <= max_row_tokens (the grid covers that many query tiles per row; longer rows would be cut, unchecked).
+    (the most step tokens of one row, T_b) and max_len (the most prefix positions of one row, L_b) the row tile
+    (`launch_config`). Each call brings its own number of rows and tokens (tensor shapes, read on the host: a CUDA
+    graph captures one), from which it takes its split count of the prefix (`splits`: `num_splits` if given, else
+    `num_splits_for` the call's grid, bounded by max_len), and its own T_b, L_b, W_b, N_b, trees, block tables and
+    block size (values on the device, or the pool's shape): none recompiles the kernels. Calls must keep T_b <=
+    max_row_tokens (the grid covers that many query tiles per row; longer rows would be cut, unchecked).
+    `num_splits` is the split count of a call of the largest shape (max_rows rows of max_row_tokens tokens).
     """
 
     def __init__(self, *, heads_q: int, heads_kv: int, head_dim: int, dtype: torch.dtype, device: torch.device | str,
@@ -142,12 +146,28 @@ class PagedAttentionPlan:
         self.options = {"num_warps": config.pop("num_warps"), "num_stages": config.pop("num_stages")}
         self.constexprs = dict(GROUP=self.group, HEAD_DIM=head_dim, **config)
         self.row_tiles = triton.cdiv(max_row_tokens * self.group, config["BLOCK_M"])
-        if num_splits is None:
-            sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
-            num_splits = num_splits_for(self.row_tiles * max_rows * heads_kv, max_row_tokens * self.group, max_len,
-                                        config["BLOCK_N"], sms or _NOMINAL_SMS)
-        self.num_splits = num_splits
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
+        self.sm_count = sms or _NOMINAL_SMS
+        self.fixed_splits = num_splits
+        self._splits: dict[tuple[int, int], int] = {}
+        self.num_splits = self.splits(max_rows, max_rows * max_row_tokens)
         self.merge_constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=config["BLOCK_D"], BLOCK_R=_MERGE_ROWS)
+
+    def splits(self, rows: int, tokens: int) -> int:
+        """S, the prefix splits of a call of `rows` rows (padding rows included) and `tokens` tokens in all: enough
+        programs for about one wave of the SMs given the call's own row tiles and rows, so a short step (few row
+        tiles, few partials per split) or a lone row over a long cache splits the cache more than the plan's largest
+        call would; at most what max_len allows (`num_splits_for`). Fixed if the plan was given `num_splits`."""
+        if self.fixed_splits is not None:
+            return self.fixed_splits
+        key = (rows, tokens)
+        if key not in self._splits:
+            block_m = self.constexprs["BLOCK_M"]
+            row_tiles = min(self.row_tiles, triton.cdiv(tokens * self.group, block_m))
+            per_row = triton.cdiv(tokens, max(rows, 1)) * self.group
+            self._splits[key] = num_splits_for(max(1, row_tiles) * max(rows, 1) * self.heads_kv, per_row,
+                                               self.max_len, self.constexprs["BLOCK_N"], self.sm_count)
+        return self._splits[key]
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                  cu_seqlens: torch.Tensor, prefix_len: torch.Tensor, window: torch.Tensor, ngram: torch.Tensor,
@@ -164,14 +184,15 @@ class PagedAttentionPlan:
         """tree_strides: node j of row b's tree is at b * [0] + (cu_b + LA_b) * [1] + j * [2] (so a dense [B, V] or
         [V] tree is read in place)."""
         tokens, batch = q.shape[0], block_table.shape[0]
+        splits = self.splits(batch, tokens)
         out = torch.empty(tokens, self.heads_q, self.head_dim, dtype=q.dtype, device=q.device)
-        parts = (self.num_splits + 1) * tokens * self.heads_q
+        parts = (splits + 1) * tokens * self.heads_q
         partial_out = torch.empty(parts, self.head_dim, dtype=torch.float32, device=q.device)
         partial_lse = torch.empty(parts, dtype=torch.float32, device=q.device)
         row_tiles = min(self.row_tiles, triton.cdiv(tokens * self.group, self.constexprs["BLOCK_M"]))
         with device_binding(self.device):  # Triton launches on the current device and stream: make them the plan's
             if row_tiles and batch:
-                _lookahead_attn_split[(row_tiles, batch * self.heads_kv, self.num_splits + 1)](
+                _lookahead_attn_split[(row_tiles, batch * self.heads_kv, splits + 1)](
                     q, k, v, block_table, cu_seqlens, prefix_len, window, ngram, tree_end, partial_out, partial_lse,
                     *q.stride(), *k.stride(), *v.stride(), *block_table.stride(), *tree_strides,
                     k.shape[2], tokens, self.qk_scale, self.heads_kv,
@@ -180,7 +201,7 @@ class PagedAttentionPlan:
             if tokens:
                 _lookahead_attn_merge[(triton.cdiv(tokens * self.heads_q, _MERGE_ROWS),)](
                     partial_out, partial_lse, out, cu_seqlens, *out.stride(), tokens, batch, self.heads_q,
-                    self.num_splits, **self.merge_constexprs, num_warps=4, num_stages=1,
+                    splits, **self.merge_constexprs, num_warps=4, num_stages=1,
                 )  # fmt: skip
         return out
 

@@ -178,8 +178,8 @@ class TorchBackend:
 class TritonBackend:
     """The paged Triton kernel, launched per layer with the step's device tensors (the rows' offsets, lengths, W, N,
     trees and block tables) through one of two prepared plans: one sized for decoding steps, one for steps that carry
-    a prompt chunk (a plan's row tile and prefix splits are fixed by the longest row it serves, and a plan sized for
-    chunks would split a decoding step's prefix too little)."""
+    a prompt chunk (a plan's row tile is fixed by the longest row it serves; each call's prefix splits follow its own
+    rows and tokens)."""
 
     name, graphable = "triton", True
 

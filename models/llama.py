@@ -331,8 +331,9 @@ class Llama(nn.Module):
         stream: called with each step's accepted tokens (a list of ints) as they are decided; for a batch,
             called as stream(prompt index, tokens).
         static_step: pad every decoding step to one of a few shapes (each row to its chosen size's full shape, and
-            the packed step to a power-of-two size), so a generation meets few step shapes (one CUDA graph each);
-            None = on CUDA only (on a CPU padding costs real compute). The tokens are the same either way.
+            the packed step to a bucket: a multiple of 16 tokens up to 128, then a power of two), so a generation
+            meets few step shapes (one CUDA graph each); None = on CUDA only (on a CPU padding costs real
+            compute). The tokens are the same either way.
         cuda_graph: on CUDA with static steps and the Triton backend, capture each step shape once as
             a CUDA graph and replay it; False runs every step eagerly (for debugging).
 

@@ -2,8 +2,9 @@
 device (`StepProgram`: one int64 input buffer filled by one host-to-device copy, the forward that reads only it, and
 on CUDA its captured graph).
 
-A program is keyed by a `StepShape`. With static steps (CUDA graphs) a step is padded up to its shape's sizes, each a
-power of two (`StepShape.of`), so a few shapes serve every step and each is captured once: padding tokens are
+A program is keyed by a `StepShape`. With static steps (CUDA graphs) a step is padded up to its shape's sizes
+(`StepShape.of`: its tokens to a multiple of 16 up to 128, then to a power of two; its rows to a power of two), so a
+few shapes serve every step and each is captured once: padding tokens are
 seen by no row (the kernel computes nothing for them), write their KV entries into a scratch slot no row owns, and
 their logits are never read; padding rows hold no tokens. Without static steps a program has the step's exact sizes
 and is used once (a CPU's steps: padding would cost real compute).
@@ -25,6 +26,9 @@ from lookahead.loop.sampling import seed_bits
 from .attention import PackedStep, paged
 
 MIN_TOKENS = 8  # the smallest padded token count of a static step
+# up to FINE_TOKENS a static step's tokens pad to a multiple of FINE_STEP (18 -> 32, 40 -> 48, 120 -> 128: the steps
+# of one to a few rows, where a GPU's step time still grows with T), beyond it to a power of two (few shapes to capture)
+FINE_STEP, FINE_TOKENS = 16, 128
 
 
 class StepShape(NamedTuple):
@@ -39,11 +43,27 @@ class StepShape(NamedTuple):
 
     @staticmethod
     def of(tokens: int, rows: int, heads: int, topk: int, chunk: bool, static: bool) -> StepShape:
-        """The shape of a step of these exact sizes: rounded up to powers of two when static."""
+        """The shape of a step of these exact sizes; when static, its tokens rounded up to their bucket
+        (`padded_tokens`), its rows and logits rows to powers of two."""
         if not static:
             return StepShape(tokens, rows, heads, topk, chunk)
-        padded = max(MIN_TOKENS, _power_of_two(tokens))
+        padded = padded_tokens(tokens)
         return StepShape(padded, _power_of_two(rows), min(padded, max(MIN_TOKENS, _power_of_two(heads))), topk, chunk)
+
+
+def padded_tokens(tokens: int) -> int:
+    """The tokens a static step of `tokens` tokens feeds: at least MIN_TOKENS; up to FINE_TOKENS the next multiple of
+    FINE_STEP; beyond, the next power of two."""
+    if tokens <= MIN_TOKENS:
+        return MIN_TOKENS
+    if tokens <= FINE_TOKENS:
+        return -(-tokens // FINE_STEP) * FINE_STEP
+    return _power_of_two(tokens)
+
+
+def token_buckets(largest: int) -> list[int]:
+    """Every padded token count of static steps of 1 .. `largest` tokens, smallest first."""
+    return sorted({padded_tokens(t) for t in range(1, largest + 1)})
 
 
 def _power_of_two(n: int) -> int:

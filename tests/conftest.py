@@ -20,7 +20,44 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from helpers import save_tiny_checkpoint  # noqa: E402
+from helpers import needs_interpreter, needs_triton, save_tiny_checkpoint  # noqa: E402
+
+_INTERPRETED_LAUNCHES: list[str] = []  # the kernels the current test launched in Triton's interpreter
+_MARKS = {(m.mark.name, m.mark.args, tuple(sorted(m.mark.kwargs.items()))) for m in (needs_interpreter, needs_triton)}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _count_interpreted_launches():
+    """Record every kernel launched in Triton's interpreter (where it is on), for `_triton_on_a_cpu_is_marked`."""
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # another Triton: nothing recorded, nothing checked
+        yield
+        return
+    original = InterpretedFunction.run
+
+    def run(self, *args, **kwargs):
+        _INTERPRETED_LAUNCHES.append(getattr(self.fn, "__name__", repr(self.fn)))
+        return original(self, *args, **kwargs)
+
+    InterpretedFunction.run = run
+    yield
+    InterpretedFunction.run = original
+
+
+@pytest.fixture(autouse=True)
+def _triton_on_a_cpu_is_marked(request):
+    """A test that runs Triton kernels in the interpreter (on CPU tensors) must say so with `helpers.needs_interpreter`
+    (CPU tensors: it skips on a CUDA host, where the interpreter is off) or `helpers.needs_triton` (tensors on DEVICE,
+    the GPU there): unmarked, it would fail on a CUDA host (issue 38), so it fails here."""
+    _INTERPRETED_LAUNCHES.clear()
+    yield
+    if _INTERPRETED_LAUNCHES and not any((m.name, m.args, tuple(sorted(m.kwargs.items()))) in _MARKS
+                                         for m in request.node.iter_markers("skipif")):
+        kernels = ", ".join(sorted(set(_INTERPRETED_LAUNCHES)))
+        pytest.fail(f"{request.node.nodeid} ran Triton kernels on CPU tensors ({kernels}) with no "
+                    "helpers.needs_interpreter or helpers.needs_triton mark: on a CUDA host, where the interpreter is "
+                    "off, it would fail", pytrace=False)
 
 
 @pytest.fixture(scope="session")

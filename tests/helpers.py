@@ -7,13 +7,26 @@ import hashlib
 import random
 from collections.abc import Callable, Sequence
 
+import pytest
 import torch
 
 from lookahead import GenerationResult, LookaheadConfig, Request, SamplingParams, StepOutput, decode, decode_batch
 from lookahead.drafts import BestFirst
-from lookahead.kernels import StepPattern
+from lookahead.kernels import StepPattern, interpreting
 from lookahead.request import GREEDY
 from lookahead.tuning import CostModel, Curve
+
+# Triton runs kernels on CPU tensors only in its interpreter, which conftest turns on where no CUDA GPU is visible (and
+# which cannot be turned on later in a process that imported triton). On a CUDA host the tests that run the Triton
+# backend or fusion on CPU tensors skip (CPU hosts run them); the kernel tests on `DEVICE` run there on the GPU.
+# conftest fails a test that launches a kernel in the interpreter without one of these marks, and
+# tests/test_cuda_host.py runs a sample of both kinds with the interpreter off on a CPU, as a CUDA host would.
+needs_interpreter = pytest.mark.skipif(
+    not interpreting(), reason="runs Triton kernels on CPU tensors: needs Triton's interpreter (TRITON_INTERPRET=1, "
+                               "which conftest sets where no CUDA GPU is visible)")
+needs_triton = pytest.mark.skipif(
+    not interpreting() and not torch.cuda.is_available(),
+    reason="runs Triton kernels: needs a CUDA GPU or Triton's interpreter (TRITON_INTERPRET=1)")
 
 
 def decode_one(model, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams = GREEDY, lookahead=None,

@@ -4,7 +4,16 @@ both backends, the default model), finished rows leaving the batch, per-row seed
 import pytest
 import torch
 
-from helpers import MockRowModel, MockStepModel, RandomCost, context_logits, decode_one, decode_rows, fixed
+from helpers import (
+    MockRowModel,
+    MockStepModel,
+    RandomCost,
+    context_logits,
+    decode_one,
+    decode_rows,
+    fixed,
+    needs_interpreter,
+)
 from lookahead import LookaheadConfig
 from lookahead.kernels import StepPattern
 from lookahead.loop import full_pattern
@@ -127,6 +136,7 @@ def test_tiny_llama_batch_equals_each_prompt_alone(tiny_checkpoint, config):
     assert single.tokens == alone[1].tokens
 
 
+@needs_interpreter
 def test_triton_backend_batch(tiny_checkpoint):
     """The kernel with per-row prefix lengths [b] under the interpreter: one small ragged batch."""
     model = Llama.from_pretrained(tiny_checkpoint("gqa"), attn_backend="triton")

@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_default_model import chat_ids, dev_prompts
 
-from helpers import RandomCost, fixed
+from helpers import RandomCost, fixed, needs_interpreter
 from lookahead import LookaheadConfig
 from lookahead.kernels import StepPattern
 from lookahead.kernels.block_attention import BLOCK, block_attention, path_keys, row_keys
@@ -374,6 +374,7 @@ def test_bf16_without_the_mode_lookahead_differs_somewhere(default_model_dir):
 
 # ----- the Triton kernel (under the interpreter on a CPU) -----
 
+@needs_interpreter  # CPU tensors: on a CUDA host ..._plain_steps_on_cuda[triton-*] runs the kernel
 def test_the_triton_kernel_agrees_with_block_attention_and_with_itself():
     """`invariant_attention` to rounding against `block_attention`; a query's output bitwise the same computed alone,
     among other queries and with its slot list padded wider."""
@@ -394,6 +395,7 @@ def test_the_triton_kernel_agrees_with_block_attention_and_with_itself():
         assert torch.equal(invariant_attention(q[i : i + 1], k, v, wider, counts[i : i + 1]), out[i : i + 1])
 
 
+@needs_interpreter  # a CPU model: on a CUDA host test_every_position_is_bitwise_the_plain_steps_on_cuda runs it
 def test_every_position_is_bitwise_the_plain_steps_with_the_triton_kernel(tiny_checkpoint):
     """The model-level check of the Triton backend's mode, float32 (the interpreter's bf16 is wrong)."""
     model = Llama.from_pretrained(tiny_checkpoint("gqa"), attn_backend="triton", batch_invariant=True)

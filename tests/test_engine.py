@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from helpers import MockRowModel, MockStepModel, RandomCost, context_logits, decode_one, one
+from helpers import MockRowModel, MockStepModel, RandomCost, context_logits, decode_one, needs_interpreter, one
 from lookahead import LookaheadConfig
 from lookahead.loop import Engine, QueueFull
 from lookahead.models import Llama
@@ -336,7 +336,7 @@ def test_a_failing_step_fails_its_rows_and_the_engine_goes_on():
     engine.stop(10)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_interpreter)])
 def test_tiny_llama_rows_joining_a_running_batch_equal_each_alone(tiny_checkpoint, backend):
     """The real runner on both attention backends: rows join while others decode (a long prompt prefilled in chunks
     beside them), with their own sampling settings, at step sizes drawn at random; each equals its own

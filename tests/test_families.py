@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from helpers import flat_cost
+from helpers import flat_cost, needs_interpreter
 from lookahead import LookaheadConfig
 from lookahead.models import ConfigError, Llama, LlamaConfig
 
@@ -64,6 +64,7 @@ def test_lookahead_equals_plain_greedy_equals_transformers(tiny_checkpoint, case
         assert plain.tokens == greedy[0, 12:].tolist()
 
 
+@needs_interpreter
 def test_triton_backend_on_qwen3(tiny_checkpoint):
     """The kernel path sees q and k after the q/k norm and RoPE as the torch path does."""
     folder = family_checkpoint(tiny_checkpoint, "qwen3-bias")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import needs_triton
 from lookahead.kernels import (
     add_rms_norm,
     add_rms_norm_reference,
@@ -19,6 +20,7 @@ DTYPES = [torch.float32, torch.float16]  # bf16 too on a GPU
 if torch.cuda.is_available():
     DTYPES.append(torch.bfloat16)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = needs_triton  # kernels on DEVICE: the GPU where there is one, else the interpreter
 FLOOR = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 ULPS = {torch.float32: 2e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}  # one rounding of the largest values here
 

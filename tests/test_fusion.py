@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import save_tiny_checkpoint
+from helpers import needs_interpreter, save_tiny_checkpoint
 from lookahead import LookaheadConfig
 from lookahead.backends import choose_fusion
 from lookahead.kernels import StepPattern
@@ -22,6 +22,7 @@ def qwen3(tmp_path_factory):
     return save_tiny_checkpoint(tmp_path_factory.mktemp("qwen3"), family="qwen3")  # per-head q/k norms
 
 
+@needs_interpreter
 @pytest.mark.parametrize("variant", [*FAMILIES, "qwen3"])
 def test_triton_fusion_gives_the_torch_logits(tiny_checkpoint, qwen3, variant):
     folder = qwen3 if variant == "qwen3" else tiny_checkpoint(variant, **FAMILIES[variant])
@@ -41,6 +42,7 @@ def test_triton_fusion_gives_the_torch_logits(tiny_checkpoint, qwen3, variant):
     assert (got - want).abs().max().item() < 2e-5
 
 
+@needs_interpreter
 def test_merged_projections_keep_the_hugging_face_names(tiny_checkpoint):
     folder = tiny_checkpoint("tied", tie_word_embeddings=True)
     model = Llama.from_pretrained(folder, fusion="triton", attn_backend="triton")
@@ -80,6 +82,7 @@ def test_fusion_argument_errors(tiny_checkpoint):
         Llama(Llama.from_pretrained(tiny_checkpoint("gqa")).config, fusion="auto")
 
 
+@needs_interpreter
 def test_fused_lookahead_decoding_equals_plain_greedy(tiny_checkpoint):
     """Tree steps of a ragged batch and of one prompt with the fused kernels and the Triton attention (interpreter):
     plain greedy's tokens, token for token."""

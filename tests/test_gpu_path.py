@@ -15,8 +15,9 @@ from torch.utils._pytree import tree_flatten
 
 import lookahead.kernels.triton_attention as launcher
 import lookahead.models.runner as runner_module
+from helpers import needs_interpreter
 from lookahead import LookaheadConfig
-from lookahead.kernels import StepAttentionPlan, StepPattern, device_binding
+from lookahead.kernels import PagedAttentionPlan, StepAttentionPlan, StepPattern, device_binding
 from lookahead.kernels.triton_attention import TilePlan, tile_plan
 from lookahead.models import Llama
 from lookahead.models.runner import CachedRunner, StepShape
@@ -162,6 +163,7 @@ class FakeGraphs:
         yield
 
 
+@needs_interpreter
 def test_runner_binds_its_device_for_streams_captures_replays_and_launches(tiny_checkpoint, monkeypatch):
     """With CUDA graphs faked: every stream, capture, replay and kernel launch of a step happens while the model's
     device is bound; captures are thread-local; `capture` prepares each given shape once, up front."""
@@ -233,3 +235,14 @@ def test_tile_table_reads_kv_once_where_it_fits(name, pattern, table):
     assert pattern.num_tokens == {"default-1-4-5": 18, "3-4-3": 18, "15-5-15": 120, "substep-64": 64}.get(name, 1)
     assert tile_plan(pattern, **EIGHT_B) == table
     assert table.kv_passes == -(-table.rows // table.rows_per_tile)
+
+
+def test_a_short_step_or_a_lone_row_splits_the_prefix_more():
+    """An 8B shape on 132 SMs, one plan for up to 8 rows of 120-token steps (a self-tuned engine's): each call's
+    split count follows its own rows and tokens (issue 38), so a lone plain row fills about one wave."""
+    plan = PagedAttentionPlan(heads_q=32, heads_kv=8, head_dim=128, dtype=torch.float16, device="cpu", max_rows=8,
+                              max_row_tokens=120, max_len=4096)  # bf16's tiles are fp16's
+    assert plan.num_splits == plan.splits(8, 960) == 1  # 8 rows x 4 query tiles x 8 KV heads: two waves already
+    assert plan.splits(1, 8) == 16  # a lone plain row padded to 8 tokens: 8 KV heads x 17 = 136 programs
+    assert plan.splits(1, 32) == 16  # a lone default step (T = 18, padded to 32): one query tile
+    assert plan.splits(1, 120) == 4  # a lone 120-token step: 4 query tiles

@@ -13,12 +13,13 @@ import torch
 from graph_emulator import KERNELS, CaptureViolation, GraphEmulator, aliases, reachable_tensors, triton_launches
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from helpers import needs_interpreter
 from lookahead import LookaheadConfig
 from lookahead.kernels import StepPattern
 from lookahead.loop import RowStep, full_pattern, path_step
 from lookahead.loop.sampling import SampleRequest
 from lookahead.models import Llama
-from lookahead.models.programs import Packing
+from lookahead.models.programs import Packing, token_buckets
 from lookahead.models.runner import CachedRunner
 from lookahead.request import SamplingParams
 
@@ -47,8 +48,9 @@ def _laminar(ends) -> bool:
 
 
 def steps_for(runner: CachedRunner, rows: list[int], kinds: list[str], seed: int) -> list[RowStep]:
-    """One packed step of these kinds of rows ("plain", "tree", "tree-topk", "sampling", "chunk"), with random
-    lengths, trees and tokens; the same kinds with another seed make the same shape."""
+    """One packed step of these kinds of rows ("plain", "tree", "tree-topk", "sampling", "chunk", "path<T>": a
+    decoding step of T tokens, a path), with random lengths, trees and tokens; the same kinds with another seed make
+    the same shape."""
     rng = random.Random(seed)
     vocab = runner.model.config.vocab_size
     steps = []
@@ -60,6 +62,9 @@ def steps_for(runner: CachedRunner, rows: list[int], kinds: list[str], seed: int
         elif kind == "chunk":
             pattern = path_step(7)
             outputs = [6]
+        elif kind.startswith("path"):
+            pattern = path_step(int(kind[4:]))
+            outputs = [0, pattern.num_tokens - 1]
         else:
             pattern = StepPattern(2, 3, tree_end=random_tree(5, rng))
             outputs = list(range(1, 9))
@@ -72,11 +77,11 @@ def steps_for(runner: CachedRunner, rows: list[int], kinds: list[str], seed: int
 
 
 @torch.inference_mode()  # as generation runs
-def emulate(runner: CachedRunner, kinds: list[str], seed: int = 0) -> GraphEmulator:
+def emulate(runner: CachedRunner, kinds: list[str], seed: int = 0, positions: int = 80) -> GraphEmulator:
     """Record the step region on inputs A, replay it on inputs B staged into the same program's buffers (another
     draw of trees, lengths and tokens, the same shape); compare the replay's outputs and pool with the eager step
-    on B."""
-    rows = [runner.admit([], 80)[0] for _ in kinds]
+    on B. Each row holds `positions` positions (its random length is below 60, then its step)."""
+    rows = [runner.admit([], positions)[0] for _ in kinds]
     for row in rows:
         runner.rows[row].tokens = None
     try:
@@ -130,6 +135,7 @@ SHAPES = {
 }
 
 
+@needs_interpreter
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_step_region_is_capturable_and_replays_as_eager(runner, monkeypatch, name):
     triton_launches(monkeypatch)
@@ -139,6 +145,63 @@ def test_step_region_is_capturable_and_replays_as_eager(runner, monkeypatch, nam
     if runner.model.fusion == "triton":  # and the fused ones: 2 norms and RoPE per layer, and the final norm
         assert graph.ops.count("triton._add_rms_norm_kernel") == 2 * layers + 1
         assert graph.ops.count("triton._rotary_kernel") == graph.ops.count("triton._silu_mul_kernel") == layers
+
+
+class _CheckedKernel:
+    """A kernel global that, inside an emulated region, checks and records its launch as a capture would (its
+    arguments must be the runner's buffers or made in the region) and runs nothing."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            if GraphEmulator._active is not None:
+                GraphEmulator._active._check_inputs(f"triton.{self.name}", args)
+                GraphEmulator._active.ops.append(f"triton.{self.name}")
+
+        return launch
+
+
+@pytest.mark.parametrize("fusion", ["none", "triton"])
+def test_every_token_bucket_captures(tiny_checkpoint, monkeypatch, fusion):
+    """Each padded token count of a static step up to the self-tuned ceiling (120 tokens per row: multiples of 16 up
+    to 128) and the first powers of two past it (rows of 120 and 128 tokens) records as a CUDA graph capture would:
+    no host sync or random draw, every launch on the runner's buffers, nothing made inside kept after (the kernels
+    stand in; the replays above run them)."""
+    import importlib
+
+    for module, kernels in KERNELS.items():
+        launcher = importlib.import_module(f"lookahead.kernels.{module}")
+        for kernel in kernels:
+            monkeypatch.setattr(launcher, kernel, _CheckedKernel(kernel))
+    monkeypatch.setattr(importlib.import_module("lookahead.kernels.fused"), "interpreting", lambda: True)  # CPU tensors
+    config = Llama.from_pretrained(tiny_checkpoint("gqa")).config
+    with torch.device("meta"):
+        model = Llama(config, attn_backend="triton", fusion=fusion)  # the interpreter need not run: nothing launches
+    model.to_empty(device="cpu").eval().requires_grad_(False)
+    runner = CachedRunner(model, 160, max_step_tokens=128, block_size=BLOCK, max_rows=4)
+    runner.static = True
+    cases = {t: [t] for t in token_buckets(128)} | {256: [120, 120], 512: [128, 128, 128, 128]}
+    with torch.inference_mode():
+        for bucket, row_tokens in cases.items():
+            rows = [runner.admit([], 160)[0] for _ in row_tokens]
+            for row in rows:
+                runner.rows[row].length, runner.rows[row].tokens = 17, None
+            steps = [RowStep(row, [1] * t, path_step(t), [0, t - 1]) for row, t in zip(rows, row_tokens, strict=True)]
+            packing = Packing(steps, runner)
+            assert packing.shape(static=True).tokens == bucket
+            runner.capture([packing.shape(static=True)])
+            program = runner.programs[packing.shape(static=True)]
+            program.stage(packing, runner.scratch_slot)
+            static = reachable_tensors(runner.model, runner.pool, runner.backend, program)
+            with GraphEmulator(static) as graph:
+                outputs = program.forward(runner)
+            graph.check_escapes(runner, program, outputs=outputs)
+            assert graph.ops.count("triton._lookahead_attn_split") == config.num_hidden_layers
+            for row in rows:
+                runner.release(row)
+    assert sorted(shape.tokens for shape in runner.step_shapes) == sorted(cases)
 
 
 def test_casts_views_and_in_place_writes_replay():
@@ -237,7 +300,8 @@ BUDGET = {"default-1-4-5": 943, "15-5-15": 943, "default-topk": 945,
           "fused-default-1-4-5": 389, "fused-15-5-15": 389, "fused-default-topk": 391}
 
 
-@pytest.mark.parametrize("name", list(BUDGET))
+@pytest.mark.parametrize("name", [pytest.param(name, marks=needs_interpreter) if name.startswith("fused") else name
+                                  for name in BUDGET])
 def test_op_budget_of_an_8b_shaped_step(monkeypatch, name):
     """Aten ops and Triton launches per step (no host sync: the emulator forbids them) of a tiny-width model with
     8B's layer structure, counted in the region a CUDA graph captures."""

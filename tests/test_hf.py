@@ -19,10 +19,9 @@ import lookahead.hf.step_model as hf_step_model
 import lookahead.hf.tuning as hf_tuning
 import lookahead.loop as loop
 import lookahead.loop.core as core
-from helpers import RandomCost, fixed
+from helpers import RandomCost, fixed, needs_interpreter
 from lookahead import LookaheadConfig, SamplingParams
 from lookahead.drafts import ROOT
-from lookahead.kernels import interpreting
 from lookahead.loop.verify import Verdict
 from lookahead.tuning import CostModel, Curve, knots_up_to, store
 
@@ -145,10 +144,10 @@ def test_default_eos_and_input_forms(hf_model):
     assert out[0, len(prompt):].tolist() == expected
 
 
+@needs_interpreter
 def test_triton_kernel_as_the_step_attention(hf_model):
-    """attn_backend='triton' runs lookahead_attention (on CPU in Triton's interpreter, on CUDA compiled)."""
-    if not (torch.cuda.is_available() or interpreting()):
-        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    """attn_backend='triton' runs lookahead_attention on the model's CPU tensors, in Triton's interpreter (on a CUDA
+    host, where the interpreter is off, it skips: the model here is on the CPU)."""
     model = hf_model("gqa")
     expected = hf_greedy(model, REPETITIVE, 16, **NO_EOS)
     plans = []

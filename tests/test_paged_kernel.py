@@ -12,6 +12,7 @@ from test_kernel import DEVICE, DTYPES, FLOOR, Recorder, constexpr_names
 from test_pattern import TREES, ancestors, tree_end_of
 
 import lookahead.kernels.triton_attention as module
+from helpers import needs_triton
 from lookahead.kernels import (
     PagedAttentionPlan,
     StepPattern,
@@ -20,6 +21,8 @@ from lookahead.kernels import (
     paged_reference_attention,
     reference_attention,
 )
+
+pytestmark = needs_triton  # kernels on DEVICE: the GPU where there is one, else the interpreter
 
 # a row's step by name: (W, N, tree_end), or None for an idle row (T = 0)
 ROWS = {
@@ -145,6 +148,16 @@ def test_plan_splits_of_the_prefix(num_splits):
     batch = Batch(["5-4-branchy", "idle", "plain", "chunk7", "1-2-random3"], [65, 9, 300, 63, 64], block_size=16,
                   dtype=torch.float16, seed=3)
     check_against_reference(batch, num_splits=num_splits)
+
+
+def test_each_call_splits_the_prefix_by_its_own_rows_and_tokens():
+    """A plan sized for 8 rows of 40-token steps splits a lone plain row's long prefix more than its largest call's
+    (more programs for the SMs: 1 query tile x 4 KV heads, not 8 rows' worth), and computes it right."""
+    lone = Batch(["plain"], [1900], dtype=torch.float16, heads_q=8, heads_kv=4, seed=5)
+    plan = PagedAttentionPlan(heads_q=8, heads_kv=4, head_dim=16, dtype=torch.float16, device=DEVICE, max_rows=8,
+                              max_row_tokens=40, max_len=2000)
+    assert plan.splits(1, 1) > plan.num_splits == plan.splits(8, 320) >= 1
+    check_against_reference(lone, plan(*lone.args()))
 
 
 def test_plan_pads_tokens_past_the_last_row_with_zeros():

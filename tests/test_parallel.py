@@ -8,7 +8,7 @@ import pytest
 import torch
 from parallel_worker import spawn
 
-from helpers import MockStepModel, decode_one, fixed
+from helpers import MockStepModel, decode_one, fixed, needs_interpreter
 from lookahead import LookaheadConfig
 from lookahead.drafts import DraftTree, chain_trie
 from lookahead.loop import full_pattern, pack_step
@@ -129,6 +129,7 @@ def runs(tiny_checkpoint, tmp_path_factory):
     return out, reference
 
 
+@needs_interpreter
 def test_the_triton_kernel_runs_padded_sub_steps(runs):
     results, reference = runs
     assert all(out["triton-static"] == reference["triton-static"][:2] for out in results[2])

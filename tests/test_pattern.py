@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+from helpers import needs_triton
 from lookahead.kernels import StepPattern, lookahead_mask
 from lookahead.kernels.attention_kernels import _visible
 
@@ -207,6 +208,7 @@ def triton_mask(p, constexpr=False):
     return out.bool().cpu()
 
 
+@needs_triton
 @pytest.mark.parametrize("W, N, g", CASES, ids=IDS)
 def test_triton_predicate_equals_torch_predicate(W, N, g):
     p = StepPattern(W, N, g)
@@ -216,6 +218,7 @@ def test_triton_predicate_equals_torch_predicate(W, N, g):
     assert torch.equal(triton_mask(as_tree), p.materialize(0))
 
 
+@needs_triton
 @pytest.mark.parametrize("W, N, name", TREE_CASES, ids=TREE_IDS)
 def test_triton_tree_predicate_equals_torch_predicate(W, N, name):
     p = StepPattern(W, N, tree_end=tree_end_of(TREES[name]))

@@ -16,6 +16,7 @@ from helpers import (
     decode_one,
     decode_rows,
     flat_cost,
+    needs_interpreter,
 )
 from lookahead import LookaheadConfig, SamplingParams
 from lookahead.drafts import ROOT
@@ -178,6 +179,7 @@ def test_tiny_llama_sampling_matches_exact_distribution(tiny_checkpoint):
     """The same check through the real model, KV cache and commit path."""
     model = Llama.from_pretrained(tiny_checkpoint("vocab6", vocab_size=VOCAB, hidden_size=32, num_attention_heads=2,
                                                   num_key_value_heads=1, intermediate_size=48))
+    model.cost_model = flat_cost()  # multi-token steps whatever the machine's load (the acceptance floor below)
     fn = lambda ctx: model(torch.tensor([ctx]))[0, -1].double()  # noqa: E731
     params = SamplingParams(1.0)
     joint = exact_joint(fn, PROMPT, params)
@@ -194,7 +196,7 @@ def test_tiny_llama_sampling_matches_exact_distribution(tiny_checkpoint):
     assert min(checks.values()) > P_FLOOR, checks
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_interpreter)])
 def test_tiny_llama_seeded_lookahead_sampling_gives_seeded_plain_sampling(tiny_checkpoint, backend):
     """Through the real model, its runner and both attention backends: one prompt (exact-size and static steps) and
     a batch give, token for token, what plain sampling gives with the same seeds."""

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import needs_triton
+
 pytestmark = pytest.mark.smoke
 
 
@@ -41,6 +43,7 @@ def test_tiny_model_lookahead_equals_plain_greedy(tiny_checkpoint, form):
     assert result.steps < plain.steps  # a random tiny model repeats itself: some steps accept several tokens
 
 
+@needs_triton
 def test_kernel_matches_reference():
     pytest.importorskip("triton")
     from lookahead.kernels import lookahead_attention, reference_attention

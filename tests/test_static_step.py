@@ -7,7 +7,7 @@ import pytest
 import torch
 from test_pattern import random_parents
 
-from helpers import MockStepModel, RandomCost, context_logits, decode_one, fixed, grow_from
+from helpers import MockStepModel, RandomCost, context_logits, decode_one, fixed, grow_from, needs_interpreter
 from lookahead import LookaheadConfig
 from lookahead.drafts import DraftBuilder, DraftTree, chain_trie
 from lookahead.kernels import StepPattern
@@ -98,6 +98,7 @@ def test_tiny_llama_static_sampling_equals_exact(tiny_checkpoint, temperature, t
         assert static.tokens == exact.tokens and static.steps == exact.steps
 
 
+@needs_interpreter
 @pytest.mark.parametrize("W, N, G", [(1, 2, 0), (3, 4, 3)], ids=["W1-N2-G0", "W3-N4-G3"])
 def test_triton_backend_static_steps(tiny_checkpoint, W, N, G):
     folder = tiny_checkpoint("gqa")
@@ -146,7 +147,7 @@ def test_cuda_graphs_replay_the_eager_step(tiny_checkpoint, lookahead):
     again = model.generate(prompt, cuda_graph=True, **kwargs)  # replays the graphs captured above
     assert graphed.tokens == eager.tokens == again.tokens
     runner = model.runner
-    assert runner.cuda_graphs and all(p.graph is not None for p in runner._programs.values())
+    assert runner.cuda_graphs and all(p.graph is not None for p in runner.programs.values())
     cpu = Llama.from_pretrained(tiny_checkpoint("gqa"))
     assert graphed.tokens == cpu.generate(prompt, max_new_tokens=48, eos_token_id=[]).tokens
 
@@ -180,6 +181,7 @@ class KernelLaunches:
         return launch
 
 
+@needs_interpreter
 @pytest.mark.parametrize("form", ["chains", "tree"])
 @pytest.mark.parametrize("static", [True, False], ids=["static", "exact-size"])
 def test_a_static_generation_compiles_the_kernel_once(tiny_checkpoint, monkeypatch, static, form):

@@ -9,7 +9,7 @@ import torch
 from test_pattern import TREES
 
 import lookahead.drafts.builder as builder_module
-from helpers import MockStepModel, context_logits, decode_one, grow_from
+from helpers import MockStepModel, context_logits, decode_one, grow_from, needs_interpreter
 from lookahead import LookaheadConfig
 from lookahead.drafts import EMPTY, ROOT, DraftBuilder, DraftMemory, DraftTree, NGramPool, RecycleTables, SuffixIndex
 from lookahead.drafts.edges import suffix_state
@@ -304,6 +304,7 @@ def test_every_source_feeds_the_tree(source):
             assert result.compression > FLOORS[source], result.compression
 
 
+@needs_interpreter
 def test_triton_backend_tree_steps(tiny_checkpoint):
     """The kernel with a per-step tree (tree_end as data) inside the decode loop, under the interpreter on CPU."""
     folder = tiny_checkpoint("gqa")

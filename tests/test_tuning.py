@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from helpers import MockRowModel, MockStepModel, RandomCost, context_logits, decode_one, decode_rows
+from helpers import MockRowModel, MockStepModel, RandomCost, context_logits, decode_one, decode_rows, needs_interpreter
 from lookahead import LookaheadConfig
 from lookahead.models import Llama
 from lookahead.models import tuning as model_tuning
@@ -481,7 +481,7 @@ def cache_dir(tmp_path, monkeypatch):
     return tmp_path
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_interpreter)])
 def test_tiny_llama_greedy_with_any_step_sizes_is_plain_greedy(tiny_checkpoint, backend):
     model = Llama.from_pretrained(tiny_checkpoint(), attn_backend=backend)
     model.cost_model = RandomCost(1)

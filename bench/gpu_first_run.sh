@@ -1,0 +1,136 @@
+#!/usr/bin/env bash
+# The first run on a GPU host: the most valuable figures first, each written as it is measured, the whole run
+# stopping itself before its budget (default 540 s: one 10-minute call with room to spare). Needs only this checkout
+# and torch + triton with CUDA (no model file, no network). From the repository root:
+#
+#     bash bench/gpu_first_run.sh                 # a CUDA host: parts a-e, about 9 minutes at most
+#     bash bench/gpu_first_run.sh --dry-run       # a CPU: the same parts at tiny shapes, about half a minute
+#     bash bench/gpu_first_run.sh --budget 300 --parts "a b"
+#
+# Parts, in order of value, each in its own process (a CUDA error in one does not poison the next) under its own
+# budget, cut to what the whole run has left (docs/gpu.md lists each part's expected time):
+#   a  bench/first_run.py --part a: an 8B-shaped bf16 step, graphed, at every padded step size; plain on its own runner
+#   b  bench/first_run.py --part b: tokens/s plain vs lookahead, SmolLM2-shaped, replaying steps recorded on a CPU
+#   c  bench/first_run.py --part c: the engine at 1, 8 and 32 rows
+#   d  bench/first_run.py --part d: the batch-invariant mode's tests and cost, where the checkout has it
+#   e  the GPU tests (bench/gpu_tests.txt), last, with what time is left
+# OUT (default: bench/results/first-run-cuda, or -cpu) receives first-run.jsonl (one JSON object a line, flushed as
+# measured; the script's own lines have "event") and first-run.log (every part's output). Exit 0 when every part
+# that ran ended well, 1 otherwise, 2 when it could not start.
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+dry=0 budget="" parts="a b c d e"
+while [ $# -gt 0 ]; do
+    case $1 in
+        --dry-run) dry=1 ;;
+        --budget) budget=${2:?--budget needs seconds}; shift ;;
+        --parts) parts=${2:?--parts needs a list such as "a b"}; shift ;;
+        -h | --help) sed -n '2,23p' "$0"; exit 0 ;;
+        *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
+    esac
+    shift
+done
+if [ "$dry" = 1 ]; then  # seconds: the whole run, each part, the least a part starts with, kept back at the end
+    total=${budget:-90} reserve=2 least=3 slug=cpu
+    declare -A want=([a]=25 [b]=15 [c]=20 [d]=10 [e]=$total)  # e: whatever is left
+else
+    total=${budget:-540} reserve=10 least=20 slug=cuda
+    declare -A want=([a]=150 [b]=90 [c]=90 [d]=60 [e]=$total)
+fi
+OUT=${OUT:-bench/results/first-run-$slug}
+mkdir -p "$OUT" || exit 2
+JSONL=$OUT/first-run.jsonl LOG=$OUT/first-run.log
+deadline=$((SECONDS + total))
+failed=0
+
+event() {  # part, event, detail, rc: one line of the script's own
+    local detail=${3//\"/\'}
+    printf '{"part": "%s", "event": "%s", "detail": "%s", "rc": %s, "elapsed_s": %d}\n' "$1" "$2" "$detail" \
+        "${4:-null}" "$SECONDS" | tee -a "$JSONL"
+}
+
+budget_for() {  # part: its seconds, cut to what the run has left; empty (and a line saying so) when too few are left
+    local left=$((deadline - SECONDS - reserve))
+    local give=$((want[$1] < left ? want[$1] : left))
+    if [ "$give" -lt "$least" ]; then
+        event "$1" skipped "no time left: $left s of the run's budget for a part that needs at least $least s" >&2
+        return 1
+    fi
+    echo "$give"
+}
+
+finished() {  # part, rc, hard limit
+    case $2 in
+        0) event "$1" done "" "$2" ;;
+        124 | 137) event "$1" killed "over its hard limit of $3 s" "$2"; failed=1 ;;
+        *) event "$1" failed "exit $2 (log: first-run.log)" "$2"; failed=1 ;;
+    esac
+}
+
+part() {  # a-d: bench/first_run.py --part NAME, which stops itself at its budget; the hard limit is for a hang
+    local give limit
+    give=$(budget_for "$1") || return 0
+    limit=$((give + reserve / 2 + 1))
+    echo "== part $1: budget $give s, at $SECONDS s of $total s" | tee -a "$LOG"
+    PYTHONUNBUFFERED=1 timeout -k 5 "$limit" "$PYTHON" bench/first_run.py --part "$1" --out "$JSONL" \
+        --budget "$give" "${dry_flag[@]}" 2>&1 | tee -a "$LOG"
+    finished "$1" "${PIPESTATUS[0]}" "$limit"
+}
+
+tests() {  # e: the GPU tests (in the dry run, their collection) with what time is left, then their summary line
+    local give limit summary
+    give=$(budget_for e) || return 0
+    limit=$((give + reserve / 2 + 1))
+    local args=(-q -p no:cacheprovider -rfEs)
+    [ "$dry" = 1 ] && args=(--collect-only -q -p no:cacheprovider)
+    mapfile -t files < <(grep -v -e '^[[:space:]]*#' -e '^[[:space:]]*$' bench/gpu_tests.txt)
+    echo "== part e: pytest ${args[*]} ${files[*]} (budget $give s, at $SECONDS s of $total s)" | tee -a "$LOG"
+    PYTHONUNBUFFERED=1 timeout -k 5 "$give" "$PYTHON" -m pytest "${args[@]}" "${files[@]}" 2>&1 \
+        | tee -a "$LOG" | tee "$OUT/tests.tmp"
+    local rc=${PIPESTATUS[0]}
+    summary=$(grep -E '(passed|failed|error|skipped|collected|no tests ran)' "$OUT/tests.tmp" | tail -n 1)
+    rm -f "$OUT/tests.tmp"
+    event e tests "${summary:-no summary line: cut (see first-run.log)}" "$rc"
+    finished e "$rc" "$give"
+}
+
+# exit 3: no CUDA (a GPU run), 4: this checkout is not importable (then installed offline)
+"$PYTHON" -c "import sys, torch
+if not ($dry or torch.cuda.is_available()):
+    sys.exit(3)
+try:
+    import lookahead.kernels, lookahead.models
+except ImportError:
+    sys.exit(4)"
+case $? in
+    0) ;;
+    3) event setup error "no CUDA GPU visible to torch: on a CPU run bash bench/gpu_first_run.sh --dry-run"; exit 2 ;;
+    4) if ! "$PYTHON" -m pip install -q --no-deps --no-build-isolation -e . >>"$LOG" 2>&1; then
+        # no pip or setuptools that can: the three folders laid out as the package they install as, on PYTHONPATH
+        shim=$(mktemp -d)
+        trap 'rm -rf "$shim"' EXIT
+        mkdir "$shim/lookahead"
+        ln -s "$PWD"/lookahead/* "$shim/lookahead/"
+        ln -s "$PWD/kernels" "$shim/lookahead/kernels"
+        ln -s "$PWD/models" "$shim/lookahead/models"
+        # and no current or script folder first on sys.path (Python >= 3.11), where ./lookahead would shadow it
+        export PYTHONPATH=$shim:$PWD/bench${PYTHONPATH:+:$PYTHONPATH} PYTHONSAFEPATH=1
+        "$PYTHON" -c "import lookahead.kernels, lookahead.models" >>"$LOG" 2>&1 \
+            || { event setup error "lookahead is not importable, even from $shim (log: first-run.log)"; exit 2; }
+        event setup shim "pip install -e . failed; lookahead imported from $shim"
+    fi ;;
+    *) event setup error "$PYTHON could not import torch"; exit 2 ;;
+esac
+event setup start "parts: $parts; dry run: $dry; budget $total s; commit $(git rev-parse --short HEAD 2>/dev/null)"
+dry_flag=()
+[ "$dry" = 1 ] && dry_flag=(--dry-run)
+for name in $parts; do
+    case $name in
+        a | b | c | d) part "$name" ;;
+        e) tests ;;
+        *) event "$name" skipped "no such part (a-e)" ;;
+    esac
+done
+event setup end "$((SECONDS)) s of the $total s budget" "$failed"
+exit $failed
