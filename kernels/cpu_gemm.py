@@ -20,6 +20,7 @@ import os
 import platform
 import sys
 import threading
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -183,6 +184,20 @@ def gemm(x: torch.Tensor, packed: Packed, start: torch.Tensor | None = None) -> 
     return out if batched else out[0]
 
 
+STALE_LOCK_S = 600  # a build holds torch's lock file for about a minute; one this old was left by a killed process
+
+
+def _drop_stale_lock(folder: Path) -> None:
+    """torch's loader waits for its build folder's `lock` file forever: a process killed mid-build leaves one behind,
+    and every later load would hang."""
+    lock = folder / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink()
+    except OSError:  # none there, or gone meanwhile
+        pass
+
+
 def _cpu_tag() -> str:
     """A short hash of this CPU's model and flags: the build is for this CPU alone (-march=native), so a cache folder
     shared by machines keeps one build per kind of CPU."""
@@ -208,6 +223,7 @@ def _load(build_dir):
                 if build_dir is not None:
                     folder = Path(build_dir)
                     folder.mkdir(parents=True, exist_ok=True)
+                    _drop_stale_lock(folder)
                     if not (folder / f"{name}.so").is_file():  # a long silence otherwise
                         print(f"lookahead: compiling the batch-invariant CPU GEMM for this machine into {folder} "
                               "(once; about a minute)", file=sys.stderr, flush=True)
