@@ -14,6 +14,10 @@ a query's last one, and its block's positions past p, add exact zeros.
 Keys reach a query by two routes, computed alike: blocks every query of a row shares (its prefix's whole blocks; for
 a row whose step is a path, a prompt chunk or a plain step, every block), gathered once per row, and each query's own
 tail (the rest of its prefix's last block, then its ancestors), gathered per query. All arithmetic is float32.
+
+`chain_attention` is the same contract on the CPU through `cpu_gemm`, without blocks: every sum a fused multiply-add
+chain in position order. `RowKeys` (built by `row_keys`, `path_keys`, `single_keys`) says where a row's queries find
+their keys, for both; `query_slots` turns it into the per-query lists of `invariant_triton.invariant_attention`.
 """
 
 from __future__ import annotations
