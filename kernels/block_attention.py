@@ -15,9 +15,9 @@ Keys reach a query by two routes, computed alike: blocks every query of a row sh
 a row whose step is a path, a prompt chunk or a plain step, every block), gathered once per row, and each query's own
 tail (the rest of its prefix's last block, then its ancestors), gathered per query. All arithmetic is float32.
 
-`chain_attention` is the same contract on the CPU through `cpu_gemm`, without blocks: every sum a fused multiply-add
-chain in position order. `RowKeys` (built by `row_keys`, `path_keys`, `single_keys`) says where a row's queries find
-their keys, for both; `query_slots` turns it into the per-query lists of `invariant_triton.invariant_attention`.
+`RowKeys` (built by `row_keys`, `path_keys`, `single_keys`) says where a row's queries find their keys; `query_slots`
+turns it into the per-query lists that the kernels of the same contract take (`invariant_triton.invariant_attention`;
+on the CPU `cpu_gemm.attention`, every sum a fused multiply-add chain in position order, without blocks).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 import torch
 
-from . import cpu_gemm
 from .row_plans import invariant_matmul
 
 BLOCK = 16  # positions per reduction block
@@ -140,48 +139,6 @@ def block_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, k
     for partial in partials[1:]:  # block after block, in float32: a query's blocks past its own add exact zeros
         total = total + partial
     out = total[..., :dim] / total[..., dim:]
-    return out.permute(1, 0, 2, 3).reshape(r, heads, dim).to(q.dtype)
-
-
-def chain_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, keys: RowKeys,
-                    scale: float | None = None) -> torch.Tensor:
-    """`block_attention` through `cpu_gemm` (the CPU, once it is compiled): each score a fused multiply-add chain over
-    D, and each query's weighted values and weight sum one chain over its keys in position order, the shared keys'
-    chain continued over the query's own (`cpu_gemm.gemm(start=)`): the same arithmetic whatever route a key takes,
-    with no blocks. Masked keys add fma(0, v, acc) = acc exactly. Its sums are not `block_attention`'s: each of the two
-    is bitwise the same with itself."""
-    r, heads, dim = q.shape
-    kv_heads = k_all.shape[0]
-    group = heads // kv_heads
-    scale = dim ** -0.5 if scale is None else scale
-    q32 = (q.float() * scale).view(r, kv_heads, group, dim).permute(1, 0, 2, 3).contiguous()  # [Hkv, R, G, D]
-    shared, tails = keys.shared.numel(), 0 if keys.tail is None else keys.tail.shape[1]
-    maxima = []
-    if shared:  # [Hkv, R, G, S]
-        k = k_all[:, keys.shared].float()
-        s_shared = cpu_gemm.gemm(q32.view(kv_heads, r * group, dim), cpu_gemm.pack(k)).view(kv_heads, r, group, shared)
-        if keys.shared_valid is not None:
-            s_shared = s_shared.masked_fill(~keys.shared_valid[None, :, None, :], float("-inf"))
-        maxima.append(s_shared.amax(-1))
-    if tails:  # [Hkv, R, G, U]: each query against its own keys
-        k = k_all[:, keys.tail].float().view(kv_heads * r, tails, dim)
-        s_tail = cpu_gemm.gemm(q32.view(kv_heads * r, group, dim), cpu_gemm.pack(k)).view(kv_heads, r, group, tails)
-        s_tail = s_tail.masked_fill(~keys.tail_valid[None, :, None, :], float("-inf"))
-        maxima.append(s_tail.amax(-1))
-    top = maxima[0] if len(maxima) == 1 else torch.maximum(*maxima)  # exact in any order
-    acc = None  # [Hkv, R * G, D + 1]: weighted values and the weights' sum
-    if shared:
-        v = _with_ones(v_all[:, keys.shared].float())  # [Hkv, S, D + 1]
-        weights = torch.exp(s_shared - top[..., None]).view(kv_heads, r * group, shared)
-        acc = cpu_gemm.gemm(weights, cpu_gemm.pack(v.transpose(1, 2)))
-    if tails:
-        v = v_all[:, keys.tail].float().masked_fill(~keys.tail_valid[None, :, :, None], 0.0)  # padding: anything
-        v = _with_ones(v).view(kv_heads * r, tails, dim + 1)
-        weights = torch.exp(s_tail - top[..., None]).view(kv_heads * r, group, tails)
-        start = None if acc is None else acc.view(kv_heads * r, group, dim + 1)
-        acc = cpu_gemm.gemm(weights, cpu_gemm.pack(v.transpose(1, 2)), start=start)
-    acc = acc.view(kv_heads, r, group, dim + 1)
-    out = acc[..., :dim] / acc[..., dim:]
     return out.permute(1, 0, 2, 3).reshape(r, heads, dim).to(q.dtype)
 
 

@@ -34,6 +34,7 @@ _SOURCE = r"""
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 constexpr int NB = 64;
 
@@ -139,6 +140,65 @@ torch::Tensor rows_gemm(torch::Tensor x, torch::Tensor packed, int64_t n, torch:
                   out.data_ptr<float>(), n, start);
   return out;
 }
+
+// Attention of R queries, each over its own keys: slots [R, W] (the first counts[r] are query r's key slots in position
+// order), k, v [Hkv, S, D] (float32, bfloat16 or float16), q [R, Hq, D] float32 (scaled), out [R, Hq, D] float32.
+// Per (query, KV head): each score a fused multiply-add chain over d (16 keys at a time, one per vector lane), the max
+// over the scores, then one chain over the keys in order for every output and for the weights' sum.
+template <typename T>
+static void attend(const float* q, const T* k, const T* v, const int64_t* slots, const int64_t* counts, float* out,
+                   int64_t R, int64_t Hq, int64_t Hkv, int64_t S, int64_t D, int64_t W) {
+  const int64_t G = Hq / Hkv;
+  at::parallel_for(0, R * Hkv, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores, keys(16 * D), acc(D);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t r = i / Hkv, h = i % Hkv, n = counts[r];
+      const int64_t* slot = slots + r * W;
+      const T* kh = k + h * S * D;
+      const T* vh = v + h * S * D;
+      scores.assign(G * n, 0.f);
+      for (int64_t j0 = 0; j0 < n; j0 += 16) {
+        const int64_t m = std::min<int64_t>(16, n - j0);
+        for (int64_t jj = 0; jj < 16; ++jj)  // keys transposed: [d][key], a vector lane per key
+          for (int64_t d = 0; d < D; ++d)
+            keys[d * 16 + jj] = jj < m ? static_cast<float>(kh[slot[j0 + jj] * D + d]) : 0.f;
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = q + (r * Hq + h * G + g) * D;
+          float s[16] = {0.f};
+          for (int64_t d = 0; d < D; ++d)
+            for (int jj = 0; jj < 16; ++jj) s[jj] = std::fma(qg[d], keys[d * 16 + jj], s[jj]);
+          for (int64_t jj = 0; jj < m; ++jj) scores[g * n + j0 + jj] = s[jj];
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const float* sg = scores.data() + g * n;
+        float top = sg[0];
+        for (int64_t j = 1; j < n; ++j) top = std::max(top, sg[j]);
+        float total = 0.f;
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t j = 0; j < n; ++j) {
+          const float p = std::exp(sg[j] - top);
+          total += p;
+          const T* vj = vh + slot[j] * D;
+          for (int64_t d = 0; d < D; ++d) acc[d] = std::fma(p, static_cast<float>(vj[d]), acc[d]);
+        }
+        float* o = out + (r * Hq + h * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = acc[d] / total;
+      }
+    }
+  });
+}
+
+torch::Tensor chain_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor slots,
+                              torch::Tensor counts) {
+  const int64_t R = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(0), S = k.size(1), W = slots.size(1);
+  auto out = torch::empty({R, Hq, D}, q.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k.scalar_type(), "chain_attention", [&] {
+    attend<scalar_t>(q.data_ptr<float>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), slots.data_ptr<int64_t>(),
+                     counts.data_ptr<int64_t>(), out.data_ptr<float>(), R, Hq, Hkv, S, D, W);
+  });
+  return out;
+}
 """
 _module = None
 _failed: str | None = None
@@ -198,6 +258,20 @@ def _drop_stale_lock(folder: Path) -> None:
         pass
 
 
+def attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, slots: torch.Tensor,
+              counts: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Each query over its own keys (`invariant_triton.invariant_attention`'s contract, on the CPU): q [R, Hq, D];
+    k_all, v_all [Hkv, S, D] (any float dtype; rows contiguous); slots [R, width], query i's key slots in position
+    order in its first counts[i] entries. Each score a fused multiply-add chain over D, the max over them, then one
+    chain over the keys in order for each output and for the weights' sum: a query's output depends on its own keys
+    alone. Returns [R, Hq, D] in q's dtype. Call `available` first."""
+    dim = q.shape[-1]
+    q32 = (q.float() * (dim ** -0.5 if scale is None else scale)).contiguous()
+    out = _module.chain_attention(q32, k_all.contiguous(), v_all.contiguous(), slots.to(torch.int64).contiguous(),
+                                  counts.to(torch.int64).contiguous())
+    return out.to(q.dtype)
+
+
 def _cpu_tag() -> str:
     """A short hash of this CPU's model and flags: the build is for this CPU alone (-march=native), so a cache folder
     shared by machines keeps one build per kind of CPU."""
@@ -229,7 +303,7 @@ def _load(build_dir):
                               "(once; about a minute)", file=sys.stderr, flush=True)
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    _module = load_inline(name, cpp_sources=_SOURCE, functions=["rows_gemm"],
+                    _module = load_inline(name, cpp_sources=_SOURCE, functions=["rows_gemm", "chain_attention"],
                                           extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
                                           extra_ldflags=["-fopenmp"],
                                           build_directory=None if folder is None else str(folder), verbose=False)

@@ -21,14 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from lookahead.kernels import StepPattern
-from lookahead.kernels.block_attention import (
-    block_attention,
-    chain_attention,
-    path_keys,
-    query_slots,
-    row_keys,
-    single_keys,
-)
+from lookahead.kernels.block_attention import block_attention, path_keys, query_slots, row_keys, single_keys
 
 from .kv_cache import KVPool
 
@@ -214,20 +207,20 @@ class TritonBackend:
 
 
 class InvariantBackend:
-    """The batch-invariant mode's attention (`Llama(batch_invariant=True)`): each row's queries by
-    `lookahead.kernels.block_attention`, which reduces every query's keys in position order and in blocks aligned to
-    position 0, so a query's output does not depend on its step's shape, the rows beside it, how its prompt was
-    chunked or whether its prefix came from the cache. The rows' key slots are laid out on the host once per step."""
+    """The batch-invariant mode's attention (`Llama(batch_invariant=True)`): every query's keys reduced in position
+    order by arithmetic that depends on its own keys alone, so its output does not depend on its step's shape, the rows
+    beside it, how its prompt was chunked or whether its prefix came from the cache. The rows' key slots are laid out
+    on the host once per step. Three reductions, each bitwise the same with itself: `kernel="triton"`
+    (`lookahead.kernels.invariant_attention`, the Triton backend's), `"cpu"` (the compiled CPU kernel,
+    `lookahead.kernels.cpu_gemm.attention`) and `"torch"` (`block_attention`, torch ops: elsewhere)."""
 
     name, graphable = "invariant", False
 
-    def __init__(self, device: torch.device, kernel: bool = False, chains: bool = False) -> None:
-        """kernel: reduce with the Triton kernel (`lookahead.kernels.invariant_triton`, the Triton backend's mode)
-        instead of torch ops: the same order of blocks, its own float32 sums. chains: on the CPU, through the
-        compiled CPU GEMM (`chain_attention`: a chain over each query's keys in position order, no blocks)."""
+    def __init__(self, device: torch.device, kernel: str = "torch") -> None:
+        if kernel not in ("triton", "cpu", "torch"):
+            raise ValueError(f"kernel must be 'triton', 'cpu' or 'torch', got {kernel!r}")
         self.device = torch.device(device)
         self.kernel = kernel
-        self.attention = chain_attention if chains else block_attention
         self.pool: KVPool | None = None
 
     def resize(self, pool: KVPool, max_rows: int, row_tokens: Sequence[int]) -> None:
@@ -256,21 +249,24 @@ class InvariantBackend:
             rows.append((torch.tensor(starts), single_keys(list(lengths), list(slots), self.pool.scratch_slot,
                                                            self.device)))
         rows = [(queries.to(self.device), keys) for queries, keys in rows]
-        if self.kernel:
+        if self.kernel != "torch":
             return self._kernel_step(rows)
 
         def attend(layer: int, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor) -> torch.Tensor:
             out = torch.zeros_like(q)  # padding tokens: seen by no one
             for queries, keys in rows:
-                out[0][:, queries] = self.attention(q[0][:, queries].transpose(0, 1), k_all, v_all,
-                                                    keys).transpose(0, 1)
+                out[0][:, queries] = block_attention(q[0][:, queries].transpose(0, 1), k_all, v_all,
+                                                     keys).transpose(0, 1)
             return out
 
         return attend
 
     def _kernel_step(self, rows: list) -> LayerAttention:
-        """Every row's queries in one launch per layer: each query's key slots as one padded list."""
-        from lookahead.kernels.invariant_triton import invariant_attention
+        """Every row's queries in one call per layer: each query's key slots as one padded list."""
+        if self.kernel == "cpu":
+            from lookahead.kernels.cpu_gemm import attention as invariant_attention
+        else:
+            from lookahead.kernels.invariant_triton import invariant_attention
 
         lists = [query_slots(keys, queries.numel()) for queries, keys in rows]
         width = max(slots.shape[1] for slots, _ in lists)
