@@ -68,7 +68,7 @@ class Llama(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype | str | None = None,
                         device: torch.device | str = "cpu", attn_backend: str = "auto", fusion: str = "auto",
-                        batch_invariant: bool = False) -> Llama:
+                        batch_invariant: bool | None = None) -> Llama:
         """Load a Hugging Face checkpoint folder (config.json + model.safetensors, sharded or not) of model_type
         llama, mistral, qwen2 or qwen3; other architectures are refused (`lookahead.hf` decodes transformers models).
 
@@ -77,7 +77,9 @@ class Llama(nn.Module):
         from a one-token pass, so near-ties can flip, unless `batch_invariant`.
         batch_invariant: a position's logits are bitwise the same whatever step computes them (a plain step, a
         lookahead step of any shape, the rows packed beside it, how its prompt was chunked, a cached prefix), so
-        lookahead and batches give plain greedy's tokens bitwise in every dtype. Every GEMM runs in float32 through
+        lookahead and batches give plain greedy's tokens bitwise in every dtype. None (the default): on for a CPU
+        with fusion "auto" or "none" (there it is faster than the mode off: the package's compiled kernels, built
+        once per machine on the first load), off on CUDA (unmeasured there). Every GEMM runs in float32 through
         row counts that compute each row alike, and attention reduces each query's keys in position order
         (`lookahead.kernels.block_attention`); fusion is "none" and steps run eagerly (no CUDA graphs). The property
         of the same name switches it later.
@@ -110,8 +112,10 @@ class Llama(nn.Module):
         device = resolve_device(device)
         dtype = resolve_dtype(dtype if dtype is not None else default_dtype(device))
         backend = resolve_backend(attn_backend, device)
-        if batch_invariant is not True and batch_invariant is not False:
-            raise TypeError(f"batch_invariant must be True or False, got {batch_invariant!r}")
+        if batch_invariant is not None and batch_invariant is not True and batch_invariant is not False:
+            raise TypeError(f"batch_invariant must be True, False or None, got {batch_invariant!r}")
+        if batch_invariant is None:
+            batch_invariant = default_batch_invariant(device, fusion)
         fusion = "none" if batch_invariant and fusion == "auto" else choose_fusion(fusion, device.type, backend,
                                                                                   interpreting())
         _check_invariant(batch_invariant, fusion)
@@ -392,6 +396,12 @@ def _take_rows(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     if rows is None:
         return x
     return x[:, rows] if rows.ndim == 1 else x.gather(1, rows[..., None].expand(-1, -1, x.shape[-1]))
+
+
+def default_batch_invariant(device: torch.device, fusion: str) -> bool:
+    """The batch-invariant mode where it is the default: a CPU running the unfused forward (fusion "auto" or "none"),
+    where the mode's compiled kernels are faster than torch's; not on CUDA, where it is unmeasured."""
+    return device.type == "cpu" and fusion in ("auto", "none")
 
 
 def default_dtype(device: torch.device) -> torch.dtype:

@@ -232,7 +232,7 @@ def test_every_position_is_bitwise_the_plain_steps_on_cuda(tiny_checkpoint, dtyp
 def test_the_mode_off_differs_somewhere(tiny_checkpoint):
     """The negative control: without the mode, 16-bit logits of one position differ between a one-token step and a
     many-token step (so the tests above can fail)."""
-    model = Llama.from_pretrained(tiny_checkpoint("gqa"), dtype=torch.bfloat16)
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"), dtype=torch.bfloat16, batch_invariant=False)
     rng = random.Random(0)
     sequence = [rng.randrange(VOCAB) for _ in range(64)]
     reference = plain_logits(model, sequence)
@@ -243,7 +243,9 @@ def test_the_mode_off_differs_somewhere(tiny_checkpoint):
 
 
 def test_the_mode_is_a_property_that_drops_the_runner(tiny_checkpoint):
-    model = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    assert Llama.from_pretrained(tiny_checkpoint("gqa")).batch_invariant  # a CPU's default
+    assert not Llama.from_pretrained(tiny_checkpoint("gqa"), fusion="compile").batch_invariant  # fused: off
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"), batch_invariant=False)
     assert not model.batch_invariant
     model.generate([1, 2, 3], max_new_tokens=2)
     assert model.runner is not None
@@ -366,7 +368,7 @@ def test_bf16_lookahead_batches_and_cached_prefixes_equal_plain_greedy(default_m
 def test_bf16_without_the_mode_lookahead_differs_somewhere(default_model_dir):
     """The negative control of the test above: the same prompts in bfloat16 with the mode off give plain greedy's
     tokens on some prompts only (so the test above can fail)."""
-    model = Llama.from_pretrained(default_model_dir, dtype=torch.bfloat16)
+    model = Llama.from_pretrained(default_model_dir, dtype=torch.bfloat16, batch_invariant=False)
     prompts = bf16_prompts(default_model_dir, 12)
     assert any(model.generate(ids, max_new_tokens=64, eos_token_id=[], lookahead=fixed()).tokens
                != model.generate(ids, max_new_tokens=64, eos_token_id=[]).tokens for ids in prompts)

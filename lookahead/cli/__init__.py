@@ -80,8 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_DefaultsFormatter,
         description="Generate text with lookahead decoding. In float32 with temperature 0 the output is token "
                     "for token plain greedy decoding; in float16/bfloat16 near-ties can flip (a multi-token pass "
-                    "rounds differently from a one-token pass) unless --batch-invariant. Ends with a summary line "
-                    "on stderr.")
+                    "rounds differently from a one-token pass) unless in the batch-invariant mode (a CPU's default). "
+                    "Ends with a summary line on stderr.")
     gen.add_argument("prompt", help="the user message (or raw text with --raw)")
     gen.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
     gen.add_argument("--compare", action="store_true",
@@ -187,11 +187,11 @@ def _add_options(command: argparse.ArgumentParser) -> None:
 def _add_machine_options(command: argparse.ArgumentParser) -> None:
     """How the model runs, and --debug: every command's last options."""
     command.add_argument("--dtype", default=None, choices=("float32", "float16", "bfloat16"),
-                         help="model dtype (default: bfloat16 on CUDA, float32 on CPU; float32 is token-exact, "
-                              "16-bit may flip near-ties unless --batch-invariant)")
-    command.add_argument("--batch-invariant", action="store_true",
+                         help="model dtype (default: bfloat16 on CUDA, float32 on CPU; float32 is token-exact, and "
+                              "16-bit too in the batch-invariant mode)")
+    command.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
                          help="compute each position's logits bitwise the same whatever the step, batch, prompt "
-                              "chunking or prefix cache (exact in every dtype; GEMMs in float32, no CUDA graphs)")
+                              "chunking or prefix cache: exact in every dtype (default: on for a CPU, off on CUDA)")
     command.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     command.add_argument("--attn-backend", default="auto", choices=BACKENDS,
                          help="attention implementation (auto: Triton on CUDA, torch on CPU)")

@@ -139,9 +139,10 @@ def load(args: argparse.Namespace, parallel, say):
                                   fusion=args.fusion, batch_invariant=args.batch_invariant)
     tokenizer = _tokenizer(folder)
     dtype = str(model.dtype).removeprefix("torch.")
-    say(f"loaded in {time.perf_counter() - start:.1f} s ({dtype}, {device}); generating"
+    mode = ", batch-invariant" if model.batch_invariant else ""
+    say(f"loaded in {time.perf_counter() - start:.1f} s ({dtype}, {device}{mode}); generating"
         + ("" if parallel is None else f" on {ranks} processes (lookahead parallelism)"))
-    if dtype != "float32" and lookahead is not None and args.temperature == 0 and not args.batch_invariant:
+    if dtype != "float32" and lookahead is not None and args.temperature == 0 and not model.batch_invariant:
         say(f"note: in {dtype} the output may differ from plain greedy decoding where two tokens are "
              "nearly tied (a multi-token pass rounds differently from a one-token pass); float32 is token-exact, "
              "and so is every dtype with --batch-invariant")
