@@ -41,7 +41,7 @@ from lookahead.kernels import StepPattern  # noqa: E402
 from lookahead.loop import PLAIN_STEP, LookaheadLoop, path_step  # noqa: E402
 from lookahead.models import Llama, LlamaConfig, engine_for  # noqa: E402
 from lookahead.models.runner import BLOCK_SIZE, CachedRunner  # noqa: E402
-from lookahead.request import GREEDY  # noqa: E402
+from lookahead.request import GREEDY, Request  # noqa: E402
 
 GPU = torch.cuda.is_available()
 TRACES = ROOT / "bench" / "data" / "smollm2-traces.json"
@@ -251,7 +251,7 @@ def part_engine(out: Out) -> None:
                 if out.late(2.0 if out.dry else 10.0):
                     return
                 engine.model.clear_cache()
-                handles = [engine.submit(p, new, stop_token_ids=[], lookahead=lookahead) for p in prompts]
+                handles = [engine.submit(Request([p], new, lookahead=lookahead)) for p in prompts]
                 start = time.perf_counter()
                 while not all(h.done for h in handles):
                     engine.step()

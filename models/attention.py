@@ -249,6 +249,8 @@ class InvariantBackend:
             rows.append((torch.tensor(starts), single_keys(list(lengths), list(slots), self.pool.scratch_slot,
                                                            self.device)))
         rows = [(queries.to(self.device), keys) for queries, keys in rows]
+        if not rows:  # a step of padding alone (a capture's placeholder): seen by no one
+            return lambda layer, q, k_all, v_all: torch.zeros_like(q)
         if self.kernel != "torch":
             return self._kernel_step(rows)
 

@@ -78,10 +78,10 @@ class Llama(nn.Module):
         batch_invariant: a position's logits are bitwise the same whatever step computes them (a plain step, a
         lookahead step of any shape, the rows packed beside it, how its prompt was chunked, a cached prefix), so
         lookahead and batches give plain greedy's tokens bitwise in every dtype. None (the default): on for a CPU
-        with fusion "auto" or "none" (there it is faster than the mode off: the package's compiled kernels, built
-        once per machine on the first load), off on CUDA (unmeasured there). Every GEMM runs in float32 through
-        row counts that compute each row alike, and attention reduces each query's keys in position order
-        (`lookahead.kernels.block_attention`); fusion is "none" and steps run eagerly (no CUDA graphs). The property
+        with the torch backend and fusion "auto" or "none" (there it is faster than the mode off: the package's
+        compiled kernels, built once per machine on the first load), off on CUDA (unmeasured there). GEMMs
+        accumulate in float32 computing each row alike, and attention reduces each query's keys in position order
+        (docs/DESIGN.md, "Batch invariance"); fusion is "none" and steps run eagerly (no CUDA graphs). The property
         of the same name switches it later.
         attn_backend: "auto" (Triton on CUDA, torch on CPU), "torch", or "triton" (on CPU only under
         TRITON_INTERPRET=1).
@@ -115,7 +115,7 @@ class Llama(nn.Module):
         if batch_invariant is not None and batch_invariant is not True and batch_invariant is not False:
             raise TypeError(f"batch_invariant must be True, False or None, got {batch_invariant!r}")
         if batch_invariant is None:
-            batch_invariant = default_batch_invariant(device, fusion)
+            batch_invariant = default_batch_invariant(device, fusion, backend)
         fusion = "none" if batch_invariant and fusion == "auto" else choose_fusion(fusion, device.type, backend,
                                                                                   interpreting())
         _check_invariant(batch_invariant, fusion)
@@ -398,10 +398,11 @@ def _take_rows(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     return x[:, rows] if rows.ndim == 1 else x.gather(1, rows[..., None].expand(-1, -1, x.shape[-1]))
 
 
-def default_batch_invariant(device: torch.device, fusion: str) -> bool:
-    """The batch-invariant mode where it is the default: a CPU running the unfused forward (fusion "auto" or "none"),
-    where the mode's compiled kernels are faster than torch's; not on CUDA, where it is unmeasured."""
-    return device.type == "cpu" and fusion in ("auto", "none")
+def default_batch_invariant(device: torch.device, fusion: str, attn_backend: str) -> bool:
+    """The batch-invariant mode where it is the default: a CPU running the torch path (the torch attention backend,
+    fusion "auto" or "none"), where the mode's compiled kernels are faster than torch's; not on CUDA, where it is
+    unmeasured, nor for Triton under its interpreter (a kernel test's setting)."""
+    return device.type == "cpu" and fusion in ("auto", "none") and attn_backend == "torch"
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
