@@ -240,8 +240,9 @@ def vocab6_model(hf_model):
 def sample_counts(model, n, form="tree"):
     counts, multi = {}, 0
     for seed in range(n):
-        result = lh.generate(model, PROMPT, DEPTH, LookaheadConfig(3, 3, 3, form=form), temperature=1.0, seed=seed,
-                             eos_token_id=[])
+        # full-size steps: self-tuned ones follow the machine's measured costs, and under load they stay plain
+        cfg = LookaheadConfig(3, 3, 3, form=form, budget="fixed")
+        result = lh.generate(model, PROMPT, DEPTH, cfg, temperature=1.0, seed=seed, eos_token_id=[])
         counts[tuple(result.tokens)] = counts.get(tuple(result.tokens), 0) + 1
         multi += any(len(s) > 1 for s in result.step_tokens)
     return counts, multi / n
