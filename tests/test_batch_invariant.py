@@ -15,7 +15,7 @@ from test_default_model import chat_ids, dev_prompts
 from helpers import RandomCost, fixed, needs_interpreter
 from lookahead import LookaheadConfig
 from lookahead.kernels import StepPattern
-from lookahead.kernels.block_attention import BLOCK, block_attention, path_keys, row_keys
+from lookahead.kernels.block_attention import BLOCK, block_attention, path_keys, query_slots, row_keys
 from lookahead.kernels.row_plans import ROW_PLANS, RowPlan, invariant_linear, invariant_matmul
 from lookahead.loop import RowStep, path_step
 from lookahead.models import Llama
@@ -422,3 +422,25 @@ def test_a_stale_build_lock_is_dropped_and_a_fresh_one_kept(tmp_path):
     os.utime(lock, (old, old))
     cpu_gemm._drop_stale_lock(tmp_path)
     assert not lock.exists()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_the_cpu_kernels_compute_what_torch_computes(dtype):
+    """The compiled CPU GEMM and attention against torch to rounding (the invariance tests above hold each only to
+    itself), and a query's attention bitwise the same alone and among others."""
+    from lookahead.kernels import cpu_gemm
+
+    assert cpu_gemm.available()
+    torch.manual_seed(4)
+    weight, x = torch.randn(100, 70).to(dtype), torch.randn(9, 70)
+    torch.testing.assert_close(cpu_gemm.gemm(x, cpu_gemm.pack(weight)), x @ weight.float().T, rtol=1e-5, atol=1e-4)
+    heads, kv_heads, dim, n = 4, 2, 16, 37
+    k, v = torch.randn(kv_heads, n + 5, dim).to(dtype), torch.randn(kv_heads, n + 5, dim).to(dtype)
+    q = torch.randn(n, heads, dim)
+    slots, counts = query_slots(path_keys(0, n, lambda p: p, "cpu"), n)
+    out = cpu_gemm.attention(q, k, v, slots, counts)
+    mask = torch.ones(n, n, dtype=torch.bool).tril()
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k[:, :n].float(), v[:, :n].float(),
+                                                            attn_mask=mask, enable_gqa=True).transpose(0, 1)
+    torch.testing.assert_close(out, sdpa, rtol=1e-5, atol=1e-5)
+    assert torch.equal(cpu_gemm.attention(q[20:21], k, v, slots[20:21], counts[20:21]), out[20:21])
