@@ -32,12 +32,125 @@ COLUMNS = 64  # columns per block: four AVX-512 vectors of float32 per row
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <unistd.h>
+#include <atomic>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <functional>
+#include <mutex>
+#include <thread>
 #include <vector>
+#if defined(__x86_64__)
+#include <immintrin.h>
+static inline void relax() { _mm_pause(); }
+#else
+static inline void relax() {}
+#endif
 
 constexpr int NB = 64;
+
+// The kernels' own threads. A decoding step calls the kernels ~250 times in a few milliseconds; an OpenMP region
+// whose idle threads sleep (OMP_WAIT_POLICY=PASSIVE, what a shared CPU needs) costs tens of microseconds to wake
+// each time, and one whose threads spin stalls for a whole time slice when another process holds a core. Here the
+// calling thread and the workers claim the items of a call one at a time from a shared counter, so the caller never
+// waits for a worker that has not started (on a busy machine it just does more of the items itself); workers spin
+// for SPIN_US after a call (the next one usually comes sooner), then sleep. Which thread computes an item never
+// changes its arithmetic.
+class Pool {
+ public:
+  using Job = std::function<void(int64_t, int64_t)>;
+  static constexpr int64_t SPIN_US = 200;
+  static constexpr uint64_t ITEMS = (1u << 20) - 1;  // items a call may have (more run on the caller alone)
+
+  // fn(i, i + 1) for every i in [0, n), spread over the caller and up to torch's thread count - 1 workers. From a
+  // second thread at once, or with one thread, the caller runs it all.
+  void run(int64_t n, const Job& fn) {
+    const int threads = std::min<int64_t>(n, at::get_num_threads());
+    std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
+    if (threads <= 1 || !busy.owns_lock() || n > ITEMS) {
+      fn(0, n);
+      return;
+    }
+    State& s = state(threads - 1);
+    s.job = &fn;
+    s.done.store(0, std::memory_order_relaxed);
+    const uint64_t generation = ((s.next.load(std::memory_order_relaxed) >> 40) + 1) & 0xffffff;
+    // sequentially consistent, with the worker's two below: either it sees the new call or this sees it asleep
+    s.next.store(generation << 40 | uint64_t(n) << 20);
+    if (s.sleeping.load() > 0) {
+      std::lock_guard<std::mutex> lock(s.mutex);
+      s.wake.notify_all();
+    }
+    claim(s, generation);
+    for (int64_t spins = 0; s.done.load(std::memory_order_acquire) < n; ++spins)
+      if (spins > 4096) std::this_thread::yield(); else relax();
+  }
+
+ private:
+  struct State {
+    // the call: its generation (24 bits), its number of items (20 bits) and its next unclaimed item (20 bits)
+    std::atomic<uint64_t> next{0};
+    std::atomic<int64_t> done{0};   // items finished
+    std::atomic<int> sleeping{0};
+    std::mutex mutex;
+    std::condition_variable wake;
+    const Job* job = nullptr;
+    int workers = 0;
+    pid_t pid = getpid();
+  };
+
+  // Items of call `generation` until none is left. An item below the call's count is claimed only while that call
+  // is current, and the call cannot end before a claimed item is done, so `job` is that call's while it is read.
+  static void claim(State& s, uint64_t generation) {
+    uint64_t next = s.next.load(std::memory_order_acquire);
+    while ((next >> 40) == generation) {
+      const int64_t item = int64_t(next & ITEMS), n = int64_t((next >> 20) & ITEMS);
+      if (item >= n) return;
+      if (!s.next.compare_exchange_weak(next, next + 1, std::memory_order_acq_rel)) continue;
+      (*s.job)(item, item + 1);
+      s.done.fetch_add(1, std::memory_order_acq_rel);
+      next = s.next.load(std::memory_order_acquire);
+    }
+  }
+
+  // the workers, made on first use (more when torch's thread count grows) and after a fork (a child has none of its
+  // parent's threads: it starts afresh, leaving the parent's state behind)
+  State& state(int want) {
+    if (state_ == nullptr || state_->pid != getpid()) state_ = new State();
+    while (state_->workers < want) {
+      ++state_->workers;
+      std::thread(work, state_).detach();
+    }
+    return *state_;
+  }
+
+  static void work(State* s) {
+    uint64_t seen = s->next.load() >> 40;
+    for (;;) {
+      auto idle = std::chrono::steady_clock::now();
+      uint64_t now;
+      while ((now = s->next.load(std::memory_order_acquire) >> 40) == seen) {
+        relax();
+        if (std::chrono::steady_clock::now() - idle > std::chrono::microseconds(SPIN_US)) {
+          std::unique_lock<std::mutex> lock(s->mutex);
+          s->sleeping.fetch_add(1);
+          s->wake.wait(lock, [&] { return (s->next.load() >> 40) != seen; });
+          s->sleeping.fetch_sub(1);
+          idle = std::chrono::steady_clock::now();
+        }
+      }
+      seen = now;
+      claim(*s, now);
+    }
+  }
+
+  std::mutex busy_;
+  State* state_ = nullptr;
+};
+
+static Pool pool;
 
 static inline float widen(float v) { return v; }
 static inline float widen(uint16_t v) {  // bfloat16 -> float32: its bits are a float32's upper half
@@ -49,7 +162,6 @@ static inline float widen(uint16_t v) {  // bfloat16 -> float32: its bits are a 
 
 // MR rows of x [.., K] times one column block [K, NB]: each output a fused multiply-add chain over k in order
 #if defined(__AVX512F__)
-#include <immintrin.h>
 static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 static inline __m512 load16(const uint16_t* p) {  // 16 bfloat16 -> float32: shift each into a float's upper half
   __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -102,7 +214,7 @@ static void tile(const float* x, int64_t K, const W* block, float* out, int64_t 
 template <typename W>
 static void run(const float* x, int64_t M, int64_t K, const W* w, float* out, int64_t N) {
   const int64_t blocks = (N + NB - 1) / NB;
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+  pool.run(blocks, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const W* block = w + b * K * NB;
       for (int64_t m = 0; m < M; m += 6) {
@@ -141,7 +253,7 @@ template <typename T>
 static void attend(const float* q, const T* k, const T* v, const int64_t* slots, const int64_t* counts, float* out,
                    int64_t R, int64_t Hq, int64_t Hkv, int64_t S, int64_t D, int64_t W) {
   const int64_t G = Hq / Hkv;
-  at::parallel_for(0, R * Hkv, 1, [&](int64_t i0, int64_t i1) {
+  pool.run(R * Hkv, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores, keys(16 * D), acc(D);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t r = i / Hkv, h = i % Hkv, n = counts[r];
@@ -275,10 +387,13 @@ def _load(build_dir):
             try:
                 from torch.utils.cpp_extension import load_inline
 
-                name = f"lookahead_rows_gemm_{_cpu_tag()}"
+                # one build, in its own folder, per kind of CPU and version of the source: installs of two versions
+                # sharing a cache folder would otherwise rebuild it over each other at every load
+                source = hashlib.sha256(_SOURCE.encode()).hexdigest()[:8]
+                name = f"lookahead_rows_gemm_{_cpu_tag()}_{source}"
                 folder = None
                 if build_dir is not None:
-                    folder = Path(build_dir)
+                    folder = Path(build_dir) / name
                     folder.mkdir(parents=True, exist_ok=True)
                     _drop_stale_lock(folder)
                     if not (folder / f"{name}.so").is_file():  # a long silence otherwise

@@ -5,7 +5,9 @@ beside random other rows, prompts prefilled in random chunks, prefixes from the 
 from __future__ import annotations
 
 import json
+import os
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -444,3 +446,49 @@ def test_the_cpu_kernels_compute_what_torch_computes(dtype):
                                                             attn_mask=mask, enable_gqa=True).transpose(0, 1)
     torch.testing.assert_close(out, sdpa, rtol=1e-5, atol=1e-5)
     assert torch.equal(cpu_gemm.attention(q[20:21], k, v, slots[20:21], counts[20:21]), out[20:21])
+
+
+def _kernel_outputs(x, packed, q, k, v, slots, counts) -> tuple[torch.Tensor, torch.Tensor]:
+    from lookahead.kernels import cpu_gemm
+
+    return cpu_gemm.gemm(x, packed), cpu_gemm.attention(q, k, v, slots, counts)
+
+
+def test_the_cpu_kernels_give_the_same_bits_on_any_threads_and_after_a_fork():
+    """The kernels' own threads claim a call's items as they come (a busy machine leaves more to the caller): the bits
+    are the same with one thread or two, from several Python threads at once (one call runs on its caller alone
+    while another has the workers), and in a forked child (which has none of its parent's workers)."""
+    import concurrent.futures
+    import signal
+
+    from lookahead.kernels import cpu_gemm
+
+    assert cpu_gemm.available()
+    torch.manual_seed(5)
+    x, packed = torch.randn(7, 96), cpu_gemm.pack(torch.randn(2000, 96).to(torch.bfloat16))  # 32 column blocks
+    n = 50
+    q, k, v = torch.randn(n, 4, 16), torch.randn(2, n, 16), torch.randn(2, n, 16)
+    slots, counts = query_slots(path_keys(0, n, lambda p: p, "cpu"), n)
+    args = (x, packed, q, k, v, slots, counts)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = _kernel_outputs(*args)
+        torch.set_num_threads(2)
+        for _ in range(20):
+            assert all(map(torch.equal, _kernel_outputs(*args), alone))
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            for got in pool.map(lambda _: _kernel_outputs(*args), range(30)):
+                assert all(map(torch.equal, got, alone))
+        child = os.fork()
+        if child == 0:  # the child compares and says so in its exit status (2: a hang, killed below)
+            os._exit(0 if all(map(torch.equal, _kernel_outputs(*args), alone)) else 1)
+        deadline = time.monotonic() + 60
+        while (ended := os.waitpid(child, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if ended[0] == 0:
+            os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)
+        assert ended[0] == child and os.waitstatus_to_exitcode(ended[1]) == 0, "the forked child hung or differed"
+    finally:
+        torch.set_num_threads(threads)

