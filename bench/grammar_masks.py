@@ -133,7 +133,8 @@ def main() -> None:
     for r in rows:
         print(f"{r['engine']:14} {r['setup_s']:8.2f} {r['compile_ms_median']:11.1f} {r['compile_ms_max']:8.1f} "
               f"{r['mask_us_median']:8.0f} {r['mask_us_p99']:8.0f} {r['consume_us_median']:10.1f}")
-    save_json("grammar-masks", {"machine": machine(), "vocab": vocab, "rows": rows})
+    command = f"python bench/grammar_masks.py --repeat {args.repeat}"
+    save_json("grammar-masks", {"machine": machine(), "command": command, "vocab": vocab, "rows": rows})
 
 
 if __name__ == "__main__":
