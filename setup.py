@@ -8,7 +8,8 @@ FOLDERS = {"lookahead": "lookahead", "lookahead.kernels": "kernels", "lookahead.
 # is missing from the wheel, which an editable install never shows
 PACKAGES = [f"{name}.{sub}".rstrip(".") for name, folder in FOLDERS.items() for sub in ["", *find_packages(folder)]]
 TRITON = "triton>=3.0; platform_system == 'Linux' and platform_machine == 'x86_64'"
-SERVE = ["fastapi>=0.110", "uvicorn>=0.30", "prometheus-client>=0.20"]  # lookahead serve
+# lookahead serve; llguidance compiles structured outputs' grammars (docs/DESIGN.md, "Structured outputs")
+SERVE = ["fastapi>=0.110", "uvicorn>=0.30", "prometheus-client>=0.20", "llguidance>=1.0"]
 
 setup(
     name="lookahead",
@@ -34,7 +35,7 @@ setup(
         "triton": [TRITON],  # the kernel on a CPU-only torch, under TRITON_INTERPRET=1
         "serve": SERVE,
         # kernel tests run under the interpreter; the server's tests talk to it with the openai client
-        "test": ["pytest>=8", "accelerate", "pytest-benchmark", TRITON, *SERVE, "openai>=1.40"],
+        "test": ["pytest>=8", "accelerate", "pytest-benchmark", TRITON, *SERVE, "openai>=1.40", "langchain-openai>=0.3"],
         "bench": ["pytest-benchmark>=4", "matplotlib", TRITON],
     },
     entry_points={"console_scripts": ["lookahead=lookahead.cli:main"]},

@@ -258,10 +258,11 @@ class LookaheadLoop:
             requests["sample"] = SampleRequest(self.sampling, self.seed, tuple(first + d for d in layout.row_depths))
         return requests
 
-    def finish(self, layout: StepLayout, output: StepOutput) -> Verdict:
-        """Verify the step's outputs, let the draft sources learn from them, and move the window (when the step ran
-        its lookahead branch) and the pool on; the caller commits the verdict."""
-        verdict = self._verify(layout, output)
+    def finish(self, layout: StepLayout, output: StepOutput, verdict: Verdict | None = None) -> Verdict:
+        """Verify the step's outputs (or take `verdict`, decided by the caller: under a grammar's masks), let the draft
+        sources learn from them, and move the window (when the step ran its lookahead branch) and the pool on; the
+        caller commits the verdict."""
+        verdict = self._verify(layout, output) if verdict is None else verdict
         if layout.topk:
             self._learn(layout, output, verdict)
         self._advance(verdict.tokens, [output.argmax[r] for r in layout.last_level_rows] if layout.branch else None)

@@ -33,6 +33,7 @@ from lookahead.request import Request
 from lookahead.tuning import CostModel
 
 from .core import GenerationResult, StepModel, Stream, sampling_seed
+from .grammar import TokenGrammar
 from .jobs import MAX_LOGPROBS, Delta, Handle, Job, Sink
 from .rows import RowModel, RowStep, SingleRowModel
 from .scheduler import Scheduler
@@ -76,12 +77,14 @@ class Engine:
     # ----- submitting (any thread) -----
 
     def submit(self, request: Request, *, stops_at: Callable[[int], bool] | None = None, logprobs: int | None = None,
-               sink: Sink | None = None) -> Handle:
+               sink: Sink | None = None, grammar: TokenGrammar | None = None) -> Handle:
         """Queue a `Request` of one prompt (what `run` takes: its limit, sampling and seed as `Llama.generate`
         takes them, its stop tokens, its lookahead); thread-safe. stops_at: called with each new token, True where
         the text now ends with a stop string. logprobs: with 0..20, each token comes with its log-probability and that
         many top alternatives. sink: called on the engine's thread with each `Delta` (default: the handle queues them
-        for iteration). Raises ValueError for a request this engine cannot serve, QueueFull when the queue is full."""
+        for iteration). grammar: constrains the output (`lookahead.loop.grammar`; a fresh state, used by this request
+        alone: it is advanced over the tokens the request takes). Raises ValueError for a request this engine cannot
+        serve, QueueFull when the queue is full."""
         if not isinstance(request, Request):
             raise TypeError(f"submit takes a lookahead.request.Request, got {type(request).__name__}")
         if len(request.prompts) != 1:
@@ -99,7 +102,7 @@ class Engine:
                              f"{lookahead.step_tokens} tokens; this engine's model takes steps of at most {limit}: "
                              "give a smaller configuration")
         handle = Handle(lambda: self.cancel(job))
-        job = Job(request, sampling_seed(request, 0), sink or handle.put, stops_at, logprobs)
+        job = Job(request, sampling_seed(request, 0), sink or handle.put, stops_at, logprobs, grammar)
         with self._wake:
             if self._stopping:
                 raise QueueFull("the engine is shutting down")

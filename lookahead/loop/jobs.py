@@ -20,10 +20,11 @@ from lookahead.drafts import BestFirst, DraftMemory
 from lookahead.request import Request
 
 from .core import PLAIN_STEP, GenerationResult, LookaheadLoop, Output, StepOutput, TokenLogprob
+from .grammar import GrammarChoices, TokenGrammar, constrain_draft, masked_choice
 from .layout import StepLayout
 from .rows import RowStep
 from .sampling import SampleRequest
-from .verify import Verdict
+from .verify import Verdict, verify
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 MAX_LOGPROBS = 20  # top log-probabilities a token may come with (the OpenAI API's limit)
@@ -49,13 +50,16 @@ Sink = Callable[[Delta], None]
 class Job:
     """One request's row. request: one prompt, checked (`Request`); its seed resolved by the engine (None: greedy).
     stops_at: called with each new token, True where the text now ends with a stop string (the token ends the
-    output). logprobs: top log-probabilities per token to report (0: the chosen token's only; None: none)."""
+    output). logprobs: top log-probabilities per token to report (0: the chosen token's only; None: none).
+    grammar: the request's grammar (`lookahead.loop.grammar`): every chosen token is masked by it, drafts it rejects
+    are cut, its forced tokens drafted; None: unconstrained."""
 
     request: Request
     seed: int | None
     sink: Sink
     stops_at: Callable[[int], bool] | None = None
     logprobs: int | None = None
+    grammar: TokenGrammar | None = None
     remember: bool = True  # add what its drafting learned to the memory when it ends (a batch defers that)
     row: int | None = None
     cached: int = 0  # prompt positions taken from cached entries
@@ -111,6 +115,8 @@ class Job:
     def draft_now(self) -> None:
         """Draft the next step's tree (before the budget sizes the step)."""
         self.draft = self.loop.draft() if self.loop is not None else None
+        if self.draft is not None and self.grammar is not None:
+            self.draft = constrain_draft(self.draft, self.grammar, self.loop.cfg.tree_nodes)
 
     def finish(self, step: RowStep, output: StepOutput, memory: DraftMemory | None) -> tuple[list[int], list[int]]:
         """Take a step's output; returns (step indices to commit, the step's new tokens as taken by the output)."""
@@ -119,20 +125,33 @@ class Job:
             self.filled += len(step.tokens)
             if self.prefilling:
                 return commit, []
-            self.last = output.argmax[0] if self.seed is None else output.sampled[0]
+            self.last = self._choose(output, len(self.prompt))
             taken = self.out.accept([self.last])
             if self.request.lookahead is not None and not self.out.done:
                 self.loop = LookaheadLoop(self.request.lookahead, self.prompt, self.last, self.request.sampling,
                                           self.seed, self.request.static_step, memory)
             return commit, self._logprobs(output, [0], taken)
         if self.loop is None:
-            self.last = output.argmax[0] if self.seed is None else output.sampled[0]
+            self.last = self._choose(output, len(self.prompt) + len(self.out.result.tokens))
             return [0], self._logprobs(output, [0], self.out.accept([self.last], 1))
         layout = self.layout
-        verdict = self.loop.finish(layout, output)
+        verdict = None
+        if self.grammar is not None:  # the walk's choices under the grammar's mask (the loop's own are unmasked)
+            first, depths, rows = len(self.loop.sequence), layout.row_depths, layout.slot_rows
+            verdict = verify(layout.tree, GrammarChoices(self.grammar, output.logits, rows,
+                                                         [first + depths[r] for r in rows], self.request.sampling,
+                                                         self.seed))
+        verdict = self.loop.finish(layout, output, verdict)
         self.last = verdict.tokens[-1]
         taken = self.out.accept(verdict.tokens, layout.pattern.num_tokens)
         return layout.commit_indices(verdict), self._logprobs(output, _chosen_rows(layout, verdict), taken)
+
+    def _choose(self, output: StepOutput, position: int) -> int:
+        """The token after a one-token step's output row 0, taking absolute `position`: the model's (argmax, or the
+        seeded race's winner), under the grammar's mask when there is one."""
+        if self.grammar is not None:
+            return masked_choice(self.grammar, output.logits[0], self.request.sampling, self.seed, position)
+        return output.argmax[0] if self.seed is None else output.sampled[0]
 
     def _logprobs(self, output: StepOutput, rows: list[int], taken: list[int]) -> list[int]:
         """Record the log-probabilities of the taken tokens (the model's output at the row before each) if asked;

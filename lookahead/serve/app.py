@@ -29,6 +29,7 @@ from starlette.requests import ClientDisconnect
 
 from lookahead.loop import Engine
 from lookahead.request import SamplingParams
+from lookahead.structured import Grammars
 
 from .completions import chat, complete
 from .errors import APIError, bad_request, client_closed, install, overloaded
@@ -65,6 +66,7 @@ class Served:
     created: int = field(default_factory=lambda: int(time.time()))
     serving: bool = False
     ignored: set[str] = field(default_factory=set)  # ignored request fields logged so far (each is logged once)
+    grammars: Grammars | None = None  # compiles structured outputs' grammars (made at the first such request)
 
     def __post_init__(self) -> None:
         self.engine_tokenizer = copy.deepcopy(self.tokenizer)  # fast tokenizers must not be shared between threads
@@ -77,6 +79,16 @@ class Served:
     async def tokenize(self, function, *args):
         """`function(self.tokenizer, *args)` on the prompts' thread."""
         return await asyncio.get_running_loop().run_in_executor(self._prompts, function, self.tokenizer, *args)
+
+    async def grammar(self, schema: dict):
+        """A fresh grammar of the JSON valid under `schema`, for one request, compiled on the prompts' thread (the
+        first one reads the tokenizer's vocabulary for the grammar engine, a few seconds). Raises GrammarError."""
+        return await asyncio.get_running_loop().run_in_executor(self._prompts, self._compile, schema)
+
+    def _compile(self, schema: dict):
+        if self.grammars is None:
+            self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self.grammars.json_schema(schema)
 
     def close(self) -> None:
         self._prompts.shutdown(wait=False, cancel_futures=True)

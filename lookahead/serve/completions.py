@@ -21,10 +21,12 @@ from jinja2 import TemplateError
 
 from lookahead.loop import FINISH_REASONS, QueueFull, TokenLogprob
 from lookahead.request import Request as EngineRequest
+from lookahead.structured import GrammarError
 
 from .errors import CLIENT_CLOSED, APIError, bad_request, overloaded
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .submission import Submission
+from .tools import ToolMode, parse_answer
 
 # the engine's finish reasons (but "error", which is an error response) as the API shows them: a request the server
 # ended (it is shutting down) is "abort", vLLM's name for it; the openai client takes any string here
@@ -33,9 +35,12 @@ assert set(API_FINISH_REASONS) == set(FINISH_REASONS) - {"error"}
 
 
 async def chat(served, request: Request, body: ChatCompletionRequest) -> Response:
-    _refuse_what_cannot_fit(served, sum(len(message.content) for message in body.messages), "messages")
-    prompt = await served.tokenize(_chat_prompt, body)
-    return await _generate(served, request, body, prompt, ChatFormat(served, body), "messages")
+    _refuse_what_cannot_fit(served, sum(len(message.content or "") for message in body.messages), "messages")
+    tools = ToolMode.of(body.tools, body.tool_choice, body.parallel_tool_calls)
+    prompt = await served.tokenize(_chat_prompt, body, tools)
+    grammar = await _grammar(served, tools.schema() if tools else body.json_schema, "tools" if tools else
+                             "response_format")
+    return await _generate(served, request, body, prompt, ChatFormat(served, body, tools), "messages", grammar)
 
 
 async def complete(served, request: Request, body: CompletionRequest) -> Response:
@@ -47,7 +52,18 @@ async def complete(served, request: Request, body: CompletionRequest) -> Respons
     else:
         prompt = body.prompt
         _check_ids(prompt, served.vocab_size, "prompt")
-    return await _generate(served, request, body, prompt, CompletionFormat(served, body), "prompt")
+    grammar = await _grammar(served, body.json_schema, "response_format")
+    return await _generate(served, request, body, prompt, CompletionFormat(served, body), "prompt", grammar)
+
+
+async def _grammar(served, schema, param: str):
+    """The request's grammar (None: free text); 400 naming `param` for a schema the grammar engine cannot compile."""
+    if schema is None:
+        return None
+    try:
+        return await served.grammar(schema)
+    except GrammarError as e:
+        raise bad_request(f"{param}: the JSON schema cannot be compiled: {e}", param) from None
 
 
 def _refuse_what_cannot_fit(served, characters: int, param: str) -> None:
@@ -65,10 +81,12 @@ def _encode(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=True)["input_ids"])
 
 
-def _chat_prompt(tokenizer, body: ChatCompletionRequest) -> list[int]:
+def _chat_prompt(tokenizer, body: ChatCompletionRequest, tools: ToolMode | None) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
         raise bad_request("messages: this model's tokenizer has no chat template; use /v1/completions", "messages")
     messages = [message.for_template() for message in body.messages]
+    if tools is not None:
+        messages = tools.messages(messages)
     try:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt, tokenize=True,
                                             return_dict=False, **(body.chat_template_kwargs or {}))
@@ -83,7 +101,8 @@ def _check_ids(ids: list[int], vocab_size: int, param: str) -> None:
         raise bad_request(f"{param}: token id(s) {bad[:5]} outside the vocabulary [0, {vocab_size})", param)
 
 
-async def _generate(served, request: Request, body, prompt: list[int], fmt, prompt_param: str) -> Response:
+async def _generate(served, request: Request, body, prompt: list[int], fmt, prompt_param: str,
+                    grammar=None) -> Response:
     arrival = time.perf_counter()
     limit = _limit(served, body, len(prompt), prompt_param)
     stop_ids = () if body.ignore_eos else served.eos_token_ids
@@ -95,7 +114,7 @@ async def _generate(served, request: Request, body, prompt: list[int], fmt, prom
         generation = EngineRequest([prompt], limit, body.sampling(served.sampling_defaults), served.engine.lookahead,
                                    frozenset(stop_ids), body.engine_seed())
         submission = Submission(served.engine, served.engine_tokenizer, served.metrics, generation, stop=body.stop,
-                                logprobs=body.engine_logprobs, arrival=arrival)
+                                logprobs=body.engine_logprobs, arrival=arrival, grammar=grammar)
     except QueueFull as e:
         if not served.serving:
             raise overloaded("the server is shutting down; send the request again once it is back") from None
@@ -190,7 +209,9 @@ async def _sse(submission: Submission, fmt, include_usage: bool, prompt_tokens: 
                 yield _data(APIError(500, f"generation failed: {event.error}").body(), False)
                 break
             if event.text or event.logprobs:
-                yield _data(fmt.chunk(event.text, event.logprobs or [], None), include_usage)
+                chunk = fmt.chunk(event.text, event.logprobs or [], None)
+                if chunk is not None:  # (a tool call's answer goes out whole, with the finish)
+                    yield _data(chunk, include_usage)
             if event.finish_reason is not None:
                 yield _data(fmt.chunk("", [], API_FINISH_REASONS[event.finish_reason]), include_usage)
                 if include_usage:
@@ -215,11 +236,13 @@ def usage(result, prompt_tokens: int) -> dict:
 
 
 class ChatFormat:
-    """`chat.completion` and `chat.completion.chunk` objects."""
+    """`chat.completion` and `chat.completion.chunk` objects. With tools, the answer (`lookahead.serve.tools`) becomes
+    `tool_calls` (finish_reason "tool_calls") or content; streamed, it goes out whole in the last chunk."""
 
-    def __init__(self, served, body: ChatCompletionRequest) -> None:
+    def __init__(self, served, body: ChatCompletionRequest, tools: ToolMode | None = None) -> None:
         self.id, self.created, self.model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), served.model_name
         self.token_text = served.token_text
+        self.tools, self.held = tools, []  # with tools: the answer's text so far
 
     def _object(self, kind: str, choices: list) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
@@ -228,8 +251,19 @@ class ChatFormat:
         return [self._object("chat.completion.chunk", [
             {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])]
 
-    def chunk(self, text: str, logprobs: list[TokenLogprob], finish: str | None) -> dict:
+    def chunk(self, text: str, logprobs: list[TokenLogprob], finish: str | None) -> dict | None:
         delta = {"content": text} if text or not finish else {}
+        if self.tools is not None:
+            self.held.append(text)
+            if finish is None:
+                return None
+            content, calls = parse_answer("".join(self.held))
+            if calls:
+                delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
+                finish = "tool_calls" if finish == "stop" else finish
+            else:
+                delta = {"content": content} if content else {}
+            logprobs = []
         return self._object("chat.completion.chunk", [
             {"index": 0, "delta": delta, "logprobs": self._logprobs(logprobs) if logprobs else None,
              "finish_reason": finish}])
@@ -238,7 +272,14 @@ class ChatFormat:
         return {**self._object("chat.completion.chunk", []), "usage": usage}
 
     def response(self, text: str, logprobs: list[TokenLogprob] | None, finish: str, usage: dict) -> dict:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+        message = {"role": "assistant", "content": text}
+        if self.tools is not None:
+            content, calls = parse_answer(text)
+            message = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
+                finish = "tool_calls" if finish == "stop" else finish
+        choice = {"index": 0, "message": message,
                   "logprobs": self._logprobs(logprobs) if logprobs else None, "finish_reason": finish}
         return {**self._object("chat.completion", [choice]), "usage": usage}
 

@@ -20,6 +20,14 @@ RETRY_AFTER_S = 1  # what a 503 tells the client to wait before trying again
 CLIENT_CLOSED = 499  # the status counted for a request whose client left before its answer (nginx's)
 
 
+class FieldError(Exception):
+    """A request that names a field this server refuses (raised from validators: pydantic lets it through as is)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param, self.message = param, message
+
+
 class APIError(Exception):
     """An error response: status, message, and OpenAI's `type`, `param` (the field at fault) and `code`."""
 

@@ -25,17 +25,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from lookahead.loop import MAX_LOGPROBS
 from lookahead.request import SEED_SPAN, SamplingParams
 
+from .errors import FieldError
+from .tools import TOOL_NAME, calls_text, check_tools
+
 MAX_STOPS = 4  # stop strings per request (OpenAI's limit)
 MAX_STOP_CHARS = 1024  # characters per stop string: each is matched on the engine's thread, every token
 COMPLETION_MAX_TOKENS = 16  # /v1/completions' default max_tokens, as OpenAI's
-
-
-class FieldError(Exception):
-    """A request that names a field this server refuses (raised from validators: pydantic lets it through as is)."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param, self.message = param, message
 
 
 def _neutral(value: Any, *neutral: Any) -> bool:
@@ -44,11 +39,8 @@ def _neutral(value: Any, *neutral: Any) -> bool:
 
 # fields OpenAI (or vLLM) defines that this server cannot honour: each is accepted only at a neutral value
 UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "tools": (([],), "tool calling is not supported"),
-    "tool_choice": (("none",), "tool calling is not supported"),
-    "functions": (([],), "function calling is not supported"),
-    "function_call": (("none",), "function calling is not supported"),
-    "response_format": (({"type": "text"},), "only plain text output is supported (response_format type 'text')"),
+    "functions": (([],), "the deprecated functions are not supported: give tools"),
+    "function_call": (("none",), "the deprecated function_call is not supported: give tool_choice"),
     "logit_bias": (({},), "logit_bias is not supported"),
     "presence_penalty": ((0, 0.0), "penalties are not supported (only 0)"),
     "frequency_penalty": ((0, 0.0), "penalties are not supported (only 0)"),
@@ -71,6 +63,9 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "typical_p": ((1, 1.0), "typical_p is not supported (only 1)"),
     "mirostat": ((0,), "mirostat is not supported (only 0)"),
 }
+# fields of the chat endpoint only
+CHAT_ONLY = {"tools": [], "tool_choice": "none", "parallel_tool_calls": True}
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 # fields accepted at any value and ignored, since none changes the answer: the openai SDK's hints
 # (prompt_cache_key, safety_identifier), and vLLM's and llama-server's scheduling and caching extras
 IGNORED = ("prompt_cache_key", "safety_identifier", "cache_prompt", "priority", "request_id")
@@ -106,13 +101,13 @@ class _Generation(_Body):
     user: str | None = None
     metadata: dict[str, str] | None = None
     service_tier: Literal["auto", "default"] | None = None
-    # accepted at their neutral values only (UNSUPPORTED)
-    tools: Any = None
+    response_format: Any = None  # checked by `_response_format`
+    tools: Any = None  # chat only (CHAT_ONLY), checked by ChatCompletionRequest
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    # accepted at their neutral values only (UNSUPPORTED)
     functions: Any = None
     function_call: Any = None
-    parallel_tool_calls: bool | None = None
-    response_format: Any = None
     logit_bias: Any = None
     presence_penalty: Any = None
     frequency_penalty: Any = None
@@ -143,7 +138,60 @@ class _Generation(_Body):
             for name, (neutral, why) in UNSUPPORTED.items():
                 if name in data and name in cls.model_fields and not _neutral(data[name], *neutral):
                     raise FieldError(name, f"{name}: {why}; got {_short(data[name])}")
+            if cls is not ChatCompletionRequest:
+                for name, neutral in CHAT_ONLY.items():
+                    if not _neutral(data.get(name), neutral):
+                        raise FieldError(name, f"{name}: tool calling is for /v1/chat/completions; got "
+                                         f"{_short(data[name])}")
         return data
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, value: Any) -> dict | None:
+        """None, {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema",
+        "description", "strict"}}; the schema itself is the grammar engine's to judge (a 400 naming what it cannot
+        compile)."""
+        if value is None:
+            return None
+        if not isinstance(value, dict) or value.get("type") not in RESPONSE_FORMATS:
+            raise FieldError("response_format", f"response_format: must be an object whose type is one of "
+                             f"{', '.join(RESPONSE_FORMATS)}; got {_short(value)}")
+        kind = value["type"]
+        extra = sorted(set(value) - {"type", "json_schema"})
+        if extra or (kind != "json_schema" and "json_schema" in value):
+            raise FieldError("response_format", "response_format: unexpected field(s) "
+                             f"{', '.join(extra) or 'json_schema'} for type {kind!r}")
+        if kind != "json_schema":
+            return value
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict):
+            raise FieldError("response_format.json_schema", "response_format.json_schema: an object with the schema "
+                             f"is required for type 'json_schema'; got {_short(spec)}")
+        unknown = sorted(set(spec) - {"name", "schema", "description", "strict"})
+        if unknown:
+            raise FieldError(f"response_format.json_schema.{unknown[0]}", "response_format.json_schema: unknown "
+                             f"field(s) {', '.join(unknown)}")
+        if not isinstance(spec.get("name"), str) or not TOOL_NAME.fullmatch(spec["name"]):
+            raise FieldError("response_format.json_schema.name", "response_format.json_schema.name: required, 1-64 "
+                             f"letters, digits, '_' or '-'; got {_short(spec.get('name'))}")
+        if not isinstance(spec.get("schema", {}), dict):
+            raise FieldError("response_format.json_schema.schema", "response_format.json_schema.schema: must be a "
+                             f"JSON schema (an object); got {_short(spec.get('schema'))}")
+        if "strict" in spec and not isinstance(spec["strict"], bool | None):
+            raise FieldError("response_format.json_schema.strict", "response_format.json_schema.strict: must be a "
+                             f"boolean; got {_short(spec['strict'])}")
+        return value
+
+    @property
+    def json_schema(self) -> dict | None:
+        """The schema the output must follow: the json_schema's (an empty one: any JSON), {"type": "object"} for
+        json_object; None: free text."""
+        kind = (self.response_format or {}).get("type")
+        if kind == "json_object":
+            return {"type": "object"}
+        if kind == "json_schema":
+            return self.response_format["json_schema"].get("schema") or {}
+        return None
 
     @field_validator("stop")
     @classmethod
@@ -210,12 +258,29 @@ class _TextPart(_Body):
     text: str
 
 
-class ChatMessage(_Body):
-    """One message. content: a string or a list of text parts (joined with newlines, as vLLM joins them)."""
+class ToolCallFunction(_Body):
+    name: str
+    arguments: str
 
-    role: Literal["system", "developer", "user", "assistant"]
+
+class ToolCall(_Body):
+    """A tool call of an earlier assistant message, as the API returned it."""
+
+    id: str
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
+class ChatMessage(_Body):
+    """One message. content: a string or a list of text parts (joined with newlines, as vLLM joins them). An assistant
+    message may hold tool_calls instead of content; a tool message answers one (tool_call_id)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Any = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
 
     @field_validator("content")
     @classmethod
@@ -235,13 +300,21 @@ class ChatMessage(_Body):
 
     @model_validator(mode="after")
     def _has_content(self):
-        if self.content is None:
-            raise ValueError("content is missing (tool calls are not supported)")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is missing (only an assistant message with tool_calls may leave it out)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls: only an assistant message holds them, not a {self.role} message")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("tool_call_id: a tool message must name the tool call it answers")
         return self
 
     def for_template(self) -> dict:
-        """The message as chat templates read it ("developer" is OpenAI's newer name for "system")."""
-        message = {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+        """The message as chat templates read it ("developer" is OpenAI's newer name for "system"); an assistant's
+        tool calls are written as the answer that made them (`lookahead.serve.tools`)."""
+        content = self.content
+        if self.tool_calls:
+            content = calls_text([(call.function.name, call.function.arguments) for call in self.tool_calls])
+        message = {"role": "system" if self.role == "developer" else self.role, "content": content}
         if self.name is not None:
             message["name"] = self.name
         return message
@@ -258,6 +331,11 @@ class ChatCompletionRequest(_Generation):
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: Any = None
     continue_final_message: Any = None
+
+    @model_validator(mode="after")
+    def _check_tools(self):
+        self.tools = check_tools(self.tools, self.tool_choice)
+        return self
 
     @model_validator(mode="after")
     def _check_logprobs(self):

@@ -41,7 +41,7 @@ class Submission:
     `cancel()` to end it at the next step boundary. Raises what `Engine.submit` raises (ValueError, QueueFull)."""
 
     def __init__(self, engine: Engine, tokenizer, metrics: Metrics, request: Request, *, stop: Sequence[str],
-                 logprobs: int | None, arrival: float) -> None:
+                 logprobs: int | None, arrival: float, grammar=None) -> None:
         self.loop = asyncio.get_running_loop()
         self.metrics, self.prompt_tokens, self.arrival = metrics, len(request.prompts[0]), arrival
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
@@ -52,7 +52,7 @@ class Submission:
         self.finished = False
         self.handle = None
         self.handle = engine.submit(request, stops_at=self._stops_at if stop else None, logprobs=logprobs,
-                                    sink=self._sink)
+                                    sink=self._sink, grammar=grammar)
 
     async def events(self) -> AsyncIterator[Event]:
         """The request's events as the engine decides them; the last has a finish reason."""
