@@ -292,3 +292,45 @@ def test_default_model_stop_string_inside_a_multi_token_step_and_eos(smol, smol_
     answer = ask(smol.client(), smol.name, "chat", SMOL_PROMPTS[1], False, max_tokens=64, temperature=0)
     assert want.finish_reason == answer["finish_reason"] == "stop" and answer["text"] == want.text
     assert answer["usage"].completion_tokens == len(want.tokens)
+
+
+def test_the_role_chunk_waits_for_the_first_token():
+    """A stream's opening chunk (the assistant role) goes out with the first token, not before the prefill: clients
+    (AIPerf, vLLM's bench) time the first token from the first chunk."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from lookahead.serve.completions import _sse
+
+    class Submission:
+        def __init__(self) -> None:
+            self.token = asyncio.Event()
+
+        async def events(self):
+            await self.token.wait()  # the prefill
+            yield SimpleNamespace(finish_reason=None, text="Hi", logprobs=None, error=None)
+            yield SimpleNamespace(finish_reason="stop", text="", logprobs=None, error=None, result=None)
+
+        def cancel(self) -> None:
+            pass
+
+    class Format:
+        def start(self):
+            return [{"delta": {"role": "assistant", "content": ""}}]
+
+        def chunk(self, text, logprobs, finish):
+            return {"delta": {"content": text}, "finish_reason": finish}
+
+    async def run() -> list[str]:
+        submission = Submission()
+        stream = _sse(submission, Format(), False, 3)
+        first = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0.05)
+        assert not first.done(), "a chunk went out before the first token"
+        submission.token.set()
+        return [await first] + [chunk async for chunk in stream]
+
+    chunks = asyncio.run(run())
+    assert [json.loads(c.removeprefix("data: ")) for c in chunks[:2]] == [
+        {"delta": {"role": "assistant", "content": ""}}, {"delta": {"content": "Hi"}, "finish_reason": None}]
+    assert chunks[-1] == "data: [DONE]\n\n"

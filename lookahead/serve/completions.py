@@ -202,9 +202,13 @@ class _Stream(StreamingResponse):
 
 async def _sse(submission: Submission, fmt, include_usage: bool, prompt_tokens: int) -> AsyncIterator[str]:
     try:
-        for chunk in fmt.start():
-            yield _data(chunk, include_usage)
+        # the role chunk goes out with the first token, not before the prefill: clients time the first token from
+        # the first chunk
+        opening = fmt.start()
         async for event in submission.events():
+            for chunk in opening:
+                yield _data(chunk, include_usage)
+            opening = []
             if event.finish_reason == "error":
                 yield _data(APIError(500, f"generation failed: {event.error}").body(), False)
                 break
