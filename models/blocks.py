@@ -23,6 +23,13 @@ def _call(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return module(x)
 
 
+def _side_by_side(linear: Linear, modules: tuple[nn.Linear, ...], x: torch.Tensor) -> list[torch.Tensor]:
+    """The modules' outputs on the same input, in one call where the hook runs several at once (the batch-invariant
+    mode's `side_by_side`: the same bits as one at a time)."""
+    many = getattr(linear, "side_by_side", None)
+    return many(modules, x) if many is not None else [linear(m, x) for m in modules]
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -53,9 +60,10 @@ class Attention(MergedLinears):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
                 attend: Attend, linear: Linear = _call) -> torch.Tensor:
         b, t, _ = x.shape
-        q = linear(self.q_proj, x).view(b, t, self.heads, self.head_dim)
-        k = linear(self.k_proj, x).view(b, t, self.kv_heads, self.head_dim)
-        v = linear(self.v_proj, x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = _side_by_side(linear, (self.q_proj, self.k_proj, self.v_proj), x)
+        q = q.view(b, t, self.heads, self.head_dim)
+        k = k.view(b, t, self.kv_heads, self.head_dim)
+        v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary_qk(q, k, cos, sin)
@@ -86,7 +94,8 @@ class MLP(MergedLinears):
         self.merge()
 
     def forward(self, x: torch.Tensor, linear: Linear = _call) -> torch.Tensor:
-        return linear(self.down_proj, F.silu(linear(self.gate_proj, x)) * linear(self.up_proj, x))
+        gate, up = _side_by_side(linear, (self.gate_proj, self.up_proj), x)
+        return linear(self.down_proj, F.silu(gate) * up)
 
     def merged_forward(self, x: torch.Tensor, ops: TritonOps | TorchOps) -> torch.Tensor:
         """Gate and up from one GEMM, then SiLU(gate) * up by `ops`."""

@@ -24,19 +24,29 @@ class InvariantLinears:
     """`linear(module, x)`: the module's `F.linear`, batch-invariant, accumulated in float32."""
 
     def __init__(self) -> None:
-        self._copies: dict[tuple[int, str], tuple[int, int, object]] = {}  # (id, kind) -> (version, address, copy)
+        # (ids, kind) -> (versions, addresses, copy): one copy per weight, or per group of weights run side by side
+        self._copies: dict[tuple[tuple[int, ...], str], tuple[tuple, tuple, object]] = {}
         self._cpu_kernel: bool | None = None  # whether cpu_gemm is built (found out at the first CPU call)
 
     def __call__(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return self.side_by_side((module,), x)[0]
+
+    def side_by_side(self, modules: tuple[nn.Linear, ...], x: torch.Tensor) -> list[torch.Tensor]:
+        """Each module's output on the same input. With the CPU kernel, one GEMM over their weights side by side
+        (each output column its own chain over K, so each output is bitwise what the module alone gives, in one call
+        instead of several); torch's GEMMs choose their reduction by shape, so elsewhere each runs alone."""
         shape = x.shape
         rows = x.reshape(-1, shape[-1]).float().contiguous()
         if x.device.type == "cpu" and self.cpu_gemm():
-            out = cpu_gemm.gemm(rows, self._copy(module.weight, "packed", cpu_gemm.pack))
+            weights = tuple(m.weight for m in modules)
+            outs = [cpu_gemm.gemm(rows, self._copy(weights, "packed", lambda ws: cpu_gemm.pack(torch.cat(ws))))]
+            if len(modules) > 1:
+                outs = outs[0].split([m.out_features for m in modules], dim=1)
         else:
-            out = invariant_linear(rows, self._copy(module.weight, "float32", torch.Tensor.float))
-        if module.bias is not None:
-            out = out + module.bias.float()
-        return out.to(x.dtype).view(*shape[:-1], out.shape[-1])
+            outs = [invariant_linear(rows, self._copy((m.weight,), "float32", lambda ws: ws[0].float()))
+                    for m in modules]
+        return [(out if m.bias is None else out + m.bias.float()).to(x.dtype).reshape(*shape[:-1], out.shape[-1])
+                for m, out in zip(modules, outs, strict=True)]
 
     def cpu_gemm(self) -> bool:
         """Whether the CPU GEMM is built (building it into the cache folder on the first call)."""
@@ -45,10 +55,12 @@ class InvariantLinears:
             self._cpu_kernel = cpu_gemm.available(None if root is None else root / "kernels")
         return self._cpu_kernel
 
-    def _copy(self, param: torch.Tensor, kind: str, make):
-        if kind == "float32" and param.dtype == torch.float32:
-            return param
-        kept = self._copies.get((id(param), kind))
-        if kept is None or kept[0] != param._version or kept[1] != param.data_ptr():
-            kept = self._copies[(id(param), kind)] = (param._version, param.data_ptr(), make(param))
+    def _copy(self, params: tuple[torch.Tensor, ...], kind: str, make):
+        if kind == "float32" and len(params) == 1 and params[0].dtype == torch.float32:
+            return params[0]
+        key = (tuple(map(id, params)), kind)
+        versions, addresses = tuple(p._version for p in params), tuple(p.data_ptr() for p in params)
+        kept = self._copies.get(key)
+        if kept is None or kept[0] != versions or kept[1] != addresses:
+            kept = self._copies[key] = (versions, addresses, make(params))
         return kept[2]

@@ -143,3 +143,26 @@ def test_an_unwritable_cache_is_one_warning_line_and_the_answer_stands(tiny_cli,
     warned = [line for line in err if line.startswith("lookahead: warning: ")]
     assert len(warned) == 1 and "cannot keep the measured step costs in" in warned[0]
     assert "set LOOKAHEAD_CACHE_DIR to a writable folder" in warned[0]
+
+
+def test_the_summary_names_the_peers_figures_measured_on_this_cpu(tiny_cli, capsys):
+    """bench/peers.py's one-request figures (issue 36 item 4), where it ran on this kind of CPU: the same dtype's
+    first; a file from another CPU says nothing."""
+    import json
+
+    from lookahead.cli.report import PEERS_FILE
+    from lookahead.kernels.cpu_gemm import cpu_tag
+    from lookahead.paths import cache_root
+
+    path = cache_root() / PEERS_FILE
+    figures = {"llama.cpp bfloat16": 43.4, "llama.cpp float32": 22.1, "vLLM float32": 12.0}
+    try:
+        path.write_text(json.dumps({"cpu_tag": cpu_tag(), "date": "2026-11-27 10:00", "figures": figures}))
+        code, err = run(capsys, "--no-lookahead")
+        assert code == 0
+        assert "; llama.cpp float32 ~22, vLLM float32 ~12 tok/s here by bench/peers.py on 2026-11-27)" in err[-1]
+        path.write_text(json.dumps({"cpu_tag": "another", "date": "2026-11-27 10:00", "figures": figures}))
+        code, err = run(capsys, "--no-lookahead")
+        assert code == 0 and "peers" not in err[-1]
+    finally:
+        path.unlink(missing_ok=True)

@@ -20,7 +20,17 @@ from datetime import timedelta
 from lookahead.config import LookaheadConfig
 
 from .launch import remove_empty_log_dir, world_size
-from .report import comparison, decoding_rate, pass_cost, plain_rate, probe_plain, summary, why_plain, why_slower
+from .report import (
+    comparison,
+    decoding_rate,
+    pass_cost,
+    peer_rates,
+    plain_rate,
+    probe_plain,
+    summary,
+    why_plain,
+    why_slower,
+)
 
 _COLORS = ("\033[38;5;39m", "\033[38;5;208m")  # alternate per multi-token step, like the authors' demo
 _RESET = "\033[0m"
@@ -177,7 +187,9 @@ def _run(args: argparse.Namespace, parallel, say) -> int:
     if lookahead is not None:
         passes = pass_cost(model, result, len(prompt_ids))[1]
         why = why_slower(result, decoding_rate(result, stamps), rate, why, passes) or why
-    print(summary(result, elapsed, lookahead, 1 if parallel is None else parallel[1], rate, why), file=sys.stderr)
+    peers = peer_rates(str(model.dtype).removeprefix("torch."))
+    print(summary(result, elapsed, lookahead, 1 if parallel is None else parallel[1], rate, why, peers),
+          file=sys.stderr)
     return 0
 
 
@@ -234,7 +246,8 @@ def _compare(args: argparse.Namespace, model, tokenizer, lookahead, prompt_ids: 
     print(flush=True)
     print(summary(plain, plain_seconds), file=sys.stderr)
     why = why_plain(model, result, len(prompt_ids))
-    print(summary(result, seconds, lookahead, why=why), file=sys.stderr)
+    print(summary(result, seconds, lookahead, why=why, peers=peer_rates(str(model.dtype).removeprefix("torch."))),
+          file=sys.stderr)
     exact = args.temperature == 0 or args.seed is not None
     passes = pass_cost(model, result, len(prompt_ids))[1]
     print(comparison(plain, plain_seconds, result, seconds, exact, why, passes), file=sys.stderr)

@@ -11,8 +11,10 @@ model where a self-tuned run measured one, else timed by a short plain continuat
 
 from __future__ import annotations
 
+import json
 import time
 
+PEERS_FILE = "peers.json"  # bench/peers.py's one-request figures for this CPU, in the cache folder
 PROBE_TOKENS = 16  # plain steps timed for the baseline where no cost model gives it
 MOSTLY_PLAIN = 0.5  # a self-tuned run with more plain steps than this says why
 BUSY = 1.5  # a lookahead step costing this many one-token steps or more: multi-token passes are slow here
@@ -21,9 +23,10 @@ LOOP = 2.0  # steps taking this many times what their pass costs: the loop's own
 
 
 def summary(result, seconds: float, lookahead=None, ranks: int = 1, plain_rate: float | None = None,
-            why: str | None = None) -> str:
+            why: str | None = None, peers: str | None = None) -> str:
     """The line after an answer: the method, tokens, forward passes, S, tokens/s, with `plain_rate` what plain
-    decoding does on this machine, and `why` (`why_plain`) where self-tuned steps stayed plain."""
+    decoding does on this machine, `peers` (`peer_rates`) what the engines people already run do here, and `why`
+    (`why_plain`) where self-tuned steps stayed plain."""
     mode = "plain" if lookahead is None else f"lookahead W={lookahead.window} N={lookahead.ngram} G={lookahead.guesses}"
     if ranks > 1:
         mode += f" on {ranks} processes"
@@ -31,9 +34,30 @@ def summary(result, seconds: float, lookahead=None, ranks: int = 1, plain_rate: 
         mode += ", self-tuned"
     line = (f"[{mode}] {len(result.tokens)} tokens, {result.steps} steps, S={result.compression:.2f}, "
             f"{len(result.tokens) / seconds:.1f} tok/s")
-    if plain_rate is not None:
-        line += f" (plain ~{plain_rate:.0f} tok/s here)"
+    notes = [] if plain_rate is None else [f"plain ~{plain_rate:.0f} tok/s here"]
+    if peers is not None:
+        notes.append(peers)
+    if notes:
+        line += f" ({'; '.join(notes)})"
     return line if why is None else f"{line}; {why}"
+
+
+def peer_rates(dtype: str) -> str | None:
+    """What llama.cpp (and vLLM) decode one request at here, by `bench/peers.py`'s last run on this kind of CPU
+    (`peers.json` in the cache folder; None where it has not run here): the same dtype's figures first."""
+    from lookahead.kernels.cpu_gemm import cpu_tag
+    from lookahead.paths import cache_root
+
+    root = cache_root()
+    try:
+        saved = json.loads((root / PEERS_FILE).read_text()) if root is not None else None
+    except (OSError, ValueError):
+        return None
+    if not isinstance(saved, dict) or saved.get("cpu_tag") != cpu_tag() or not saved.get("figures"):
+        return None
+    figures = sorted(saved["figures"].items(), key=lambda item: not item[0].endswith(dtype))
+    rates = ", ".join(f"{name} ~{rate:.0f}" for name, rate in figures[:2])
+    return f"{rates} tok/s here by bench/peers.py on {saved.get('date', '?')[:10]}"
 
 
 def plain_rate(model, result, prompt_length: int) -> float | None:
