@@ -144,6 +144,22 @@ class Curve:
         own = self._own(tokens)
         return self.knots[own] if self._is_stale(own) else None
 
+    def stale_knots(self, tokens: Sequence[int]) -> list[int | None]:
+        """`stale_knot` of each of `tokens`, the bracket moving along sorted tokens."""
+        knots = self.knots
+        if len(knots) == 1:
+            return [self.stale_knot(t) for t in tokens]
+        stale = [knot if self._is_stale(k) else None for k, knot in enumerate(knots)]
+        out, last, j = [], len(knots) - 1, 1
+        for t in tokens:
+            if j > 1 and knots[j - 1] >= t:  # not sorted: find the segment afresh
+                j = 1
+            while j < last and knots[j] < t:
+                j += 1
+            w = (t - knots[j - 1]) / (knots[j] - knots[j - 1])
+            out.append(stale[j] if w > 0.5 else stale[j - 1])
+        return out
+
     def stale_at(self, tokens: int) -> bool:
         """Whether a step of `tokens` tokens would run a stale knot (`stale_knot`)."""
         return self.stale_knot(tokens) is not None
@@ -160,6 +176,24 @@ class Curve:
         at = [self.base[k] + self.per_position[k] * length for k in (i, j)]
         # extrapolation below the first knot stays positive
         return max(at[0] + w * (at[1] - at[0]), 0.25 * min(at), MIN_SECONDS)
+
+    def predict_many(self, tokens: Sequence[int], length: int) -> list[float]:
+        """`predict` of each of `tokens` (all over `length` cached positions), bit for bit, for the budget's scan of
+        every step size: the knots' costs at `length` are computed once, and the bracket moves along sorted tokens."""
+        knots, min_seconds = self.knots, MIN_SECONDS
+        at = [b + p * length for b, p in zip(self.base, self.per_position, strict=True)]  # as predict adds them
+        if len(knots) == 1:
+            return [max(at[0] + 0.0 * (at[0] - at[0]), 0.25 * at[0], min_seconds) for _ in tokens]
+        out, last, j = [], len(knots) - 1, 1
+        for t in tokens:
+            if j > 1 and knots[j - 1] >= t:  # not sorted: find the segment afresh
+                j = 1
+            while j < last and knots[j] < t:
+                j += 1
+            a, b = at[j - 1], at[j]
+            w = (t - knots[j - 1]) / (knots[j] - knots[j - 1])
+            out.append(max(a + w * (b - a), 0.25 * (a if a <= b else b), min_seconds))
+        return out
 
     def observe(self, tokens: int, length: int, seconds: float) -> None:
         """Move the knots around `tokens` towards a step's measured `seconds`, each by its share of the step, and for
@@ -298,6 +332,13 @@ class CostModel:
         """Seconds of a step of `tokens` tokens (all rows) over `length` cached positions."""
         return self._curve(kind).predict(tokens, length)
 
+    def predict_many(self, tokens: Sequence[int], length: int, kind: str = "greedy") -> list[float]:
+        """`predict` of each of `tokens`, bit for bit (`Curve.predict_many`; a subclass's own `predict` is asked for
+        each, as it was before this existed)."""
+        if type(self).predict is not CostModel.predict:
+            return [self.predict(t, length, kind) for t in tokens]
+        return self._curve(kind).predict_many(tokens, length)
+
     def observe(self, tokens: int, length: int, seconds: float, kind: str = "greedy") -> None:
         """Fold a step's measured time into the curve (see `Curve.observe`)."""
         self._curve(kind).observe(tokens, length, seconds)
@@ -306,6 +347,12 @@ class CostModel:
         """The knot of the `kind` curve a step of `tokens` tokens would run, where no step ran it lately (else
         None; see `Curve.stale_knot`)."""
         return self._curve(kind).stale_knot(tokens)
+
+    def stale_knots(self, tokens: Sequence[int], kind: str = "greedy") -> list[int | None]:
+        """`stale_knot` of each of `tokens` (`Curve.stale_knots`; a subclass's own `stale_knot` is asked for each)."""
+        if type(self).stale_knot is not CostModel.stale_knot:
+            return [self.stale_knot(t, kind) for t in tokens]
+        return self._curve(kind).stale_knots(tokens)
 
     def floor(self, tokens: int, length: int, kind: str = "greedy") -> float:
         """The least a step of `tokens` tokens may cost by the knots steps ran lately (see `Curve.floor`)."""
