@@ -29,6 +29,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle OpenMP threads sleep
 
 import argparse  # noqa: E402
 import cProfile  # noqa: E402
+import gc  # noqa: E402
 import gzip  # noqa: E402
 import io  # noqa: E402
 import json  # noqa: E402
@@ -54,6 +55,7 @@ from lookahead.tuning.cost import Curve  # noqa: E402
 STREAMS = ROOT / "bench" / "data" / "host-time-streams.json.gz"
 TOPK = 8  # the top-k recorded per position (the recycling source's RECYCLE_K)
 ROWS = (1, 8, 32)
+GC_MODE = "default"  # the garbage collector during the measured requests: "default", "freeze" or "off" (--gc)
 WARM_ROWS = 3  # streams left out of the measured rows: an earlier request each, whose drafting warms the memory
 # a step's seconds by its tokens, shaped like an 8B LLaMA's on one H100 (flat while weight reads dominate)
 GPU_CURVE = Curve([1, 64, 128, 256, 512, 1024, 2048, 4096],
@@ -150,13 +152,14 @@ class Oracle:
         self.by_prompt: dict[tuple[int, ...], Stream] = {}
         self.rows: list[int] = []  # the runner rows of the step being run, in packing order
         self.seconds = 0.0
+        self.cpu_seconds = 0.0  # the thread's CPU time in it (other processes on a shared machine do not count)
         self.now = 0.0
 
     def clock(self) -> float:
         return self.now
 
     def forward(self, program, runner) -> tuple[torch.Tensor, torch.Tensor]:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         step, views, shape = program.step, program.views, program.shape
         tokens = views["tokens"].tolist()
         predicted: list[list[int]] = [[0] * TOPK] * len(tokens)
@@ -177,6 +180,7 @@ class Oracle:
         mean_length = sum(step.lengths) // max(len(step.lengths), 1)
         self.now += self.cost.predict(shape.tokens, mean_length)
         self.seconds += time.perf_counter() - start
+        self.cpu_seconds += time.thread_time() - cpu
         return torch.zeros(len(heads), TOPK), fetched
 
 
@@ -242,13 +246,18 @@ def run_rows(streams: list[Stream], warm: list[Stream], cfg: LookaheadConfig, to
             engine.submit(Request([s.prompt], tokens, lookahead=cfg))
             while engine.step():
                 pass
+        if GC_MODE == "freeze":  # what the process holds so far (the memory's tables) is never scanned again
+            gc.freeze()
+        elif GC_MODE == "off":
+            gc.disable()
         handles = [engine.submit(Request([s.prompt], tokens, lookahead=cfg)) for s in streams]
-        host, inside_us, fed, accepted = [], [], [], []
+        host, host_cpu, inside_us, fed, accepted = [], [], [], [], []
         while True:
             # timed: the steps that start with all N rows decoding (the last one of each such run included)
             jobs = list(engine.active)
             full = len(jobs) == len(streams) and all(not job.prefilling for job in jobs)
-            inside, start = oracle.seconds, time.perf_counter()
+            inside, inside_cpu = oracle.seconds, oracle.cpu_seconds
+            start, cpu = time.perf_counter(), time.thread_time()
             if full and timers is not None:
                 timers.on = True  # (the oracle's time inside the runner's step is taken out below)
             if full and profile is not None:
@@ -258,28 +267,32 @@ def run_rows(streams: list[Stream], warm: list[Stream], cfg: LookaheadConfig, to
                 profile.disable()
             if timers is not None:
                 timers.on = False
-            wall = time.perf_counter() - start
+            wall, cpu = time.perf_counter() - start, time.thread_time() - cpu
             if full:
                 host.append(wall - (oracle.seconds - inside))
-                inside_us.append((oracle.seconds - inside) * 1e6)
+                host_cpu.append(cpu - (oracle.cpu_seconds - inside_cpu))
+                inside_us.append((oracle.cpu_seconds - inside_cpu) * 1e6)
                 fed.append(sum(job.out.result.step_sizes[-1] for job in jobs))
                 accepted.append(sum(len(job.out.result.step_tokens[-1]) for job in jobs))
             if not more:
                 break
+    gc.enable()
+    gc.unfreeze()
     for s, handle in zip(streams, handles, strict=True):
         got = handle.result().tokens
         want = s.text[len(s.prompt) :]
         n = min(len(got), len(want))
         if got[:n] != want[:n]:
             raise AssertionError("the engine's tokens left the recorded stream: the oracle or the engine is wrong")
-    return {"steps": len(host), "host_us": [h * 1e6 for h in host], "oracle_us": statistics.fmean(inside_us),
+    return {"steps": len(host), "host_us": [h * 1e6 for h in host], "host_cpu_us": [h * 1e6 for h in host_cpu],
+            "oracle_cpu_us": statistics.fmean(inside_us),
             "tokens_fed": statistics.fmean(fed) if fed else 0,
             "tokens_per_step": statistics.fmean(accepted) if accepted else 0}
 
 
 class PhaseTimers:
-    """Seconds inside methods, patched over the classes that hold them, counted only between `start` and `stop`;
-    nested phases are reported exclusive of the ones inside them (`exclusive`)."""
+    """The thread's CPU seconds inside methods, patched over the classes that hold them, counted only while `on`;
+    `phases` takes nested ones apart."""
 
     # phase -> (module, class, method); the parents' times include their children's
     TARGETS = {
@@ -306,11 +319,11 @@ class PhaseTimers:
         def timed(*args, **kwargs):
             if not self.on:
                 return fn(*args, **kwargs)
-            start = time.perf_counter()
+            start = time.thread_time()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds[name] += time.perf_counter() - start
+                self.seconds[name] += time.thread_time() - start
         return timed
 
     def reset(self) -> None:
@@ -318,10 +331,10 @@ class PhaseTimers:
 
 
 def phases(total_us: float, timers: PhaseTimers, forward_us: float, steps: int) -> dict:
-    """Per step, by phase: draft; pack (the rows' layouts and the runner's packing, staging and unpacking around the
-    forward); verify; commit (taking the outputs: the window, pool, recycling and suffix updates, and the runner's
-    commit bookkeeping; `learn`, the recycling part, also shown apart); schedule (the rest: admission, the budget's
-    sizing, sending, retiring)."""
+    """Per step, by phase (the thread's CPU time, out of `total_us`, the host's CPU time per step): draft; pack (the
+    rows' layouts and the runner's packing, staging and unpacking around the forward); verify; commit (taking the
+    outputs: the window, pool, recycling and suffix updates, and the runner's commit bookkeeping; `learn`, the
+    recycling part, also shown apart); schedule (the rest: admission, the budget's sizing, sending, retiring)."""
     us = {name: s / steps * 1e6 for name, s in timers.seconds.items()}
     out = {
         "draft": us["draft"],
@@ -352,9 +365,11 @@ def measure(args) -> dict:
     for n in args.rows:
         plain = [run_rows(pool[:n], warm, cfg, args.tokens, args.static) for _ in range(args.repeats)]
         host = [statistics.fmean(r["host_us"]) for r in plain]
+        cpu = [statistics.fmean(r["host_cpu_us"]) for r in plain]
         out["rows"].append({"rows": n, "steps": plain[0]["steps"], "tokens_fed": plain[0]["tokens_fed"],
                             "tokens_per_step": plain[0]["tokens_per_step"], "host_us_runs": host,
-                            "host_us": statistics.median(host), "host_us_per_row": statistics.median(host) / n})
+                            "host_us": statistics.median(host), "host_us_per_row": statistics.median(host) / n,
+                            "host_cpu_us_runs": cpu, "host_cpu_us": statistics.median(cpu)})
     if args.profile:
         n = max(args.rows)
         profile = cProfile.Profile()
@@ -366,9 +381,9 @@ def measure(args) -> dict:
         for entry in out["rows"]:
             timers.reset()
             timed = run_rows(pool[: entry["rows"]], warm, cfg, args.tokens, args.static, timers=timers)
-            total = statistics.fmean(timed["host_us"])
+            total = statistics.fmean(timed["host_cpu_us"])
             entry["phases_total_us"] = total
-            entry["phases_us"] = phases(total, timers, timed["oracle_us"], timed["steps"])
+            entry["phases_us"] = phases(total, timers, timed["oracle_cpu_us"], timed["steps"])
     return out
 
 
@@ -391,7 +406,7 @@ def _profile_rows(stats: pstats.Stats, top: int, steps: int) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="*", default=list(ROWS))
-    parser.add_argument("--tokens", type=int, default=128, help="new tokens per request")
+    parser.add_argument("--tokens", type=int, default=160, help="new tokens per request (the streams hold 160)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per row count (the median is reported)")
     parser.add_argument("--config", default="default",
                         help="the requests' lookahead: 'default' (LookaheadConfig(): 1-4-5, self-tuned, warm), or "
@@ -403,16 +418,20 @@ def main() -> None:
                         "kernels/, models/): each repeat runs both, alternating")
     parser.add_argument("--rounds", type=int, default=3, help="with --baseline: alternations")
     parser.add_argument("--quick", action="store_true", help="1 and 8 rows, 24 tokens, one run (a test's check)")
+    parser.add_argument("--gc", default="default", choices=("default", "freeze", "off"),
+                        help="the garbage collector while the measured requests run (what its pauses cost)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--record", action="store_true", help="record the streams with the default model")
     parser.add_argument("--name", default="host-time")
     args = parser.parse_args()
     if args.record:
-        record(args.tokens if args.tokens != 128 else 160, STREAMS)
+        record(args.tokens, STREAMS)
         return
     if args.quick:
         args.rows, args.tokens, args.repeats, args.profile, args.rounds = [1, 8], 24, 1, 0, 1
     if args.worker:
+        global GC_MODE
+        GC_MODE = args.gc
         print(json.dumps(measure(args)))
         return
     runs = {"after": []} if args.baseline is None else {"before": [], "after": []}
@@ -454,7 +473,9 @@ def _summary(runs: dict) -> list[dict]:
         for i, entry in enumerate(measured[0]["rows"]):
             n = entry["rows"]
             host = statistics.median(m["rows"][i]["host_us"] for m in measured)
-            row = {"label": label, "rows": n, "host_us": host, "host_us_per_row": host / n,
+            cpu = statistics.median(m["rows"][i]["host_cpu_us"] for m in measured)
+            row = {"label": label, "rows": n, "host_us": host, "host_us_per_row": host / n, "host_cpu_us": cpu,
+                   "host_cpu_us_per_row": cpu / n,
                    "steps": entry["steps"], "tokens_per_step": entry["tokens_per_step"],
                    "tokens_fed": entry["tokens_fed"]}
             if "phases_us" in entry:
@@ -468,18 +489,20 @@ def _print(result: dict) -> None:
     print(f"engine host time per step, {result['machine']['device']}, lookahead {result['config']}, "
           f"{result['tokens']} tokens a request, load {result['load'][0]:.2f}")
     parts = ("draft", "pack", "verify", "commit", "schedule")
-    print_table(["code", "rows", "steps", "tokens/step", "host us/step", "us/row/step",
+    print_table(["code", "rows", "steps", "tokens/step", "host us/step", "us/row/step", "CPU us/row/step",
                  *(f"{p} us/row" for p in parts), "(learn us/row)"],
                 [[r["label"], r["rows"], r["steps"], f"{r['tokens_per_step']:.1f}", f"{r['host_us']:.0f}",
-                  f"{r['host_us_per_row']:.1f}",
+                  f"{r['host_us_per_row']:.1f}", f"{r['host_cpu_us_per_row']:.1f}",
                   *(f"{r['phases_us'][p] / r['rows']:.1f}" if "phases_us" in r else "" for p in parts),
                   f"{r['phases_us']['learn'] / r['rows']:.1f}" if "phases_us" in r else ""]
                  for r in result["summary"]])
     labels = [r["label"] for r in result["summary"]]
     if "before" in labels:
         before = {r["rows"]: r["host_us"] for r in result["summary"] if r["label"] == "before"}
-        print("after / before: " + ", ".join(f"{r['rows']} rows {r['host_us'] / before[r['rows']]:.2f}"
-                                              for r in result["summary"] if r["label"] == "after"))
+        cpu = {r["rows"]: r["host_cpu_us"] for r in result["summary"] if r["label"] == "before"}
+        print("after / before, wall (CPU): " + ", ".join(
+            f"{r['rows']} rows {r['host_us'] / before[r['rows']]:.2f} ({r['host_cpu_us'] / cpu[r['rows']]:.2f})"
+            for r in result["summary"] if r["label"] == "after"))
     for label, measured in result["runs"].items():
         top = measured[-1]["rows"][-1].get("profile_top")
         if top:

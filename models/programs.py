@@ -12,7 +12,6 @@ and is used once (a CPU's steps: padding would cost real compute).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -196,7 +195,7 @@ class StepProgram:
             table[b, : len(blocks)] = blocks
             table[b, len(blocks) :] = 0
         self.inputs.copy_(self.staging, non_blocking=True)
-        self.step = dataclasses.replace(step, fed=shape.tokens)
+        self.step = PackedStep(step.lengths, step.patterns, step.tables, step.starts, step.block_size, shape.tokens)
 
     def forward(self, runner) -> tuple[torch.Tensor, torch.Tensor]:
         """The step from the input buffer alone: the logits rows [H, V], and the int64 [H (+ H x k)] the host fetches

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import heapq
 import random
+import subprocess
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +23,8 @@ from lookahead.kernels import StepPattern
 from lookahead.models.programs import slot_run
 from lookahead.tuning import CostModel, Curve, StepBudget, budget
 from lookahead.tuning.budget import EXPLORE_EVERY, NOTHING_FIXED, Choice, Fixed
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 class HeapBudget(StepBudget):
@@ -398,3 +403,15 @@ def test_grown_trees_are_numbered_as_the_pre_order_walk_numbers_them():
         new[ROOT] = ROOT
         tree = DraftTree.grown(tokens, parents)
         assert tree == DraftTree([tokens[n] for n in order], [new[parents[n]] for n in order], ends)
+
+
+def test_the_host_time_benchmark_runs_quick_and_its_oracle_replays_the_streams():
+    """bench/host_time.py --quick (1 and 8 rows, 24 tokens, a worker process): it runs, checking every request's
+    tokens against the recorded stream (the oracle's forward is the default model's, as recorded), and prints the
+    table."""
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "host_time.py"), "--quick"], capture_output=True,
+                          text=True, check=False, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split("|") for line in done.stdout.splitlines() if line.startswith("after ")]
+    assert [int(r[1]) for r in rows] == [1, 8], done.stdout
+    assert all(int(r[2]) >= 1 for r in rows), done.stdout  # steps measured with every row decoding

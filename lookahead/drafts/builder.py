@@ -91,7 +91,10 @@ class DraftBuilder:
         """Best-first growth. Children of a node are sorted by edge probability, so a child is offered only
         when its elder sibling is taken: two heap pushes per node instead of one per candidate. The proposals'
         trie is unfolded one level at a time, under the nodes taken (`_expand`): a suffix continuation may run to
-        the node budget, and most of its tokens are never reached."""
+        the node budget, and most of its tokens are never reached.
+
+        This loop runs for every node of every row's draft every step (the engine's largest host cost), so the
+        common node, one with recycled children only, is handled inline (`_children` does the same, slower)."""
         tokens: list[int] = []
         parents: list[int] = []
         scores: list[float] = []
@@ -100,20 +103,35 @@ class DraftBuilder:
         if offered:
             heap.append((-offered[0][0], 0, ROOT, root_token, previous, 1.0, offered, 0))
         order = 1
+        lookup = self.recycle.lookup if self.use_recycle else None
+        memory = self.memory
+        pop, push, ranked = heapq.heappop, heapq.heappush, _RANKED_PROBABILITY
         while heap and len(tokens) < budget:
-            neg, _, parent, parent_token, grand_token, parent_score, siblings, i = heapq.heappop(heap)
+            neg, _, parent, parent_token, grand_token, parent_score, siblings, i = pop(heap)
             _, token, below = siblings[i]
             node = len(tokens)
             tokens.append(token)
             parents.append(parent)
             scores.append(-neg)
             if i + 1 < len(siblings):
-                heapq.heappush(heap, (-parent_score * siblings[i + 1][0], order, parent, parent_token, grand_token,
-                                      parent_score, siblings, i + 1))
+                push(heap, (-parent_score * siblings[i + 1][0], order, parent, parent_token, grand_token, parent_score,
+                            siblings, i + 1))
                 order += 1
-            offered = self._children(grand_token, parent_token, token, _expand(below) if below else None)
+            if below or lookup is None:
+                offered = self._children(grand_token, parent_token, token, _expand(below) if below else None)
+            else:  # `_children` without proposals, `_recycled` inline
+                listed, single = lookup(grand_token, parent_token, token)
+                if listed is not None:
+                    kind = 0
+                elif single or memory is None:
+                    listed, kind = single, 1
+                else:
+                    listed, single = memory.recycled(grand_token, parent_token, token)
+                    listed, kind = (listed, 2) if listed is not None else (single, 3)
+                offered = list(zip(ranked[kind], listed, _NONE, strict=False))
+                offered.sort(reverse=True)
             if offered:
-                heapq.heappush(heap, (neg * offered[0][0], order, node, token, parent_token, -neg, offered, 0))
+                push(heap, (neg * offered[0][0], order, node, token, parent_token, -neg, offered, 0))
                 order += 1
         return BestFirst(tokens, parents, scores)
 
