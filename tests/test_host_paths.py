@@ -96,6 +96,15 @@ class HeapBudget(StepBudget):
         return None
 
 
+    def _worths(self, scores: Sequence[float]) -> list[float]:
+        worths, total, before = [], 0.0, 0.0
+        for score in scores:
+            total += score
+            now = self.calibrated(total)
+            worths.append(now - before)
+            before = now
+        return worths
+
 
 def random_scores(rng: random.Random, rows: int, most: int) -> list[list[float]]:
     out = []

@@ -132,7 +132,8 @@ class Job:
         verdict = self.loop.finish(layout, output)
         self.last = verdict.tokens[-1]
         taken = self.out.accept(verdict.tokens, layout.pattern.num_tokens)
-        return layout.commit_indices(verdict), self._logprobs(output, _chosen_rows(layout, verdict), taken)
+        rows = _chosen_rows(layout, verdict) if self.logprobs is not None else []  # (asked for by few requests)
+        return layout.commit_indices(verdict), self._logprobs(output, rows, taken)
 
     def _logprobs(self, output: StepOutput, rows: list[int], taken: list[int]) -> list[int]:
         """Record the log-probabilities of the taken tokens (the model's output at the row before each) if asked;

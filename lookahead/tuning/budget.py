@@ -150,7 +150,8 @@ class StepBudget:
         length = (fixed.weight + sum(n * c for n, c in zip(lengths, carries, strict=True))) // max(base_tokens, 1)
         plain = self._rate(fixed.tokens + rows, length, base_expected)
         best_rate, best_count = plain, None
-        order, gains = merge_slots([self._worths(row) for row in scores])
+        calibration = self._calibration()
+        order, gains = merge_slots([self._worths(row, calibration) for row in scores])
         # option k: the step with the first k slots (k = 0, every row's base alone, only where rows carry the branch);
         # all of them rated at once (`predict_many`), the running sums in the order a slot-by-slot scan adds them
         first = 0 if self.branch else 1
@@ -201,12 +202,20 @@ class StepBudget:
                 return k
         return None
 
-    def _worths(self, scores: Sequence[float]) -> list[float]:
-        """The calibrated expected nodes each further node of a row's draft adds."""
+    def _calibration(self) -> tuple[list[float], list[float]]:
+        """Each band's numerator and denominator of c, as `calibrated` computes them."""
+        return ([a + CALIBRATION_PRIOR for a in self.accepted], [e + CALIBRATION_PRIOR for e in self.expected])
+
+    def _worths(self, scores: Sequence[float], calibration: tuple[list[float], list[float]]) -> list[float]:
+        """The calibrated expected nodes each further node of a row's draft adds (`calibrated` inline: this runs for
+        every node of every row each step)."""
         worths, total, before = [], 0.0, 0.0
+        numerator, denominator = calibration
+        bands, band_of = CALIBRATION_BANDS, bisect.bisect_right
         for score in scores:
             total += score
-            now = self.calibrated(total)
+            band = band_of(bands, total)
+            now = total * numerator[band] / denominator[band]
             worths.append(now - before)
             before = now
         return worths
