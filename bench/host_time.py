@@ -241,6 +241,9 @@ def run_rows(streams: list[Stream], warm: list[Stream], cfg: LookaheadConfig, to
     for s in [*streams, *warm]:
         oracle.by_prompt[tuple(s.prompt)] = s
     engine = make_engine(oracle, cfg, len(streams), static)
+    # the earlier runs' engines are garbage in cycles: collected now, or a full collection's pause over them lands in
+    # some phase of this run (it did: a phase 4x its size in one run, another's in the next)
+    gc.collect()
     with torch.inference_mode():
         for s in warm:  # earlier requests: their drafting goes into the memory when they end
             engine.submit(Request([s.prompt], tokens, lookahead=cfg))
@@ -355,8 +358,9 @@ def config_of(spec: str) -> LookaheadConfig:
 
 
 def measure(args) -> dict:
-    """One process's measurement at each row count: plain timings, a profile (at the most rows), then the phases
-    (their timers, once patched in, stay)."""
+    """One process's measurement at each row count: plain timings, the phases (their timers, once patched in,
+    stay; off, they cost a flag test a call), then a profile at the most rows (last: in the code before this work, a
+    1-row run after a profiled one ran 4x slower in all three rounds)."""
     torch.set_num_threads(1)
     cfg = config_of(args.config)
     streams = [Stream(r) for r in load_streams()]
@@ -370,12 +374,6 @@ def measure(args) -> dict:
                             "tokens_per_step": plain[0]["tokens_per_step"], "host_us_runs": host,
                             "host_us": statistics.median(host), "host_us_per_row": statistics.median(host) / n,
                             "host_cpu_us_runs": cpu, "host_cpu_us": statistics.median(cpu)})
-    if args.profile:
-        n = max(args.rows)
-        profile = cProfile.Profile()
-        steps = run_rows(pool[:n], warm, cfg, args.tokens, args.static, profile=profile)["steps"]
-        out["rows"][-1]["profile_top"] = _profile_rows(pstats.Stats(profile, stream=io.StringIO()), args.profile,
-                                                       steps)
     if args.phases:
         timers = PhaseTimers()
         for entry in out["rows"]:
@@ -384,6 +382,12 @@ def measure(args) -> dict:
             total = statistics.fmean(timed["host_cpu_us"])
             entry["phases_total_us"] = total
             entry["phases_us"] = phases(total, timers, timed["oracle_cpu_us"], timed["steps"])
+    if args.profile:
+        n = max(args.rows)
+        profile = cProfile.Profile()
+        steps = run_rows(pool[:n], warm, cfg, args.tokens, args.static, profile=profile)["steps"]
+        out["rows"][-1]["profile_top"] = _profile_rows(pstats.Stats(profile, stream=io.StringIO()), args.profile,
+                                                       steps)
     return out
 
 

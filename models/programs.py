@@ -134,10 +134,18 @@ class Packing:
             for place, token in zip(heads, host[offset : offset + len(heads)].tolist(), strict=True):
                 winners[place] = token
             offset += len(heads)
-        outputs = []
-        for s, (places, top_start) in zip(self.steps, self.heads, strict=True):
-            contiguous = places == list(range(places[0], places[0] + len(places)))
-            row_logits = logits[places[0] : places[0] + len(places)] if contiguous else logits[places]
+        # a row whose output rows are not one run of the logits rows (a lookahead row's input token read twice, say)
+        # gets a copy; all such rows' in one gather (one op a step, not one a row), each a view of it
+        runs = [_is_run(places) for places, _ in self.heads]
+        gather = [p for (places, _), run in zip(self.heads, runs, strict=True) if not run for p in places]
+        gathered = logits[torch.tensor(gather, device=logits.device)] if gather else None
+        outputs, offset = [], 0
+        for s, (places, top_start), run in zip(self.steps, self.heads, runs, strict=True):
+            n = len(places)
+            if run:
+                row_logits = logits[places[0] : places[0] + n]
+            else:
+                row_logits, offset = gathered[offset : offset + n], offset + n
             row_top = None if top_start < 0 else torch.from_numpy(top[top_start : top_start + len(s.tokens)])
             sampled = None if s.sample is None else [winners[p] for p in places]
             outputs.append(StepOutput(row_logits, [argmax[p] for p in places], row_top, sampled))
@@ -235,6 +243,11 @@ class StepProgram:
         with torch.cuda.graph(graph, pool=runner.graph_pool, capture_error_mode="thread_local"):
             self.outputs = self.forward(runner)
         self.graph = graph
+
+
+def _is_run(places: list[int]) -> bool:
+    """Whether the logits rows are consecutive, first to last."""
+    return places == list(range(places[0], places[0] + len(places)))
 
 
 def slot_run(blocks: Sequence[int], block_size: int, start: int, count: int) -> list[int]:

@@ -281,8 +281,9 @@ class LookaheadLoop:
         tokens = [*layout.tokens, sequence[-3] if len(sequence) > 2 else -1, sequence[-2] if len(sequence) > 1 else -1]
         first = [parent[i] for i in rows]
         second = [parent[p] for p in first]
+        topk = output.topk.tolist()  # (one conversion, then list indexing: faster than numpy's fancy indexing here)
         self.drafts.recycle.update([tokens[p] for p in second], [tokens[p] for p in first], [tokens[i] for i in rows],
-                                   output.topk.numpy()[rows])
+                                   [topk[i] for i in rows])
 
     def _verify(self, layout: StepLayout, output: StepOutput) -> Verdict:
         """Greedy: each slot's argmax; sampling: each slot's seeded winner (`lookahead.loop.sampling`)."""

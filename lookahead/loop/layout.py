@@ -123,7 +123,7 @@ class StepLayout:
         and itself (`StepPattern.visible`, pinned by tests), at relative position = its depth."""
         window, la = self.pattern.window, self.pattern.lookahead_len
         out = [-1, *range(window - 1), *range(la - window)]
-        out += [self.index_of_node(parent) for parent in self.tree.parents]
+        out += [0 if parent == ROOT else la + parent for parent in self.tree.parents]  # `index_of_node`, inline
         out += [0] * (len(self.tokens) - len(out))  # padding nodes: children of the input token
         return out
 
@@ -136,7 +136,8 @@ class StepLayout:
 
     def commit_indices(self, verdict: Verdict) -> list[int]:
         """Step indices to keep after a verdict: the input token, then the path down to its last accepted node."""
-        return [0, *(self.index_of_node(node) for node in self.tree.path(verdict.node))]
+        la = self.pattern.lookahead_len
+        return [0, *(la + node for node in self.tree.path(verdict.node))]  # `index_of_node` of each (none is ROOT)
 
 
 def pack_step(levels: Sequence[Sequence[int]], tree: DraftTree, full: StepPattern, static: bool,
