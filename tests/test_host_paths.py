@@ -15,7 +15,17 @@ import pytest
 
 from lookahead import LookaheadConfig
 from lookahead.drafts import ROOT, DraftBuilder, DraftMemory, DraftTree, NGramPool, RecycleTables, SuffixIndex, preorder
-from lookahead.drafts.builder import SUFFIX_LIMIT, SUFFIX_REACH, stronger
+from lookahead.drafts.builder import (
+    _MISSING,
+    _NONE,
+    _RANKED,
+    _RANKED_PROBABILITY,
+    EDGE_PROBABILITY,
+    NO_RECYCLE,
+    SUFFIX_LIMIT,
+    SUFFIX_REACH,
+    stronger,
+)
 from lookahead.drafts.edges import pool_state, suffix_state
 from lookahead.drafts.suffix import _SCAN, SEPARATOR
 from lookahead.drafts.tree import BestFirst
@@ -285,7 +295,8 @@ def test_suffix_continuations_are_what_they_were(seed):
 
 
 class OldDraftBuilder(DraftBuilder):
-    """`DraftBuilder` with its growth as it was: every proposed path inserted whole into a trie before growing."""
+    """`DraftBuilder` with its growth as it was: every proposed path inserted whole into a trie before growing, each
+    node's children offered by the general path (`_children`)."""
 
     def grow(self, sequence: Sequence[int], pool: NGramPool, budget: int) -> BestFirst:
         """Up to `budget` nodes under the input token `sequence[-1]` in best-first order, with their scores: any
@@ -338,6 +349,26 @@ class OldDraftBuilder(DraftBuilder):
                 heapq.heappush(heap, (neg * offered[0][0], order, node, token, parent_token, -neg, offered, 0))
                 order += 1
         return BestFirst(tokens, parents, scores)
+
+    def _children(self, second: int, previous: int, token: int, proposed: dict | None) -> list:
+        """(probability, child token, proposals below it) of every child offered under `token` (whose own previous
+        tokens are `second`, `previous`), best first."""
+        listed, kind = self._recycled(second, previous, token) if self.use_recycle else ((), 1)
+        if not proposed:  # most nodes: recycled tokens only, their probabilities tabulated by rank
+            out = list(zip(_RANKED_PROBABILITY[kind], listed, _NONE, strict=False))  # listed: <= k
+        else:
+            offered = {child: [None, code] for child, code in zip(listed, _RANKED[kind], strict=False)}
+            missing = _MISSING[kind] if listed else NO_RECYCLE
+            for child, (below, suffix, pool) in proposed.items():
+                entry = offered.get(child)
+                if entry is None:
+                    offered[child] = [below, missing + suffix + pool]
+                else:
+                    entry[0] = below
+                    entry[1] += suffix + pool
+            out = [(EDGE_PROBABILITY[code], child, below) for child, (below, code) in offered.items()]
+        out.sort(reverse=True)  # siblings are distinct tokens: ties stop at the token
+        return out
 
 
 def _insert(trie: dict, path: Sequence[int], slot: int, first_state: int, later_state: int) -> None:

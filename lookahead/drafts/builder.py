@@ -141,17 +141,15 @@ class DraftBuilder:
         listed, kind = self._recycled(second, previous, token) if self.use_recycle else ((), 1)
         if not proposed:  # most nodes: recycled tokens only, their probabilities tabulated by rank
             out = list(zip(_RANKED_PROBABILITY[kind], listed, _NONE, strict=False))  # listed: <= k
-        else:
-            offered = {child: [None, code] for child, code in zip(listed, _RANKED[kind], strict=False)}
+        else:  # each child's state code (its recycled rank's, plus what proposes it) and the proposals below it
+            codes = dict(zip(listed, _RANKED[kind], strict=False))
             missing = _MISSING[kind] if listed else NO_RECYCLE
+            below_of = {}
             for child, (below, suffix, pool) in proposed.items():
-                entry = offered.get(child)
-                if entry is None:
-                    offered[child] = [below, missing + suffix + pool]
-                else:
-                    entry[0] = below
-                    entry[1] += suffix + pool
-            out = [(EDGE_PROBABILITY[code], child, below) for child, (below, code) in offered.items()]
+                code = codes.get(child)
+                codes[child] = (missing if code is None else code) + suffix + pool
+                below_of[child] = below
+            out = [(EDGE_PROBABILITY[code], child, below_of.get(child)) for child, code in codes.items()]
         out.sort(reverse=True)  # siblings are distinct tokens: ties stop at the token
         return out
 
