@@ -188,7 +188,9 @@ def test_predict_many_is_predict_bit_for_bit():
         curve = Curve(list(knots), sorted(rng.uniform(1e-4, 1e-2) for _ in knots), [rng.uniform(0, 1e-6)] * len(knots))
         tokens = [rng.randint(1, 700) for _ in range(200)] + list(range(1, 600))
         for length in (0, 17, 3000):
-            assert curve.predict_many(tokens, length) == [curve.predict(t, length) for t in tokens]
+            assert curve.predict_many(tokens, length) == [curve.predict(t, length) for t in tokens]  # numpy
+            short = tokens[:20]  # the Python loop
+            assert curve.predict_many(short, length) == [curve.predict(t, length) for t in short]
 
 
 

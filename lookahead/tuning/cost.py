@@ -41,6 +41,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 KINDS = ("greedy", "sampling")
 FORMAT = 1  # the cache file's layout; a file of another is measured again
 UPDATE_RATE = 0.3  # how far one observation moves its knots towards what it measured
@@ -54,6 +56,7 @@ SPREAD = 0.5  # the share of a multi-token step's move that reaches the other mu
 # moves its own knot only, as contention slows it less
 STALE_AFTER = 32  # observations of a curve after which a knot no step has run since is stale (and may be explored)
 MAX_STALE_AFTER = 1024  # a stale knot confirmed by its step waits twice as long before it is stale again, up to this
+VECTOR_FROM = 48  # `predict_many` of at least this many sizes runs in numpy (fewer: a Python loop costs less)
 SHIFT = 3.0  # a plain step this many times faster than predicted says the whole curve was measured on a slower moment
 
 
@@ -182,6 +185,8 @@ class Curve:
         every step size: the knots' costs at `length` are computed once, and the bracket moves along sorted tokens."""
         knots, min_seconds = self.knots, MIN_SECONDS
         at = [b + p * length for b, p in zip(self.base, self.per_position, strict=True)]  # as predict adds them
+        if len(tokens) >= VECTOR_FROM and len(knots) > 1:
+            return self._predict_array(np.asarray(tokens, dtype=np.int64), np.asarray(at)).tolist()
         if len(knots) == 1:
             return [max(at[0] + 0.0 * (at[0] - at[0]), 0.25 * at[0], min_seconds) for _ in tokens]
         out, last, j = [], len(knots) - 1, 1
@@ -194,6 +199,15 @@ class Curve:
             w = (t - knots[j - 1]) / (knots[j] - knots[j - 1])
             out.append(max(a + w * (b - a), 0.25 * (a if a <= b else b), min_seconds))
         return out
+
+    def _predict_array(self, tokens: np.ndarray, at: np.ndarray) -> np.ndarray:
+        """`predict_many` in numpy: the same float64 operations elementwise, so the same bits (each segment found by
+        a search: the first knot at or above the tokens, between the second knot and the last)."""
+        knots = np.asarray(self.knots, dtype=np.int64)
+        j = np.clip(np.searchsorted(knots, tokens, side="left"), 1, len(knots) - 1)
+        a, b = at[j - 1], at[j]
+        w = (tokens - knots[j - 1]) / (knots[j] - knots[j - 1])
+        return np.maximum(np.maximum(a + w * (b - a), 0.25 * np.minimum(a, b)), MIN_SECONDS)
 
     def observe(self, tokens: int, length: int, seconds: float) -> None:
         """Move the knots around `tokens` towards a step's measured `seconds`, each by its share of the step, and for
