@@ -138,7 +138,7 @@ class Packing:
         # gets a copy; all such rows' in one gather (one op a step, not one a row), each a view of it
         runs = [_is_run(places) for places, _ in self.heads]
         gather = [p for (places, _), run in zip(self.heads, runs, strict=True) if not run for p in places]
-        gathered = logits[torch.tensor(gather, device=logits.device)] if gather else None
+        gathered = logits[torch.from_numpy(np.array(gather, dtype=np.int64)).to(logits.device)] if gather else None
         outputs, offset = [], 0
         for s, (places, top_start), run in zip(self.steps, self.heads, runs, strict=True):
             n = len(places)
