@@ -59,8 +59,8 @@ RUNS: dict[str, tuple[str, str]] = {
     "tri18-cpu": ("LOOKAHEAD_TRIPLES=1 LOOKAHEAD_LEARN=0 python bench/compression.py --configs 3-4-3 2-4-4 1-4-5 "
                   "--name tri18", "tree"),
     "overhead-cpu": ("python bench/overhead.py --configs 15-5-15 3-4-3 1-4-5 15-5-15", "tree"),
-    "host-time-cpu": ("python bench/host_time.py --baseline DIR (DIR: `git archive a911b95 lookahead kernels "
-                      "models | tar -x -C DIR`, the code before issue 36's host-time work)", "tree"),
+    "host-time-cpu": ("python bench/host_time.py --baseline DIR, DIR holding the code before issue 36's host-time "
+                      "work: git archive a911b95 lookahead kernels models | tar -x -C DIR", "tree"),
     "sampling-s-cpu": ("python bench/sampling_s.py --per-kind 1", CHAINS),
     "scaling-cpu": ("python bench/scaling.py", CHAINS),
     "batch-cpu": ("python bench/batch.py", CHAINS),
