@@ -73,6 +73,16 @@ class StepPattern:
             check_tree_end(ends)
             object.__setattr__(self, "tree_end", tuple(ends))
 
+    @classmethod
+    def of_tree(cls, window: int, ngram: int, tree_end: tuple[int, ...]) -> StepPattern:
+        """A tree-form pattern whose `tree_end` (a tuple) is known to be a pre-order forest, as a `DraftTree`'s is by
+        construction: not checked again. What the decode loop makes for every row of every step, where the check
+        costs as much as the rest of the packing; anything else goes through the checking constructor."""
+        pattern = object.__new__(cls)
+        for name, value in (("window", window), ("ngram", ngram), ("candidates", 0), ("tree_end", tree_end)):
+            object.__setattr__(pattern, name, value)
+        return pattern
+
     @property
     def lookahead_len(self) -> int:
         """Tokens of the lookahead branch: W columns x (N - 1) levels."""
@@ -147,6 +157,17 @@ class StepPattern:
         else:
             depth = (idx - self.lookahead_len) % (self.ngram - 1) + 1
         return torch.where(la, level + column, depth)
+
+    @cached_property
+    def position_list(self) -> tuple[int, ...]:
+        """`relative_positions` as ints, made without torch: what a host packing a step every few milliseconds reads
+        (building and converting a tensor costs more than the step's other host work per row)."""
+        window = self.window
+        branch = tuple(level + column for level in range(self.ngram - 1) for column in range(window))
+        if self.is_tree:
+            return branch + self._depths
+        span = self.ngram - 1
+        return branch + tuple(j % span + 1 for j in range(self.verify_len))
 
     def subtree_end(self, k_idx: torch.Tensor, tree_end: torch.Tensor | None = None) -> torch.Tensor:
         """One past the step index of the last token in verification token k_idx's subtree (chains: the end of its

@@ -12,7 +12,6 @@ and is used once (a CPU's steps: padding would cost real compute).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -93,9 +92,11 @@ class Packing:
                 raise ValueError(f"row {s.row}: {t} tokens at L={row.length} overflow its "
                                  f"{len(row.blocks) * runner.block_size} positions")
             tokens += s.tokens
-            positions += [row.length + p for p in s.pattern.relative_positions.tolist()]
-            slots += [runner.slot(row, row.length + i) for i in range(t)]
-            tree_end += [0] * s.pattern.lookahead_len + list(s.pattern.node_ends)
+            length = row.length
+            positions += [length + p for p in s.pattern.position_list]
+            slots += slot_run(row.blocks, runner.block_size, length, t)
+            tree_end += [0] * s.pattern.lookahead_len
+            tree_end += s.pattern.node_ends
             first = len(head)
             if s.topk:
                 head += range(start, start + t)
@@ -121,22 +122,31 @@ class Packing:
     def shape(self, static: bool) -> StepShape:
         return StepShape.of(len(self.tokens), len(self.steps), len(self.head), self.topk, self.chunk, static)
 
-    def outputs(self, logits: torch.Tensor, host: list[int], topk: int) -> list[StepOutput]:
-        """One `StepOutput` per step from the logits rows [H, V] (H padded) and the fetched argmax [H], top-k [H, k]
-        and winners (per sampling group, in order)."""
+    def outputs(self, logits: torch.Tensor, host: np.ndarray, topk: int) -> list[StepOutput]:
+        """One `StepOutput` per step from the logits rows [H, V] (H padded) and the fetched int64 array: argmax [H],
+        top-k [H, k] and winners (per sampling group, in order)."""
         h = logits.shape[0]
-        argmax, rest = host[:h], host[h:]
-        top = torch.tensor(rest[: h * topk]).view(h, topk) if topk else None
-        winners, offset = {}, h * topk
+        argmax = host[:h].tolist()
+        # every row's top-k: views of the fetched array (no copy), as the int64 tensors `StepOutput.topk` holds
+        top = host[h : h + h * topk].reshape(h, topk) if topk else None
+        winners, offset = {}, h + h * topk
         for heads, _, _ in self.samples.values():
-            for place, token in zip(heads, rest[offset : offset + len(heads)], strict=True):
+            for place, token in zip(heads, host[offset : offset + len(heads)].tolist(), strict=True):
                 winners[place] = token
             offset += len(heads)
-        outputs = []
-        for s, (places, top_start) in zip(self.steps, self.heads, strict=True):
-            contiguous = places == list(range(places[0], places[0] + len(places)))
-            row_logits = logits[places[0] : places[0] + len(places)] if contiguous else logits[places]
-            row_top = None if top_start < 0 else top[top_start : top_start + len(s.tokens)]
+        # a row whose output rows are not one run of the logits rows (a lookahead row's input token read twice, say)
+        # gets a copy; all such rows' in one gather (one op a step, not one a row), each a view of it
+        runs = [_is_run(places) for places, _ in self.heads]
+        gather = [p for (places, _), run in zip(self.heads, runs, strict=True) if not run for p in places]
+        gathered = logits[torch.from_numpy(np.array(gather, dtype=np.int64)).to(logits.device)] if gather else None
+        outputs, offset = [], 0
+        for s, (places, top_start), run in zip(self.steps, self.heads, runs, strict=True):
+            n = len(places)
+            if run:
+                row_logits = logits[places[0] : places[0] + n]
+            else:
+                row_logits, offset = gathered[offset : offset + n], offset + n
+            row_top = None if top_start < 0 else torch.from_numpy(top[top_start : top_start + len(s.tokens)])
             sampled = None if s.sample is None else [winners[p] for p in places]
             outputs.append(StepOutput(row_logits, [argmax[p] for p in places], row_top, sampled))
         return outputs
@@ -157,9 +167,10 @@ class StepProgram:
             self.inputs = torch.zeros(sum(self._sizes.values()), dtype=torch.int64, device=device)
             self.staging = torch.zeros(self.inputs.numel(), dtype=torch.int64, pin_memory=device.type == "cuda")
         self._host = self.staging.numpy()  # writes through to the (pinned) staging buffer
-        self.views, offset = {}, 0
+        self.views, self._offsets, offset = {}, {}, 0
         for name, size in self._sizes.items():
             self.views[name] = self.inputs[offset : offset + size]
+            self._offsets[name] = offset
             offset += size
         self.views["block_table"] = self.views["block_table"].view(b, table_width)
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -169,29 +180,30 @@ class StepProgram:
     def stage(self, packing: Packing, scratch: int) -> None:
         """The step's one host-to-device copy (from pinned memory on CUDA), padded to the shape: padding tokens write
         the scratch slot and belong to no row; padding rows hold no tokens."""
-        shape, step = self.shape, packing.step
+        shape, step, host, at = self.shape, packing.step, self._host, self._offsets
         real, rows = len(packing.tokens), len(step.lengths)
-        pad, pad_rows = shape.tokens - real, shape.rows - rows
-        sections = {
-            "tokens": packing.tokens + [0] * pad,
-            "positions": packing.positions + [0] * pad,
-            "slots": packing.slots + [scratch] * pad,
-            "tree_end": packing.tree_end + [0] * pad,
-            "head": packing.head + [0] * (shape.heads - len(packing.head)),
-            "cu_seqlens": [*step.starts, real] + [real] * pad_rows,
-            "prefix_len": list(step.lengths) + [0] * pad_rows,
-            "window": [p.window for p in step.patterns] + [1] * pad_rows,
-            "ngram": [p.ngram for p in step.patterns] + [2] * pad_rows,
-        }
-        table = np.zeros((shape.rows, self.table_width), dtype=np.int64)
+
+        def put(name: str, values, pad: int) -> None:  # a section: its values, then its padding value
+            start, size = at[name], self._sizes[name]
+            host[start : start + len(values)] = values
+            host[start + len(values) : start + size] = pad
+
+        put("tokens", packing.tokens, 0)
+        put("positions", packing.positions, 0)
+        put("slots", packing.slots, scratch)
+        put("tree_end", packing.tree_end, 0)
+        put("head", packing.head, 0)
+        put("cu_seqlens", [*step.starts, real], real)
+        put("prefix_len", step.lengths, 0)
+        put("window", [p.window for p in step.patterns], 1)
+        put("ngram", [p.ngram for p in step.patterns], 2)
+        table = host[at["block_table"] :].reshape(shape.rows, self.table_width)
+        table[rows:] = 0
         for b, blocks in enumerate(step.tables):
             table[b, : len(blocks)] = blocks
-        offset = 0
-        for name, size in self._sizes.items():
-            self._host[offset : offset + size] = table.reshape(-1) if name == "block_table" else sections[name]
-            offset += size
+            table[b, len(blocks) :] = 0
         self.inputs.copy_(self.staging, non_blocking=True)
-        self.step = dataclasses.replace(step, fed=shape.tokens)
+        self.step = PackedStep(step.lengths, step.patterns, step.tables, step.starts, step.block_size, shape.tokens)
 
     def forward(self, runner) -> tuple[torch.Tensor, torch.Tensor]:
         """The step from the input buffer alone: the logits rows [H, V], and the int64 [H (+ H x k)] the host fetches
@@ -231,6 +243,25 @@ class StepProgram:
         with torch.cuda.graph(graph, pool=runner.graph_pool, capture_error_mode="thread_local"):
             self.outputs = self.forward(runner)
         self.graph = graph
+
+
+def _is_run(places: list[int]) -> bool:
+    """Whether the logits rows are consecutive, first to last."""
+    return places == list(range(places[0], places[0] + len(places)))
+
+
+def slot_run(blocks: Sequence[int], block_size: int, start: int, count: int) -> list[int]:
+    """The pool slots of positions start .. start + count - 1 of a row with these blocks: a run of consecutive
+    slots per block (a step spans one or two), not a table look-up per token."""
+    out: list[int] = []
+    end = start + count
+    while start < end:
+        block, offset = divmod(start, block_size)
+        n = min(block_size - offset, end - start)
+        first = blocks[block] * block_size + offset
+        out += range(first, first + n)
+        start += n
+    return out
 
 
 def table_width(max_positions: int, block_size: int) -> int:

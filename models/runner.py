@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from lookahead.kernels import StepPattern, device_binding
@@ -33,6 +34,7 @@ from .programs import MIN_TOKENS, Packing, StepProgram, StepShape, table_width
 
 BLOCK_SIZE = 16  # positions per block
 PREFILL_CHUNK = {"cpu": 512, "cuda": 2048}  # prompt tokens one step carries for one row at most
+EXACT_PROGRAMS = 32  # exact-size step programs kept for reuse
 
 
 class StepForward(Protocol):
@@ -79,6 +81,7 @@ class CachedRunner:
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and self.backend.graphable
         self.static = self.device.type == "cuda"  # steps padded to a few shapes (`StepShape`): one program each
         self.programs: dict[StepShape, StepProgram] = {}
+        self._exact: dict[tuple[StepShape, int], StepProgram] = {}  # exact-size programs, least recently used first
         self.graph_pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         self.prefill_chunk = PREFILL_CHUNK.get(self.device.type, PREFILL_CHUNK["cpu"])
         self.table_width = table_width(cfg.max_position_embeddings + max(max_step_tokens, self.prefill_chunk),
@@ -204,12 +207,9 @@ class CachedRunner:
         # decoding steps run padded to a few shapes (graphed on CUDA); steps with a prompt chunk run at their size
         static = self.static and not any(s.prefill for s in steps)
         shape = packing.shape(static)
-        program = self.programs.get(shape) if static else None
+        program = self.programs.get(shape) if static else self._exact_program(shape, packing)
         if program is None:
-            program = StepProgram(self, shape, self.table_width if static else
-                                  max(len(t) for t in packing.step.tables))
-            if static:
-                self.programs[shape] = program
+            program = self.programs[shape] = StepProgram(self, shape, self.table_width)
         with torch.inference_mode(), device_binding(self.device):  # any thread may drive it (an engine's own)
             self._apply_moves()
             logits, fetched = program.run(self, packing, self.cuda_graphs and static)
@@ -219,18 +219,30 @@ class CachedRunner:
                 fetched.append(sample_positions(logits[torch.tensor(heads, device=self.device)][:, None], params,
                                                 torch.tensor(seeds, device=self.device),
                                                 torch.tensor(positions, device=self.device)[:, None])[:, 0])
-            host = torch.cat(fetched).cpu().tolist()  # the step's one device-to-host copy
+            host = torch.cat(fetched).cpu().numpy()  # the step's one device-to-host copy
         for s in steps:
             self.rows[s.row].step_tokens = s.tokens
         self._busy = False
         return packing.outputs(logits, host, min(shape.topk, logits.shape[-1]))
+
+    def _exact_program(self, shape: StepShape, packing: Packing) -> StepProgram:
+        """The program of an exact-size step: its buffers sized to it, kept for the next step of the same sizes (the
+        few most recent: a CPU's decoding steps repeat their sizes often, and making one costs more than staging it)."""
+        key = (shape, max(len(t) for t in packing.step.tables))
+        program = self._exact.pop(key, None)
+        if program is None:
+            program = StepProgram(self, shape, key[1])
+            if len(self._exact) >= EXACT_PROGRAMS:
+                del self._exact[next(iter(self._exact))]  # the least recently used
+        self._exact[key] = program
+        return program
 
     def _apply_moves(self) -> None:
         """The deferred commits: every accepted entry to its place, one gather and one scatter over every layer."""
         src, dst = self._moves
         if src:
             self._moves = ([], [])
-            self.pool.move(torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device))
+            self.pool.move(index_tensor(src, self.device), index_tensor(dst, self.device))
 
     def round_up(self, tokens: int) -> int:
         """The tokens a step of `tokens` tokens feeds (padded to its static shape): what it costs."""
@@ -281,6 +293,12 @@ class CachedRunner:
         """A new row as a one-sequence `StepModel` (with room for `positions` positions), for drivers that decode one
         sequence by themselves (lookahead parallelism)."""
         return RowSequence(self, positions)
+
+
+def index_tensor(values: list[int], device: torch.device) -> torch.Tensor:
+    """An int64 tensor of a list of indices on `device`: through numpy, since `torch.tensor` of a Python list costs
+    about 0.15 us an element (a commit's moves, every step, are a few hundred) and numpy's conversion a tenth of it."""
+    return torch.from_numpy(np.array(values, dtype=np.int64)).to(device)
 
 
 def backend_name(model) -> str:

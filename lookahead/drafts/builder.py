@@ -68,50 +68,70 @@ class DraftBuilder:
         prefix of it is the best tree of its size."""
         if budget <= 0:
             return BestFirst([], [], [])
-        proposals: dict = {}  # token -> [children, suffix state, pool state]: the paths proposed whole
+        proposals: list = []  # the paths proposed whole, as cursors at their first token (`_expand`)
         memory = self.memory
         if self.use_suffix:
             for continuation, match in self.suffix.continuations(SUFFIX_LIMIT, budget):
-                _insert(proposals, continuation, 1, suffix_state(match, False), suffix_state(match, True))
+                proposals.append((continuation, 0, 1, suffix_state(match, False), suffix_state(match, True)))
             if memory is not None:
                 for continuation, match in memory.continuations(sequence[-SUFFIX_REACH:], SUFFIX_LIMIT, budget):
-                    _insert(proposals, continuation, 1, suffix_state(match, False, True),
-                            suffix_state(match, True, True))
+                    proposals.append((continuation, 0, 1, suffix_state(match, False, True),
+                                      suffix_state(match, True, True)))
         if self.use_pool:
             for continuation in pool.candidates(sequence[-1], self.pool_limit):
-                _insert(proposals, continuation, 2, pool_state(False), pool_state(True))
+                proposals.append((continuation, 0, 2, pool_state(False), pool_state(True)))
             if memory is not None:
                 for continuation in memory.candidates(sequence[-1], self.pool_limit):
-                    _insert(proposals, continuation, 2, pool_state(False, True), pool_state(True, True))
+                    proposals.append((continuation, 0, 2, pool_state(False, True), pool_state(True, True)))
         previous = sequence[-2] if len(sequence) > 1 else -1
         second = sequence[-3] if len(sequence) > 2 else -1
         return self._grow(second, previous, sequence[-1], proposals, budget)
 
-    def _grow(self, second: int, previous: int, root_token: int, proposals: dict, budget: int) -> BestFirst:
+    def _grow(self, second: int, previous: int, root_token: int, proposals: list, budget: int) -> BestFirst:
         """Best-first growth. Children of a node are sorted by edge probability, so a child is offered only
-        when its elder sibling is taken: two heap pushes per node instead of one per candidate."""
+        when its elder sibling is taken: two heap pushes per node instead of one per candidate. The proposals'
+        trie is unfolded one level at a time, under the nodes taken (`_expand`): a suffix continuation may run to
+        the node budget, and most of its tokens are never reached.
+
+        This loop runs for every node of every row's draft every step (the engine's largest host cost), so the
+        common node, one with recycled children only, is handled inline (`_children` does the same, slower)."""
         tokens: list[int] = []
         parents: list[int] = []
         scores: list[float] = []
         heap: list = []
-        offered = self._children(second, previous, root_token, proposals)
+        offered = self._children(second, previous, root_token, _expand(proposals))
         if offered:
             heap.append((-offered[0][0], 0, ROOT, root_token, previous, 1.0, offered, 0))
         order = 1
+        lookup = self.recycle.lookup if self.use_recycle else None
+        memory = self.memory
+        pop, push, ranked = heapq.heappop, heapq.heappush, _RANKED_PROBABILITY
         while heap and len(tokens) < budget:
-            neg, _, parent, parent_token, grand_token, parent_score, siblings, i = heapq.heappop(heap)
+            neg, _, parent, parent_token, grand_token, parent_score, siblings, i = pop(heap)
             _, token, below = siblings[i]
             node = len(tokens)
             tokens.append(token)
             parents.append(parent)
             scores.append(-neg)
             if i + 1 < len(siblings):
-                heapq.heappush(heap, (-parent_score * siblings[i + 1][0], order, parent, parent_token, grand_token,
-                                      parent_score, siblings, i + 1))
+                push(heap, (-parent_score * siblings[i + 1][0], order, parent, parent_token, grand_token, parent_score,
+                            siblings, i + 1))
                 order += 1
-            offered = self._children(grand_token, parent_token, token, below)
+            if below or lookup is None:
+                offered = self._children(grand_token, parent_token, token, _expand(below) if below else None)
+            else:  # `_children` without proposals, `_recycled` inline
+                listed, single = lookup(grand_token, parent_token, token)
+                if listed is not None:
+                    kind = 0
+                elif single or memory is None:
+                    listed, kind = single, 1
+                else:
+                    listed, single = memory.recycled(grand_token, parent_token, token)
+                    listed, kind = (listed, 2) if listed is not None else (single, 3)
+                offered = list(zip(ranked[kind], listed, _NONE, strict=False))
+                offered.sort(reverse=True)
             if offered:
-                heapq.heappush(heap, (neg * offered[0][0], order, node, token, parent_token, -neg, offered, 0))
+                push(heap, (neg * offered[0][0], order, node, token, parent_token, -neg, offered, 0))
                 order += 1
         return BestFirst(tokens, parents, scores)
 
@@ -121,17 +141,15 @@ class DraftBuilder:
         listed, kind = self._recycled(second, previous, token) if self.use_recycle else ((), 1)
         if not proposed:  # most nodes: recycled tokens only, their probabilities tabulated by rank
             out = list(zip(_RANKED_PROBABILITY[kind], listed, _NONE, strict=False))  # listed: <= k
-        else:
-            offered = {child: [None, code] for child, code in zip(listed, _RANKED[kind], strict=False)}
+        else:  # each child's state code (its recycled rank's, plus what proposes it) and the proposals below it
+            codes = dict(zip(listed, _RANKED[kind], strict=False))
             missing = _MISSING[kind] if listed else NO_RECYCLE
+            below_of = {}
             for child, (below, suffix, pool) in proposed.items():
-                entry = offered.get(child)
-                if entry is None:
-                    offered[child] = [below, missing + suffix + pool]
-                else:
-                    entry[0] = below
-                    entry[1] += suffix + pool
-            out = [(EDGE_PROBABILITY[code], child, below) for child, (below, code) in offered.items()]
+                code = codes.get(child)
+                codes[child] = (missing if code is None else code) + suffix + pool
+                below_of[child] = below
+            out = [(EDGE_PROBABILITY[code], child, below_of.get(child)) for child, code in codes.items()]
         out.sort(reverse=True)  # siblings are distinct tokens: ties stop at the token
         return out
 
@@ -157,16 +175,20 @@ _MISSING = [recycle_state(context, None, memory) for context, memory in _KINDS]
 _NONE = [None] * RECYCLE_K
 
 
-def _insert(trie: dict, path: Sequence[int], slot: int, first_state: int, later_state: int) -> None:
-    """Add a proposed path to the proposal trie (token -> [children, suffix state, pool state]), keeping the
-    stronger state where two proposals share a node."""
-    level = trie
-    for depth, token in enumerate(path):
-        state = first_state if depth == 0 else later_state
+def _expand(cursors: list) -> dict:
+    """One level of the proposal trie: cursors (path, index, slot, first state, later state), each at a token of a
+    proposed path, grouped by that token -> [the cursors one token further on, suffix state, pool state], keeping
+    the stronger state where proposals share a node (in the order proposed, as inserting them whole would)."""
+    level: dict = {}
+    for cursor in cursors:
+        path, i, slot, first, later = cursor
+        token, state = path[i], first if i == 0 else later
         entry = level.get(token)
         if entry is None:
-            entry = level[token] = [{}, 0, 0]
+            entry = level[token] = [[], 0, 0]
             entry[slot] = state
         elif stronger(slot, state, entry[slot]):
             entry[slot] = state
-        level = entry[0]
+        if i + 1 < len(path):
+            entry[0].append((path, i + 1, slot, first, later))
+    return level

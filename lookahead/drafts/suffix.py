@@ -70,6 +70,9 @@ class SuffixIndex:
         used: set[int] = set()
         for m in range(longest, 0, -1):
             found = []
+            # the longest indexed m is measured further back and sorted by that before any is taken; a shorter one's
+            # occurrences are taken as they come, so its scan stops at the limit
+            measured = m == self.max_match
             # a frequent token can have hundreds of occurrences whose continuations repeat: look at a few
             for end in reversed(self._ends.get(tuple(tail[len(tail) - m :]), ())[-_SCAN * limit :]):
                 if end == itself or end in used:  # the suffix itself; an occurrence already taken by a longer match
@@ -79,10 +82,16 @@ class SuffixIndex:
                 continuation = tuple(seq[i : i + length])
                 if SEPARATOR in continuation:  # the next text is not what followed
                     continuation = continuation[: continuation.index(SEPARATOR)]
-                if continuation:
+                if not continuation:
+                    continue
+                if measured:
                     found.append((continuation, self._matched(tail, end, m)))
-            if m == self.max_match:  # the longest indexed: measured further back, longest first (sort is stable)
-                found.sort(key=lambda item: -item[1])
+                elif continuation not in taken:
+                    taken.add(continuation)
+                    out.append((continuation, m))
+                    if len(out) == limit:
+                        return out
+            found.sort(key=lambda item: -item[1])  # longest first (the sort is stable)
             for continuation, matched in found:
                 if continuation not in taken:
                     taken.add(continuation)

@@ -275,16 +275,16 @@ class LookaheadLoop:
                             "model's step returned StepOutput.topk None: a StepModel must honour `topk`")
         # the accepted path's rows come last: their context was the true one, so their predictions win
         rows = layout.real_indices + layout.commit_indices(verdict)
-        sequence, tokens, topk = self.sequence, layout.tokens, output.topk.tolist()
+        sequence = self.sequence
         # each row's two tokens before it in its context: step indices, or -1 / -2 for the sequence's last two
-        # before the input token
-        parent = layout.parents
-        outside = {-1: sequence[-2] if len(sequence) > 1 else -1, -2: sequence[-3] if len(sequence) > 2 else -1}
+        # before the input token, which Python's negative indices find at the end of these extended lists
+        parent = [*layout.parents, -2]  # the input token's predecessor (-1) is preceded by -2
+        tokens = [*layout.tokens, sequence[-3] if len(sequence) > 2 else -1, sequence[-2] if len(sequence) > 1 else -1]
         first = [parent[i] for i in rows]
-        second = [parent[p] if p >= 0 else -2 for p in first]
-        self.drafts.recycle.update([tokens[p] if p >= 0 else outside[p] for p in second],
-                                   [tokens[p] if p >= 0 else outside[p] for p in first],
-                                   [tokens[i] for i in rows], [topk[i] for i in rows])
+        second = [parent[p] for p in first]
+        topk = output.topk.tolist()  # (one conversion, then list indexing: faster than numpy's fancy indexing here)
+        self.drafts.recycle.update([tokens[p] for p in second], [tokens[p] for p in first], [tokens[i] for i in rows],
+                                   [topk[i] for i in rows])
 
     def _verify(self, layout: StepLayout, output: StepOutput) -> Verdict:
         """Greedy: each slot's argmax; sampling: each slot's seeded winner (`lookahead.loop.sampling`)."""

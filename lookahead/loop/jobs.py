@@ -144,7 +144,8 @@ class Job:
         verdict = self.loop.finish(layout, output, verdict)
         self.last = verdict.tokens[-1]
         taken = self.out.accept(verdict.tokens, layout.pattern.num_tokens)
-        return layout.commit_indices(verdict), self._logprobs(output, _chosen_rows(layout, verdict), taken)
+        rows = _chosen_rows(layout, verdict) if self.logprobs is not None else []  # (asked for by few requests)
+        return layout.commit_indices(verdict), self._logprobs(output, rows, taken)
 
     def _choose(self, output: StepOutput, position: int) -> int:
         """The token after a one-token step's output row 0, taking absolute `position`: the model's (argmax, or the

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 from lookahead.config import LookaheadConfig
 from lookahead.drafts import ROOT, DraftTree
@@ -29,6 +29,7 @@ from lookahead.kernels import StepPattern
 from .verify import Verdict
 
 
+@lru_cache(maxsize=256)  # a self-tuned row asks for its bucket's shape every step: make each once
 def full_pattern(config: LookaheadConfig, nodes: int | None = None) -> StepPattern:
     """The configuration's full step: N - 1 levels and a tree of G(N - 1) nodes (or `nodes`: a self-tuned bucket's
     shape), T = W(N - 1) + nodes tokens.
@@ -122,7 +123,7 @@ class StepLayout:
         and itself (`StepPattern.visible`, pinned by tests), at relative position = its depth."""
         window, la = self.pattern.window, self.pattern.lookahead_len
         out = [-1, *range(window - 1), *range(la - window)]
-        out += [self.index_of_node(parent) for parent in self.tree.parents]
+        out += [0 if parent == ROOT else la + parent for parent in self.tree.parents]  # `index_of_node`, inline
         out += [0] * (len(self.tokens) - len(out))  # padding nodes: children of the input token
         return out
 
@@ -130,12 +131,13 @@ class StepLayout:
     def row_depths(self) -> list[int]:
         """[R] the relative position of each output row's token (its next token takes absolute position L + depth + 1,
         L the input token's): what sampling keys its draws by."""
-        depths = self.pattern.relative_positions.tolist()
+        depths = self.pattern.position_list
         return [depths[i] for i in self.rows]
 
     def commit_indices(self, verdict: Verdict) -> list[int]:
         """Step indices to keep after a verdict: the input token, then the path down to its last accepted node."""
-        return [0, *(self.index_of_node(node) for node in self.tree.path(verdict.node))]
+        la = self.pattern.lookahead_len
+        return [0, *(la + node for node in self.tree.path(verdict.node))]  # `index_of_node` of each (none is ROOT)
 
 
 def pack_step(levels: Sequence[Sequence[int]], tree: DraftTree, full: StepPattern, static: bool,
@@ -151,7 +153,9 @@ def pack_step(levels: Sequence[Sequence[int]], tree: DraftTree, full: StepPatter
             if full.num_tokens != 1:
                 raise ValueError(f"a step of the input token alone is a plain step, not {full.num_tokens} tokens")
             return StepLayout(full, [levels[0][0]], [0], 1, tree, topk, branch)
-        levels, full, static = [levels[0][:1]], StepPattern(1, 2, tree_end=tree.tree_end), False
+        levels, window, static = [levels[0][:1]], 1, False
+    else:
+        window = full.window
     depth = len(levels)
     pad = levels[0][0]  # any valid id will do: no real token sees a padding token
     size = full.verify_len if static else len(tree)
@@ -159,7 +163,8 @@ def pack_step(levels: Sequence[Sequence[int]], tree: DraftTree, full: StepPatter
         raise ValueError(f"a tree of {len(tree)} nodes does not fit the static step's {size}")
     # padding nodes are leaves after the real tree: their subtree is themselves, so no real node sees them
     tree_end = (*tree.tree_end, *range(len(tree) + 1, size + 1))
-    pattern = StepPattern(full.window, full.ngram if static else depth + 1, tree_end=tree_end)
+    # a draft tree is a pre-order forest by construction (`DraftTree.grown`): the pattern skips checking it again
+    pattern = StepPattern.of_tree(window, full.ngram if static else depth + 1, tree_end)
     tokens = [t for level in levels for t in level]
     tokens += [pad] * (pattern.lookahead_len - len(tokens))
     tokens += [*tree.tokens, *[pad] * (size - len(tree))]

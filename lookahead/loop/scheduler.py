@@ -69,7 +69,9 @@ class Scheduler:
         decoding = [job for job in self.active if not job.prefilling]
         plain = [job for job in decoding if job.loop is None]
         lookahead = [job for job in decoding if job.loop is not None]
-        allowance = self._prefill_allowance(len(plain) + sum(1 + len(job.loop.window.levels) for job in lookahead))
+        allowance = None
+        if len(decoding) < len(self.active):  # a row prefills: its chunk's allowance (costed: not worth it otherwise)
+            allowance = self._prefill_allowance(len(plain) + sum(1 + len(job.loop.window.levels) for job in lookahead))
         jobs, steps = [], []
         for job in self.active:
             if not job.prefilling or (allowance is not None and allowance <= 0 and (steps or decoding)):

@@ -36,7 +36,7 @@ size, and every lookahead row carries the branch (a few more tokens cost a GPU a
 from __future__ import annotations
 
 import bisect
-import heapq
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -122,6 +122,7 @@ class StepBudget:
         self.since_explored = 0  # steps since the last one that explored a stale knot
         self.explored = 0  # steps that did
         self.last = clock()  # when the last step was recorded: a step's loop time runs from there
+        self._rounded: list[int] = []  # round_up(t) for t = 0, 1, ... as far as asked
 
     def calibrated(self, expected: float) -> float:
         """A row's expected accepted nodes by its draft scores, times c of its band: the nodes accepted per node
@@ -148,58 +149,73 @@ class StepBudget:
         # average (a slot of a longer row reads more; a second-order effect the choice ignores)
         length = (fixed.weight + sum(n * c for n, c in zip(lengths, carries, strict=True))) // max(base_tokens, 1)
         plain = self._rate(fixed.tokens + rows, length, base_expected)
-        best_rate, best_taken = plain, None
-        taken = [0] * rows
-        worth = [self._worths(row) for row in scores]  # the calibrated worth of each row's n-th node
-        heads = [(-w[0], r) for r, w in enumerate(worth) if w]  # each row's next node
-        heapq.heapify(heads)
-        tokens, expected = base_tokens, base_expected
-        options = [(self._rate(tokens, length, expected), list(taken), tokens, expected)] if self.branch else []
-        while heads:
-            value, r = heapq.heappop(heads)
-            taken[r] += 1
-            tokens, expected = tokens + 1, expected - value
-            if taken[r] < len(worth[r]):
-                heapq.heappush(heads, (-worth[r][taken[r]], r))
-            options.append((self._rate(tokens, length, expected), list(taken), tokens, expected))
-        lookahead = max(options, key=lambda option: option[0][0], default=None)
-        if lookahead is not None and lookahead[0][0] > best_rate[0]:
-            best_rate, best_taken = lookahead[:2]
+        best_rate, best_count = plain, None
+        calibration = self._calibration()
+        order, gains = merge_slots([self._worths(row, calibration) for row in scores])
+        # option k: the step with the first k slots (k = 0, every row's base alone, only where rows carry the branch);
+        # all of them rated at once (`predict_many`), the running sums in the order a slot-by-slot scan adds them
+        first = 0 if self.branch else 1
+        expected = list(itertools.accumulate([base_expected, *gains]))[first:]
+        tokens = range(base_tokens + first, base_tokens + len(gains) + 1)
+        rounded = self._rounded_upto(tokens.stop)[tokens.start : tokens.stop]
+        seconds = [s + self.host for s in self.cost.predict_many(rounded, length, self.kind)]
+        rates = [e / s for e, s in zip(expected, seconds, strict=True)]
+        if rates:
+            k = rates.index(max(rates))  # the first of the best, as a scan keeps it
+            if rates[k] > best_rate[0]:
+                best_rate, best_count = (rates[k], seconds[k]), k + first
         self.since_explored += 1
         if self.since_explored >= EXPLORE_EVERY:
-            explore = self._explore(options, length, plain[1] - self.host, best_rate[0])
-            if explore is not None and explore[1] != best_taken:
-                best_rate, best_taken = explore[:2]
+            k = self._explore(rounded, expected, length, plain[1] - self.host, best_rate[0])
+            if k is not None and k + first != best_count:
+                best_rate, best_count = (rates[k], seconds[k]), k + first
                 self.since_explored, self.explored = 0, self.explored + 1
-        if best_taken is None:
+        if best_count is None:
             return [Choice(0, False, 0, 1, 1.0, best_rate[1]) for _ in scores]
+        best_taken = [0] * rows
+        for r in order[:best_count]:
+            best_taken[r] += 1
         return [Choice(n, self.branch, n, carry + n, 1 + self.calibrated(sum(row[:n])), best_rate[1])
                 for n, row, carry in zip(best_taken, scores, carries, strict=True)]
 
-    def _explore(self, options: list, length: int, plain_seconds: float, best: float) -> tuple | None:
-        """The option to run instead of the best one, to measure a stale knot again: the smallest whose step would
-        run a knot no step ran lately and that would beat the best rate were it only as dear as the knots run lately
-        allow (a larger step never costs less than a smaller one, nor than the plain step). None where there is none:
-        a size known to be dear, or one that could not win, is not worth a step."""
-        runs: dict[int, tuple] = {}  # per stale knot (smallest first): the option of its size, else the fullest
-        for option in options:
-            size = self.round_up(option[2])
-            knot = self.cost.stale_knot(size, self.kind)
-            if knot is not None and (knot not in runs or size == knot or self.round_up(runs[knot][2]) != knot):
-                runs[knot] = option  # options come in growing size: the last kept is the fullest
-        for option in runs.values():
-            size = self.round_up(option[2])
-            least = max(self.cost.floor(size, length, self.kind), plain_seconds) + self.host
-            if option[3] / least > best:
-                return option
+    def _rounded_upto(self, stop: int) -> list[int]:
+        """`round_up(t)` for t = 0 .. stop - 1, remembered (a scan asks for every size each step)."""
+        table = self._rounded
+        if len(table) < stop:
+            table += [self.round_up(t) for t in range(len(table), stop)]
+        return table
+
+    def _explore(self, sizes: Sequence[int], expected: Sequence[float], length: int, plain_seconds: float,
+                 best: float) -> int | None:
+        """The option (an index into `sizes`, each option's step rounded up, and `expected`) to run instead of the
+        best one, to measure a stale knot again: the smallest whose step would run a knot no step ran lately and that
+        would beat the best rate were it only as dear as the knots run lately allow (a larger step never costs less
+        than a smaller one, nor than the plain step). None where there is none: a size known to be dear, or one that
+        could not win, is not worth a step."""
+        runs: dict[int, int] = {}  # per stale knot (smallest first): the option of its size, else the fullest
+        for k, (size, knot) in enumerate(zip(sizes, self.cost.stale_knots(sizes, self.kind), strict=True)):
+            if knot is not None and (knot not in runs or size == knot or sizes[runs[knot]] != knot):
+                runs[knot] = k  # options come in growing size: the last kept is the fullest
+        for k in runs.values():
+            least = max(self.cost.floor(sizes[k], length, self.kind), plain_seconds) + self.host
+            if expected[k] / least > best:
+                return k
         return None
 
-    def _worths(self, scores: Sequence[float]) -> list[float]:
-        """The calibrated expected nodes each further node of a row's draft adds."""
+    def _calibration(self) -> tuple[list[float], list[float]]:
+        """Each band's numerator and denominator of c, as `calibrated` computes them."""
+        return ([a + CALIBRATION_PRIOR for a in self.accepted], [e + CALIBRATION_PRIOR for e in self.expected])
+
+    def _worths(self, scores: Sequence[float], calibration: tuple[list[float], list[float]]) -> list[float]:
+        """The calibrated expected nodes each further node of a row's draft adds (`calibrated` inline: this runs for
+        every node of every row each step)."""
         worths, total, before = [], 0.0, 0.0
+        numerator, denominator = calibration
+        bands, band_of = CALIBRATION_BANDS, bisect.bisect_right
         for score in scores:
             total += score
-            now = self.calibrated(total)
+            band = band_of(bands, total)
+            now = total * numerator[band] / denominator[band]
             worths.append(now - before)
             before = now
         return worths
@@ -224,3 +240,29 @@ class StepBudget:
             band = bisect.bisect_right(CALIBRATION_BANDS, promised)
             self.expected[band] += promised
             self.accepted[band] += got
+
+
+def merge_slots(worths: Sequence[Sequence[float]]) -> tuple[list[int], list[float]]:
+    """Every row's nodes in the order the budget takes them -- always the most worth among the rows' next nodes (a
+    row's node only after its parent; ties to the lower row) -- as (each slot's row, its worth).
+
+    What a heap of each row's next node, keyed (-worth, row), pops, without the heap: once a row's node is taken, its
+    next nodes worth at least as much go straight after it (each beats every other row's head, as the taken one
+    did), so each row splits into runs that start at a node and hold the nodes after it worth at least that much;
+    a row's runs start ever lower, so the runs, sorted by (-first worth, row), are the pop order."""
+    runs = []
+    for r, row in enumerate(worths):
+        start, n = 0, len(row)
+        while start < n:
+            head, end = row[start], start + 1
+            while end < n and row[end] >= head:
+                end += 1
+            runs.append((-head, r, start, end))
+            start = end
+    runs.sort()
+    order: list[int] = []
+    gains: list[float] = []
+    for _, r, start, end in runs:
+        order += [r] * (end - start)
+        gains += worths[r][start:end]
+    return order, gains

@@ -41,6 +41,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 KINDS = ("greedy", "sampling")
 FORMAT = 1  # the cache file's layout; a file of another is measured again
 UPDATE_RATE = 0.3  # how far one observation moves its knots towards what it measured
@@ -54,6 +56,7 @@ SPREAD = 0.5  # the share of a multi-token step's move that reaches the other mu
 # moves its own knot only, as contention slows it less
 STALE_AFTER = 32  # observations of a curve after which a knot no step has run since is stale (and may be explored)
 MAX_STALE_AFTER = 1024  # a stale knot confirmed by its step waits twice as long before it is stale again, up to this
+VECTOR_FROM = 48  # `predict_many` of at least this many sizes runs in numpy (fewer: a Python loop costs less)
 SHIFT = 3.0  # a plain step this many times faster than predicted says the whole curve was measured on a slower moment
 
 
@@ -144,6 +147,22 @@ class Curve:
         own = self._own(tokens)
         return self.knots[own] if self._is_stale(own) else None
 
+    def stale_knots(self, tokens: Sequence[int]) -> list[int | None]:
+        """`stale_knot` of each of `tokens`, the bracket moving along sorted tokens."""
+        knots = self.knots
+        if len(knots) == 1:
+            return [self.stale_knot(t) for t in tokens]
+        stale = [knot if self._is_stale(k) else None for k, knot in enumerate(knots)]
+        out, last, j = [], len(knots) - 1, 1
+        for t in tokens:
+            if j > 1 and knots[j - 1] >= t:  # not sorted: find the segment afresh
+                j = 1
+            while j < last and knots[j] < t:
+                j += 1
+            w = (t - knots[j - 1]) / (knots[j] - knots[j - 1])
+            out.append(stale[j] if w > 0.5 else stale[j - 1])
+        return out
+
     def stale_at(self, tokens: int) -> bool:
         """Whether a step of `tokens` tokens would run a stale knot (`stale_knot`)."""
         return self.stale_knot(tokens) is not None
@@ -160,6 +179,35 @@ class Curve:
         at = [self.base[k] + self.per_position[k] * length for k in (i, j)]
         # extrapolation below the first knot stays positive
         return max(at[0] + w * (at[1] - at[0]), 0.25 * min(at), MIN_SECONDS)
+
+    def predict_many(self, tokens: Sequence[int], length: int) -> list[float]:
+        """`predict` of each of `tokens` (all over `length` cached positions), bit for bit, for the budget's scan of
+        every step size: the knots' costs at `length` are computed once, and the bracket moves along sorted tokens."""
+        knots, min_seconds = self.knots, MIN_SECONDS
+        at = [b + p * length for b, p in zip(self.base, self.per_position, strict=True)]  # as predict adds them
+        if len(tokens) >= VECTOR_FROM and len(knots) > 1:
+            return self._predict_array(np.asarray(tokens, dtype=np.int64), np.asarray(at)).tolist()
+        if len(knots) == 1:
+            return [max(at[0] + 0.0 * (at[0] - at[0]), 0.25 * at[0], min_seconds) for _ in tokens]
+        out, last, j = [], len(knots) - 1, 1
+        for t in tokens:
+            if j > 1 and knots[j - 1] >= t:  # not sorted: find the segment afresh
+                j = 1
+            while j < last and knots[j] < t:
+                j += 1
+            a, b = at[j - 1], at[j]
+            w = (t - knots[j - 1]) / (knots[j] - knots[j - 1])
+            out.append(max(a + w * (b - a), 0.25 * (a if a <= b else b), min_seconds))
+        return out
+
+    def _predict_array(self, tokens: np.ndarray, at: np.ndarray) -> np.ndarray:
+        """`predict_many` in numpy: the same float64 operations elementwise, so the same bits (each segment found by
+        a search: the first knot at or above the tokens, between the second knot and the last)."""
+        knots = np.asarray(self.knots, dtype=np.int64)
+        j = np.clip(np.searchsorted(knots, tokens, side="left"), 1, len(knots) - 1)
+        a, b = at[j - 1], at[j]
+        w = (tokens - knots[j - 1]) / (knots[j] - knots[j - 1])
+        return np.maximum(np.maximum(a + w * (b - a), 0.25 * np.minimum(a, b)), MIN_SECONDS)
 
     def observe(self, tokens: int, length: int, seconds: float) -> None:
         """Move the knots around `tokens` towards a step's measured `seconds`, each by its share of the step, and for
@@ -233,6 +281,9 @@ class Curve:
 
 def nondecreasing(values: Sequence[float]) -> list[float]:
     """The non-decreasing sequence closest to `values` in least squares (pool-adjacent-violators)."""
+    # most calls (every step's observation) find nothing to pool
+    if all(a <= b for a, b in zip(values, values[1:], strict=False)):
+        return list(values)
     blocks: list[list[float]] = []  # [sum, count] of each pooled run
     for value in values:
         blocks.append([value, 1])
@@ -298,6 +349,13 @@ class CostModel:
         """Seconds of a step of `tokens` tokens (all rows) over `length` cached positions."""
         return self._curve(kind).predict(tokens, length)
 
+    def predict_many(self, tokens: Sequence[int], length: int, kind: str = "greedy") -> list[float]:
+        """`predict` of each of `tokens`, bit for bit (`Curve.predict_many`; a subclass's own `predict` is asked for
+        each, as it was before this existed)."""
+        if type(self).predict is not CostModel.predict:
+            return [self.predict(t, length, kind) for t in tokens]
+        return self._curve(kind).predict_many(tokens, length)
+
     def observe(self, tokens: int, length: int, seconds: float, kind: str = "greedy") -> None:
         """Fold a step's measured time into the curve (see `Curve.observe`)."""
         self._curve(kind).observe(tokens, length, seconds)
@@ -306,6 +364,12 @@ class CostModel:
         """The knot of the `kind` curve a step of `tokens` tokens would run, where no step ran it lately (else
         None; see `Curve.stale_knot`)."""
         return self._curve(kind).stale_knot(tokens)
+
+    def stale_knots(self, tokens: Sequence[int], kind: str = "greedy") -> list[int | None]:
+        """`stale_knot` of each of `tokens` (`Curve.stale_knots`; a subclass's own `stale_knot` is asked for each)."""
+        if type(self).stale_knot is not CostModel.stale_knot:
+            return [self.stale_knot(t, kind) for t in tokens]
+        return self._curve(kind).stale_knots(tokens)
 
     def floor(self, tokens: int, length: int, kind: str = "greedy") -> float:
         """The least a step of `tokens` tokens may cost by the knots steps ran lately (see `Curve.floor`)."""
