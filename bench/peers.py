@@ -15,7 +15,7 @@ in a llama.cpp checkout, `gguf-py` beside it; default: fetched once from llama-c
 cache folder); vLLM needs its `vllm` executable (`--vllm`). The concurrency-1 figures are also written to the cache
 folder (`PEERS_FILE`, with this CPU's tag), where `lookahead generate`'s summary line finds them.
 
-    python bench/peers.py --quick --model tests/tiny   # CI: our two servers, 2 prompts, 8 tokens, c = 1 and 2
+    python bench/peers.py --quick --model DIR   # CI: a tiny checkpoint, 2 prompts, 8 tokens, c = 1 and 2
     python bench/peers.py --aiperf aiperf --vllm /path/to/vllm   # 3 prompts, 128 tokens, c = 1, 4, 8, two rounds
 """
 
@@ -199,12 +199,13 @@ async def closed_loop(url: str, conversations: list[list[dict]], concurrency: in
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=f"{url}/v1", api_key="none", timeout=900, max_retries=0)
-    queue = list(conversations)
+    queue = list(enumerate(conversations))
     results: list[dict] = []
 
     async def worker() -> None:
         while queue:
-            results.append(await one_request(client, queue.pop(0), max_tokens))
+            index, messages = queue.pop(0)
+            results.append({"index": index, **await one_request(client, messages, max_tokens)})
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     await client.close()
@@ -222,7 +223,8 @@ def own_load(url: str, conversations, concurrency: int, max_tokens: int, count) 
              if n > 1 and r["done"] > r["first"]]
     return {"tok_s": sum(tokens) / wall, "ttft_ms": 1e3 * statistics.median(r["ttft"] for r in results),
             "request_tok_s": statistics.median(rates) if rates else float("nan"), "tokens": sum(tokens),
-            "requests": len(results), "answers": [r["text"] for r in results], "generator": "own"}
+            "requests": len(results), "answers": [r["text"] for r in sorted(results, key=lambda r: r["index"])],
+            "generator": "own"}
 
 
 def aiperf_load(aiperf: str, url: str, conversations, concurrency: int, max_tokens: int, folder: Path) -> dict:
@@ -258,7 +260,8 @@ def held_out(count: int) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=None, help="a checkpoint folder (default: the default model)")
-    parser.add_argument("--quick", action="store_true", help="our servers only, 2 prompts, 8 tokens, c = 1 and 2")
+    parser.add_argument("--quick", action="store_true",
+                        help="2 prompts, 8 tokens, c = 1 and 2, one round; saves nothing")
     parser.add_argument("--prompts", type=int, default=3, help="held-out chat prompts per run (default 3)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
@@ -283,19 +286,17 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     count = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
     skipped: dict[str, str] = {}
-    engines = our_engines(folder, args.dtypes)
-    if args.quick:
-        skipped["peers"] = "--quick measures our servers only"
-    else:
-        engines += llama_cpp_engines(folder, args.llama_python, args.converter, args.threads, skipped)
-        engines += vllm_engines(folder, args.vllm, args.threads, skipped)
+    engines = [*our_engines(folder, args.dtypes),
+               *llama_cpp_engines(folder, args.llama_python, args.converter, args.threads, skipped),
+               *vllm_engines(folder, args.vllm, args.threads, skipped)]
     if args.only:
         engines = [e for e in engines if any(part in e.label for part in args.only)]
     aiperf = args.aiperf or shutil.which("aiperf")
     # distinct prompts in every run (a repeated one would be a prefix-cache hit): args.prompts alone, 2c at c > 1
     rows = held_out(max(args.prompts, 2 * max(args.concurrency)) + 1)
-    warmup, rows = [{"role": "user", "content": rows[-1]["prompt"]}], rows[:-1]
-    conversations = [[{"role": "user", "content": row["prompt"]}] for row in rows]
+    chars = 200 if args.quick else None  # --quick: short prompts, for a tiny model's few positions
+    warmup, rows = [{"role": "user", "content": rows[-1]["prompt"][:chars]}], rows[:-1]
+    conversations = [[{"role": "user", "content": row["prompt"][:chars]}] for row in rows]
     for name, why in skipped.items():
         print(f"skipped {name}: {why}", file=sys.stderr)
 
@@ -324,10 +325,11 @@ def main() -> None:
                 stop_server(process)
 
     summary = summarize(records)
-    print_table(["engine", "dtype", "c", "tok/s", "per request tok/s", "TTFT ms", "vs llama.cpp", "load"],
+    print_table(["engine", "dtype", "c", "tok/s", "per request tok/s", "TTFT ms", "vs llama.cpp", "as plain", "load"],
                 [[s["engine"], s["dtype"], s["concurrency"], f"{s['tok_s']:.1f}", f"{s['request_tok_s']:.1f}",
                   f"{s['ttft_ms']:.0f}", "" if s["vs_llama_cpp"] is None else f"{s['vs_llama_cpp']:.2f}x",
-                  f"{s['load']:.2f}"] for s in summary])
+                  f"{s['same_as_plain']}/{s['answers']}" if "answers" in s else "", f"{s['load']:.2f}"]
+                 for s in summary])
     for name, why in skipped.items():
         print(f"skipped {name}: {why}")
     payload = {"machine": machine(), "command": "python bench/peers.py " + " ".join(sys.argv[1:]),
@@ -352,6 +354,16 @@ def summarize(records: list[dict]) -> list[dict]:
         peer = next((p for p in summary if p["engine"] == "llama.cpp" and p["dtype"] == s["dtype"]
                      and p["concurrency"] == s["concurrency"]), None)
         s["vs_llama_cpp"] = s["tok_s"] / peer["tok_s"] if peer else None
+    # greedy: our lookahead server's answers are our plain server's, in the same dtype (where both were read)
+    for s in summary:
+        if s["engine"] == "ours lookahead":
+            pairs = [(r["answers"], p["answers"]) for r in groups[("ours lookahead", s["dtype"], s["concurrency"])]
+                     for p in groups.get(("ours plain", s["dtype"], s["concurrency"]), [])
+                     if r["answers"] is not None and p["answers"] is not None and r["round"] == p["round"]]
+            if pairs:
+                s["same_as_plain"] = sum(a == b for answers, plain in pairs
+                                         for a, b in zip(answers, plain, strict=True))
+                s["answers"] = sum(len(answers) for answers, _ in pairs)
     return summary
 
 

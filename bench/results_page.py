@@ -169,9 +169,16 @@ def summary_table() -> list[str]:
     keep = {"greedy (ours)", "hf greedy", "hf prompt lookup", f"lookahead {DEFAULT}", f"lookahead {DEFAULT}@auto"}
     rows = [row for row, method in zip(e2e_rows(stem, False), load(stem)["methods"], strict=True) if method in keep]
     data = load(stem)
+    peers = []
+    if (RESULTS / "peers-cpu.json").is_file():
+        data_peers = load("peers-cpu")
+        peers = ["", f"Against llama.cpp (and vLLM's CPU build where it ran), one request at a time, "
+                 f"{len(data_peers['prompts'])} held-out prompts, up to {data_peers['max_tokens']} new tokens, greedy, "
+                 "through each server ([all concurrencies](docs/results.md#against-the-engines-people-already-run)):",
+                 "", *table(PEERS_HEADERS, peers_rows(data_peers, {1})), "", *source("peers-cpu", link="")]
     return [f"{len(data['records']) // len(data['methods'])} dev prompts, up to {data['max_new_tokens']} new tokens, "
             "fp32, greedy, default model; S = tokens per forward pass:", "",
-            *table(["method", *E2E_HEADERS], rows), "", *source(stem, link="")]
+            *table(["method", *E2E_HEADERS], rows), "", *source(stem, link=""), *peers]
 
 
 def section_index() -> list[str]:
@@ -583,6 +590,51 @@ def section_warm() -> list[str]:
             *source("warm-cpu")]
 
 
+def peers_rows(data: dict, concurrency: set[int] | None = None) -> list[list]:
+    return [[s["engine"], s["dtype"], s["concurrency"], f"{s['tok_s']:.1f}", f"{s['request_tok_s']:.1f}",
+             f"{s['ttft_ms']:.0f}", "" if s["vs_llama_cpp"] is None else x(s["vs_llama_cpp"]), f"{s['load']:.1f}"]
+            for s in sorted(data["summary"], key=lambda s: (s["concurrency"], s["dtype"], s["engine"]))
+            if concurrency is None or s["concurrency"] in concurrency]
+
+
+PEERS_HEADERS = ["engine", "dtype", "concurrent", "tokens/s", "per request tokens/s", "TTFT ms", "vs llama.cpp",
+                 "load"]
+
+
+def section_peers() -> list[str]:
+    if not (RESULTS / "peers-cpu.json").is_file():
+        return []
+    data = load("peers-cpu")
+    skipped = [f"- {name}: {why}" for name, why in data["skipped"].items()]
+    return ["## Against the engines people already run", "",
+            f"`bench/peers.py`: the default model's weights in every engine (llama.cpp: GGUF files converted from our "
+            f"checkpoint by llama.cpp's converter), {len(data['prompts'])} held-out dev prompts, up to "
+            f"{data['max_tokens']} new tokens, greedy, streamed through each server's OpenAI chat endpoint; every "
+            "engine alone on the machine, in rounds whose order alternates (medians over rounds), load generator: "
+            f"{'AIPerf' if data['generator'] == 'aiperf' else 'the script' + chr(39) + 's own closed loop'}. "
+            "tokens/s: all answers' tokens over the run's wall time; per request: each answer's rate after its first "
+            "token (median); TTFT: to the first chunk with text (median); vs llama.cpp: tokens/s over llama.cpp's in "
+            "the same dtype at the same concurrency; load: the 1-minute load average when the run began.", "",
+            *table(PEERS_HEADERS, peers_rows(data)), "",
+            *(["Not measured:", "", *skipped, ""] if skipped else []), *source("peers-cpu")]
+
+
+def section_profile() -> list[str]:
+    if not (RESULTS / "profile-cpu.json").is_file():
+        return []
+    data = load("profile-cpu")
+    parts = sorted({name for r in data["records"] for name in r["parts"]})
+    rows = [[r["dtype"], r["step"], f"{r['ms_per_step']:.1f}", *(f"{r['parts'].get(name, 0.0):.2f}" for name in parts)]
+            for r in data["records"]]
+    return ["## Where a step's time goes", "",
+            f"`bench/profile_step.py`: the torch profiler over one generation of {data['max_new_tokens']} tokens of a "
+            f"{data['prompt_tokens']}-token chat prompt, the default model in the default (batch-invariant) mode, "
+            "plain steps and full 18-token lookahead steps (1-4-5, fixed); milliseconds per decoding step by part "
+            "(self times; the package's CPU kernels labelled around their calls; Python and the loop: the wall time "
+            "no op accounts for).", "",
+            *table(["dtype", "step", "ms/step", *parts], rows), "", *source("profile-cpu")]
+
+
 def section_structured() -> list[str]:
     data, masks = load("structured-cpu"), load("grammar-masks-cpu")
     summary = data["summary"]
@@ -616,7 +668,8 @@ def section_structured() -> list[str]:
 
 
 def render_page() -> str:
-    sections = [section_index(), section_e2e(), section_engine(), section_serve(), section_paging(), section_tree(),
+    sections = [section_index(), section_peers(), section_profile(), section_e2e(), section_engine(), section_serve(),
+                section_paging(), section_tree(),
                 section_overhead(), section_host_time(), section_sampling(), section_scaling(), section_batch(),
                 section_distributed(), section_tuned(), section_warm(), section_structured(), section_invariant(),
                 section_gpu()]
