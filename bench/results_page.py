@@ -62,6 +62,8 @@ RUNS: dict[str, tuple[str, str]] = {
     "host-time-cpu": ("python bench/host_time.py --baseline DIR, DIR holding the code before issue 36's host-time "
                       "work: git archive a911b95 lookahead kernels models | tar -x -C DIR", "tree"),
     "sampling-s-cpu": ("python bench/sampling_s.py --per-kind 1", CHAINS),
+    "peers-cpu": ("python bench/peers.py", "tree"),
+    "profile-cpu": ("python bench/profile_step.py", "tree"),
     "scaling-cpu": ("python bench/scaling.py", CHAINS),
     "batch-cpu": ("python bench/batch.py", CHAINS),
     "distributed-cpu": ("python bench/distributed.py", "tree"),
@@ -173,7 +175,7 @@ def summary_table() -> list[str]:
     if (RESULTS / "peers-cpu.json").is_file():
         data_peers = load("peers-cpu")
         peers = ["", f"Against llama.cpp (and vLLM's CPU build where it ran), one request at a time, "
-                 f"{len(data_peers['prompts'])} held-out prompts, up to {data_peers['max_tokens']} new tokens, greedy, "
+                 f"3 held-out prompts, up to {data_peers['max_tokens']} new tokens, greedy, "
                  "through each server ([all concurrencies](docs/results.md#against-the-engines-people-already-run)):",
                  "", *table(PEERS_HEADERS, peers_rows(data_peers, {1})), "", *source("peers-cpu", link="")]
     return [f"{len(data['records']) // len(data['methods'])} dev prompts, up to {data['max_new_tokens']} new tokens, "
@@ -608,8 +610,10 @@ def section_peers() -> list[str]:
     skipped = [f"- {name}: {why}" for name, why in data["skipped"].items()]
     return ["## Against the engines people already run", "",
             f"`bench/peers.py`: the default model's weights in every engine (llama.cpp: GGUF files converted from our "
-            f"checkpoint by llama.cpp's converter), {len(data['prompts'])} held-out dev prompts, up to "
-            f"{data['max_tokens']} new tokens, greedy, streamed through each server's OpenAI chat endpoint; every "
+            f"checkpoint by llama.cpp's converter), held-out dev prompts (the first 3 one at a time, the first 2c at "
+            f"c concurrent), up to {data['max_tokens']} new tokens, greedy, streamed through each server's OpenAI "
+            "chat endpoint (llama-cpp-python's server takes one request at a time: its throughput falls at 4 and 8); "
+            "every "
             "engine alone on the machine, in rounds whose order alternates (medians over rounds), load generator: "
             f"{'AIPerf' if data['generator'] == 'aiperf' else 'the script' + chr(39) + 's own closed loop'}. "
             "tokens/s: all answers' tokens over the run's wall time; per request: each answer's rate after its first "
