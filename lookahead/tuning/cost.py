@@ -37,7 +37,7 @@ import os
 import stat
 import statistics
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -153,15 +153,19 @@ class Curve:
         if len(knots) == 1:
             return [self.stale_knot(t) for t in tokens]
         stale = [knot if self._is_stale(k) else None for k, knot in enumerate(knots)]
-        out, last, j = [], len(knots) - 1, 1
+        return [stale[j] if w > 0.5 else stale[j - 1] for j, w in self._segments(tokens)]
+
+    def _segments(self, tokens: Sequence[int]) -> Iterator[tuple[int, float]]:
+        """(j, w) for each of `tokens` (two knots or more): the segment knots[j - 1]..knots[j] it falls in (the
+        first or last one beyond the knots) and its place along it, as `_bracket` finds them, the bracket moving
+        along sorted tokens."""
+        knots, last, j = self.knots, len(self.knots) - 1, 1
         for t in tokens:
             if j > 1 and knots[j - 1] >= t:  # not sorted: find the segment afresh
                 j = 1
             while j < last and knots[j] < t:
                 j += 1
-            w = (t - knots[j - 1]) / (knots[j] - knots[j - 1])
-            out.append(stale[j] if w > 0.5 else stale[j - 1])
-        return out
+            yield j, (t - knots[j - 1]) / (knots[j] - knots[j - 1])
 
     def stale_at(self, tokens: int) -> bool:
         """Whether a step of `tokens` tokens would run a stale knot (`stale_knot`)."""
@@ -189,14 +193,9 @@ class Curve:
             return self._predict_array(np.asarray(tokens, dtype=np.int64), np.asarray(at)).tolist()
         if len(knots) == 1:
             return [max(at[0] + 0.0 * (at[0] - at[0]), 0.25 * at[0], min_seconds) for _ in tokens]
-        out, last, j = [], len(knots) - 1, 1
-        for t in tokens:
-            if j > 1 and knots[j - 1] >= t:  # not sorted: find the segment afresh
-                j = 1
-            while j < last and knots[j] < t:
-                j += 1
+        out = []
+        for j, w in self._segments(tokens):
             a, b = at[j - 1], at[j]
-            w = (t - knots[j - 1]) / (knots[j] - knots[j - 1])
             out.append(max(a + w * (b - a), 0.25 * (a if a <= b else b), min_seconds))
         return out
 
