@@ -34,8 +34,9 @@ setup(
     extras_require={
         "triton": [TRITON],  # the kernel on a CPU-only torch, under TRITON_INTERPRET=1
         "serve": SERVE,
-        # kernel tests run under the interpreter; the server's tests talk to it with the openai client
-        "test": ["pytest>=8", "accelerate", "pytest-benchmark", TRITON, *SERVE, "openai>=1.40", "langchain-openai>=0.3"],
+        # kernel tests run under the interpreter; the server's tests talk to it with the openai client and LangChain
+        "test": ["pytest>=8", "accelerate", "pytest-benchmark", TRITON, *SERVE, "openai>=1.40",
+                 "langchain-openai>=0.3"],
         "bench": ["pytest-benchmark>=4", "matplotlib", TRITON],
     },
     entry_points={"console_scripts": ["lookahead=lookahead.cli:main"]},
