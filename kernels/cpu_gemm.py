@@ -69,8 +69,7 @@ class Pool {
   // fn(i, i + 1) for every i in [0, n), spread over the caller and up to torch's thread count - 1 workers. From a
   // second thread at once, or with one thread, the caller runs it all.
   void run(int64_t n, const Job& fn) {
-    const int want = threads_.load(std::memory_order_relaxed);
-    const int threads = std::min<int64_t>(n, want > 0 ? want : at::get_num_threads());
+    const int threads = std::min<int64_t>(n, at::get_num_threads());
     std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
     const auto start = std::chrono::steady_clock::now();
     if (threads <= 1 || !busy.owns_lock() || n > ITEMS || start < serial_until_) {
@@ -171,9 +170,6 @@ class Pool {
   State* state_ = nullptr;
   std::chrono::steady_clock::time_point serial_until_{};
   std::chrono::nanoseconds backoff_{0};
-
- public:
-  std::atomic<int> threads_{0};  // 0: torch's intra-op thread count
 };
 
 static Pool pool;
@@ -258,9 +254,6 @@ static void run(const float* x, int64_t M, int64_t K, const W* w, float* out, in
     }
   });
 }
-
-// the kernels' threads (0: as many as torch's intra-op threads); returns the previous setting
-int64_t set_threads(int64_t threads) { return pool.threads_.exchange(int(threads)); }
 
 // x [M, K] float32, packed [blocks, K, NB] (float32, or bfloat16 bits as int16)
 torch::Tensor rows_gemm(torch::Tensor x, torch::Tensor packed, int64_t n) {
@@ -432,8 +425,7 @@ def _load(build_dir):
                               "(once; about a minute)", file=sys.stderr, flush=True)
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    _module = load_inline(name, cpp_sources=_SOURCE,
-                                          functions=["rows_gemm", "chain_attention", "set_threads"],
+                    _module = load_inline(name, cpp_sources=_SOURCE, functions=["rows_gemm", "chain_attention"],
                                           extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
                                           extra_ldflags=["-fopenmp"],
                                           build_directory=None if folder is None else str(folder), verbose=False)
