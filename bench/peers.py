@@ -12,11 +12,12 @@ text). Tokens are counted with the checkpoint's tokenizer over each answer's tex
 A peer that is not installed is skipped, and the table says so: llama.cpp needs a Python with `llama-cpp-python
 [server]` (`--llama-python`, default this one) and llama.cpp's converter (`--converter`: `convert_hf_to_gguf.py`
 in a llama.cpp checkout, `gguf-py` beside it; default: fetched once from llama-cpp-python's source package into the
-cache folder); vLLM needs its `vllm` executable (`--vllm`). The concurrency-1 figures are also written to the cache
-folder (`PEERS_FILE`, with this CPU's tag), where `lookahead generate`'s summary line finds them.
+cache folder); vLLM needs its `vllm` executable (`--vllm`); docs/benchmarks.md#peers gives each set-up. The
+peers' concurrency-1 figures are also written to the cache folder (`peers.json`, with this CPU's tag), where
+`lookahead generate`'s summary line finds them.
 
     python bench/peers.py --quick --model DIR   # CI: a tiny checkpoint, 2 prompts, 8 tokens, c = 1 and 2
-    python bench/peers.py --aiperf aiperf --vllm /path/to/vllm   # 3 prompts, 128 tokens, c = 1, 4, 8, two rounds
+    python bench/peers.py --aiperf aiperf --vllm /path/to/vllm   # 3 prompts alone, 2c at c = 4, 8; 128 tokens
 """
 
 from __future__ import annotations
