@@ -36,11 +36,10 @@ import sys  # noqa: E402
 import tarfile  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
-import urllib.request  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from serve import free_port, stop_server  # noqa: E402
+from serve import launch, stop_server  # noqa: E402
 
 from common import load_prompts, machine, print_table, save_json  # noqa: E402
 from lookahead.cli.report import PEERS_FILE  # noqa: E402
@@ -161,24 +160,7 @@ def convert(folder: Path, outtype: str, converter: Path | None) -> Path:
 def start(engine: Engine) -> tuple[subprocess.Popen, str]:
     """The engine's server on a free port of 127.0.0.1; returns once /v1/models answers (or raises, with the tail of
     its output)."""
-    port = free_port()
-    log = tempfile.TemporaryFile(mode="w+")
-    process = subprocess.Popen([part.replace("{port}", str(port)) for part in engine.command], stdout=log,
-                               stderr=subprocess.STDOUT, text=True, env={**os.environ, **engine.env})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + STARTUP_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            log.seek(0)
-            raise RuntimeError(f"{engine.label} exited with {process.returncode}: {log.read()[-2000:]}")
-        try:
-            with urllib.request.urlopen(f"{url}/v1/models", timeout=2) as response:
-                if response.status == 200:
-                    return process, url
-        except OSError:
-            time.sleep(0.5)
-    process.kill()
-    raise RuntimeError(f"{engine.label} did not answer /v1/models within {STARTUP_S} s")
+    return launch(engine.command, engine.label, "/v1/models", STARTUP_S, engine.env)
 
 
 async def one_request(client, messages: list[dict], max_tokens: int) -> dict:

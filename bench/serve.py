@@ -28,6 +28,7 @@ import socket  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 import urllib.request  # noqa: E402
 
@@ -47,24 +48,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(extra: list[str], max_batch: int) -> tuple[subprocess.Popen, str]:
-    """`lookahead serve` on a free port; returns once /health answers (or raises with its output)."""
+def launch(command: list[str], name: str, ready: str, timeout_s: float,
+           env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """`command` (with "{port}" where a free port of 127.0.0.1 goes) started; returns (the process, its URL) once GET
+    `ready` answers 200, or raises with the tail of its output (kept in a file: a pipe nobody reads would stall a
+    talkative server)."""
     port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "lookahead", "serve", "--port", str(port), "--max-batch",
-                                str(max_batch), *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = tempfile.TemporaryFile(mode="w+")
+    process = subprocess.Popen([part.replace("{port}", str(port)) for part in command], stdout=log,
+                               stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"the server exited with {process.returncode}: {process.stdout.read()}")
+            log.seek(0)
+            raise RuntimeError(f"{name} exited with {process.returncode}: {log.read()[-2000:]}")
         try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+            with urllib.request.urlopen(f"{url}{ready}", timeout=2) as response:
                 if response.status == 200:
                     return process, url
         except OSError:
             time.sleep(0.5)
     process.kill()
-    raise RuntimeError("the server did not answer /health within 600 s")
+    raise RuntimeError(f"{name} did not answer {ready} within {timeout_s:.0f} s")
+
+
+def start_server(extra: list[str], max_batch: int) -> tuple[subprocess.Popen, str]:
+    """`lookahead serve` on a free port; returns once /health answers (or raises with its output)."""
+    return launch([sys.executable, "-m", "lookahead", "serve", "--port", "{port}", "--max-batch", str(max_batch),
+                   *extra], "the server", "/health", 600)
 
 
 def stop_server(process: subprocess.Popen) -> None:
