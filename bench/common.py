@@ -115,15 +115,17 @@ def print_table(headers: list[str], rows: list[list]) -> None:
         print(" | ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)))
 
 
-def load_model(folder: str | None = None):
-    """(checkpoint folder, Llama on CUDA if there is one else CPU, its tokenizer); default: the default model."""
+def load_model(folder: str | None = None, dtype: str | None = "float32"):
+    """(checkpoint folder, Llama on CUDA if there is one else CPU, its tokenizer); default: the default model. In
+    float32 unless `dtype` says otherwise (None: the package's default, which depends on the CPU): the scripts'
+    figures stay comparable from one machine to the next."""
     from transformers import AutoTokenizer
 
     from lookahead.models import Llama
     from lookahead.models.default_model import default_model_dir
 
     folder = Path(folder) if folder else default_model_dir()
-    model = Llama.from_pretrained(folder, device="cuda" if torch.cuda.is_available() else "cpu")
+    model = Llama.from_pretrained(folder, dtype=dtype, device="cuda" if torch.cuda.is_available() else "cpu")
     return folder, model, AutoTokenizer.from_pretrained(str(folder))
 
 

@@ -117,7 +117,7 @@ def replay(steps: list[dict], cost) -> collections.Counter:
 
 def part_tokens_per_second(args) -> dict:
     """SmolLM2: every method on every prompt, interleaved, eager and graphed."""
-    _, model, tokenizer = load_model()
+    _, model, tokenizer = load_model(dtype=None if GPU else "float32")  # CUDA: its default, bfloat16
     kinds = ("chat", "code") if args.quick else ("chat", "code", "math", "summarize")
     prompts = [chat_ids(tokenizer, row["prompt"]) for row in load_prompts(args.per_kind, kinds)]
     configs = [None, *(c for c in STEP_CONFIGS.values() if c is not None), *TUNED_CONFIGS.values()]
@@ -267,7 +267,7 @@ def part_host(args) -> dict:
     """Host time and profiler op count of one lookahead step, eager vs graphs, greedy vs sampling."""
     from torch.profiler import ProfilerActivity, profile
 
-    _, model, _ = load_model()
+    _, model, _ = load_model(dtype=None if GPU else "float32")
     cfg = LookaheadConfig()  # the package default
     rows = []
     for mode in (["eager", "graphs"] if GPU else ["eager"]):

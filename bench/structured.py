@@ -42,7 +42,7 @@ def main() -> None:
 
     folder = default_model_dir()
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = Llama.from_pretrained(folder)
+    model = Llama.from_pretrained(folder, dtype="float32")  # the figures' dtype, whatever the CPU
     engine = engine_for(model, max_batch=1, warm=False)
     cfg = dataclasses.replace(LookaheadConfig.auto(model.device.type), warm=False)
     eos = frozenset(model.config.eos_token_id)

@@ -402,6 +402,25 @@ def cpu_tag() -> str:
     return hashlib.sha256(facts.encode()).hexdigest()[:12]
 
 
+BF16_DOT_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")  # /proc/cpuinfo's names: x86's two, then aarch64's
+
+
+def bf16_dot_products(cpuinfo: str | None = None) -> str | None:
+    """The CPU feature that gives this CPU bfloat16 dot products (AMX, AVX512-BF16, Arm's BF16), as /proc/cpuinfo
+    names it, or None (none of them, or no /proc/cpuinfo): where a bfloat16 model is read at half fp32's bytes
+    without paying for it in slow conversions. cpuinfo: that file's text (None: read it)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+    flags = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith(("flags", "Features")):
+            flags.update(line.partition(":")[2].split())
+    return next((flag for flag in BF16_DOT_FLAGS if flag in flags), None)
+
+
 def _load(build_dir):
     global _module, _failed
     if _module is not None or _failed is not None:

@@ -15,6 +15,7 @@ from lookahead.backends import choose_backend, choose_fusion
 from lookahead.config import LookaheadConfig
 from lookahead.drafts import DraftMemory
 from lookahead.kernels import interpreting
+from lookahead.kernels.cpu_gemm import bf16_dot_products
 from lookahead.loop import GenerationResult
 from lookahead.tuning import CostModel
 from lookahead.tuning.store import Saver
@@ -30,6 +31,7 @@ from .rope import inverse_frequencies, rotary_cos_sin
 from .runner import CachedRunner
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPE_VARIABLE = "LOOKAHEAD_DTYPE"  # the environment's default dtype, where from_pretrained is given none
 COMPILED_SHAPES = 256  # step shapes fusion="compile" compiles for one model (torch._dynamo's default limit is 8)
 
 
@@ -53,6 +55,7 @@ class Llama(nn.Module):
         self.register_buffer("rope_inv_freq", inverse_frequencies(config.head_dim, config.rope), persistent=False)
         self.attn_backend = attn_backend
         self.fusion = fusion
+        self.dtype_reason: str | None = None  # why from_pretrained chose the dtype it loaded in (`default_dtype`)
         self._batch_invariant = batch_invariant
         self._invariant_linears = InvariantLinears()  # the mode's float32 GEMMs (and 16-bit weights' fp32 copies)
         self._compiled_forward = None  # fusion "compile": the step's forward, compiled on its first step
@@ -72,9 +75,11 @@ class Llama(nn.Module):
         """Load a Hugging Face checkpoint folder (config.json + model.safetensors, sharded or not) of model_type
         llama, mistral, qwen2 or qwen3; other architectures are refused (`lookahead.hf` decodes transformers models).
 
-        dtype: float32, float16 or bfloat16; None means bfloat16 on CUDA and float32 elsewhere. Lookahead
-        decoding is token for token plain greedy in float32; in 16-bit a multi-token pass rounds differently
-        from a one-token pass, so near-ties can flip, unless `batch_invariant`.
+        dtype: float32, float16 or bfloat16. None: $LOOKAHEAD_DTYPE where it is set, else bfloat16 on CUDA and on
+        a CPU with bf16 dot products (AMX, AVX512-BF16, Arm BF16) where `batch_invariant` is on, else float32
+        (`default_dtype`; `dtype_reason` says which rule chose it). Lookahead decoding is token for token plain
+        greedy in float32; in 16-bit a multi-token pass rounds differently from a one-token pass, so near-ties
+        can flip, unless `batch_invariant`.
         batch_invariant: a position's logits are bitwise the same whatever step computes them (a plain step, a
         lookahead step of any shape, the rows packed beside it, how its prompt was chunked, a cached prefix), so
         lookahead and batches give plain greedy's tokens bitwise in every dtype. None (the default): on for a CPU
@@ -110,12 +115,14 @@ class Llama(nn.Module):
         if not path.is_dir():
             raise FileNotFoundError(f"checkpoint folder {path} does not exist")
         device = resolve_device(device)
-        dtype = resolve_dtype(dtype if dtype is not None else default_dtype(device))
+        if dtype is not None:
+            dtype = resolve_dtype(dtype)
         backend = resolve_backend(attn_backend, device)
         if batch_invariant is not None and batch_invariant is not True and batch_invariant is not False:
             raise TypeError(f"batch_invariant must be True, False or None, got {batch_invariant!r}")
         if batch_invariant is None:
             batch_invariant = default_batch_invariant(device, fusion, backend)
+        dtype, dtype_reason = (dtype, "asked for") if dtype is not None else default_dtype(device, batch_invariant)
         fusion = "none" if batch_invariant and fusion == "auto" else choose_fusion(fusion, device.type, backend,
                                                                                   interpreting())
         _check_invariant(batch_invariant, fusion)
@@ -135,6 +142,7 @@ class Llama(nn.Module):
         # shapes: ~50 MB resident for nothing, so each tensor is made by torch.empty)
         model.to(dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
         model._tie_weights()  # the conversion gives each module its own new tensor
+        model.dtype_reason = dtype_reason
         model.rope_inv_freq = inverse_frequencies(config.head_dim, config.rope).to(device)  # fp32 always
         # tied: the one shared tensor may come from either name (transformers swaps them if only the head is there)
         optional = frozenset({embed if head in names else head}) if config.tie_word_embeddings else frozenset()
@@ -405,9 +413,25 @@ def default_batch_invariant(device: torch.device, fusion: str, attn_backend: str
     return device.type == "cpu" and fusion in ("auto", "none") and attn_backend == "torch"
 
 
-def default_dtype(device: torch.device) -> torch.dtype:
-    """bfloat16 on CUDA (the serving type), float32 elsewhere (the exactness reference)."""
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+def default_dtype(device: torch.device, batch_invariant: bool) -> tuple[torch.dtype, str]:
+    """The dtype a model loads in where none is given, and why (the CLI says it): $LOOKAHEAD_DTYPE where it is set;
+    else bfloat16 on CUDA (the serving type); on a CPU, bfloat16 where the CPU has bf16 dot products
+    (`cpu_gemm.bf16_dot_products`) and the batch-invariant mode keeps 16-bit exact (half the bytes a step reads:
+    faster), else float32 (the exactness reference, and faster than 16-bit a CPU converts in software)."""
+    named = os.environ.get(DTYPE_VARIABLE, "")
+    if named:
+        if named not in DTYPES:
+            raise ValueError(f"{DTYPE_VARIABLE}={named!r} is not a dtype; set it to one of {', '.join(DTYPES)}, or "
+                             "unset it for the default")
+        return DTYPES[named], f"${DTYPE_VARIABLE}"
+    if device.type == "cuda":
+        return torch.bfloat16, "CUDA's default"
+    feature = bf16_dot_products()
+    if feature is None:
+        return torch.float32, "this CPU has no bf16 dot products"
+    if not batch_invariant:
+        return torch.float32, "without the batch-invariant mode 16-bit may flip near-ties"
+    return torch.bfloat16, f"this CPU has bf16 dot products ({feature}), and the batch-invariant mode keeps it exact"
 
 
 def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:

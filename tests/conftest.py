@@ -12,6 +12,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read when torch loads Ope
 # module builds an environment for its subprocesses from os.environ.
 CACHE_ROOT = tempfile.mkdtemp(prefix="lookahead-test-cache-")
 os.environ["LOOKAHEAD_CACHE_DIR"] = CACHE_ROOT
+# float32 where a test names no dtype, in this process and its subprocesses: the exactness reference against
+# transformers, whatever the CPU (the default is bfloat16 on one with bf16 dot products; test_dtype_default.py)
+os.environ["LOOKAHEAD_DTYPE"] = "float32"
 
 import torch  # noqa: E402
 

@@ -289,7 +289,7 @@ def test_cli_under_torchrun_prints_once_and_matches_one_process(default_model_di
     assert two.stdout == one.stdout and two.stdout.strip()
     summary = two.stderr.strip().splitlines()[-1]
     assert summary.startswith("[lookahead W=2 N=4 G=10 on 2 processes]"), two.stderr
-    assert "tok/s (plain ~" in summary  # issue 28 item 14: the baseline, timed on rank 0
+    assert "tok/s (float32; plain ~" in summary  # issue 28 item 14: the baseline, timed on rank 0
     assert summary.split("]")[1].split(", S=")[0] == one.stderr.strip().splitlines()[-1].split("]")[1].split(", S=")[0]
     assert two.stderr.count("lookahead: loading") == 1
     assert not list(tmp_path.glob("torchelastic_*"))

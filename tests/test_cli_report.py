@@ -39,7 +39,7 @@ def run(capsys, *argv) -> tuple[int, list[str]]:
 def test_every_run_shows_plain_decodings_rate_here(tiny_cli, capsys, flags):
     code, err = run(capsys, *flags)
     assert code == 0 and err[-1].startswith("[plain]" if flags == ["--no-lookahead"] else "[lookahead W=1 N=4 G=5")
-    assert " tok/s (plain ~" in err[-1] and "tok/s here)" in err[-1]
+    assert " tok/s (float32; plain ~" in err[-1] and "tok/s here)" in err[-1]
 
 
 class FrozenCost(CostModel):
@@ -66,7 +66,7 @@ def test_a_run_slower_than_plain_says_so_and_why(tiny_cli, capsys):
     code, err = run(capsys)
     assert code == 0
     line = err[-1]
-    assert "(plain ~100000 tok/s here); lookahead was 0.0" in line and "x plain here: " in line
+    assert "(float32; plain ~100000 tok/s here); lookahead was 0.0" in line and "x plain here: " in line
     assert "the loop's own work per step (drafting, checking)" in line and " plain steps' time" in line
 
 

@@ -187,7 +187,8 @@ def _add_options(command: argparse.ArgumentParser) -> None:
 def _add_machine_options(command: argparse.ArgumentParser) -> None:
     """How the model runs, and --debug: every command's last options."""
     command.add_argument("--dtype", default=None, choices=("float32", "float16", "bfloat16"),
-                         help="model dtype (default: bfloat16 on CUDA, float32 on CPU; float32 is token-exact, and "
+                         help="model dtype (default: $LOOKAHEAD_DTYPE, else bfloat16 on CUDA and on a CPU with bf16 "
+                              "dot products in the batch-invariant mode, else float32; float32 is token-exact, and "
                               "16-bit too in the batch-invariant mode)")
     command.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
                          help="compute each position's logits bitwise the same whatever the step, batch, prompt "

@@ -23,6 +23,8 @@ from .launch import remove_empty_log_dir, world_size
 from .report import (
     comparison,
     decoding_rate,
+    dtype_choice,
+    dtype_name,
     pass_cost,
     peer_rates,
     plain_rate,
@@ -148,10 +150,12 @@ def load(args: argparse.Namespace, parallel, say):
     model = Llama.from_pretrained(folder, dtype=args.dtype, device=device, attn_backend=backend,
                                   fusion=args.fusion, batch_invariant=args.batch_invariant)
     tokenizer = _tokenizer(folder)
-    dtype = str(model.dtype).removeprefix("torch.")
+    dtype = dtype_name(model)
     mode = ", batch-invariant" if model.batch_invariant else ""
     say(f"loaded in {time.perf_counter() - start:.1f} s ({dtype}, {device}{mode}); generating"
         + ("" if parallel is None else f" on {ranks} processes (lookahead parallelism)"))
+    if dtype_choice(model) is not None:
+        say(dtype_choice(model))
     if dtype != "float32" and lookahead is not None and args.temperature == 0 and not model.batch_invariant:
         say(f"note: in {dtype} the output may differ from plain greedy decoding where two tokens are "
              "nearly tied (a multi-token pass rounds differently from a one-token pass); float32 is token-exact, "
@@ -187,9 +191,9 @@ def _run(args: argparse.Namespace, parallel, say) -> int:
     if lookahead is not None:
         passes = pass_cost(model, result, len(prompt_ids))[1]
         why = why_slower(result, decoding_rate(result, stamps), rate, why, passes) or why
-    peers = peer_rates(str(model.dtype).removeprefix("torch."))
-    print(summary(result, elapsed, lookahead, 1 if parallel is None else parallel[1], rate, why, peers),
-          file=sys.stderr)
+    dtype = dtype_name(model)
+    print(summary(result, elapsed, lookahead, 1 if parallel is None else parallel[1], rate, why, peer_rates(dtype),
+                  dtype), file=sys.stderr)
     return 0
 
 
@@ -244,10 +248,10 @@ def _compare(args: argparse.Namespace, model, tokenizer, lookahead, prompt_ids: 
         timed.append((result, time.perf_counter() - start))
     (plain, plain_seconds), (result, seconds) = timed
     print(flush=True)
-    print(summary(plain, plain_seconds), file=sys.stderr)
+    dtype = dtype_name(model)
+    print(summary(plain, plain_seconds, dtype=dtype), file=sys.stderr)
     why = why_plain(model, result, len(prompt_ids))
-    print(summary(result, seconds, lookahead, why=why, peers=peer_rates(str(model.dtype).removeprefix("torch."))),
-          file=sys.stderr)
+    print(summary(result, seconds, lookahead, why=why, peers=peer_rates(dtype), dtype=dtype), file=sys.stderr)
     exact = args.temperature == 0 or args.seed is not None
     passes = pass_cost(model, result, len(prompt_ids))[1]
     print(comparison(plain, plain_seconds, result, seconds, exact, why, passes), file=sys.stderr)

@@ -23,10 +23,10 @@ LOOP = 2.0  # steps taking this many times what their pass costs: the loop's own
 
 
 def summary(result, seconds: float, lookahead=None, ranks: int = 1, plain_rate: float | None = None,
-            why: str | None = None, peers: str | None = None) -> str:
-    """The line after an answer: the method, tokens, forward passes, S, tokens/s, with `plain_rate` what plain
-    decoding does on this machine, `peers` (`peer_rates`) what the engines people already run do here, and `why`
-    (`why_plain`) where self-tuned steps stayed plain."""
+            why: str | None = None, peers: str | None = None, dtype: str | None = None) -> str:
+    """The line after an answer: the method, tokens, forward passes, S, tokens/s, with the model's `dtype`,
+    `plain_rate` what plain decoding does on this machine, `peers` (`peer_rates`) what the engines people already
+    run do here, and `why` (`why_plain`) where self-tuned steps stayed plain."""
     mode = "plain" if lookahead is None else f"lookahead W={lookahead.window} N={lookahead.ngram} G={lookahead.guesses}"
     if ranks > 1:
         mode += f" on {ranks} processes"
@@ -34,12 +34,29 @@ def summary(result, seconds: float, lookahead=None, ranks: int = 1, plain_rate: 
         mode += ", self-tuned"
     line = (f"[{mode}] {len(result.tokens)} tokens, {result.steps} steps, S={result.compression:.2f}, "
             f"{len(result.tokens) / seconds:.1f} tok/s")
-    notes = [] if plain_rate is None else [f"plain ~{plain_rate:.0f} tok/s here"]
+    notes = [] if dtype is None else [dtype]
+    if plain_rate is not None:
+        notes.append(f"plain ~{plain_rate:.0f} tok/s here")
     if peers is not None:
         notes.append(peers)
     if notes:
         line += f" ({'; '.join(notes)})"
     return line if why is None else f"{line}; {why}"
+
+
+def dtype_name(model) -> str:
+    """The model's dtype as the flags name it ("bfloat16")."""
+    return str(model.dtype).removeprefix("torch.")
+
+
+def dtype_choice(model) -> str | None:
+    """Why the model runs in its dtype where the default chose it (`Llama.dtype_reason`), and how to choose another;
+    None where --dtype named it."""
+    reason = getattr(model, "dtype_reason", None)
+    if reason in (None, "asked for"):
+        return None
+    other = "bfloat16" if dtype_name(model) == "float32" else "float32"
+    return f"{dtype_name(model)} by default here: {reason} (--dtype {other} for {other})"
 
 
 def peer_rates(dtype: str) -> str | None:

@@ -17,6 +17,7 @@ from lookahead.config import LookaheadConfig
 
 from .generate import _backend, _device, _tokenizer
 from .launch import world_size
+from .report import dtype_choice, dtype_name
 
 GIB = 2**30
 SERVE_MODULES = ("fastapi", "uvicorn", "prometheus_client")  # what the [serve] extra installs
@@ -47,10 +48,13 @@ def run(args: argparse.Namespace) -> int:
                                   fusion=args.fusion, batch_invariant=args.batch_invariant)
     tokenizer = _tokenizer(folder)
     lookahead = lookahead_config(args, model.device.type)
-    dtype = str(model.dtype).removeprefix("torch.")
-    _say(f"loaded in {time.perf_counter() - start:.1f} s ({dtype}, {device}); preparing the engine "
-         f"({args.max_batch} rows{'' if lookahead is None else ', measuring step costs if not cached'})")
-    if dtype != "float32" and lookahead is not None:
+    dtype = dtype_name(model)
+    mode = ", batch-invariant" if model.batch_invariant else ""
+    _say(f"loaded in {time.perf_counter() - start:.1f} s ({dtype}, {device}{mode}); preparing the "
+         f"engine ({args.max_batch} rows{'' if lookahead is None else ', measuring step costs if not cached'})")
+    if dtype_choice(model) is not None:
+        _say(dtype_choice(model))
+    if dtype != "float32" and lookahead is not None and not model.batch_invariant:
         _say(f"note: in {dtype} a greedy answer may differ from plain greedy decoding where two tokens are nearly "
              "tied (a multi-token pass rounds differently from a one-token pass); float32 is token-exact")
     kv_bytes = None if args.kv_cache_gb is None else int(args.kv_cache_gb * GIB)
