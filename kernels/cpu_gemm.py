@@ -233,6 +233,72 @@ static void tile(const float* x, int64_t K, const W* block, float* out, int64_t 
 }
 #endif
 
+// bfloat16 rows times bfloat16 weights with the CPU's bf16 dot products (AVX512-BF16's vdpbf16ps: 32 products a
+// vector where an fp32 fused multiply-add has 16, and no widening): the weight's block is laid out in pairs of k,
+// [ceil(K / 2), NB, 2], and each output is a chain over the pairs in order, from zero, each pair's two products
+// added into it by the instruction (its own fixed order and rounding, denormals flushed). The same chain for one row
+// or six: rows stay independent of each other. An odd K's last pair is padded with a zero weight and a zero input.
+#if defined(__AVX512BF16__)
+constexpr bool BF16_PAIRS = true;
+
+template <int MR>
+static void tile_pairs(const uint16_t* x, int64_t K, const uint16_t* block, float* out, int64_t N, int64_t col0) {
+  const int64_t cols = std::min<int64_t>(NB, N - col0), pairs = (K + 1) / 2;
+  __m512 acc[MR][4];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    const uint16_t* wp = block + p * 2 * NB;  // 16 columns' pairs a vector
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp), w1 = (__m512bh)_mm512_loadu_si512(wp + 32),
+                   w2 = (__m512bh)_mm512_loadu_si512(wp + 64), w3 = (__m512bh)_mm512_loadu_si512(wp + 96);
+    const int64_t k = 2 * p;
+    for (int r = 0; r < MR; ++r) {
+      const uint16_t* xr = x + r * K;
+      const uint32_t both = uint32_t(xr[k]) | (k + 1 < K ? uint32_t(xr[k + 1]) << 16 : 0u);
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(int(both));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, w1);
+      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], xv, w2);
+      acc[r][3] = _mm512_dpbf16_ps(acc[r][3], xv, w3);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    float row[NB];
+    for (int v = 0; v < 4; ++v) _mm512_storeu_ps(row + 16 * v, acc[r][v]);
+    std::memcpy(out + r * N + col0, row, cols * sizeof(float));
+  }
+}
+
+static void run_pairs(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, float* out, int64_t N) {
+  const int64_t blocks = (N + NB - 1) / NB, stride = (K + 1) / 2 * 2 * NB;
+  pool.run(blocks, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint16_t* block = w + b * stride;
+      for (int64_t m = 0; m < M; m += 6) {
+        const uint16_t* xm = x + m * K;
+        float* om = out + m * N;
+        switch (std::min<int64_t>(6, M - m)) {
+          case 6: tile_pairs<6>(xm, K, block, om, N, b * NB); break;
+          case 5: tile_pairs<5>(xm, K, block, om, N, b * NB); break;
+          case 4: tile_pairs<4>(xm, K, block, om, N, b * NB); break;
+          case 3: tile_pairs<3>(xm, K, block, om, N, b * NB); break;
+          case 2: tile_pairs<2>(xm, K, block, om, N, b * NB); break;
+          default: tile_pairs<1>(xm, K, block, om, N, b * NB); break;
+        }
+      }
+    }
+  });
+}
+#else
+constexpr bool BF16_PAIRS = false;
+
+static void run_pairs(const uint16_t*, int64_t, int64_t, const uint16_t*, float*, int64_t) {
+  TORCH_CHECK(false, "this build has no bf16 dot products");
+}
+#endif
+
+bool bf16_pairs() { return BF16_PAIRS; }
+
 template <typename W>
 static void run(const float* x, int64_t M, int64_t K, const W* w, float* out, int64_t N) {
   const int64_t blocks = (N + NB - 1) / NB;
@@ -255,12 +321,16 @@ static void run(const float* x, int64_t M, int64_t K, const W* w, float* out, in
   });
 }
 
-// x [M, K] float32, packed [blocks, K, NB] (float32, or bfloat16 bits as int16)
+// x [M, K] float32, packed [blocks, K, NB] (float32, or bfloat16 bits as int16); or x [M, K] bfloat16 and packed
+// [blocks, ceil(K / 2), NB, 2] bfloat16 bits as int16 (the pairs of a build with bf16 dot products)
 torch::Tensor rows_gemm(torch::Tensor x, torch::Tensor packed, int64_t n) {
   const int64_t M = x.size(0), K = x.size(1);
-  auto out = torch::empty({M, n}, x.options());
+  auto out = torch::empty({M, n}, x.options().dtype(torch::kFloat32));
   pybind11::gil_scoped_release free_python;  // a server's other threads run meanwhile (no Python object is touched)
-  if (packed.scalar_type() == torch::kFloat32)
+  if (packed.dim() == 4)
+    run_pairs(reinterpret_cast<const uint16_t*>(x.data_ptr()), M, K,
+              reinterpret_cast<const uint16_t*>(packed.data_ptr()), out.data_ptr<float>(), n);
+  else if (packed.scalar_type() == torch::kFloat32)
     run<float>(x.data_ptr<float>(), M, K, packed.data_ptr<float>(), out.data_ptr<float>(), n);
   else
     run<uint16_t>(x.data_ptr<float>(), M, K, reinterpret_cast<uint16_t*>(packed.data_ptr()),
@@ -342,15 +412,27 @@ class Packed:
 
 
 def pack(weight: torch.Tensor) -> Packed:
-    """Lay a CPU weight [N, K] out for `gemm`: bfloat16 stays 16-bit, every other dtype becomes float32."""
+    """Lay a CPU weight [N, K] out for `gemm`: bfloat16 stays 16-bit (in pairs of k where the build has bf16 dot
+    products, `pairs`), every other dtype becomes float32. Call `available` first."""
     n, k = weight.shape
     w = weight.detach()
     w = w if w.dtype == torch.bfloat16 else w.float()
     pad = -n % COLUMNS
     if pad:
         w = torch.cat([w, w.new_zeros(pad, k)])
+    if w.dtype == torch.bfloat16 and pairs():
+        w = torch.cat([w, w.new_zeros(w.shape[0], 1)], dim=1) if k % 2 else w  # an odd K's last pair: a zero weight
+        blocks = w.view(-1, COLUMNS, w.shape[1] // 2, 2).transpose(1, 2).contiguous()
+        return Packed(blocks.view(torch.int16), n)
     blocks = w.view(-1, COLUMNS, k).transpose(1, 2).contiguous()
     return Packed(blocks.view(torch.int16) if blocks.dtype == torch.bfloat16 else blocks, n)
+
+
+def pairs() -> bool:
+    """Whether this machine's build multiplies bfloat16 weights with the CPU's bf16 dot products (AVX512-BF16): then
+    `gemm` takes bfloat16 rows for them, and each output is a chain over pairs of k (each pair's two products added
+    by the instruction) instead of one over k. Call `available` first."""
+    return _module is not None and _module.bf16_pairs()
 
 
 def available(build_dir: str | os.PathLike | None = None) -> bool:
@@ -359,8 +441,11 @@ def available(build_dir: str | os.PathLike | None = None) -> bool:
 
 
 def gemm(x: torch.Tensor, packed: Packed) -> torch.Tensor:
-    """x [M, K] (float32, contiguous, on the CPU) times the packed weight: [M, N] float32. Call `available` first."""
-    return _module.rows_gemm(x, packed.blocks, packed.out_features)
+    """x [M, K] (contiguous, on the CPU) times the packed weight: [M, N] float32. x is float32, or bfloat16 for a
+    bfloat16 weight packed in pairs (`pairs`); rows of another dtype are converted (to bfloat16 for pairs, so give a
+    bfloat16 model's rows: float32 ones would be rounded). Call `available` first."""
+    dtype = torch.bfloat16 if packed.blocks.dim() == 4 else torch.float32
+    return _module.rows_gemm(x.to(dtype).contiguous(), packed.blocks, packed.out_features)
 
 
 STALE_LOCK_S = 600  # a build holds torch's lock file for about a minute; one this old was left by a killed process
@@ -421,6 +506,11 @@ def bf16_dot_products(cpuinfo: str | None = None) -> str | None:
     return next((flag for flag in BF16_DOT_FLAGS if flag in flags), None)
 
 
+def build_name() -> str:
+    """The build's name: this kind of CPU and the source's version (steps' measured costs are kept per build)."""
+    return f"lookahead_rows_gemm_{cpu_tag()}_{hashlib.sha256(_SOURCE.encode()).hexdigest()[:8]}"
+
+
 def _load(build_dir):
     global _module, _failed
     if _module is not None or _failed is not None:
@@ -432,8 +522,7 @@ def _load(build_dir):
 
                 # one build, in its own folder, per kind of CPU and version of the source: installs of two versions
                 # sharing a cache folder would otherwise rebuild it over each other at every load
-                source = hashlib.sha256(_SOURCE.encode()).hexdigest()[:8]
-                name = f"lookahead_rows_gemm_{cpu_tag()}_{source}"
+                name = build_name()
                 folder = None
                 if build_dir is not None:
                     folder = Path(build_dir) / name
@@ -444,7 +533,8 @@ def _load(build_dir):
                               "(once; about a minute)", file=sys.stderr, flush=True)
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    _module = load_inline(name, cpp_sources=_SOURCE, functions=["rows_gemm", "chain_attention"],
+                    _module = load_inline(name, cpp_sources=_SOURCE,
+                                          functions=["rows_gemm", "chain_attention", "bf16_pairs"],
                                           extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
                                           extra_ldflags=["-fopenmp"],
                                           build_directory=None if folder is None else str(folder), verbose=False)

@@ -2,7 +2,8 @@
 rows come with it, and in float32.
 
 On the CPU: `lookahead.kernels.cpu_gemm`, the package's own kernel, compiled once per machine into the cache folder
-(each output a fused multiply-add chain over K in order; bfloat16 weights read as 16 bits). Where it cannot be built,
+(each output a fused multiply-add chain over K in order; bfloat16 weights read as 16 bits, and multiplied by the CPU's
+bf16 dot products where it has them: `cpu_gemm.pairs`). Where it cannot be built,
 and on other devices: `lookahead.kernels.invariant_linear`, torch's GEMMs through row counts verified to compute every
 row alike, in float32 from float32 copies of 16-bit weights (a 16-bit output hides most differences of reduction
 order, so that check can only be trusted on float32 outputs). Either way a 16-bit model's GEMMs accumulate in float32
@@ -36,13 +37,14 @@ class InvariantLinears:
         (each output column its own chain over K, so each output is bitwise what the module alone gives, in one call
         instead of several); torch's GEMMs choose their reduction by shape, so elsewhere each runs alone."""
         shape = x.shape
-        rows = x.reshape(-1, shape[-1]).float().contiguous()
-        if x.device.type == "cpu" and self.cpu_gemm():
+        rows = x.reshape(-1, shape[-1])
+        if x.device.type == "cpu" and self.cpu_gemm():  # the rows in their dtype: bf16 dot products take bf16 ones
             weights = tuple(m.weight for m in modules)
             outs = [cpu_gemm.gemm(rows, self._copy(weights, "packed", lambda ws: cpu_gemm.pack(torch.cat(ws))))]
             if len(modules) > 1:
                 outs = outs[0].split([m.out_features for m in modules], dim=1)
         else:
+            rows = rows.float().contiguous()
             outs = [invariant_linear(rows, self._copy((m.weight,), "float32", lambda ws: ws[0].float()))
                     for m in modules]
         return [(out if m.bias is None else out + m.bias.float()).to(x.dtype).reshape(*shape[:-1], out.shape[-1])

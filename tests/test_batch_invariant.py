@@ -434,8 +434,9 @@ def test_the_cpu_kernels_compute_what_torch_computes(dtype):
 
     assert cpu_gemm.available()
     torch.manual_seed(4)
-    weight, x = torch.randn(100, 70).to(dtype), torch.randn(9, 70)
-    torch.testing.assert_close(cpu_gemm.gemm(x, cpu_gemm.pack(weight)), x @ weight.float().T, rtol=1e-5, atol=1e-4)
+    weight, x = torch.randn(100, 70).to(dtype), torch.randn(9, 70).to(dtype)  # a model's rows are in its dtype
+    torch.testing.assert_close(cpu_gemm.gemm(x, cpu_gemm.pack(weight)), x.float() @ weight.float().T, rtol=1e-5,
+                               atol=1e-4)
     heads, kv_heads, dim, n = 4, 2, 16, 37
     k, v = torch.randn(kv_heads, n + 5, dim).to(dtype), torch.randn(kv_heads, n + 5, dim).to(dtype)
     q = torch.randn(n, heads, dim)
@@ -446,6 +447,31 @@ def test_the_cpu_kernels_compute_what_torch_computes(dtype):
                                                             attn_mask=mask, enable_gqa=True).transpose(0, 1)
     torch.testing.assert_close(out, sdpa, rtol=1e-5, atol=1e-5)
     assert torch.equal(cpu_gemm.attention(q[20:21], k, v, slots[20:21], counts[20:21]), out[20:21])
+
+
+def test_bf16_dot_products_compute_each_output_as_a_chain_over_pairs_of_k():
+    """Where the CPU has bf16 dot products the build uses them (AVX512-BF16's vdpbf16ps), and a bfloat16 GEMM's output
+    is exactly the chain the kernel documents: over pairs of k in order, from zero, the odd k's product added before
+    the even one's, each addition rounded (the products of two bfloat16 are exact in float32). Emulated in torch,
+    bitwise, for an odd K (its last pair padded with zeros) and every row count a tile takes."""
+    from lookahead.kernels import cpu_gemm
+
+    assert cpu_gemm.available()
+    assert cpu_gemm.pairs() == (cpu_gemm.bf16_dot_products() in ("amx_bf16", "avx512_bf16"))
+    if not cpu_gemm.pairs():
+        pytest.skip("this CPU has no AVX512-BF16: its bfloat16 GEMM widens to float32 (the test above covers it)")
+    torch.manual_seed(6)
+    k = 71
+    weight, x = torch.randn(130, k).to(torch.bfloat16), torch.randn(13, k).to(torch.bfloat16)
+    out = cpu_gemm.gemm(x, cpu_gemm.pack(weight))
+    xs, ws = torch.nn.functional.pad(x.float(), (0, 1)), torch.nn.functional.pad(weight.float(), (0, 1))
+    chain = torch.zeros(13, 130)
+    for even in range(0, k + 1, 2):
+        chain = chain + xs[:, even + 1, None] * ws[None, :, even + 1]
+        chain = chain + xs[:, even, None] * ws[None, :, even]
+    assert torch.equal(out, chain)
+    for rows in range(1, 8):  # one row to a tile and more: the same bits
+        assert torch.equal(cpu_gemm.gemm(x[:rows], cpu_gemm.pack(weight)), out[:rows])
 
 
 def _kernel_outputs(x, packed, q, k, v, slots, counts) -> tuple[torch.Tensor, torch.Tensor]:

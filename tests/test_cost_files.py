@@ -29,7 +29,11 @@ PROMPT = [5, 6, 7, 5, 6, 7, 5, 6]
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
-    """A fresh cache root for the test (LOOKAHEAD_CACHE_DIR), and warnings said afresh."""
+    """A fresh cache root for the test (LOOKAHEAD_CACHE_DIR), and warnings said afresh. The CPU kernels' build is
+    loaded first, from the suite's cache: one that fails in a damaged root would stay failed for the process."""
+    from lookahead.kernels import cpu_gemm
+
+    cpu_gemm.available(Path(CACHE_ROOT) / "kernels")
     root = tmp_path / "cache"
     monkeypatch.setenv("LOOKAHEAD_CACHE_DIR", str(root))
     monkeypatch.setattr(store, "_WARNED", set(), raising=False)
@@ -293,6 +297,21 @@ def test_both_adapters_go_through_the_shared_measurement(tiny_checkpoint, cache,
     common = {"device", "dtype", "backend", "threads", "interpreted", "model", "versions"}
     assert all(common <= set(key) for key in keys)
     assert keys[0]["versions"][:3] == keys[1]["versions"][:3]  # torch, triton, lookahead: read one way
+
+
+def test_a_cost_file_belongs_to_the_build_of_the_cpu_kernels_that_ran(tiny_checkpoint, cache, monkeypatch):
+    """Costs measured on one version of the compiled CPU kernels are not another's (a faster GEMM makes larger steps
+    pay): the key names the build where the batch-invariant mode runs on it, and nothing where the mode is off."""
+    from lookahead.kernels import cpu_gemm
+
+    model = Llama.from_pretrained(tiny_checkpoint())
+    model.generate(PROMPT, max_new_tokens=4, lookahead=LookaheadConfig())
+    assert model.batch_invariant and model.cost_model.key["kernels"] == cpu_gemm.build_name()
+    monkeypatch.setattr(cpu_gemm, "_SOURCE", cpu_gemm._SOURCE + "// another version\n")
+    assert cpu_gemm.build_name() != model.cost_model.key["kernels"]
+    off = Llama.from_pretrained(tiny_checkpoint(), batch_invariant=False)
+    off.generate(PROMPT, max_new_tokens=4, lookahead=LookaheadConfig())
+    assert off.cost_model.key["kernels"] is None
 
 
 # ---- item 18: the suite's cost files stay out of the user's cache -------------------------------------------------

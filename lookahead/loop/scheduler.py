@@ -1,9 +1,10 @@
 """`Scheduler`: what the engine's next step runs. It keeps the waiting requests and the live rows, admits waiting
 requests first come, first served while there are free rows and the model has room for them, and plans every live
 row's part of one packed step: prompt chunks within the step's prefill allowance (beside decoding rows, as many prompt
-tokens as keep the step within about twice their own cost by the cost model, `MIN_CHUNK` at least), then the decoding
-rows, each self-tuned lookahead row sized by the budget of its own kind (one per sampled or greedy, static or not).
-After the step, `record` tells the budgets what it did. It runs nothing and sends nothing: the engine does.
+tokens as keep the step within about twice their own cost by the cost model, `MIN_CHUNK` at least, and enough to
+prefill the prompts in about `PREFILL_STEPS` steps), then the decoding rows, each self-tuned lookahead row sized by
+the budget of its own kind (one per sampled or greedy, static or not). After the step, `record` tells the budgets what
+it did. It runs nothing and sends nothing: the engine does.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ from .jobs import Job
 from .rows import RowModel, RowStep
 
 MIN_CHUNK = 16  # prompt tokens a step carries at least for a prefilling row, however busy the step
+# a prompt beside decoding rows is prefilled in about this many steps at most, however cheap their steps: the cost
+# rule alone cut a 420-token prompt beside 4 lookahead rows into 16-token chunks, a 2 s wait on a 2-core CPU (vLLM
+# and SGLang give a step a prefill budget of 2048 tokens or more, so a prompt waits about one step)
+PREFILL_STEPS = 4
 
 
 class Scheduler:
@@ -71,7 +76,9 @@ class Scheduler:
         lookahead = [job for job in decoding if job.loop is not None]
         allowance = None
         if len(decoding) < len(self.active):  # a row prefills: its chunk's allowance (costed: not worth it otherwise)
-            allowance = self._prefill_allowance(len(plain) + sum(1 + len(job.loop.window.levels) for job in lookahead))
+            prompts = sum(len(job.prompt) for job in self.active if job.prefilling)
+            allowance = self._prefill_allowance(len(plain) + sum(1 + len(job.loop.window.levels) for job in lookahead),
+                                                prompts)
         jobs, steps = [], []
         for job in self.active:
             if not job.prefilling or (allowance is not None and allowance <= 0 and (steps or decoding)):
@@ -122,20 +129,22 @@ class Scheduler:
             self.budgets[key] = step_budget(job.loop, self.cost, job.seed is not None, self.model, self.clock)
         return self.budgets[key]
 
-    def _prefill_allowance(self, decoding_tokens: int) -> int | None:
-        """Prompt tokens the next step may carry (None: no limit): the model's chunk alone; beside decoding rows as
-        many as keep the step within about twice their own cost (`MIN_CHUNK` at least), never past the chunk."""
+    def _prefill_allowance(self, decoding_tokens: int, prompts: int) -> int | None:
+        """Prompt tokens the next step may carry (None: no limit) for prefilling rows whose prompts hold `prompts`
+        tokens: the model's chunk alone; beside decoding rows as many as keep the step within about twice their own
+        cost (`MIN_CHUNK` at least), or `prompts` over `PREFILL_STEPS` where that is more, never past the chunk."""
         chunk = self.model.prefill_chunk
         if decoding_tokens == 0 or chunk is None:
             return chunk
+        spread = -(-prompts // PREFILL_STEPS)
         if self.cost is None or not self.cost.curves:
-            return min(chunk, max(MIN_CHUNK, 4 * decoding_tokens))
+            return min(chunk, max(MIN_CHUNK, 4 * decoding_tokens, spread))
         kind = next(iter(self.cost.curves))
         limit = 2 * self.cost.predict(decoding_tokens, 0, kind)
         size = min(chunk, MIN_CHUNK)
         while size * 2 <= chunk and self.cost.predict(decoding_tokens + size * 2, 0, kind) <= limit:
             size *= 2
-        return size
+        return min(chunk, max(size, spread))
 
     def record(self, steps: Sequence[RowStep], seconds: float, accepted: dict[Job, int]) -> None:
         """What the planned step did: its time and each sized row's accepted nodes, for the budgets that sized it."""
