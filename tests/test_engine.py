@@ -370,3 +370,40 @@ def test_tiny_llama_rows_joining_a_running_batch_equal_each_alone(tiny_checkpoin
                                       top_k=sampling.top_k, top_p=sampling.top_p, seed=seed, eos_token_id=[])
         assert handle.result().tokens == expected.tokens
     assert not runner.rows and runner.blocks.held == 0
+
+
+class LinearCost(CostModel):
+    """Steps cost in proportion to their tokens, as on a CPU (a fixed 20 ms and 1 ms a token), and learn nothing."""
+
+    def __init__(self) -> None:
+        super().__init__({"greedy": Curve([1], [1.0], [0.0])})
+
+    def predict(self, tokens: int, length: int, kind: str = "greedy") -> float:
+        return 0.02 + 0.001 * tokens
+
+    def observe(self, tokens: int, length: int, seconds: float, kind: str = "greedy") -> None:
+        pass
+
+
+@pytest.mark.parametrize("lookahead", [None, LookaheadConfig(1, 4, 5, warm=False)], ids=["plain", "lookahead"])
+def test_a_long_prompt_beside_decoding_rows_is_prefilled_in_a_few_steps(lookahead):
+    """A prompt arriving while rows decode waits about `PREFILL_STEPS` steps for its first token, however cheap the
+    decoding rows' steps: where steps cost in proportion to their tokens, keeping the step within twice the decoding
+    rows' cost alone gave a 400-token prompt 16-token chunks, 25 steps of waiting (2 s on a 2-core CPU)."""
+    from lookahead.loop.scheduler import PREFILL_STEPS
+
+    model = MockRowModel(VOCAB, logits_fn, prefill_chunk=512)
+    engine = Engine(model, cost=LinearCost())
+    engine.submit(one([1, 2, 3], 60, lookahead=lookahead))
+    for _ in range(3):
+        engine.step()
+    steps_before, deltas = len(model.step_tokens), []
+    prompt = [(7 * i) % (VOCAB - 1) + 1 for i in range(400)]
+    engine.submit(one(prompt, 4, lookahead=lookahead),
+                  sink=lambda delta: deltas.append((len(model.step_tokens), delta)))
+    while engine.step():
+        pass
+    first = next(at for at, delta in deltas if delta.tokens)
+    assert first - steps_before <= PREFILL_STEPS
+    assert deltas[-1][1].result.tokens == alone({"prompt": prompt, "max_new_tokens": 4, "sampling": SamplingParams(),
+                                                 "lookahead": lookahead, "stop": []}).tokens
