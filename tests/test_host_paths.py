@@ -24,6 +24,7 @@ from lookahead.drafts.builder import (
     NO_RECYCLE,
     SUFFIX_LIMIT,
     SUFFIX_REACH,
+    _compiled,
     stronger,
 )
 from lookahead.drafts.edges import pool_state, suffix_state
@@ -388,43 +389,68 @@ def _insert(trie: dict, path: Sequence[int], slot: int, first_state: int, later_
         level = entry[0]
 
 
-def random_builder_inputs(rng: random.Random):
-    vocab = rng.choice([6, 30, 200])
-    sequence = [rng.randrange(vocab) for _ in range(rng.randint(1, 200))]
+class Ids:
+    """Random token ids: 0..vocab-1, or (wide) shifted to straddle 2**21 - 2, the largest id whose recycled-table keys
+    the compiled loop packs in 64 bits (past it, it makes them with Python's arithmetic)."""
+
+    def __init__(self, rng: random.Random, wide: bool) -> None:
+        self.rng, self.vocab, self.base = rng, rng.choice([6, 30, 200]), 2**21 - 4 if wide else 0
+
+    def token(self) -> int:
+        return self.base + self.rng.randrange(self.vocab)
+
+    def tokens(self, n: int) -> list[int]:
+        return [self.token() for _ in range(n)]
+
+    def context(self, n: int) -> list[int]:
+        """n tokens before a row's token in its context (-1: none)."""
+        return [-1 if t < 0 else self.base + t for t in (self.rng.randrange(-1, self.vocab) for _ in range(n))]
+
+    def distinct(self, k: int) -> list[int]:
+        return [self.base + t for t in self.rng.sample(range(self.vocab), min(k, self.vocab))]
+
+
+def random_builder_inputs(rng: random.Random, ids: Ids):
+    sequence = ids.tokens(rng.randint(1, 200))
     memory = None
     if rng.random() < 0.6:
         memory = DraftMemory()
         for _ in range(rng.randint(1, 3)):
-            text = [rng.randrange(vocab) for _ in range(rng.randint(5, 150))]
+            text = ids.tokens(rng.randint(5, 150))
             tables, pool = RecycleTables(), NGramPool(4, 5)
             pool.add_sequence(text)
             rows = rng.randint(1, 40)
-            tables.update([rng.randrange(-1, vocab) for _ in range(rows)],
-                          [rng.randrange(-1, vocab) for _ in range(rows)], [rng.randrange(vocab) for _ in range(rows)],
-                          [[rng.randrange(vocab) for _ in range(8)] for _ in range(rows)])
+            # (the memory's rows may repeat a token: siblings then tie on probability and token)
+            tables.update(ids.context(rows), ids.context(rows), ids.tokens(rows), [ids.tokens(8) for _ in range(rows)])
             memory.add(text, tables, pool)
-    return vocab, sequence, memory
+    return sequence, memory
 
 
+@pytest.mark.parametrize("wide", [False, True], ids=["ids", "wide-ids"])
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
 @pytest.mark.parametrize("seed", range(30))
-def test_the_draft_tree_grows_as_it_did(seed):
+def test_the_draft_tree_grows_as_it_did(seed, compiled, wide):
+    """The growth (the compiled loop, and the Python loop it replaces where it cannot be built) against the reference:
+    the same nodes, parents and scores, bit for bit."""
+    if compiled:
+        assert _compiled() is not None, "the compiled drafting loop did not build"
     rng = random.Random(seed)
-    vocab, sequence, memory = random_builder_inputs(rng)
+    ids = Ids(rng, wide)
+    sequence, memory = random_builder_inputs(rng, ids)
     flags = dict(pool=rng.random() < 0.8, suffix=rng.random() < 0.8, recycle=rng.random() < 0.8)
     new = DraftBuilder(sequence, **flags, pool_limit=5, memory=memory)
+    new.compiled = compiled
     old = OldDraftBuilder(sequence, **flags, pool_limit=5, memory=memory)
     pool = NGramPool(4, 5)
     pool.add_sequence(sequence)
     for _ in range(15):
         rows = rng.randint(1, 30)
-        update = ([rng.randrange(-1, vocab) for _ in range(rows)], [rng.randrange(-1, vocab) for _ in range(rows)],
-                  [rng.randrange(vocab) for _ in range(rows)],
-                  [rng.sample(range(vocab), min(8, vocab)) for _ in range(rows)])
+        update = (ids.context(rows), ids.context(rows), ids.tokens(rows), [ids.distinct(8) for _ in range(rows)])
         for builder in (new, old):
             builder.recycle.update(*update)
         budget = rng.choice([0, 1, 5, 15, 120])
         assert new.grow(sequence, pool, budget) == old.grow(sequence, pool, budget)
-        step = [rng.randrange(vocab) for _ in range(rng.randint(1, 4))]
+        step = ids.tokens(rng.randint(1, 4))
         sequence += step
         new.extend(step)
         old.extend(step)

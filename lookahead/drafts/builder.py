@@ -23,7 +23,19 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-from .edges import EDGE_PROBABILITY, MATCH_BANDS, NO_RECYCLE, pool_state, recycle_state, stronger, suffix_state
+from . import native
+from .edges import (
+    _S,
+    EDGE_PROBABILITY,
+    MATCH_BANDS,
+    NO_RECYCLE,
+    POOL_WEIGHTS,
+    SUFFIX_WEIGHTS,
+    pool_state,
+    recycle_state,
+    stronger,
+    suffix_state,
+)
 from .memory import DraftMemory
 from .pool import NGramPool
 from .recycle import RecycleTables
@@ -38,6 +50,8 @@ SUFFIX_LIMIT = 4  # continuations taken from the suffix index per step
 
 class DraftBuilder:
     """The tree form's draft policy: the draft sources of one generation, and the best-first tree builder."""
+
+    compiled = True  # grow with the compiled loop where it builds (`native`); False: the Python loop (tests)
 
     def __init__(self, sequence: Sequence[int], pool: bool = True, suffix: bool = True, recycle: bool = True,
                  pool_limit: int = 0, memory: DraftMemory | None = None) -> None:
@@ -88,6 +102,16 @@ class DraftBuilder:
         return self._grow(second, previous, sequence[-1], proposals, budget)
 
     def _grow(self, second: int, previous: int, root_token: int, proposals: list, budget: int) -> BestFirst:
+        """Best-first growth (`_grow_python`), by the compiled loop where it builds: the same nodes, bit for bit."""
+        module = _compiled() if self.compiled else None
+        if module is None:
+            return self._grow_python(second, previous, root_token, proposals, budget)
+        recycle, memory = self.recycle, self.memory
+        own = (recycle.triples, recycle.pairs, recycle.single) if self.use_recycle else None
+        held = None if memory is None else (memory.recycle.triples, memory.recycle.pairs, memory.recycle.single)
+        return BestFirst(*module.grow(second, previous, root_token, proposals, budget, own, held))
+
+    def _grow_python(self, second: int, previous: int, root_token: int, proposals: list, budget: int) -> BestFirst:
         """Best-first growth. Children of a node are sorted by edge probability, so a child is offered only
         when its elder sibling is taken: two heap pushes per node instead of one per candidate. The proposals'
         trie is unfolded one level at a time, under the nodes taken (`_expand`): a suffix continuation may run to
@@ -173,6 +197,19 @@ _RANKED = [[recycle_state(context, rank, memory) for rank in range(RECYCLE_K)] f
 _RANKED_PROBABILITY = [[EDGE_PROBABILITY[state] for state in states] for states in _RANKED]
 _MISSING = [recycle_state(context, None, memory) for context, memory in _KINDS]
 _NONE = [None] * RECYCLE_K
+
+
+_configured = False
+
+
+def _compiled():
+    """The compiled loop with this module's edge tables (None where it does not build)."""
+    global _configured
+    module = native.load()
+    if module is not None and not _configured:
+        module.configure(EDGE_PROBABILITY, _RANKED, _MISSING, NO_RECYCLE, SUFFIX_WEIGHTS, POOL_WEIGHTS, _S)
+        _configured = True
+    return module
 
 
 def _expand(cursors: list) -> dict:

@@ -1,0 +1,448 @@
+"""The drafting hot loop compiled: the best-first growth of `DraftBuilder._grow` over the proposals and the recycled
+tables, in C++ through the Python C API (the tables stay the dicts they are; the loop reads them in place).
+
+The loop runs for every node of every lookahead row's draft every step, the largest part of the engine's host time
+(bench/host_time.py); in Python a node costs a dozen dict and list operations and a heap push of a tuple. `grow` does
+exactly what `DraftBuilder._grow_python` does, node for node and bit for bit (the same float products in the same
+order, the same heap order, the same stable sort of siblings), so the drafts, and the steps, are the same;
+tests/test_host_paths.py holds the two to each other and to the older reference.
+
+The source is compiled at first use by torch's C++ extension loader (a C++ compiler and ninja) into its default
+build folder, one build per kind of CPU and version of the source (as `lookahead.kernels.cpu_gemm`'s); where that
+fails `load` returns None (with one warning) and the builder runs the Python loop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import threading
+import warnings
+from pathlib import Path
+
+_SOURCE = r"""
+#include <Python.h>
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int K = 8;  // ranks tabulated (RECYCLE_K)
+constexpr int BITS = 21;  // RecycleTables' key packing
+constexpr long long KEY_MAX = (1LL << BITS) - 2;  // the largest token id a packed key holds in 64 bits
+
+// the edge model, set once by configure()
+std::vector<double> edge;  // EDGE_PROBABILITY, by state code
+long long ranked[4][K];  // _RANKED: the state code of rank r in a recycled list of each kind
+double ranked_p[4][K];  // their probabilities
+long long missing_code[4];  // _MISSING
+long long no_recycle = 0;
+std::vector<double> suffix_w, pool_w;  // SUFFIX_WEIGHTS, POOL_WEIGHTS
+long long per_suffix = 1;  // _S
+bool configured = false;
+
+struct Cursor { int path; int i; };  // a proposed path at its token i
+struct Proposal { std::vector<long long> tokens; int slot; long long first, later; };
+struct Entry { long long token; int below; long long state[3]; };  // state[1]: suffix, state[2]: pool
+struct Child { double p; long long token; int below; };  // below: a cursor list, -1: none
+struct Item {  // a heap entry: the sibling i of a list under `parent`
+  double neg; long long order; int parent; long long parent_token, grand_token; double parent_score; int siblings;
+  int i;
+};
+struct Later {  // the heap's order: the smallest (neg, order) on top, as Python's tuples compare
+  bool operator()(const Item& a, const Item& b) const {
+    return a.neg > b.neg || (a.neg == b.neg && a.order > b.order);
+  }
+};
+
+struct Tables { PyObject* triples; PyObject* pairs; PyObject* single; };
+
+// A recycled list's first K tokens into out, its length (for its truth) into size; false on a Python error.
+bool read_list(PyObject* seq, long long* out, int* taken, Py_ssize_t* size) {
+  PyObject* fast = PySequence_Fast(seq, "a recycled list must be a sequence");
+  if (fast == nullptr) return false;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+  PyObject** items = PySequence_Fast_ITEMS(fast);
+  int m = static_cast<int>(std::min<Py_ssize_t>(n, K));
+  for (int r = 0; r < m; ++r) {
+    out[r] = PyLong_AsLongLong(items[r]);
+    if (out[r] == -1 && PyErr_Occurred()) { Py_DECREF(fast); return false; }
+  }
+  Py_DECREF(fast);
+  *taken = m;
+  *size = n;
+  return true;
+}
+
+// (hi + 1) << shift | low, as a Python int (RecycleTables' keys; Python arithmetic past 64 bits)
+PyObject* packed(long long hi, int shift, PyObject* low) {
+  PyObject* a = PyLong_FromLongLong(hi + 1);
+  if (a == nullptr) return nullptr;
+  PyObject* s = PyLong_FromLong(shift);
+  PyObject* b = s == nullptr ? nullptr : PyNumber_Lshift(a, s);
+  Py_DECREF(a);
+  Py_XDECREF(s);
+  if (b == nullptr) return nullptr;
+  PyObject* c = PyNumber_Or(b, low);
+  Py_DECREF(b);
+  return c;
+}
+
+// RecycleTables.lookup: the context list (triple, else pair) into *found, else the token's list into *single (either
+// may stay null: not there). Borrowed references. False on a Python error.
+bool lookup(const Tables& t, long long second, long long previous, long long token, PyObject** found,
+            PyObject** single) {
+  *found = *single = nullptr;
+  PyObject *pair, *triple;
+  if (second >= -1 && second <= KEY_MAX && previous >= -1 && previous <= KEY_MAX && token >= -1 && token <= KEY_MAX) {
+    long long p = ((previous + 1) << BITS) | (token + 1);
+    pair = PyLong_FromLongLong(p);
+    triple = PyLong_FromLongLong(((second + 1) << (2 * BITS)) | p);
+  } else {
+    PyObject* low = PyLong_FromLongLong(token + 1);
+    pair = low == nullptr ? nullptr : packed(previous, BITS, low);
+    Py_XDECREF(low);
+    triple = pair == nullptr ? nullptr : packed(second, 2 * BITS, pair);
+  }
+  if (pair == nullptr || triple == nullptr) { Py_XDECREF(pair); Py_XDECREF(triple); return false; }
+  *found = PyDict_GetItemWithError(t.triples, triple);
+  Py_DECREF(triple);
+  if (*found == nullptr && !PyErr_Occurred()) *found = PyDict_GetItemWithError(t.pairs, pair);
+  Py_DECREF(pair);
+  if (PyErr_Occurred()) return false;
+  if (*found != nullptr) return true;
+  PyObject* key = PyLong_FromLongLong(token);
+  if (key == nullptr) return false;
+  *single = PyDict_GetItemWithError(t.single, key);
+  Py_DECREF(key);
+  return !PyErr_Occurred();
+}
+
+class Grower {
+ public:
+  Grower(const Tables* own, const Tables* memory) : own_(own), memory_(memory) {}
+
+  std::vector<Proposal> proposals;
+  std::vector<std::vector<Cursor>> lists;  // cursor lists: what a node's children are proposed from
+  std::vector<std::vector<Child>> siblings;
+
+  // DraftBuilder._recycled: the list under token and its kind; false on a Python error
+  bool recycled(long long second, long long previous, long long token, long long* listed, int* taken,
+                Py_ssize_t* size, int* kind) {
+    *taken = 0; *size = 0; *kind = 1;
+    if (own_ == nullptr) return true;  // no recycling: ((), 1)
+    PyObject *found, *single;
+    if (!lookup(*own_, second, previous, token, &found, &single)) return false;
+    if (found != nullptr) { *kind = 0; return read_list(found, listed, taken, size); }
+    if (single != nullptr && !read_list(single, listed, taken, size)) return false;
+    if (*size > 0 || memory_ == nullptr) { *kind = 1; return true; }
+    if (!lookup(*memory_, second, previous, token, &found, &single)) return false;
+    if (found != nullptr) { *kind = 2; return read_list(found, listed, taken, size); }
+    *kind = 3;
+    return single == nullptr || read_list(single, listed, taken, size);
+  }
+
+  // _expand: one level of the proposal trie under the cursors
+  void expand(const std::vector<Cursor>& cursors, std::vector<Entry>* level) {
+    for (const Cursor& c : cursors) {
+      const Proposal& path = proposals[c.path];
+      long long token = path.tokens[c.i], state = c.i == 0 ? path.first : path.later;
+      Entry* entry = nullptr;
+      for (Entry& e : *level) if (e.token == token) { entry = &e; break; }
+      if (entry == nullptr) {
+        level->push_back(Entry{token, -1, {0, 0, 0}});
+        entry = &level->back();
+        entry->state[path.slot] = state;
+      } else if (stronger(path.slot, state, entry->state[path.slot])) {
+        entry->state[path.slot] = state;
+      }
+      if (c.i + 1 < static_cast<int>(path.tokens.size())) {
+        if (entry->below < 0) { entry->below = static_cast<int>(lists.size()); lists.emplace_back(); }
+        lists[entry->below].push_back(Cursor{c.path, c.i + 1});
+      }
+    }
+  }
+
+  // DraftBuilder._children: the children offered under token, best first, as a new sibling list (its index); -1 on
+  // a Python error
+  int children(long long second, long long previous, long long token, int below) {
+    long long listed[K];
+    int taken;
+    Py_ssize_t size;
+    int kind;
+    if (!recycled(second, previous, token, listed, &taken, &size, &kind)) return -1;
+    std::vector<Child> out;
+    std::vector<Entry> level;
+    if (below >= 0) {
+      std::vector<Cursor> cursors = lists[below];  // (a copy: expand grows `lists`)
+      expand(cursors, &level);
+    }
+    if (level.empty()) {
+      for (int r = 0; r < taken; ++r) out.push_back(Child{ranked_p[kind][r], listed[r], -1});
+    } else {
+      std::vector<long long> codes;
+      for (int r = 0; r < taken; ++r) {  // dict(zip(listed, ranked)): a repeated token keeps its last rank's code
+        int at = -1;
+        for (int j = 0; j < static_cast<int>(out.size()); ++j) if (out[j].token == listed[r]) { at = j; break; }
+        if (at < 0) { out.push_back(Child{0.0, listed[r], -1}); codes.push_back(ranked[kind][r]); }
+        else codes[at] = ranked[kind][r];
+      }
+      long long missing = size > 0 ? missing_code[kind] : no_recycle;
+      for (const Entry& e : level) {
+        int at = -1;
+        for (int j = 0; j < static_cast<int>(out.size()); ++j) if (out[j].token == e.token) { at = j; break; }
+        if (at < 0) { out.push_back(Child{0.0, e.token, e.below}); codes.push_back(missing + e.state[1] + e.state[2]); }
+        else { out[at].below = e.below; codes[at] += e.state[1] + e.state[2]; }
+      }
+      for (size_t j = 0; j < out.size(); ++j) out[j].p = edge.at(static_cast<size_t>(codes[j]));
+    }
+    // out.sort(reverse=True) on (p, token, ...): siblings' tokens are distinct where it matters; a stable sort keeps
+    // equal ones (a repeated recycled token) in order, as Python's does
+    std::stable_sort(out.begin(), out.end(), [](const Child& a, const Child& b) {
+      return a.p > b.p || (a.p == b.p && a.token > b.token);
+    });
+    siblings.push_back(std::move(out));
+    return static_cast<int>(siblings.size()) - 1;
+  }
+
+ private:
+  static bool stronger(int slot, long long state, long long than) {
+    if (slot == 1) return suffix_w.at(state / per_suffix) > suffix_w.at(than / per_suffix);
+    return pool_w.at(state) > pool_w.at(than);
+  }
+
+  const Tables* own_;
+  const Tables* memory_;
+};
+
+bool tables_of(PyObject* obj, Tables* t) {
+  if (!PyTuple_Check(obj) || PyTuple_GET_SIZE(obj) != 3) {
+    PyErr_SetString(PyExc_TypeError, "tables must be (triples, pairs, single) dicts");
+    return false;
+  }
+  t->triples = PyTuple_GET_ITEM(obj, 0);
+  t->pairs = PyTuple_GET_ITEM(obj, 1);
+  t->single = PyTuple_GET_ITEM(obj, 2);
+  if (!PyDict_Check(t->triples) || !PyDict_Check(t->pairs) || !PyDict_Check(t->single)) {
+    PyErr_SetString(PyExc_TypeError, "tables must be (triples, pairs, single) dicts");
+    return false;
+  }
+  return true;
+}
+
+bool doubles(PyObject* seq, std::vector<double>* out) {
+  PyObject* fast = PySequence_Fast(seq, "expected a sequence of floats");
+  if (fast == nullptr) return false;
+  out->clear();
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast); ++i) {
+    out->push_back(PyFloat_AsDouble(PySequence_Fast_GET_ITEM(fast, i)));
+  }
+  Py_DECREF(fast);
+  return !PyErr_Occurred();
+}
+
+bool longs(PyObject* seq, long long* out, Py_ssize_t n) {
+  PyObject* fast = PySequence_Fast(seq, "expected a sequence of ints");
+  if (fast == nullptr) return false;
+  if (PySequence_Fast_GET_SIZE(fast) != n) {
+    Py_DECREF(fast);
+    PyErr_Format(PyExc_ValueError, "expected %zd ints", n);
+    return false;
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) out[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fast, i));
+  Py_DECREF(fast);
+  return !PyErr_Occurred();
+}
+
+// configure(edge_probability, ranked [4][K], missing [4], no_recycle, suffix_weights, pool_weights, per_suffix)
+PyObject* configure(PyObject*, PyObject* args) {
+  PyObject *e, *r, *m, *sw, *pw;
+  if (!PyArg_ParseTuple(args, "OOOLOOL", &e, &r, &m, &no_recycle, &sw, &pw, &per_suffix)) return nullptr;
+  if (!doubles(e, &edge) || !doubles(sw, &suffix_w) || !doubles(pw, &pool_w) || !longs(m, missing_code, 4)) {
+    return nullptr;
+  }
+  PyObject* rows = PySequence_Fast(r, "ranked must be a sequence");
+  if (rows == nullptr) return nullptr;
+  if (PySequence_Fast_GET_SIZE(rows) != 4) {
+    Py_DECREF(rows);
+    PyErr_SetString(PyExc_ValueError, "ranked must have 4 rows");
+    return nullptr;
+  }
+  for (int k = 0; k < 4; ++k) {
+    if (!longs(PySequence_Fast_GET_ITEM(rows, k), ranked[k], K)) { Py_DECREF(rows); return nullptr; }
+    for (int j = 0; j < K; ++j) ranked_p[k][j] = edge.at(static_cast<size_t>(ranked[k][j]));
+  }
+  Py_DECREF(rows);
+  configured = true;
+  Py_RETURN_NONE;
+}
+
+// grow(second, previous, root_token, proposals, budget, own tables or None, memory tables or None)
+//   -> (tokens, parents, scores): DraftBuilder._grow_python's
+PyObject* grow(PyObject*, PyObject* args) {
+  long long second, previous, root_token;
+  Py_ssize_t budget;
+  PyObject *props, *own_obj, *memory_obj;
+  if (!PyArg_ParseTuple(args, "LLLOnOO", &second, &previous, &root_token, &props, &budget, &own_obj, &memory_obj)) {
+    return nullptr;
+  }
+  if (!configured) {
+    PyErr_SetString(PyExc_RuntimeError, "configure() first");
+    return nullptr;
+  }
+  Tables own, memory;
+  if (own_obj != Py_None && !tables_of(own_obj, &own)) return nullptr;
+  if (memory_obj != Py_None && !tables_of(memory_obj, &memory)) return nullptr;
+  Grower g(own_obj == Py_None ? nullptr : &own, memory_obj == Py_None ? nullptr : &memory);
+
+  // the proposals: (path, 0, slot, first state, later state)
+  PyObject* fast = PySequence_Fast(props, "proposals must be a sequence");
+  if (fast == nullptr) return nullptr;
+  std::vector<Cursor> roots;
+  for (Py_ssize_t j = 0; j < PySequence_Fast_GET_SIZE(fast); ++j) {
+    PyObject* item = PySequence_Fast_GET_ITEM(fast, j);
+    PyObject* path;
+    long long start;
+    Proposal p;
+    if (!PyArg_ParseTuple(item, "OLiLL", &path, &start, &p.slot, &p.first, &p.later)) {
+      Py_DECREF(fast);
+      return nullptr;
+    }
+    PyObject* tokens = PySequence_Fast(path, "a proposed path must be a sequence");
+    if (tokens == nullptr) { Py_DECREF(fast); return nullptr; }
+    for (Py_ssize_t t = 0; t < PySequence_Fast_GET_SIZE(tokens); ++t) {
+      p.tokens.push_back(PyLong_AsLongLong(PySequence_Fast_GET_ITEM(tokens, t)));
+    }
+    Py_DECREF(tokens);
+    if (PyErr_Occurred()) { Py_DECREF(fast); return nullptr; }
+    if (p.slot != 1 && p.slot != 2) {
+      Py_DECREF(fast);
+      PyErr_SetString(PyExc_ValueError, "slot must be 1 or 2");
+      return nullptr;
+    }
+    if (start < 0 || start >= static_cast<long long>(p.tokens.size())) {
+      Py_DECREF(fast);
+      PyErr_SetString(PyExc_IndexError, "a proposal's cursor is past its path");
+      return nullptr;
+    }
+    roots.push_back(Cursor{static_cast<int>(g.proposals.size()), static_cast<int>(start)});
+    g.proposals.push_back(std::move(p));
+  }
+  Py_DECREF(fast);
+
+  std::vector<long long> tokens;
+  std::vector<int> parents;
+  std::vector<double> scores;
+  std::vector<Item> heap;
+  int root_below = -1;
+  if (!roots.empty()) { root_below = 0; g.lists.push_back(roots); }
+  int offered = g.children(second, previous, root_token, root_below);
+  if (offered < 0) return nullptr;
+  if (!g.siblings[offered].empty()) {
+    heap.push_back(Item{-g.siblings[offered][0].p, 0, -1, root_token, previous, 1.0, offered, 0});
+  }
+  long long order = 1;
+  while (!heap.empty() && static_cast<Py_ssize_t>(tokens.size()) < budget) {
+    std::pop_heap(heap.begin(), heap.end(), Later());
+    Item it = heap.back();
+    heap.pop_back();
+    const Child child = g.siblings[it.siblings][it.i];
+    int node = static_cast<int>(tokens.size());
+    tokens.push_back(child.token);
+    parents.push_back(it.parent);
+    scores.push_back(-it.neg);
+    if (it.i + 1 < static_cast<int>(g.siblings[it.siblings].size())) {
+      double p = g.siblings[it.siblings][it.i + 1].p;
+      heap.push_back(Item{-it.parent_score * p, order++, it.parent, it.parent_token, it.grand_token, it.parent_score,
+                          it.siblings, it.i + 1});
+      std::push_heap(heap.begin(), heap.end(), Later());
+    }
+    offered = g.children(it.grand_token, it.parent_token, child.token, child.below);
+    if (offered < 0) return nullptr;
+    if (!g.siblings[offered].empty()) {
+      heap.push_back(Item{it.neg * g.siblings[offered][0].p, order++, node, child.token, it.parent_token, -it.neg,
+                          offered, 0});
+      std::push_heap(heap.begin(), heap.end(), Later());
+    }
+  }
+
+  Py_ssize_t n = static_cast<Py_ssize_t>(tokens.size());
+  PyObject* out_tokens = PyList_New(n);
+  PyObject* out_parents = PyList_New(n);
+  PyObject* out_scores = PyList_New(n);
+  if (out_tokens == nullptr || out_parents == nullptr || out_scores == nullptr) goto fail;
+  for (Py_ssize_t j = 0; j < n; ++j) {
+    PyObject* a = PyLong_FromLongLong(tokens[j]);
+    PyObject* b = PyLong_FromLong(parents[j]);
+    PyObject* c = PyFloat_FromDouble(scores[j]);
+    if (a == nullptr || b == nullptr || c == nullptr) { Py_XDECREF(a); Py_XDECREF(b); Py_XDECREF(c); goto fail; }
+    PyList_SET_ITEM(out_tokens, j, a);
+    PyList_SET_ITEM(out_parents, j, b);
+    PyList_SET_ITEM(out_scores, j, c);
+  }
+  return Py_BuildValue("(NNN)", out_tokens, out_parents, out_scores);
+fail:
+  Py_XDECREF(out_tokens);
+  Py_XDECREF(out_parents);
+  Py_XDECREF(out_scores);
+  return nullptr;
+}
+
+PyMethodDef methods[] = {
+    {"configure", configure, METH_VARARGS, "Set the edge model's tables."},
+    {"grow", grow, METH_VARARGS, "DraftBuilder._grow_python, compiled."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+}  // namespace
+
+#define STRINGIFY_(x) #x
+#define STRINGIFY(x) STRINGIFY_(x)
+#define INIT_(name) PyInit_##name
+#define INIT(name) INIT_(name)
+
+static PyModuleDef module_def = {PyModuleDef_HEAD_INIT, STRINGIFY(TORCH_EXTENSION_NAME), nullptr, -1, methods};
+
+PyMODINIT_FUNC INIT(TORCH_EXTENSION_NAME)(void) { return PyModule_Create(&module_def); }
+"""
+
+_lock = threading.Lock()
+_module = None
+_failed: str | None = None
+
+
+def load():
+    """The compiled module (building it on the first call), or None where it cannot be built (one warning)."""
+    global _module, _failed
+    if _module is not None or _failed is not None:
+        return _module
+    with _lock:
+        if _module is None and _failed is None:
+            try:
+                from torch.utils.cpp_extension import get_default_build_root
+                from torch.utils.cpp_extension import load as load_extension
+
+                from lookahead.kernels.cpu_gemm import _drop_stale_lock, cpu_tag
+
+                source = hashlib.sha256(_SOURCE.encode()).hexdigest()[:8]
+                name = f"lookahead_drafts_{cpu_tag()}_{source}"
+                # (the build is a CPython extension: one per Python version, as torch's own folders are)
+                folder = Path(get_default_build_root()) / f"py{sys.version_info.major}{sys.version_info.minor}" / name
+                folder.mkdir(parents=True, exist_ok=True)
+                _drop_stale_lock(folder)
+                path = folder / "drafts.cpp"
+                if not path.is_file() or path.read_text() != _SOURCE:  # (a whole file: another process may build)
+                    staged = folder / f"drafts.cpp.{os.getpid()}"
+                    staged.write_text(_SOURCE)
+                    os.replace(staged, path)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    _module = load_extension(name, [str(path)], extra_cflags=["-O2"], build_directory=str(folder),
+                                             verbose=False)
+            except Exception as e:  # no compiler, no ninja, a read-only folder: the Python loop instead
+                _failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                warnings.warn(f"lookahead: the compiled drafting loop could not be built ({_failed}); drafting runs "
+                              "its Python loop instead (the same drafts, slower)", stacklevel=3)
+    return _module
