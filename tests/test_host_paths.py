@@ -12,9 +12,20 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+import torch
 
 from lookahead import LookaheadConfig
-from lookahead.drafts import ROOT, DraftBuilder, DraftMemory, DraftTree, NGramPool, RecycleTables, SuffixIndex, preorder
+from lookahead.drafts import (
+    ROOT,
+    DraftBuilder,
+    DraftMemory,
+    DraftTree,
+    NGramPool,
+    RecycleTables,
+    SuffixIndex,
+    native,
+    preorder,
+)
 from lookahead.drafts.builder import (
     _MISSING,
     _NONE,
@@ -483,3 +494,47 @@ def test_the_host_time_benchmark_runs_quick_and_its_oracle_replays_the_streams()
     rows = [line.split("|") for line in done.stdout.splitlines() if line.startswith("after ")]
     assert [int(r[1]) for r in rows] == [1, 8], done.stdout
     assert all(int(r[2]) >= 1 for r in rows), done.stdout  # steps measured with every row decoding
+
+
+def old_learn(tables: RecycleTables, rows: list[int], parents: list[int], step_tokens: list[int], sequence: list[int],
+              topk: torch.Tensor) -> None:
+    """`LookaheadLoop._learn`'s table update as it was (before `RecycleTables.update_step`)."""
+    parent = [*parents, -2]
+    tokens = [*step_tokens, sequence[-3] if len(sequence) > 2 else -1, sequence[-2] if len(sequence) > 1 else -1]
+    first = [parent[i] for i in rows]
+    second = [parent[p] for p in first]
+    lists = topk.tolist()
+    tables.update([tokens[p] for p in second], [tokens[p] for p in first], [tokens[i] for i in rows],
+                  [lists[i] for i in rows])
+
+
+def table_state(tables: RecycleTables) -> list:
+    """The three tables' entries in order, each value with the number of the list object it is (first seen first):
+    which keys share one row's list matters to the drafting memory, which forgets a segment's entries by identity."""
+    objects: dict[int, int] = {}
+    return [[(key, value, objects.setdefault(id(value), len(objects))) for key, value in table.items()]
+            for table in (tables.triples, tables.pairs, tables.single)]
+
+
+@pytest.mark.parametrize("wide", [False, True], ids=["ids", "wide-ids"])
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+@pytest.mark.parametrize("seed", range(10))
+def test_a_step_updates_the_recycled_tables_as_it_did(seed, compiled, wide):
+    if compiled:
+        assert native.load() is not None, "the compiled drafting loops did not build"
+    rng = random.Random(seed)
+    ids = Ids(rng, wide)
+    new, old = RecycleTables(), RecycleTables()
+    for _ in range(20):
+        t = rng.randint(1, 40)
+        parents = [-1] + [rng.randrange(i) for i in range(1, t)]  # each step token after its predecessor
+        step_tokens, sequence = ids.tokens(t), ids.tokens(rng.randint(1, 3))
+        rows = [rng.randrange(t) for _ in range(rng.randint(0, 2 * t))]  # repeats: the accepted path's come again
+        k = rng.choice([1, 8])
+        topk = torch.tensor([ids.tokens(k) for _ in range(t)], dtype=torch.int64)
+        if rng.random() < 0.3:
+            topk = topk.t().contiguous().t()  # strided rows, as a view of a wider array may be
+        before = (sequence[-3] if len(sequence) > 2 else -1, sequence[-2] if len(sequence) > 1 else -1)
+        new.update_step(rows, parents, step_tokens, before, topk, compiled=compiled)
+        old_learn(old, rows, parents, step_tokens, sequence, topk)
+        assert table_state(new) == table_state(old)

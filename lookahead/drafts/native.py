@@ -1,11 +1,13 @@
-"""The drafting hot loop compiled: the best-first growth of `DraftBuilder._grow` over the proposals and the recycled
-tables, in C++ through the Python C API (the tables stay the dicts they are; the loop reads them in place).
+"""The drafting hot loops compiled: the best-first growth of `DraftBuilder._grow` over the proposals and the recycled
+tables, and the recycled tables' update from a step's top-k (`RecycleTables.update_step`), in C++ through the Python C
+API (the tables stay the dicts they are; the loops read and write them in place).
 
 The loop runs for every node of every lookahead row's draft every step, the largest part of the engine's host time
 (bench/host_time.py); in Python a node costs a dozen dict and list operations and a heap push of a tuple. `grow` does
 exactly what `DraftBuilder._grow_python` does, node for node and bit for bit (the same float products in the same
-order, the same heap order, the same stable sort of siblings), so the drafts, and the steps, are the same;
-tests/test_host_paths.py holds the two to each other and to the older reference.
+order, the same heap order, the same stable sort of siblings), so the drafts, and the steps, are the same; `learn`
+writes what `RecycleTables.update_step_python` writes, in the same order, one list object per step row as its
+`tolist()` gives. tests/test_host_paths.py holds each to its Python loop and to the older reference.
 
 The source is compiled at first use by torch's C++ extension loader (a C++ compiler and ninja) into its default
 build folder, one build per kind of CPU and version of the source (as `lookahead.kernels.cpu_gemm`'s); where that
@@ -90,23 +92,33 @@ PyObject* packed(long long hi, int shift, PyObject* low) {
   return c;
 }
 
+// The recycled tables' keys of a row: (previous + 1) << 21 | (token + 1) and (second + 1) << 42 | that (new refs).
+bool row_keys(long long second, long long previous, long long token, PyObject** pair, PyObject** triple) {
+  if (second >= -1 && second <= KEY_MAX && previous >= -1 && previous <= KEY_MAX && token >= -1 && token <= KEY_MAX) {
+    long long p = ((previous + 1) << BITS) | (token + 1);
+    *pair = PyLong_FromLongLong(p);
+    *triple = PyLong_FromLongLong(((second + 1) << (2 * BITS)) | p);
+  } else {
+    PyObject* low = PyLong_FromLongLong(token + 1);
+    *pair = low == nullptr ? nullptr : packed(previous, BITS, low);
+    Py_XDECREF(low);
+    *triple = *pair == nullptr ? nullptr : packed(second, 2 * BITS, *pair);
+  }
+  if (*pair == nullptr || *triple == nullptr) {
+    Py_XDECREF(*pair);
+    Py_XDECREF(*triple);
+    return false;
+  }
+  return true;
+}
+
 // RecycleTables.lookup: the context list (triple, else pair) into *found, else the token's list into *single (either
 // may stay null: not there). Borrowed references. False on a Python error.
 bool lookup(const Tables& t, long long second, long long previous, long long token, PyObject** found,
             PyObject** single) {
   *found = *single = nullptr;
   PyObject *pair, *triple;
-  if (second >= -1 && second <= KEY_MAX && previous >= -1 && previous <= KEY_MAX && token >= -1 && token <= KEY_MAX) {
-    long long p = ((previous + 1) << BITS) | (token + 1);
-    pair = PyLong_FromLongLong(p);
-    triple = PyLong_FromLongLong(((second + 1) << (2 * BITS)) | p);
-  } else {
-    PyObject* low = PyLong_FromLongLong(token + 1);
-    pair = low == nullptr ? nullptr : packed(previous, BITS, low);
-    Py_XDECREF(low);
-    triple = pair == nullptr ? nullptr : packed(second, 2 * BITS, pair);
-  }
-  if (pair == nullptr || triple == nullptr) { Py_XDECREF(pair); Py_XDECREF(triple); return false; }
+  if (!row_keys(second, previous, token, &pair, &triple)) return false;
   *found = PyDict_GetItemWithError(t.triples, triple);
   Py_DECREF(triple);
   if (*found == nullptr && !PyErr_Occurred()) *found = PyDict_GetItemWithError(t.pairs, pair);
@@ -390,9 +402,96 @@ fail:
   return nullptr;
 }
 
+// One index of a Python list extended by `extra` values (negative: from the end, as Python indexes); false with an
+// IndexError past either end.
+bool extended_at(PyObject* fast, const long long* extra, Py_ssize_t extras, long long i, long long* out) {
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(fast) + extras;
+  if (i < 0) i += n;
+  if (i < 0 || i >= n) {
+    PyErr_SetString(PyExc_IndexError, "a step index out of the layout");
+    return false;
+  }
+  Py_ssize_t own = PySequence_Fast_GET_SIZE(fast);
+  if (i >= own) { *out = extra[i - own]; return true; }
+  *out = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fast, i));
+  return !(*out == -1 && PyErr_Occurred());
+}
+
+// learn(triples, pairs, single, rows, parents, tokens, before_second, before_last, topk [T, k] int64 buffer):
+// RecycleTables.update_step_python's, in place: each row's top-k list (one list per step index, shared by the keys
+// that take it) under its triple, pair and token, rows in order (a later row wins).
+PyObject* learn(PyObject*, PyObject* args) {
+  PyObject *triples, *pairs, *single, *rows_obj, *parents_obj, *tokens_obj, *topk_obj;
+  long long extra_tokens[2];
+  const long long extra_parent[1] = {-2};  // the input token's predecessor (-1) is preceded by -2
+  if (!PyArg_ParseTuple(args, "O!O!O!OOOLLO", &PyDict_Type, &triples, &PyDict_Type, &pairs, &PyDict_Type, &single,
+                        &rows_obj, &parents_obj, &tokens_obj, &extra_tokens[0], &extra_tokens[1], &topk_obj)) {
+    return nullptr;
+  }
+  Py_buffer view;
+  if (PyObject_GetBuffer(topk_obj, &view, PyBUF_STRIDES | PyBUF_FORMAT) != 0) return nullptr;
+  bool ok = view.ndim == 2 && view.itemsize == 8 && view.format != nullptr &&
+            (view.format[0] == 'l' || view.format[0] == 'q') && view.format[1] == 0;
+  if (!ok) {
+    PyBuffer_Release(&view);
+    PyErr_SetString(PyExc_TypeError, "topk must be a 2-D int64 array");
+    return nullptr;
+  }
+  PyObject* rows = PySequence_Fast(rows_obj, "rows must be a sequence");
+  PyObject* parents = rows == nullptr ? nullptr : PySequence_Fast(parents_obj, "parents must be a sequence");
+  PyObject* tokens = parents == nullptr ? nullptr : PySequence_Fast(tokens_obj, "tokens must be a sequence");
+  std::vector<PyObject*> made(static_cast<size_t>(view.shape[0]), nullptr);  // each step index's list, once
+  bool good = tokens != nullptr;
+  const char* base = static_cast<const char*>(view.buf);
+  for (Py_ssize_t j = 0; good && j < PySequence_Fast_GET_SIZE(rows); ++j) {
+    long long i = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(rows, j));
+    long long first, second, t_second, t_first, t_token;
+    good = !(i == -1 && PyErr_Occurred()) && extended_at(parents, extra_parent, 1, i, &first) &&
+           extended_at(parents, extra_parent, 1, first, &second) &&
+           extended_at(tokens, extra_tokens, 2, second, &t_second) &&
+           extended_at(tokens, extra_tokens, 2, first, &t_first) && extended_at(tokens, extra_tokens, 2, i, &t_token);
+    if (!good) break;
+    long long r = i < 0 ? i + view.shape[0] : i;
+    if (r < 0 || r >= view.shape[0]) {
+      PyErr_SetString(PyExc_IndexError, "a row past the top-k array");
+      good = false;
+      break;
+    }
+    PyObject* row = made[r];
+    if (row == nullptr) {
+      row = PyList_New(view.shape[1]);
+      good = row != nullptr;
+      for (Py_ssize_t c = 0; good && c < view.shape[1]; ++c) {
+        long long v = *reinterpret_cast<const long long*>(base + r * view.strides[0] + c * view.strides[1]);
+        PyObject* item = PyLong_FromLongLong(v);
+        good = item != nullptr;
+        if (good) PyList_SET_ITEM(row, c, item);
+      }
+      if (!good) { Py_XDECREF(row); break; }
+      made[r] = row;
+    }
+    PyObject *pair, *triple, *key;
+    if (!row_keys(t_second, t_first, t_token, &pair, &triple)) { good = false; break; }
+    key = PyLong_FromLongLong(t_token);
+    good = key != nullptr && PyDict_SetItem(triples, triple, row) == 0 && PyDict_SetItem(pairs, pair, row) == 0 &&
+           PyDict_SetItem(single, key, row) == 0;
+    Py_DECREF(pair);
+    Py_DECREF(triple);
+    Py_XDECREF(key);
+  }
+  for (PyObject* row : made) Py_XDECREF(row);
+  Py_XDECREF(rows);
+  Py_XDECREF(parents);
+  Py_XDECREF(tokens);
+  PyBuffer_Release(&view);
+  if (!good) return nullptr;
+  Py_RETURN_NONE;
+}
+
 PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS, "Set the edge model's tables."},
     {"grow", grow, METH_VARARGS, "DraftBuilder._grow_python, compiled."},
+    {"learn", learn, METH_VARARGS, "RecycleTables.update_step_python, compiled."},
     {nullptr, nullptr, 0, nullptr},
 };
 
