@@ -290,15 +290,24 @@ class OldSuffixIndex(SuffixIndex):
         return out
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
 @pytest.mark.parametrize("seed", range(20))
-def test_suffix_continuations_are_what_they_were(seed):
+def test_suffix_continuations_are_what_they_were(seed, compiled):
+    """The look-up (the compiled loop, and the Python one it replaces where it cannot be built) against the reference,
+    on texts joined by separators, the first forgotten in some (positions then start past 0)."""
+    if compiled:
+        assert native.load() is not None, "the compiled drafting loops did not build"
     rng = random.Random(seed)
     vocab = rng.choice([3, 8, 50])
     texts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 300))] for _ in range(3)]
     new, old = SuffixIndex(4, 16), OldSuffixIndex(4, 16)
+    new.compiled = compiled
+    forget = rng.random() < 0.5
     for index in (new, old):
         for text in texts:
             index.extend([SEPARATOR, *text] if index.tokens else text)
+        if forget:
+            index.forget(len(texts[0]))
     for _ in range(50):
         limit, length = rng.randint(0, 6), rng.randint(0, 20)
         tail = None if rng.random() < 0.5 else [rng.randrange(vocab) for _ in range(rng.randint(1, 20))]

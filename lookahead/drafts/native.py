@@ -488,10 +488,127 @@ PyObject* learn(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+// continuations(tokens, ends, start, max_match, reach, limit, length, tail or None, scan): SuffixIndex's
+// continuations_python, over its own list and dict. A continuation is a span of `tokens` until output.
+PyObject* continuations(PyObject*, PyObject* args) {
+  PyObject *seq_obj, *ends, *tail_obj;
+  long long start;
+  Py_ssize_t max_match, reach, limit, length, scan;
+  if (!PyArg_ParseTuple(args, "OO!LnnnnOn", &seq_obj, &PyDict_Type, &ends, &start, &max_match, &reach, &limit,
+                        &length, &tail_obj, &scan)) {
+    return nullptr;
+  }
+  PyObject* seq = PySequence_Fast(seq_obj, "tokens must be a sequence");
+  if (seq == nullptr) return nullptr;
+  PyObject* tail = seq;
+  if (tail_obj == Py_None) Py_INCREF(seq);
+  else tail = PySequence_Fast(tail_obj, "tail must be a sequence");
+  if (tail == nullptr) { Py_DECREF(seq); return nullptr; }
+  PyObject* out = PyList_New(0);
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), tail_n = PySequence_Fast_GET_SIZE(tail);
+  PyObject** toks = PySequence_Fast_ITEMS(seq);
+  PyObject** tail_items = PySequence_Fast_ITEMS(tail);
+  Py_ssize_t longest;
+  long long itself;
+  bool has_itself = tail_obj == Py_None;
+  if (has_itself) { longest = std::min<Py_ssize_t>(max_match, n - 1); itself = start + n - 1; }
+  else { longest = std::min<Py_ssize_t>(max_match, tail_n); itself = 0; }
+  std::vector<long long> values(static_cast<size_t>(n));
+  bool good = out != nullptr;
+  for (Py_ssize_t j = 0; good && j < n; ++j) {
+    values[j] = PyLong_AsLongLong(toks[j]);
+    good = !(values[j] == -1 && PyErr_Occurred());
+  }
+  struct Span { Py_ssize_t begin, size; long long matched; };
+  std::vector<Span> taken;
+  std::vector<long long> used;
+  auto same = [&](const Span& a, const Span& b) {
+    return a.size == b.size && std::equal(values.begin() + a.begin, values.begin() + a.begin + a.size,
+                                          values.begin() + b.begin);
+  };
+  // take a span unless taken; true when the output is full
+  auto take = [&](const Span& span) -> bool {
+    for (const Span& t : taken) if (same(t, span)) return false;
+    taken.push_back(span);
+    PyObject* tuple = PyTuple_New(span.size);
+    if (tuple == nullptr) { good = false; return true; }
+    for (Py_ssize_t j = 0; j < span.size; ++j) {
+      Py_INCREF(toks[span.begin + j]);
+      PyTuple_SET_ITEM(tuple, j, toks[span.begin + j]);
+    }
+    PyObject* item = Py_BuildValue("(NL)", tuple, span.matched);
+    if (item == nullptr || PyList_Append(out, item) != 0) { Py_XDECREF(item); good = false; return true; }
+    Py_DECREF(item);
+    return static_cast<Py_ssize_t>(taken.size()) == limit;
+  };
+  bool full = !good || limit <= 0 || length <= 0 || longest < 1;
+  for (Py_ssize_t m = longest; !full && m >= 1; --m) {
+    std::vector<Span> found;
+    bool measured = m == max_match;
+    PyObject* key = PyTuple_New(m);
+    if (key == nullptr) { good = false; break; }
+    for (Py_ssize_t j = 0; j < m; ++j) {
+      PyObject* t = tail_items[tail_n - m + j];
+      Py_INCREF(t);
+      PyTuple_SET_ITEM(key, j, t);
+    }
+    PyObject* occurrences = PyDict_GetItemWithError(ends, key);
+    Py_DECREF(key);
+    if (occurrences == nullptr) {
+      if (PyErr_Occurred()) { good = false; break; }
+      continue;
+    }
+    PyObject* list = PySequence_Fast(occurrences, "occurrences must be a sequence");
+    if (list == nullptr) { good = false; break; }
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(list);
+    Py_ssize_t first = std::max<Py_ssize_t>(count - scan * limit, 0);
+    for (Py_ssize_t o = count - 1; !full && o >= first; --o) {
+      long long end = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(list, o));
+      if (end == -1 && PyErr_Occurred()) { good = false; full = true; break; }
+      if ((has_itself && end == itself) || std::find(used.begin(), used.end(), end) != used.end()) continue;
+      used.push_back(end);
+      Py_ssize_t i = static_cast<Py_ssize_t>(end + 1 - start);
+      Py_ssize_t stop = std::min<Py_ssize_t>(std::max<Py_ssize_t>(i, 0) + length, n);
+      Py_ssize_t begin = std::min<Py_ssize_t>(std::max<Py_ssize_t>(i, 0), n), size = 0;
+      while (begin + size < stop && values[begin + size] != -1) ++size;  // up to a SEPARATOR: the next text
+      if (size == 0) continue;
+      Span span{begin, size, m};
+      if (measured) {  // SuffixIndex._matched: measured back up to reach
+        long long matched = m;
+        Py_ssize_t most = std::min<Py_ssize_t>(std::min<Py_ssize_t>(reach, tail_n),
+                                               static_cast<Py_ssize_t>(end + 1 - start));
+        Py_ssize_t at = static_cast<Py_ssize_t>(end - start);
+        while (matched < most) {
+          long long want = PyLong_AsLongLong(tail_items[tail_n - 1 - matched]);
+          if (want == -1 && PyErr_Occurred()) { good = false; full = true; break; }
+          if (values[at - matched] != want) break;
+          ++matched;
+        }
+        span.matched = matched;
+        found.push_back(span);
+      } else {
+        full = take(span);
+      }
+    }
+    Py_DECREF(list);
+    // the measured ones longest first (a stable sort, as Python's)
+    std::stable_sort(found.begin(), found.end(), [](const Span& a, const Span& b) { return a.matched > b.matched; });
+    for (const Span& span : found) {
+      if (full) break;
+      full = take(span);
+    }
+  }
+  Py_DECREF(seq);
+  Py_DECREF(tail);
+  if (!good) { Py_XDECREF(out); return nullptr; }
+  return out;
+}
+
 PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS, "Set the edge model's tables."},
     {"grow", grow, METH_VARARGS, "DraftBuilder._grow_python, compiled."},
     {"learn", learn, METH_VARARGS, "RecycleTables.update_step_python, compiled."},
+    {"continuations", continuations, METH_VARARGS, "SuffixIndex.continuations_python, compiled."},
     {nullptr, nullptr, 0, nullptr},
 };
 

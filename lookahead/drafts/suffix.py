@@ -13,6 +13,8 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Sequence
 
+from . import native
+
 _SCAN = 4  # occurrences looked at per continuation wanted, per match length
 SEPARATOR = -1  # not a token id: starts a text of its own
 
@@ -52,11 +54,22 @@ class SuffixIndex:
                     found.append(end)
         self._run = run
 
+    compiled = True  # look up with the compiled loop where it builds (`native`); False: the Python one (tests)
+
     def continuations(self, limit: int, length: int,
                       tail: Sequence[int] | None = None) -> list[tuple[tuple[int, ...], int]]:
         """Up to `limit` distinct continuations (at most `length` tokens) of earlier occurrences of the
         sequence's suffix (or of `tail`'s, looked up in this index), with the suffix length matched (up to
-        `reach`): longest match first, then most recent first."""
+        `reach`): longest match first, then most recent first. By the compiled loop where it builds (the drafts
+        ask twice a step per row), else `continuations_python`: the same list."""
+        module = native.load() if self.compiled else None
+        if module is None:
+            return self.continuations_python(limit, length, tail)
+        return module.continuations(self.tokens, self._ends, self.start, self.max_match, self.reach, limit, length,
+                                    tail, _SCAN)
+
+    def continuations_python(self, limit: int, length: int,
+                             tail: Sequence[int] | None = None) -> list[tuple[tuple[int, ...], int]]:
         seq = self.tokens
         n = len(seq)
         out: list[tuple[tuple[int, ...], int]] = []
