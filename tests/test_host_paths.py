@@ -301,7 +301,7 @@ def test_suffix_continuations_are_what_they_were(seed, compiled):
     vocab = rng.choice([3, 8, 50])
     texts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 300))] for _ in range(3)]
     new, old = SuffixIndex(4, 16), OldSuffixIndex(4, 16)
-    new.compiled = compiled
+    new.compiled, old.compiled = compiled, False  # (the reference grows by the Python loop)
     forget = rng.random() < 0.5
     for index in (new, old):
         for text in texts:
@@ -315,6 +315,7 @@ def test_suffix_continuations_are_what_they_were(seed, compiled):
         step = [rng.randrange(vocab) for _ in range(rng.randint(1, 3))]
         new.extend(step)
         old.extend(step)
+        assert (new.tokens, list(new._ends.items()), new._run) == (old.tokens, list(old._ends.items()), old._run)
 
 
 class OldDraftBuilder(DraftBuilder):
@@ -477,7 +478,10 @@ def test_the_draft_tree_grows_as_it_did(seed, compiled, wide):
         pool.add_sequence(sequence, start=len(sequence) - len(step) - 3)
 
 
-def test_grown_trees_are_numbered_as_the_pre_order_walk_numbers_them():
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+def test_grown_trees_are_numbered_as_the_pre_order_walk_numbers_them(compiled):
+    if compiled:
+        assert native.load() is not None, "the compiled drafting loops did not build"
     rng = random.Random(5)
     for _ in range(300):
         n = rng.randint(0, 60)
@@ -489,7 +493,7 @@ def test_grown_trees_are_numbered_as_the_pre_order_walk_numbers_them():
         order, ends = preorder(children, ROOT)
         new = {old: j for j, old in enumerate(order)}
         new[ROOT] = ROOT
-        tree = DraftTree.grown(tokens, parents)
+        tree = DraftTree.grown(tokens, parents, compiled=compiled)
         assert tree == DraftTree([tokens[n] for n in order], [new[parents[n]] for n in order], ends)
 
 
@@ -547,3 +551,13 @@ def test_a_step_updates_the_recycled_tables_as_it_did(seed, compiled, wide):
         new.update_step(rows, parents, step_tokens, before, topk, compiled=compiled)
         old_learn(old, rows, parents, step_tokens, sequence, topk)
         assert table_state(new) == table_state(old)
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+@pytest.mark.parametrize("parents", [[0], [-2], [-1, 1], [-1, 0, 5]], ids=str)
+def test_a_grown_tree_refuses_a_parent_after_its_node(parents, compiled):
+    with pytest.raises(ValueError) as raised:
+        DraftTree.grown(list(range(len(parents))), parents, compiled=compiled)
+    with pytest.raises(ValueError) as python:
+        DraftTree.grown_python(list(range(len(parents))), parents)
+    assert str(raised.value) == str(python.value)

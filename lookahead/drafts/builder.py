@@ -85,18 +85,19 @@ class DraftBuilder:
         proposals: list = []  # the paths proposed whole, as cursors at their first token (`_expand`)
         memory = self.memory
         if self.use_suffix:
+            states = _SUFFIX_STATES[0]
             for continuation, match in self.suffix.continuations(SUFFIX_LIMIT, budget):
-                proposals.append((continuation, 0, 1, suffix_state(match, False), suffix_state(match, True)))
+                proposals.append((continuation, 0, 1, *states[min(match, SUFFIX_REACH)]))
             if memory is not None:
+                states = _SUFFIX_STATES[1]
                 for continuation, match in memory.continuations(sequence[-SUFFIX_REACH:], SUFFIX_LIMIT, budget):
-                    proposals.append((continuation, 0, 1, suffix_state(match, False, True),
-                                      suffix_state(match, True, True)))
+                    proposals.append((continuation, 0, 1, *states[min(match, SUFFIX_REACH)]))
         if self.use_pool:
             for continuation in pool.candidates(sequence[-1], self.pool_limit):
-                proposals.append((continuation, 0, 2, pool_state(False), pool_state(True)))
+                proposals.append((continuation, 0, 2, *_POOL_STATES[0]))
             if memory is not None:
                 for continuation in memory.candidates(sequence[-1], self.pool_limit):
-                    proposals.append((continuation, 0, 2, pool_state(False, True), pool_state(True, True)))
+                    proposals.append((continuation, 0, 2, *_POOL_STATES[1]))
         previous = sequence[-2] if len(sequence) > 1 else -1
         second = sequence[-3] if len(sequence) > 2 else -1
         return self._grow(second, previous, sequence[-1], proposals, budget)
@@ -197,6 +198,11 @@ _RANKED = [[recycle_state(context, rank, memory) for rank in range(RECYCLE_K)] f
 _RANKED_PROBABILITY = [[EDGE_PROBABILITY[state] for state in states] for states in _RANKED]
 _MISSING = [recycle_state(context, None, memory) for context, memory in _KINDS]
 _NONE = [None] * RECYCLE_K
+# a proposal's (first token's, later tokens') states: a suffix continuation's by its match length (longer ones score as
+# SUFFIX_REACH: the last band), a pool n-gram's; the generation's own, then the memory's
+_SUFFIX_STATES = [[(suffix_state(match, False, memory), suffix_state(match, True, memory))
+                   for match in range(SUFFIX_REACH + 1)] for memory in (False, True)]
+_POOL_STATES = [(pool_state(False, memory), pool_state(True, memory)) for memory in (False, True)]
 
 
 _configured = False

@@ -604,11 +604,131 @@ PyObject* continuations(PyObject*, PyObject* args) {
   return out;
 }
 
+// extend(tokens, ends, start, run, max_match, new): SuffixIndex.extend_python's, over its own list and dict; returns
+// the run (tokens since the last separator) after them.
+PyObject* extend(PyObject*, PyObject* args) {
+  PyObject *seq, *ends, *new_obj;
+  long long start;
+  Py_ssize_t run, max_match;
+  if (!PyArg_ParseTuple(args, "O!O!LnnO", &PyList_Type, &seq, &PyDict_Type, &ends, &start, &run, &max_match,
+                        &new_obj)) {
+    return nullptr;
+  }
+  PyObject* added = PySequence_Fast(new_obj, "tokens must be a sequence");
+  if (added == nullptr) return nullptr;
+  bool good = true;
+  for (Py_ssize_t t = 0; good && t < PySequence_Fast_GET_SIZE(added); ++t) {
+    PyObject* token = PySequence_Fast_GET_ITEM(added, t);
+    long long value = PyLong_AsLongLong(token);
+    if ((value == -1 && PyErr_Occurred()) || PyList_Append(seq, token) != 0) { good = false; break; }
+    if (value == -1) { run = 0; continue; }  // a SEPARATOR: no m-gram crosses it
+    ++run;
+    Py_ssize_t i = PyList_GET_SIZE(seq);
+    PyObject* end = PyLong_FromLongLong(start + i - 1);
+    if (end == nullptr) { good = false; break; }
+    for (Py_ssize_t m = 1; good && m <= std::min(max_match, run); ++m) {
+      PyObject* key = PyTuple_New(m);
+      if (key == nullptr) { good = false; break; }
+      for (Py_ssize_t j = 0; j < m; ++j) {
+        PyObject* item = PyList_GET_ITEM(seq, i - m + j);
+        Py_INCREF(item);
+        PyTuple_SET_ITEM(key, j, item);
+      }
+      PyObject* found = PyDict_GetItemWithError(ends, key);
+      if (found != nullptr) {
+        good = PyList_Append(found, end) == 0;
+      } else if (PyErr_Occurred()) {
+        good = false;
+      } else {
+        PyObject* list = PyList_New(1);
+        good = list != nullptr;
+        if (good) {
+          Py_INCREF(end);
+          PyList_SET_ITEM(list, 0, end);
+          good = PyDict_SetItem(ends, key, list) == 0;
+          Py_DECREF(list);
+        }
+      }
+      Py_DECREF(key);
+    }
+    Py_DECREF(end);
+  }
+  Py_DECREF(added);
+  if (!good) return nullptr;
+  return PyLong_FromSsize_t(run);
+}
+
+// grown(tokens, parents) -> (tokens, parents, tree_end) in pre-order: DraftTree.grown_python's (a parent must be
+// ROOT, -1, or an earlier node: ValueError otherwise, with its message).
+PyObject* grown(PyObject*, PyObject* args) {
+  PyObject *tokens_obj, *parents_obj;
+  if (!PyArg_ParseTuple(args, "OO", &tokens_obj, &parents_obj)) return nullptr;
+  PyObject* tokens = PySequence_Fast(tokens_obj, "tokens must be a sequence");
+  if (tokens == nullptr) return nullptr;
+  PyObject* parents_fast = PySequence_Fast(parents_obj, "parents must be a sequence");
+  if (parents_fast == nullptr) { Py_DECREF(tokens); return nullptr; }
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(parents_fast);
+  std::vector<Py_ssize_t> parents(n), size(n, 1), place(n, 0), free_at(n, 0);
+  bool good = PySequence_Fast_GET_SIZE(tokens) >= n;
+  if (!good) PyErr_SetString(PyExc_IndexError, "fewer tokens than parents");
+  for (Py_ssize_t j = 0; good && j < n; ++j) {
+    long long p = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(parents_fast, j));
+    if (p == -1 && PyErr_Occurred()) { good = false; break; }
+    parents[j] = static_cast<Py_ssize_t>(p);
+  }
+  for (Py_ssize_t node = n - 1; good && node >= 0; --node) {  // from the last, as the Python loop checks them
+    Py_ssize_t parent = parents[node];
+    if (!(-1 <= parent && parent < node)) {
+      PyErr_Format(PyExc_ValueError, "parents[%zd] = %zd: a parent must be ROOT or an earlier node", node, parent);
+      good = false;
+      break;
+    }
+    if (parent != -1) size[parent] += size[node];
+  }
+  PyObject *out_tokens = nullptr, *out_parents = nullptr, *out_ends = nullptr;
+  if (good) {
+    Py_ssize_t root_free = 0;
+    for (Py_ssize_t node = 0; node < n; ++node) {
+      Py_ssize_t parent = parents[node], at;
+      if (parent == -1) { at = root_free; root_free += size[node]; }
+      else { at = free_at[parent]; free_at[parent] = at + size[node]; }
+      place[node] = at;
+      free_at[node] = at + 1;
+    }
+    out_tokens = PyList_New(n);
+    out_parents = PyList_New(n);
+    out_ends = PyList_New(n);
+    good = out_tokens != nullptr && out_parents != nullptr && out_ends != nullptr;
+    for (Py_ssize_t node = 0; good && node < n; ++node) {
+      Py_ssize_t at = place[node], parent = parents[node];
+      PyObject* token = PySequence_Fast_GET_ITEM(tokens, node);
+      PyObject* up = PyLong_FromSsize_t(parent == -1 ? -1 : place[parent]);
+      PyObject* end = PyLong_FromSsize_t(at + size[node]);
+      if (up == nullptr || end == nullptr) { Py_XDECREF(up); Py_XDECREF(end); good = false; break; }
+      Py_INCREF(token);
+      PyList_SET_ITEM(out_tokens, at, token);
+      PyList_SET_ITEM(out_parents, at, up);
+      PyList_SET_ITEM(out_ends, at, end);
+    }
+  }
+  Py_DECREF(tokens);
+  Py_DECREF(parents_fast);
+  if (!good) {
+    Py_XDECREF(out_tokens);
+    Py_XDECREF(out_parents);
+    Py_XDECREF(out_ends);
+    return nullptr;
+  }
+  return Py_BuildValue("(NNN)", out_tokens, out_parents, out_ends);
+}
+
 PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS, "Set the edge model's tables."},
     {"grow", grow, METH_VARARGS, "DraftBuilder._grow_python, compiled."},
     {"learn", learn, METH_VARARGS, "RecycleTables.update_step_python, compiled."},
     {"continuations", continuations, METH_VARARGS, "SuffixIndex.continuations_python, compiled."},
+    {"extend", extend, METH_VARARGS, "SuffixIndex.extend_python, compiled."},
+    {"grown", grown, METH_VARARGS, "DraftTree.grown_python, compiled."},
     {nullptr, nullptr, 0, nullptr},
 };
 

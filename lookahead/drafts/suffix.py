@@ -23,6 +23,8 @@ class SuffixIndex:
     """End positions of every m-gram of a growing sequence, m = 1..max_match (positions count forgotten tokens:
     `tokens[0]` is at position `start`)."""
 
+    compiled = True  # extend and look up with the compiled loops where they build (`native`); False: Python's (tests)
+
     def __init__(self, max_match: int = 4, reach: int = 0) -> None:
         """max_match: the longest m-gram indexed; reach: the longest match measured (at least max_match)."""
         if max_match < 1:
@@ -35,7 +37,15 @@ class SuffixIndex:
         self._ends: dict[tuple[int, ...], list[int]] = {}
 
     def extend(self, tokens: Sequence[int]) -> None:
-        """Append tokens, indexing the m-grams that end at each of them (none across a `SEPARATOR`)."""
+        """Append tokens, indexing the m-grams that end at each of them (none across a `SEPARATOR`). By the compiled
+        loop where it builds, else `extend_python`: the same list and keys, in the same order."""
+        module = native.load() if self.compiled else None
+        if module is None:
+            self.extend_python(tokens)
+        else:
+            self._run = module.extend(self.tokens, self._ends, self.start, self._run, self.max_match, tokens)
+
+    def extend_python(self, tokens: Sequence[int]) -> None:
         seq, ends, run = self.tokens, self._ends, self._run
         for token in tokens:
             seq.append(token)
@@ -53,8 +63,6 @@ class SuffixIndex:
                 else:
                     found.append(end)
         self._run = run
-
-    compiled = True  # look up with the compiled loop where it builds (`native`); False: the Python one (tests)
 
     def continuations(self, limit: int, length: int,
                       tail: Sequence[int] | None = None) -> list[tuple[tuple[int, ...], int]]:

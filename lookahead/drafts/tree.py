@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
+from . import native
+
 ROOT = -1  # the parent of the input token's children
 
 
@@ -42,9 +44,17 @@ class DraftTree:
     tree_end: list[int]
 
     @classmethod
-    def grown(cls, tokens: Sequence[int], parents: Sequence[int]) -> DraftTree:
+    def grown(cls, tokens: Sequence[int], parents: Sequence[int], compiled: bool = True) -> DraftTree:
         """A tree from nodes numbered in any order in which a parent comes before its children (ROOT: the input
-        token); renumbered in pre-order, siblings in the order of their numbers."""
+        token); renumbered in pre-order, siblings in the order of their numbers. By the compiled loop where it builds
+        (this runs for every row of every step), else `grown_python` (compiled=False: that one, for tests)."""
+        module = native.load() if compiled else None
+        if module is None:
+            return cls.grown_python(tokens, parents)
+        return cls(*module.grown(tokens, parents))
+
+    @classmethod
+    def grown_python(cls, tokens: Sequence[int], parents: Sequence[int]) -> DraftTree:
         # what `preorder` gives, by arithmetic instead of a walk (this runs for every row of every step): each node's
         # subtree size, then its place = the next free place under its parent (after the parent and its elder
         # siblings' subtrees), taken in number order
