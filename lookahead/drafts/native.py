@@ -513,18 +513,19 @@ PyObject* continuations(PyObject*, PyObject* args) {
   bool has_itself = tail_obj == Py_None;
   if (has_itself) { longest = std::min<Py_ssize_t>(max_match, n - 1); itself = start + n - 1; }
   else { longest = std::min<Py_ssize_t>(max_match, tail_n); itself = 0; }
-  std::vector<long long> values(static_cast<size_t>(n));
   bool good = out != nullptr;
-  for (Py_ssize_t j = 0; good && j < n; ++j) {
-    values[j] = PyLong_AsLongLong(toks[j]);
-    good = !(values[j] == -1 && PyErr_Occurred());
-  }
+  auto value = [&](Py_ssize_t j) {  // read where needed: the memory's index holds thousands of tokens
+    long long v = PyLong_AsLongLong(toks[j]);
+    if (v == -1 && PyErr_Occurred()) good = false;
+    return v;
+  };
   struct Span { Py_ssize_t begin, size; long long matched; };
   std::vector<Span> taken;
   std::vector<long long> used;
   auto same = [&](const Span& a, const Span& b) {
-    return a.size == b.size && std::equal(values.begin() + a.begin, values.begin() + a.begin + a.size,
-                                          values.begin() + b.begin);
+    if (a.size != b.size) return false;
+    for (Py_ssize_t j = 0; j < a.size; ++j) if (value(a.begin + j) != value(b.begin + j)) return false;
+    return true;
   };
   // take a span unless taken; true when the output is full
   auto take = [&](const Span& span) -> bool {
@@ -570,7 +571,8 @@ PyObject* continuations(PyObject*, PyObject* args) {
       Py_ssize_t i = static_cast<Py_ssize_t>(end + 1 - start);
       Py_ssize_t stop = std::min<Py_ssize_t>(std::max<Py_ssize_t>(i, 0) + length, n);
       Py_ssize_t begin = std::min<Py_ssize_t>(std::max<Py_ssize_t>(i, 0), n), size = 0;
-      while (begin + size < stop && values[begin + size] != -1) ++size;  // up to a SEPARATOR: the next text
+      while (begin + size < stop && value(begin + size) != -1) ++size;  // up to a SEPARATOR: the next text
+      if (!good) { full = true; break; }
       if (size == 0) continue;
       Span span{begin, size, m};
       if (measured) {  // SuffixIndex._matched: measured back up to reach
@@ -581,7 +583,7 @@ PyObject* continuations(PyObject*, PyObject* args) {
         while (matched < most) {
           long long want = PyLong_AsLongLong(tail_items[tail_n - 1 - matched]);
           if (want == -1 && PyErr_Occurred()) { good = false; full = true; break; }
-          if (values[at - matched] != want) break;
+          if (value(at - matched) != want) break;
           ++matched;
         }
         span.matched = matched;
@@ -775,8 +777,9 @@ def load():
                     os.replace(staged, path)
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    _module = load_extension(name, [str(path)], extra_cflags=["-O2"], build_directory=str(folder),
-                                             verbose=False)
+                    # (no fused multiply-adds: the products must round as Python's do)
+                    _module = load_extension(name, [str(path)], extra_cflags=["-O2", "-ffp-contract=off"],
+                                             build_directory=str(folder), verbose=False)
             except Exception as e:  # no compiler, no ninja, a read-only folder: the Python loop instead
                 _failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 warnings.warn(f"lookahead: the compiled drafting loop could not be built ({_failed}); drafting runs "
