@@ -46,7 +46,9 @@ long long per_suffix = 1;  // _S
 bool configured = false;
 
 struct Cursor { int path; int i; };  // a proposed path at its token i
-struct Proposal { std::vector<long long> tokens; int slot; long long first, later; };
+struct Proposal {  // a proposed path (its tokens read where a cursor reaches them: most never are)
+  PyObject* fast; PyObject** items; Py_ssize_t size; int slot; long long first, later;
+};
 struct Entry { long long token; int below; long long state[3]; };  // state[1]: suffix, state[2]: pool
 struct Child { double p; long long token; int below; };  // below: a cursor list, -1: none
 struct Item {  // a heap entry: the sibling i of a list under `parent`
@@ -135,10 +137,12 @@ bool lookup(const Tables& t, long long second, long long previous, long long tok
 class Grower {
  public:
   Grower(const Tables* own, const Tables* memory) : own_(own), memory_(memory) {}
+  ~Grower() { for (Proposal& p : proposals) Py_DECREF(p.fast); }
 
   std::vector<Proposal> proposals;
   std::vector<std::vector<Cursor>> lists;  // cursor lists: what a node's children are proposed from
-  std::vector<std::vector<Child>> siblings;
+  std::vector<Child> arena;  // every sibling list, one after another
+  std::vector<std::pair<int, int>> siblings;  // a sibling list: its start in `arena` and its size
 
   // DraftBuilder._recycled: the list under token and its kind; false on a Python error
   bool recycled(long long second, long long previous, long long token, long long* listed, int* taken,
@@ -156,11 +160,13 @@ class Grower {
     return single == nullptr || read_list(single, listed, taken, size);
   }
 
-  // _expand: one level of the proposal trie under the cursors
-  void expand(const std::vector<Cursor>& cursors, std::vector<Entry>* level) {
-    for (const Cursor& c : cursors) {
+  // _expand: one level of the proposal trie under the cursors of list `below`; false on a Python error
+  bool expand(int below, std::vector<Entry>* level) {
+    for (size_t n = 0; n < lists[below].size(); ++n) {  // (by index: the loop grows `lists`)
+      const Cursor c = lists[below][n];
       const Proposal& path = proposals[c.path];
-      long long token = path.tokens[c.i], state = c.i == 0 ? path.first : path.later;
+      long long token = PyLong_AsLongLong(path.items[c.i]), state = c.i == 0 ? path.first : path.later;
+      if (token == -1 && PyErr_Occurred()) return false;
       Entry* entry = nullptr;
       for (Entry& e : *level) if (e.token == token) { entry = &e; break; }
       if (entry == nullptr) {
@@ -170,11 +176,12 @@ class Grower {
       } else if (stronger(path.slot, state, entry->state[path.slot])) {
         entry->state[path.slot] = state;
       }
-      if (c.i + 1 < static_cast<int>(path.tokens.size())) {
+      if (c.i + 1 < path.size) {
         if (entry->below < 0) { entry->below = static_cast<int>(lists.size()); lists.emplace_back(); }
         lists[entry->below].push_back(Cursor{c.path, c.i + 1});
       }
     }
+    return true;
   }
 
   // DraftBuilder._children: the children offered under token, best first, as a new sibling list (its index); -1 on
@@ -185,16 +192,16 @@ class Grower {
     Py_ssize_t size;
     int kind;
     if (!recycled(second, previous, token, listed, &taken, &size, &kind)) return -1;
-    std::vector<Child> out;
-    std::vector<Entry> level;
-    if (below >= 0) {
-      std::vector<Cursor> cursors = lists[below];  // (a copy: expand grows `lists`)
-      expand(cursors, &level);
-    }
+    std::vector<Entry>& level = level_;
+    level.clear();
+    if (below >= 0 && !expand(below, &level)) return -1;
+    std::vector<Child>& out = out_;
+    out.clear();
     if (level.empty()) {
       for (int r = 0; r < taken; ++r) out.push_back(Child{ranked_p[kind][r], listed[r], -1});
     } else {
-      std::vector<long long> codes;
+      std::vector<long long>& codes = codes_;
+      codes.clear();
       for (int r = 0; r < taken; ++r) {  // dict(zip(listed, ranked)): a repeated token keeps its last rank's code
         int at = -1;
         for (int j = 0; j < static_cast<int>(out.size()); ++j) if (out[j].token == listed[r]) { at = j; break; }
@@ -211,13 +218,23 @@ class Grower {
       for (size_t j = 0; j < out.size(); ++j) out[j].p = edge.at(static_cast<size_t>(codes[j]));
     }
     // out.sort(reverse=True) on (p, token, ...): siblings' tokens are distinct where it matters; a stable sort keeps
-    // equal ones (a repeated recycled token) in order, as Python's does
-    std::stable_sort(out.begin(), out.end(), [](const Child& a, const Child& b) {
-      return a.p > b.p || (a.p == b.p && a.token > b.token);
-    });
-    siblings.push_back(std::move(out));
+    // equal ones (a repeated recycled token) in order, as Python's does (an insertion sort: a few children)
+    for (size_t j = 1; j < out.size(); ++j) {
+      Child c = out[j];
+      size_t at = j;
+      while (at > 0 && (c.p > out[at - 1].p || (c.p == out[at - 1].p && c.token > out[at - 1].token))) {
+        out[at] = out[at - 1];
+        --at;
+      }
+      out[at] = c;
+    }
+    siblings.emplace_back(static_cast<int>(arena.size()), static_cast<int>(out.size()));
+    arena.insert(arena.end(), out.begin(), out.end());
     return static_cast<int>(siblings.size()) - 1;
   }
+
+  const Child& sibling(int list, int i) const { return arena[siblings[list].first + i]; }
+  int count(int list) const { return siblings[list].second; }
 
  private:
   static bool stronger(int slot, long long state, long long than) {
@@ -227,6 +244,9 @@ class Grower {
 
   const Tables* own_;
   const Tables* memory_;
+  std::vector<Entry> level_;  // scratch of `children`
+  std::vector<Child> out_;
+  std::vector<long long> codes_;
 };
 
 bool tables_of(PyObject* obj, Tables* t) {
@@ -315,32 +335,33 @@ PyObject* grow(PyObject*, PyObject* args) {
   std::vector<Cursor> roots;
   for (Py_ssize_t j = 0; j < PySequence_Fast_GET_SIZE(fast); ++j) {
     PyObject* item = PySequence_Fast_GET_ITEM(fast, j);
-    PyObject* path;
-    long long start;
-    Proposal p;
-    if (!PyArg_ParseTuple(item, "OLiLL", &path, &start, &p.slot, &p.first, &p.later)) {
+    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 5) {
       Py_DECREF(fast);
+      PyErr_SetString(PyExc_TypeError, "a proposal must be a tuple (path, index, slot, first state, later state)");
       return nullptr;
     }
-    PyObject* tokens = PySequence_Fast(path, "a proposed path must be a sequence");
-    if (tokens == nullptr) { Py_DECREF(fast); return nullptr; }
-    for (Py_ssize_t t = 0; t < PySequence_Fast_GET_SIZE(tokens); ++t) {
-      p.tokens.push_back(PyLong_AsLongLong(PySequence_Fast_GET_ITEM(tokens, t)));
-    }
-    Py_DECREF(tokens);
+    Proposal p;
+    long long start = PyLong_AsLongLong(PyTuple_GET_ITEM(item, 1));
+    p.slot = static_cast<int>(PyLong_AsLong(PyTuple_GET_ITEM(item, 2)));
+    p.first = PyLong_AsLongLong(PyTuple_GET_ITEM(item, 3));
+    p.later = PyLong_AsLongLong(PyTuple_GET_ITEM(item, 4));
     if (PyErr_Occurred()) { Py_DECREF(fast); return nullptr; }
+    p.fast = PySequence_Fast(PyTuple_GET_ITEM(item, 0), "a proposed path must be a sequence");
+    if (p.fast == nullptr) { Py_DECREF(fast); return nullptr; }
+    p.items = PySequence_Fast_ITEMS(p.fast);
+    p.size = PySequence_Fast_GET_SIZE(p.fast);
+    g.proposals.push_back(p);  // (the grower releases its path)
     if (p.slot != 1 && p.slot != 2) {
       Py_DECREF(fast);
       PyErr_SetString(PyExc_ValueError, "slot must be 1 or 2");
       return nullptr;
     }
-    if (start < 0 || start >= static_cast<long long>(p.tokens.size())) {
+    if (start < 0 || start >= p.size) {
       Py_DECREF(fast);
       PyErr_SetString(PyExc_IndexError, "a proposal's cursor is past its path");
       return nullptr;
     }
-    roots.push_back(Cursor{static_cast<int>(g.proposals.size()), static_cast<int>(start)});
-    g.proposals.push_back(std::move(p));
+    roots.push_back(Cursor{static_cast<int>(g.proposals.size()) - 1, static_cast<int>(start)});
   }
   Py_DECREF(fast);
 
@@ -352,29 +373,29 @@ PyObject* grow(PyObject*, PyObject* args) {
   if (!roots.empty()) { root_below = 0; g.lists.push_back(roots); }
   int offered = g.children(second, previous, root_token, root_below);
   if (offered < 0) return nullptr;
-  if (!g.siblings[offered].empty()) {
-    heap.push_back(Item{-g.siblings[offered][0].p, 0, -1, root_token, previous, 1.0, offered, 0});
+  if (g.count(offered) > 0) {
+    heap.push_back(Item{-g.sibling(offered, 0).p, 0, -1, root_token, previous, 1.0, offered, 0});
   }
   long long order = 1;
   while (!heap.empty() && static_cast<Py_ssize_t>(tokens.size()) < budget) {
     std::pop_heap(heap.begin(), heap.end(), Later());
     Item it = heap.back();
     heap.pop_back();
-    const Child child = g.siblings[it.siblings][it.i];
+    const Child child = g.sibling(it.siblings, it.i);
     int node = static_cast<int>(tokens.size());
     tokens.push_back(child.token);
     parents.push_back(it.parent);
     scores.push_back(-it.neg);
-    if (it.i + 1 < static_cast<int>(g.siblings[it.siblings].size())) {
-      double p = g.siblings[it.siblings][it.i + 1].p;
+    if (it.i + 1 < g.count(it.siblings)) {
+      double p = g.sibling(it.siblings, it.i + 1).p;
       heap.push_back(Item{-it.parent_score * p, order++, it.parent, it.parent_token, it.grand_token, it.parent_score,
                           it.siblings, it.i + 1});
       std::push_heap(heap.begin(), heap.end(), Later());
     }
     offered = g.children(it.grand_token, it.parent_token, child.token, child.below);
     if (offered < 0) return nullptr;
-    if (!g.siblings[offered].empty()) {
-      heap.push_back(Item{it.neg * g.siblings[offered][0].p, order++, node, child.token, it.parent_token, -it.neg,
+    if (g.count(offered) > 0) {
+      heap.push_back(Item{it.neg * g.sibling(offered, 0).p, order++, node, child.token, it.parent_token, -it.neg,
                           offered, 0});
       std::push_heap(heap.begin(), heap.end(), Later());
     }
