@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lookahead import LookaheadConfig
+from lookahead import LookaheadConfig, native
 from lookahead.drafts import (
     ROOT,
     DraftBuilder,
@@ -23,7 +23,6 @@ from lookahead.drafts import (
     NGramPool,
     RecycleTables,
     SuffixIndex,
-    native,
     preorder,
 )
 from lookahead.drafts.builder import (
@@ -160,11 +159,15 @@ def budgets(rng: random.Random, static: bool):
     return made
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
 @pytest.mark.parametrize("static", [False, True], ids=["exact", "static"])
 @pytest.mark.parametrize("seed", range(40))
-def test_the_budget_chooses_what_the_heap_scan_chose(seed, static, monkeypatch):
+def test_the_budget_chooses_what_the_heap_scan_chose(seed, static, compiled, monkeypatch):
+    if compiled:
+        assert native.load() is not None, "the compiled host loops did not build"
     rng = random.Random(seed)
     new, old = budgets(rng, static)
+    new.compiled = compiled
     for step in range(12):  # exploration comes every EXPLORE_EVERY steps: both must agree on when and what
         rows = rng.randint(1, 40)
         scores = random_scores(rng, rows, rng.choice([3, 15, 120]))
@@ -192,6 +195,20 @@ def test_merged_slots_are_the_heap_order():
                 heapq.heappush(heap, (-worths[r][taken[r]], r))
         order, gains = budget.merge_slots(worths)
         assert list(zip(order, gains, strict=True)) == want
+
+
+def test_compiled_slots_are_the_merged_worths_bit_for_bit():
+    """`native.slots` (what the budget takes its slots from) against `merge_slots` of each row's `_worths`, on scores
+    with ties, zeros, sums on the calibration bands' bounds and empty rows."""
+    assert native.load() is not None, "the compiled host loops did not build"
+    rng = random.Random(6)
+    budget_ = budgets(rng, False)[0]
+    for _ in range(300):
+        scores = random_scores(rng, rng.randint(0, 12), rng.choice([3, 15, 40]))
+        scores += [[0.25, 0.25, 0.5, 0.0, 1.0]] if rng.random() < 0.3 else []
+        calibration = budget_._calibration()
+        want = budget.merge_slots([budget_._worths(row, calibration) for row in scores])
+        assert native.load().slots(scores, budget.CALIBRATION_BANDS, *calibration) == want
 
 
 def test_predict_many_is_predict_bit_for_bit():
@@ -296,7 +313,7 @@ def test_suffix_continuations_are_what_they_were(seed, compiled):
     """The look-up (the compiled loop, and the Python one it replaces where it cannot be built) against the reference,
     on texts joined by separators, the first forgotten in some (positions then start past 0)."""
     if compiled:
-        assert native.load() is not None, "the compiled drafting loops did not build"
+        assert native.load() is not None, "the compiled host loops did not build"
     rng = random.Random(seed)
     vocab = rng.choice([3, 8, 50])
     texts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 300))] for _ in range(3)]
@@ -454,7 +471,7 @@ def test_the_draft_tree_grows_as_it_did(seed, compiled, wide):
     """The growth (the compiled loop, and the Python loop it replaces where it cannot be built) against the reference:
     the same nodes, parents and scores, bit for bit."""
     if compiled:
-        assert _compiled() is not None, "the compiled drafting loop did not build"
+        assert _compiled() is not None, "the compiled host loops did not build"
     rng = random.Random(seed)
     ids = Ids(rng, wide)
     sequence, memory = random_builder_inputs(rng, ids)
@@ -481,7 +498,7 @@ def test_the_draft_tree_grows_as_it_did(seed, compiled, wide):
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
 def test_grown_trees_are_numbered_as_the_pre_order_walk_numbers_them(compiled):
     if compiled:
-        assert native.load() is not None, "the compiled drafting loops did not build"
+        assert native.load() is not None, "the compiled host loops did not build"
     rng = random.Random(5)
     for _ in range(300):
         n = rng.randint(0, 60)
@@ -534,7 +551,7 @@ def table_state(tables: RecycleTables) -> list:
 @pytest.mark.parametrize("seed", range(10))
 def test_a_step_updates_the_recycled_tables_as_it_did(seed, compiled, wide):
     if compiled:
-        assert native.load() is not None, "the compiled drafting loops did not build"
+        assert native.load() is not None, "the compiled host loops did not build"
     rng = random.Random(seed)
     ids = Ids(rng, wide)
     new, old = RecycleTables(), RecycleTables()

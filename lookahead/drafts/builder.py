@@ -23,7 +23,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-from . import native
+from lookahead import native
+
 from .edges import (
     _S,
     EDGE_PROBABILITY,

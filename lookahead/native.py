@@ -1,17 +1,22 @@
-"""The drafting hot loops compiled: the best-first growth of `DraftBuilder._grow` over the proposals and the recycled
-tables, and the recycled tables' update from a step's top-k (`RecycleTables.update_step`), in C++ through the Python C
-API (the tables stay the dicts they are; the loops read and write them in place).
+"""The engine's host loops compiled (issue 36): what runs for every draft node, step row or slot of every lookahead row
+every step, in C++ through the Python C API over the package's own lists and dicts (read and written in place):
 
-The loop runs for every node of every lookahead row's draft every step, the largest part of the engine's host time
-(bench/host_time.py); in Python a node costs a dozen dict and list operations and a heap push of a tuple. `grow` does
-exactly what `DraftBuilder._grow_python` does, node for node and bit for bit (the same float products in the same
-order, the same heap order, the same stable sort of siblings), so the drafts, and the steps, are the same; `learn`
-writes what `RecycleTables.update_step_python` writes, in the same order, one list object per step row as its
-`tolist()` gives. tests/test_host_paths.py holds each to its Python loop and to the older reference.
+    grow           `DraftBuilder._grow`: the best-first growth over the proposals and the recycled tables
+    learn          `RecycleTables.update_step`: a step's top-k into the recycled tables
+    continuations  `SuffixIndex.continuations`: earlier occurrences of the sequence's suffix and what followed
+    extend         `SuffixIndex.extend`: the m-grams of the accepted tokens into the suffix index
+    grown          `DraftTree.grown`: a best-first draft renumbered in pre-order
+    slots          `StepBudget._slots`: every row's calibrated node worths, merged in the order the budget takes them
+
+Each does exactly what the Python code beside its caller does (`..._python`, kept for where the build fails), node
+for node and bit for bit: the same float operations in the same order (no fused multiply-adds), the same heap
+order and stable sorts, the same entries in the same order, one list object per step row where Python shares one.
+So the drafts, the steps' sizes and the acceptance are the same either way; tests/test_host_paths.py holds each to
+its Python path and to the older reference.
 
 The source is compiled at first use by torch's C++ extension loader (a C++ compiler and ninja) into its default
-build folder, one build per kind of CPU and version of the source (as `lookahead.kernels.cpu_gemm`'s); where that
-fails `load` returns None (with one warning) and the builder runs the Python loop.
+build folder, one build per kind of CPU, Python version and version of the source (as `lookahead.kernels.cpu_gemm`'s
+is); where that fails `load` returns None (with one warning) and every caller runs its Python path.
 """
 
 from __future__ import annotations
@@ -745,6 +750,78 @@ PyObject* grown(PyObject*, PyObject* args) {
   return Py_BuildValue("(NNN)", out_tokens, out_parents, out_ends);
 }
 
+// slots(scores, bands, numerator, denominator) -> (order, gains): budget.merge_slots over each row's
+// StepBudget._worths (each row's draft scores, best first, as calibrated worths of each further node), in one pass.
+PyObject* slots(PyObject*, PyObject* args) {
+  PyObject *scores_obj, *bands_obj, *num_obj, *den_obj;
+  if (!PyArg_ParseTuple(args, "OOOO", &scores_obj, &bands_obj, &num_obj, &den_obj)) return nullptr;
+  std::vector<double> bands, numerator, denominator;
+  if (!doubles(bands_obj, &bands) || !doubles(num_obj, &numerator) || !doubles(den_obj, &denominator)) return nullptr;
+  if (numerator.size() < bands.size() + 1 || denominator.size() < bands.size() + 1) {
+    PyErr_SetString(PyExc_ValueError, "a calibration needs one band more than its bounds");
+    return nullptr;
+  }
+  PyObject* rows = PySequence_Fast(scores_obj, "scores must be a sequence");
+  if (rows == nullptr) return nullptr;
+  Py_ssize_t n_rows = PySequence_Fast_GET_SIZE(rows);
+  std::vector<double> worths;  // every row's, one after another
+  std::vector<Py_ssize_t> first(n_rows + 1, 0);
+  for (Py_ssize_t r = 0; r < n_rows; ++r) {
+    PyObject* row = PySequence_Fast(PySequence_Fast_GET_ITEM(rows, r), "a row's scores must be a sequence");
+    if (row == nullptr) { Py_DECREF(rows); return nullptr; }
+    double total = 0.0, before = 0.0;
+    for (Py_ssize_t j = 0; j < PySequence_Fast_GET_SIZE(row); ++j) {
+      double score = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(row, j));
+      if (score == -1.0 && PyErr_Occurred()) { Py_DECREF(row); Py_DECREF(rows); return nullptr; }
+      total += score;
+      size_t band = std::upper_bound(bands.begin(), bands.end(), total) - bands.begin();  // bisect_right
+      double now = total * numerator[band] / denominator[band];
+      worths.push_back(now - before);
+      before = now;
+    }
+    Py_DECREF(row);
+    first[r + 1] = static_cast<Py_ssize_t>(worths.size());
+  }
+  Py_DECREF(rows);
+  struct Run { double neg; Py_ssize_t row, start, end; };
+  std::vector<Run> runs;
+  for (Py_ssize_t r = 0; r < n_rows; ++r) {
+    Py_ssize_t start = first[r], n = first[r + 1];
+    while (start < n) {
+      double head = worths[start];
+      Py_ssize_t end = start + 1;
+      while (end < n && worths[end] >= head) ++end;
+      runs.push_back(Run{-head, r, start, end});
+      start = end;
+    }
+  }
+  std::sort(runs.begin(), runs.end(), [](const Run& a, const Run& b) {  // as Python sorts (-head, row, start, end)
+    if (a.neg != b.neg) return a.neg < b.neg;
+    if (a.row != b.row) return a.row < b.row;
+    return a.start < b.start;
+  });
+  Py_ssize_t total = static_cast<Py_ssize_t>(worths.size());
+  PyObject* order = PyList_New(total);
+  PyObject* gains = PyList_New(total);
+  bool good = order != nullptr && gains != nullptr;
+  Py_ssize_t at = 0;
+  for (const Run& run : runs) {
+    if (!good) break;
+    PyObject* row = PyLong_FromSsize_t(run.row);
+    if (row == nullptr) { good = false; break; }
+    for (Py_ssize_t j = run.start; j < run.end; ++j, ++at) {
+      PyObject* gain = PyFloat_FromDouble(worths[j]);
+      if (gain == nullptr) { good = false; break; }
+      Py_INCREF(row);
+      PyList_SET_ITEM(order, at, row);
+      PyList_SET_ITEM(gains, at, gain);
+    }
+    Py_DECREF(row);
+  }
+  if (!good) { Py_XDECREF(order); Py_XDECREF(gains); return nullptr; }
+  return Py_BuildValue("(NN)", order, gains);
+}
+
 PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS, "Set the edge model's tables."},
     {"grow", grow, METH_VARARGS, "DraftBuilder._grow_python, compiled."},
@@ -752,6 +829,7 @@ PyMethodDef methods[] = {
     {"continuations", continuations, METH_VARARGS, "SuffixIndex.continuations_python, compiled."},
     {"extend", extend, METH_VARARGS, "SuffixIndex.extend_python, compiled."},
     {"grown", grown, METH_VARARGS, "DraftTree.grown_python, compiled."},
+    {"slots", slots, METH_VARARGS, "budget.merge_slots of StepBudget._worths of each row, compiled."},
     {nullptr, nullptr, 0, nullptr},
 };
 
@@ -786,14 +864,14 @@ def load():
                 from lookahead.kernels.cpu_gemm import _drop_stale_lock, cpu_tag
 
                 source = hashlib.sha256(_SOURCE.encode()).hexdigest()[:8]
-                name = f"lookahead_drafts_{cpu_tag()}_{source}"
+                name = f"lookahead_host_{cpu_tag()}_{source}"
                 # (the build is a CPython extension: one per Python version, as torch's own folders are)
                 folder = Path(get_default_build_root()) / f"py{sys.version_info.major}{sys.version_info.minor}" / name
                 folder.mkdir(parents=True, exist_ok=True)
                 _drop_stale_lock(folder)
-                path = folder / "drafts.cpp"
+                path = folder / "host.cpp"
                 if not path.is_file() or path.read_text() != _SOURCE:  # (a whole file: another process may build)
-                    staged = folder / f"drafts.cpp.{os.getpid()}"
+                    staged = folder / f"host.cpp.{os.getpid()}"
                     staged.write_text(_SOURCE)
                     os.replace(staged, path)
                 with warnings.catch_warnings():
@@ -801,8 +879,8 @@ def load():
                     # (no fused multiply-adds: the products must round as Python's do)
                     _module = load_extension(name, [str(path)], extra_cflags=["-O2", "-ffp-contract=off"],
                                              build_directory=str(folder), verbose=False)
-            except Exception as e:  # no compiler, no ninja, a read-only folder: the Python loop instead
+            except Exception as e:  # no compiler, no ninja, a read-only folder: the Python paths instead
                 _failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                warnings.warn(f"lookahead: the compiled drafting loop could not be built ({_failed}); drafting runs "
-                              "its Python loop instead (the same drafts, slower)", stacklevel=3)
+                warnings.warn(f"lookahead: the compiled host loops could not be built ({_failed}); the engine runs "
+                              "their Python code instead (the same drafts and steps, slower)", stacklevel=3)
     return _module
