@@ -28,8 +28,10 @@ from lookahead.drafts import (
 from lookahead.drafts.builder import (
     _MISSING,
     _NONE,
+    _POOL_STATES,
     _RANKED,
     _RANKED_PROBABILITY,
+    _SUFFIX_STATES,
     EDGE_PROBABILITY,
     NO_RECYCLE,
     SUFFIX_LIMIT,
@@ -230,7 +232,9 @@ def test_stale_knots_are_stale_knot_of_each():
         curve.observed = 40
         curve.ran = [rng.choice([None, 0, 30]) for _ in knots]
         tokens = [rng.randint(1, 700) for _ in range(200)] + list(range(1, 600))
-        assert curve.stale_knots(tokens) == [curve.stale_knot(t) for t in tokens]
+        assert curve.stale_knots(tokens) == [curve.stale_knot(t) for t in tokens]  # numpy
+        short = tokens[:20]  # the Python loop
+        assert curve.stale_knots(short) == [curve.stale_knot(t) for t in short]
 
 
 def random_tree_end(rng: random.Random, nodes: int) -> tuple[int, ...]:
@@ -425,6 +429,15 @@ def _insert(trie: dict, path: Sequence[int], slot: int, first_state: int, later_
         elif stronger(slot, state, entry[slot]):
             entry[slot] = state
         level = entry[0]
+
+
+def test_the_proposal_state_tables_are_the_edge_states():
+    """The builder's tabulated proposal states (a suffix match longer than SUFFIX_REACH scores as SUFFIX_REACH)."""
+    for memory in (False, True):
+        for match in range(1, 3 * SUFFIX_REACH):
+            states = (suffix_state(match, False, memory), suffix_state(match, True, memory))
+            assert _SUFFIX_STATES[memory][min(match, SUFFIX_REACH)] == states
+        assert _POOL_STATES[memory] == (pool_state(False, memory), pool_state(True, memory))
 
 
 class Ids:
