@@ -15,16 +15,19 @@ So the drafts, the steps' sizes and the acceptance are the same either way; test
 its Python path and to the older reference.
 
 The source is compiled at first use by torch's C++ extension loader (a C++ compiler and ninja) into its default
-build folder, one build per kind of CPU, Python version and version of the source (as `lookahead.kernels.cpu_gemm`'s
-is); where that fails `load` returns None (with one warning) and every caller runs its Python path.
+build folder, one build per architecture, Python version and version of the source (as `lookahead.kernels.cpu_gemm`'s
+is, per kind of CPU); where that fails `load` returns None (with one warning) and every caller runs its Python path.
+It imports nothing of the package: the drafts and the tuning room both use it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import platform
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -845,9 +848,23 @@ static PyModuleDef module_def = {PyModuleDef_HEAD_INIT, STRINGIFY(TORCH_EXTENSIO
 PyMODINIT_FUNC INIT(TORCH_EXTENSION_NAME)(void) { return PyModule_Create(&module_def); }
 """
 
+STALE_LOCK_S = 600  # a build holds torch's lock file for seconds; one this old was left by a killed process
+
 _lock = threading.Lock()
 _module = None
 _failed: str | None = None
+
+
+def _drop_stale_lock(folder: Path) -> None:
+    """torch's loader waits for its build folder's `lock` file forever: a process killed mid-build leaves one behind,
+    and every later load would hang (as `lookahead.kernels.cpu_gemm` guards its own build: the tuning room, which
+    uses this module, may not import the kernels)."""
+    lock = folder / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink()
+    except OSError:  # none there, or gone meanwhile
+        pass
 
 
 def load():
@@ -861,10 +878,9 @@ def load():
                 from torch.utils.cpp_extension import get_default_build_root
                 from torch.utils.cpp_extension import load as load_extension
 
-                from lookahead.kernels.cpu_gemm import _drop_stale_lock, cpu_tag
-
                 source = hashlib.sha256(_SOURCE.encode()).hexdigest()[:8]
-                name = f"lookahead_host_{cpu_tag()}_{source}"
+                # (plain -O2, no -march=native: one build serves every CPU of an architecture)
+                name = f"lookahead_host_{platform.machine()}_{source}"
                 # (the build is a CPython extension: one per Python version, as torch's own folders are)
                 folder = Path(get_default_build_root()) / f"py{sys.version_info.major}{sys.version_info.minor}" / name
                 folder.mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-from lookahead import native
+import lookahead.native as native
 
 from .edges import (
     _S,

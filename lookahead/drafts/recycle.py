@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from lookahead import native
+import lookahead.native as native
 
 _BITS = 21  # a context key packs token ids + 1 (ids from -1, "none", to 2**21 - 2) into one int
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Sequence
 
-from lookahead import native
+import lookahead.native as native
 
 _SCAN = 4  # occurrences looked at per continuation wanted, per match length
 SEPARATOR = -1  # not a token id: starts a text of its own

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from lookahead import native
+import lookahead.native as native
 
 ROOT = -1  # the parent of the input token's children
 

@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from lookahead import native
+import lookahead.native as native
 from lookahead.config import LookaheadConfig
 
 from .cost import CostModel
