@@ -43,6 +43,7 @@ from lookahead.drafts.edges import pool_state, suffix_state
 from lookahead.drafts.suffix import _SCAN, SEPARATOR
 from lookahead.drafts.tree import BestFirst
 from lookahead.kernels import StepPattern
+from lookahead.loop.verify import Verdict, verify
 from lookahead.models.programs import slot_run
 from lookahead.tuning import CostModel, Curve, StepBudget, budget
 from lookahead.tuning.budget import EXPLORE_EVERY, NOTHING_FIXED, Choice, Fixed
@@ -591,3 +592,44 @@ def test_a_grown_tree_refuses_a_parent_after_its_node(parents, compiled):
     with pytest.raises(ValueError) as python:
         DraftTree.grown_python(list(range(len(parents))), parents)
     assert str(raised.value) == str(python.value)
+
+
+def old_verify(tree: DraftTree, chosen: Sequence[int]) -> Verdict:
+    """`verify` as it was: each node's children through `DraftTree.children`."""
+    node, tokens = ROOT, []
+    while True:
+        want = chosen[node + 1]
+        child = next((c for c in tree.children(node) if tree.tokens[c] == want), None)
+        if child is None:
+            return Verdict(tokens + [want], node)
+        tokens.append(want)
+        node = child
+
+
+def test_verification_walks_as_it_did():
+    rng = random.Random(7)
+    for _ in range(2000):
+        n = rng.randint(0, 30)
+        vocab = rng.choice([2, 4, 50])
+        parents = [rng.choice([ROOT, *range(j)]) for j in range(n)]
+        tree = DraftTree.grown([rng.randrange(vocab) for _ in range(n)], parents)  # (siblings may repeat a token)
+        chosen = [rng.randrange(vocab) for _ in range(n + 1)]
+        assert verify(tree, chosen) == old_verify(tree, chosen)
+
+
+class OldPool(NGramPool):
+    def add_sequence(self, tokens: Sequence[int], start: int = 0) -> None:
+        for i in range(max(start, 0), len(tokens) - self.ngram + 1):
+            self.add(tokens[i : i + self.ngram])
+
+
+def test_a_pool_adds_a_sequence_as_it_did():
+    rng = random.Random(8)
+    for _ in range(300):
+        ngram, capacity = rng.randint(2, 5), rng.choice([0, 1, 3, 8])
+        new, old = NGramPool(ngram, capacity), OldPool(ngram, capacity)
+        tokens = [rng.randrange(rng.choice([3, 20])) for _ in range(rng.randint(0, 60))]
+        for start in sorted(rng.sample(range(-3, 70), 4)):
+            new.add_sequence(tokens, start)
+            old.add_sequence(tokens, start)
+            assert [(k, list(c)) for k, c in new._grams.items()] == [(k, list(c)) for k, c in old._grams.items()]
