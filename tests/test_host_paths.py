@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import MockStepModel, decode_one
 from lookahead import LookaheadConfig, native
 from lookahead.drafts import (
     ROOT,
@@ -633,3 +634,27 @@ def test_a_pool_adds_a_sequence_as_it_did():
             new.add_sequence(tokens, start)
             old.add_sequence(tokens, start)
             assert [(k, list(c)) for k, c in new._grams.items()] == [(k, list(c)) for k, c in old._grams.items()]
+
+
+def test_generations_draft_the_same_without_the_compiled_loops(monkeypatch):
+    """End to end on the mock model, warm: every step's tree, the tokens each step fed and accepted, and what the
+    drafting memory ends up holding are the same whether the compiled loops run or the Python paths do (as where the
+    build fails)."""
+    assert native.load() is not None, "the compiled host loops did not build"
+    cfg = LookaheadConfig(2, 4, 6, budget="fixed")
+    prompts = [[(5 * i + j * j) % 16 for j in range(14)] + [3, 4, 5, 3, 4, 5] for i in range(4)]
+
+    def run() -> tuple:
+        memory, seen = DraftMemory(), []
+        for prompt in prompts:
+            model = MockStepModel(16)
+            result = decode_one(model, prompt, 40, lookahead=cfg, memory=memory)
+            seen.append((result.tokens, result.step_sizes, result.step_tokens,
+                         [(p.window, p.ngram, p.tree_end) for p in model.patterns]))
+        tables = memory.recycle
+        return seen, tables.triples, tables.pairs, tables.single, memory.suffix._ends, memory._grams.keys()
+
+    compiled = run()
+    assert any(len(set(p[2])) > 1 for p in compiled[0][-1][3] if p[2])  # trees with branches were drafted
+    monkeypatch.setattr(native, "load", lambda: None)
+    assert run() == compiled
