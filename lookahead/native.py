@@ -689,8 +689,8 @@ PyObject* extend(PyObject*, PyObject* args) {
   return PyLong_FromSsize_t(run);
 }
 
-// grown(tokens, parents) -> (tokens, parents, tree_end) in pre-order: DraftTree.grown_python's (a parent must be
-// ROOT, -1, or an earlier node: ValueError otherwise, with its message).
+// grown(tokens, parents) -> (tokens, parents, tree_end, depths) in pre-order: DraftTree.grown_python's (a parent must
+// be ROOT, -1, or an earlier node: ValueError otherwise, with its message; depths a tuple).
 PyObject* grown(PyObject*, PyObject* args) {
   PyObject *tokens_obj, *parents_obj;
   if (!PyArg_ParseTuple(args, "OO", &tokens_obj, &parents_obj)) return nullptr;
@@ -699,7 +699,7 @@ PyObject* grown(PyObject*, PyObject* args) {
   PyObject* parents_fast = PySequence_Fast(parents_obj, "parents must be a sequence");
   if (parents_fast == nullptr) { Py_DECREF(tokens); return nullptr; }
   Py_ssize_t n = PySequence_Fast_GET_SIZE(parents_fast);
-  std::vector<Py_ssize_t> parents(n), size(n, 1), place(n, 0), free_at(n, 0);
+  std::vector<Py_ssize_t> parents(n), size(n, 1), place(n, 0), free_at(n, 0), depth(n, 0);
   bool good = PySequence_Fast_GET_SIZE(tokens) >= n;
   if (!good) PyErr_SetString(PyExc_IndexError, "fewer tokens than parents");
   for (Py_ssize_t j = 0; good && j < n; ++j) {
@@ -716,7 +716,7 @@ PyObject* grown(PyObject*, PyObject* args) {
     }
     if (parent != -1) size[parent] += size[node];
   }
-  PyObject *out_tokens = nullptr, *out_parents = nullptr, *out_ends = nullptr;
+  PyObject *out_tokens = nullptr, *out_parents = nullptr, *out_ends = nullptr, *out_depths = nullptr;
   if (good) {
     Py_ssize_t root_free = 0;
     for (Py_ssize_t node = 0; node < n; ++node) {
@@ -725,21 +725,31 @@ PyObject* grown(PyObject*, PyObject* args) {
       else { at = free_at[parent]; free_at[parent] = at + size[node]; }
       place[node] = at;
       free_at[node] = at + 1;
+      depth[node] = parent == -1 ? 1 : depth[parent] + 1;
     }
     out_tokens = PyList_New(n);
     out_parents = PyList_New(n);
     out_ends = PyList_New(n);
-    good = out_tokens != nullptr && out_parents != nullptr && out_ends != nullptr;
+    out_depths = PyTuple_New(n);
+    good = out_tokens != nullptr && out_parents != nullptr && out_ends != nullptr && out_depths != nullptr;
     for (Py_ssize_t node = 0; good && node < n; ++node) {
       Py_ssize_t at = place[node], parent = parents[node];
       PyObject* token = PySequence_Fast_GET_ITEM(tokens, node);
       PyObject* up = PyLong_FromSsize_t(parent == -1 ? -1 : place[parent]);
       PyObject* end = PyLong_FromSsize_t(at + size[node]);
-      if (up == nullptr || end == nullptr) { Py_XDECREF(up); Py_XDECREF(end); good = false; break; }
+      PyObject* deep = PyLong_FromSsize_t(depth[node]);
+      if (up == nullptr || end == nullptr || deep == nullptr) {
+        Py_XDECREF(up);
+        Py_XDECREF(end);
+        Py_XDECREF(deep);
+        good = false;
+        break;
+      }
       Py_INCREF(token);
       PyList_SET_ITEM(out_tokens, at, token);
       PyList_SET_ITEM(out_parents, at, up);
       PyList_SET_ITEM(out_ends, at, end);
+      PyTuple_SET_ITEM(out_depths, at, deep);
     }
   }
   Py_DECREF(tokens);
@@ -748,9 +758,10 @@ PyObject* grown(PyObject*, PyObject* args) {
     Py_XDECREF(out_tokens);
     Py_XDECREF(out_parents);
     Py_XDECREF(out_ends);
+    Py_XDECREF(out_depths);
     return nullptr;
   }
-  return Py_BuildValue("(NNN)", out_tokens, out_parents, out_ends);
+  return Py_BuildValue("(NNNN)", out_tokens, out_parents, out_ends, out_depths);
 }
 
 // slots(scores, bands, numerator, denominator) -> (order, gains): budget.merge_slots over each row's

@@ -526,6 +526,10 @@ def test_grown_trees_are_numbered_as_the_pre_order_walk_numbers_them(compiled):
         new = {old: j for j, old in enumerate(order)}
         new[ROOT] = ROOT
         tree = DraftTree.grown(tokens, parents, compiled=compiled)
+        derived = StepPattern.of_tree(2, 3, tuple(tree.tree_end))  # depths from tree_end, as a pattern derives them
+        assert type(tree.depths) is tuple and tree.depths == derived._depths
+        given = StepPattern.of_tree(2, 3, tuple(tree.tree_end), tree.depths)
+        assert given.position_list == derived.position_list == tuple(derived.relative_positions.tolist())
         assert tree == DraftTree([tokens[n] for n in order], [new[parents[n]] for n in order], ends)
 
 
