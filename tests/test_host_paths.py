@@ -44,6 +44,7 @@ from lookahead.drafts.edges import pool_state, suffix_state
 from lookahead.drafts.suffix import _SCAN, SEPARATOR
 from lookahead.drafts.tree import BestFirst
 from lookahead.kernels import StepPattern
+from lookahead.loop import full_pattern, pack_step
 from lookahead.loop.verify import Verdict, verify
 from lookahead.models.programs import slot_run
 from lookahead.tuning import CostModel, Curve, StepBudget, budget
@@ -662,3 +663,15 @@ def test_generations_draft_the_same_without_the_compiled_loops(monkeypatch):
     assert any(len(set(p[2])) > 1 for p in compiled[0][-1][3] if p[2])  # trees with branches were drafted
     monkeypatch.setattr(native, "load", lambda: None)
     assert run() == compiled
+
+
+def test_commit_indices_are_the_path_down_to_the_verdict():
+    rng = random.Random(9)
+    config = LookaheadConfig(3, 4, 5)
+    for _ in range(300):
+        n = rng.randint(0, 15)
+        tree = DraftTree.grown(list(range(n)), [rng.choice([ROOT, *range(j)]) for j in range(n)])
+        layout = pack_step([[7, 8, 9]] * rng.randint(1, 3), tree, full_pattern(config), rng.random() < 0.5)
+        node = rng.choice([ROOT, *range(n)])
+        la = layout.pattern.lookahead_len
+        assert layout.commit_indices(Verdict([1], node)) == [0, *(la + j for j in tree.path(node))]

@@ -136,8 +136,12 @@ class StepLayout:
 
     def commit_indices(self, verdict: Verdict) -> list[int]:
         """Step indices to keep after a verdict: the input token, then the path down to its last accepted node."""
-        la = self.pattern.lookahead_len
-        return [0, *(la + node for node in self.tree.path(verdict.node))]  # `index_of_node` of each (none is ROOT)
+        la, parents, node, up = self.pattern.lookahead_len, self.tree.parents, verdict.node, []
+        while node != ROOT:  # `tree.path`, inline, and `index_of_node` of each (none is ROOT)
+            up.append(la + node)
+            node = parents[node]
+        up.append(0)
+        return up[::-1]
 
 
 def pack_step(levels: Sequence[Sequence[int]], tree: DraftTree, full: StepPattern, static: bool,
