@@ -73,6 +73,19 @@ struct Tables { PyObject* triples; PyObject* pairs; PyObject* single; };
 
 // A recycled list's first K tokens into out, its length (for its truth) into size; false on a Python error.
 bool read_list(PyObject* seq, long long* out, int* taken, Py_ssize_t* size) {
+  if (PyList_CheckExact(seq) || PyTuple_CheckExact(seq)) {  // what the tables hold: read in place
+    Py_ssize_t n = PyList_CheckExact(seq) ? PyList_GET_SIZE(seq) : PyTuple_GET_SIZE(seq);
+    PyObject** items = PyList_CheckExact(seq) ? reinterpret_cast<PyListObject*>(seq)->ob_item
+                                              : reinterpret_cast<PyTupleObject*>(seq)->ob_item;
+    int m = static_cast<int>(std::min<Py_ssize_t>(n, K));
+    for (int r = 0; r < m; ++r) {
+      out[r] = PyLong_AsLongLong(items[r]);
+      if (out[r] == -1 && PyErr_Occurred()) return false;
+    }
+    *taken = m;
+    *size = n;
+    return true;
+  }
   PyObject* fast = PySequence_Fast(seq, "a recycled list must be a sequence");
   if (fast == nullptr) return false;
   Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
@@ -377,6 +390,13 @@ PyObject* grow(PyObject*, PyObject* args) {
   std::vector<int> parents;
   std::vector<double> scores;
   std::vector<Item> heap;
+  size_t most = static_cast<size_t>(std::max<Py_ssize_t>(std::min<Py_ssize_t>(budget, 4096), 0));
+  tokens.reserve(most);  // (sized once: a node costs no reallocation)
+  parents.reserve(most);
+  scores.reserve(most);
+  heap.reserve(2 * most + 2);
+  g.siblings.reserve(most + 1);
+  g.arena.reserve((most + 1) * K);
   int root_below = -1;
   if (!roots.empty()) { root_below = 0; g.lists.push_back(roots); }
   int offered = g.children(second, previous, root_token, root_below);
