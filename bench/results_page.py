@@ -59,8 +59,9 @@ RUNS: dict[str, tuple[str, str]] = {
     "tri18-cpu": ("LOOKAHEAD_TRIPLES=1 LOOKAHEAD_LEARN=0 python bench/compression.py --configs 3-4-3 2-4-4 1-4-5 "
                   "--name tri18", "tree"),
     "overhead-cpu": ("python bench/overhead.py --configs 15-5-15 3-4-3 1-4-5 15-5-15", "tree"),
-    "host-time-cpu": ("python bench/host_time.py --baseline DIR, DIR holding the code before issue 36's host-time "
-                      "work: git archive a911b95 lookahead kernels models | tar -x -C DIR", "tree"),
+    "host-time-cpu": ("python bench/host_time.py --baseline DIR, DIR holding the code before the compiled host "
+                      "loops (issue 36's second round): git archive 164c0bf lookahead kernels models | tar -x -C DIR",
+                      "tree"),
     "sampling-s-cpu": ("python bench/sampling_s.py --per-kind 1", CHAINS),
     "peers-cpu": ("python bench/peers.py", "tree"),
     "profile-cpu": ("python bench/profile_step.py", "tree"),

@@ -74,13 +74,17 @@ class StepPattern:
             object.__setattr__(self, "tree_end", tuple(ends))
 
     @classmethod
-    def of_tree(cls, window: int, ngram: int, tree_end: tuple[int, ...]) -> StepPattern:
+    def of_tree(cls, window: int, ngram: int, tree_end: tuple[int, ...],
+                depths: tuple[int, ...] | None = None) -> StepPattern:
         """A tree-form pattern whose `tree_end` (a tuple) is known to be a pre-order forest, as a `DraftTree`'s is by
         construction: not checked again. What the decode loop makes for every row of every step, where the check
-        costs as much as the rest of the packing; anything else goes through the checking constructor."""
+        costs as much as the rest of the packing; anything else goes through the checking constructor. depths: each
+        node's depth where the caller knows them (a grown draft tree does), the same as `_depths` would derive."""
         pattern = object.__new__(cls)
         for name, value in (("window", window), ("ngram", ngram), ("candidates", 0), ("tree_end", tree_end)):
             object.__setattr__(pattern, name, value)
+        if depths is not None:
+            object.__setattr__(pattern, "_depths", depths)  # (the cached property's value, given)
         return pattern
 
     @property

@@ -12,24 +12,40 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+import torch
 
-from lookahead import LookaheadConfig
-from lookahead.drafts import ROOT, DraftBuilder, DraftMemory, DraftTree, NGramPool, RecycleTables, SuffixIndex, preorder
+from helpers import MockStepModel, decode_one
+from lookahead import LookaheadConfig, native
+from lookahead.drafts import (
+    ROOT,
+    DraftBuilder,
+    DraftMemory,
+    DraftTree,
+    NGramPool,
+    RecycleTables,
+    SuffixIndex,
+    preorder,
+)
 from lookahead.drafts.builder import (
     _MISSING,
     _NONE,
+    _POOL_STATES,
     _RANKED,
     _RANKED_PROBABILITY,
+    _SUFFIX_STATES,
     EDGE_PROBABILITY,
     NO_RECYCLE,
     SUFFIX_LIMIT,
     SUFFIX_REACH,
+    _compiled,
     stronger,
 )
 from lookahead.drafts.edges import pool_state, suffix_state
 from lookahead.drafts.suffix import _SCAN, SEPARATOR
 from lookahead.drafts.tree import BestFirst
 from lookahead.kernels import StepPattern
+from lookahead.loop import full_pattern, pack_step
+from lookahead.loop.verify import Verdict, verify
 from lookahead.models.programs import slot_run
 from lookahead.tuning import CostModel, Curve, StepBudget, budget
 from lookahead.tuning.budget import EXPLORE_EVERY, NOTHING_FIXED, Choice, Fixed
@@ -148,11 +164,15 @@ def budgets(rng: random.Random, static: bool):
     return made
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
 @pytest.mark.parametrize("static", [False, True], ids=["exact", "static"])
 @pytest.mark.parametrize("seed", range(40))
-def test_the_budget_chooses_what_the_heap_scan_chose(seed, static, monkeypatch):
+def test_the_budget_chooses_what_the_heap_scan_chose(seed, static, compiled, monkeypatch):
+    if compiled:
+        assert native.load() is not None, "the compiled host loops did not build"
     rng = random.Random(seed)
     new, old = budgets(rng, static)
+    new.compiled = compiled
     for step in range(12):  # exploration comes every EXPLORE_EVERY steps: both must agree on when and what
         rows = rng.randint(1, 40)
         scores = random_scores(rng, rows, rng.choice([3, 15, 120]))
@@ -182,6 +202,20 @@ def test_merged_slots_are_the_heap_order():
         assert list(zip(order, gains, strict=True)) == want
 
 
+def test_compiled_slots_are_the_merged_worths_bit_for_bit():
+    """`native.slots` (what the budget takes its slots from) against `merge_slots` of each row's `_worths`, on scores
+    with ties, zeros, sums on the calibration bands' bounds and empty rows."""
+    assert native.load() is not None, "the compiled host loops did not build"
+    rng = random.Random(6)
+    budget_ = budgets(rng, False)[0]
+    for _ in range(300):
+        scores = random_scores(rng, rng.randint(0, 12), rng.choice([3, 15, 40]))
+        scores += [[0.25, 0.25, 0.5, 0.0, 1.0]] if rng.random() < 0.3 else []
+        calibration = budget_._calibration()
+        want = budget.merge_slots([budget_._worths(row, calibration) for row in scores])
+        assert native.load().slots(scores, budget.CALIBRATION_BANDS, *calibration) == want
+
+
 def test_predict_many_is_predict_bit_for_bit():
     rng = random.Random(1)
     for knots in ([1], [1, 16], [1, 8, 32, 64, 512]):
@@ -201,7 +235,9 @@ def test_stale_knots_are_stale_knot_of_each():
         curve.observed = 40
         curve.ran = [rng.choice([None, 0, 30]) for _ in knots]
         tokens = [rng.randint(1, 700) for _ in range(200)] + list(range(1, 600))
-        assert curve.stale_knots(tokens) == [curve.stale_knot(t) for t in tokens]
+        assert curve.stale_knots(tokens) == [curve.stale_knot(t) for t in tokens]  # numpy
+        short = tokens[:20]  # the Python loop
+        assert curve.stale_knots(short) == [curve.stale_knot(t) for t in short]
 
 
 def random_tree_end(rng: random.Random, nodes: int) -> tuple[int, ...]:
@@ -278,15 +314,24 @@ class OldSuffixIndex(SuffixIndex):
         return out
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
 @pytest.mark.parametrize("seed", range(20))
-def test_suffix_continuations_are_what_they_were(seed):
+def test_suffix_continuations_are_what_they_were(seed, compiled):
+    """The look-up (the compiled loop, and the Python one it replaces where it cannot be built) against the reference,
+    on texts joined by separators, the first forgotten in some (positions then start past 0)."""
+    if compiled:
+        assert native.load() is not None, "the compiled host loops did not build"
     rng = random.Random(seed)
     vocab = rng.choice([3, 8, 50])
     texts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 300))] for _ in range(3)]
     new, old = SuffixIndex(4, 16), OldSuffixIndex(4, 16)
+    new.compiled, old.compiled = compiled, False  # (the reference grows by the Python loop)
+    forget = rng.random() < 0.5
     for index in (new, old):
         for text in texts:
             index.extend([SEPARATOR, *text] if index.tokens else text)
+        if forget:
+            index.forget(len(texts[0]))
     for _ in range(50):
         limit, length = rng.randint(0, 6), rng.randint(0, 20)
         tail = None if rng.random() < 0.5 else [rng.randrange(vocab) for _ in range(rng.randint(1, 20))]
@@ -294,6 +339,7 @@ def test_suffix_continuations_are_what_they_were(seed):
         step = [rng.randrange(vocab) for _ in range(rng.randint(1, 3))]
         new.extend(step)
         old.extend(step)
+        assert (new.tokens, list(new._ends.items()), new._run) == (old.tokens, list(old._ends.items()), old._run)
 
 
 class OldDraftBuilder(DraftBuilder):
@@ -388,50 +434,87 @@ def _insert(trie: dict, path: Sequence[int], slot: int, first_state: int, later_
         level = entry[0]
 
 
-def random_builder_inputs(rng: random.Random):
-    vocab = rng.choice([6, 30, 200])
-    sequence = [rng.randrange(vocab) for _ in range(rng.randint(1, 200))]
+def test_the_proposal_state_tables_are_the_edge_states():
+    """The builder's tabulated proposal states (a suffix match longer than SUFFIX_REACH scores as SUFFIX_REACH)."""
+    for memory in (False, True):
+        for match in range(1, 3 * SUFFIX_REACH):
+            states = (suffix_state(match, False, memory), suffix_state(match, True, memory))
+            assert _SUFFIX_STATES[memory][min(match, SUFFIX_REACH)] == states
+        assert _POOL_STATES[memory] == (pool_state(False, memory), pool_state(True, memory))
+
+
+class Ids:
+    """Random token ids: 0..vocab-1, or (wide) shifted to straddle 2**21 - 2, the largest id whose recycled-table keys
+    the compiled loop packs in 64 bits (past it, it makes them with Python's arithmetic)."""
+
+    def __init__(self, rng: random.Random, wide: bool) -> None:
+        self.rng, self.vocab, self.base = rng, rng.choice([6, 30, 200]), 2**21 - 4 if wide else 0
+
+    def token(self) -> int:
+        return self.base + self.rng.randrange(self.vocab)
+
+    def tokens(self, n: int) -> list[int]:
+        return [self.token() for _ in range(n)]
+
+    def context(self, n: int) -> list[int]:
+        """n tokens before a row's token in its context (-1: none)."""
+        return [-1 if t < 0 else self.base + t for t in (self.rng.randrange(-1, self.vocab) for _ in range(n))]
+
+    def distinct(self, k: int) -> list[int]:
+        return [self.base + t for t in self.rng.sample(range(self.vocab), min(k, self.vocab))]
+
+
+def random_builder_inputs(rng: random.Random, ids: Ids):
+    sequence = ids.tokens(rng.randint(1, 200))
     memory = None
     if rng.random() < 0.6:
         memory = DraftMemory()
         for _ in range(rng.randint(1, 3)):
-            text = [rng.randrange(vocab) for _ in range(rng.randint(5, 150))]
+            text = ids.tokens(rng.randint(5, 150))
             tables, pool = RecycleTables(), NGramPool(4, 5)
             pool.add_sequence(text)
             rows = rng.randint(1, 40)
-            tables.update([rng.randrange(-1, vocab) for _ in range(rows)],
-                          [rng.randrange(-1, vocab) for _ in range(rows)], [rng.randrange(vocab) for _ in range(rows)],
-                          [[rng.randrange(vocab) for _ in range(8)] for _ in range(rows)])
+            # (the memory's rows may repeat a token: siblings then tie on probability and token)
+            tables.update(ids.context(rows), ids.context(rows), ids.tokens(rows), [ids.tokens(8) for _ in range(rows)])
             memory.add(text, tables, pool)
-    return vocab, sequence, memory
+    return sequence, memory
 
 
+@pytest.mark.parametrize("wide", [False, True], ids=["ids", "wide-ids"])
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
 @pytest.mark.parametrize("seed", range(30))
-def test_the_draft_tree_grows_as_it_did(seed):
+def test_the_draft_tree_grows_as_it_did(seed, compiled, wide):
+    """The growth (the compiled loop, and the Python loop it replaces where it cannot be built) against the reference:
+    the same nodes, parents and scores, bit for bit."""
+    if compiled:
+        assert _compiled() is not None, "the compiled host loops did not build"
     rng = random.Random(seed)
-    vocab, sequence, memory = random_builder_inputs(rng)
+    ids = Ids(rng, wide)
+    sequence, memory = random_builder_inputs(rng, ids)
     flags = dict(pool=rng.random() < 0.8, suffix=rng.random() < 0.8, recycle=rng.random() < 0.8)
     new = DraftBuilder(sequence, **flags, pool_limit=5, memory=memory)
+    new.compiled = compiled
     old = OldDraftBuilder(sequence, **flags, pool_limit=5, memory=memory)
     pool = NGramPool(4, 5)
     pool.add_sequence(sequence)
     for _ in range(15):
         rows = rng.randint(1, 30)
-        update = ([rng.randrange(-1, vocab) for _ in range(rows)], [rng.randrange(-1, vocab) for _ in range(rows)],
-                  [rng.randrange(vocab) for _ in range(rows)],
-                  [rng.sample(range(vocab), min(8, vocab)) for _ in range(rows)])
+        update = (ids.context(rows), ids.context(rows), ids.tokens(rows), [ids.distinct(8) for _ in range(rows)])
         for builder in (new, old):
             builder.recycle.update(*update)
         budget = rng.choice([0, 1, 5, 15, 120])
         assert new.grow(sequence, pool, budget) == old.grow(sequence, pool, budget)
-        step = [rng.randrange(vocab) for _ in range(rng.randint(1, 4))]
+        step = ids.tokens(rng.randint(1, 4))
         sequence += step
         new.extend(step)
         old.extend(step)
         pool.add_sequence(sequence, start=len(sequence) - len(step) - 3)
 
 
-def test_grown_trees_are_numbered_as_the_pre_order_walk_numbers_them():
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+def test_grown_trees_are_numbered_as_the_pre_order_walk_numbers_them(compiled):
+    if compiled:
+        assert native.load() is not None, "the compiled host loops did not build"
     rng = random.Random(5)
     for _ in range(300):
         n = rng.randint(0, 60)
@@ -443,7 +526,11 @@ def test_grown_trees_are_numbered_as_the_pre_order_walk_numbers_them():
         order, ends = preorder(children, ROOT)
         new = {old: j for j, old in enumerate(order)}
         new[ROOT] = ROOT
-        tree = DraftTree.grown(tokens, parents)
+        tree = DraftTree.grown(tokens, parents, compiled=compiled)
+        derived = StepPattern.of_tree(2, 3, tuple(tree.tree_end))  # depths from tree_end, as a pattern derives them
+        assert type(tree.depths) is tuple and tree.depths == derived._depths
+        given = StepPattern.of_tree(2, 3, tuple(tree.tree_end), tree.depths)
+        assert given.position_list == derived.position_list == tuple(derived.relative_positions.tolist())
         assert tree == DraftTree([tokens[n] for n in order], [new[parents[n]] for n in order], ends)
 
 
@@ -457,3 +544,134 @@ def test_the_host_time_benchmark_runs_quick_and_its_oracle_replays_the_streams()
     rows = [line.split("|") for line in done.stdout.splitlines() if line.startswith("after ")]
     assert [int(r[1]) for r in rows] == [1, 8], done.stdout
     assert all(int(r[2]) >= 1 for r in rows), done.stdout  # steps measured with every row decoding
+
+
+def old_learn(tables: RecycleTables, rows: list[int], parents: list[int], step_tokens: list[int], sequence: list[int],
+              topk: torch.Tensor) -> None:
+    """`LookaheadLoop._learn`'s table update as it was (before `RecycleTables.update_step`)."""
+    parent = [*parents, -2]
+    tokens = [*step_tokens, sequence[-3] if len(sequence) > 2 else -1, sequence[-2] if len(sequence) > 1 else -1]
+    first = [parent[i] for i in rows]
+    second = [parent[p] for p in first]
+    lists = topk.tolist()
+    tables.update([tokens[p] for p in second], [tokens[p] for p in first], [tokens[i] for i in rows],
+                  [lists[i] for i in rows])
+
+
+def table_state(tables: RecycleTables) -> list:
+    """The three tables' entries in order, each value with the number of the list object it is (first seen first):
+    which keys share one row's list matters to the drafting memory, which forgets a segment's entries by identity."""
+    objects: dict[int, int] = {}
+    return [[(key, value, objects.setdefault(id(value), len(objects))) for key, value in table.items()]
+            for table in (tables.triples, tables.pairs, tables.single)]
+
+
+@pytest.mark.parametrize("wide", [False, True], ids=["ids", "wide-ids"])
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+@pytest.mark.parametrize("seed", range(10))
+def test_a_step_updates_the_recycled_tables_as_it_did(seed, compiled, wide):
+    if compiled:
+        assert native.load() is not None, "the compiled host loops did not build"
+    rng = random.Random(seed)
+    ids = Ids(rng, wide)
+    new, old = RecycleTables(), RecycleTables()
+    for _ in range(20):
+        t = rng.randint(1, 40)
+        parents = [-1] + [rng.randrange(i) for i in range(1, t)]  # each step token after its predecessor
+        step_tokens, sequence = ids.tokens(t), ids.tokens(rng.randint(1, 3))
+        rows = [rng.randrange(t) for _ in range(rng.randint(0, 2 * t))]  # repeats: the accepted path's come again
+        k = rng.choice([1, 8])
+        topk = torch.tensor([ids.tokens(k) for _ in range(t)], dtype=torch.int64)
+        if rng.random() < 0.3:
+            topk = topk.t().contiguous().t()  # strided rows, as a view of a wider array may be
+        before = (sequence[-3] if len(sequence) > 2 else -1, sequence[-2] if len(sequence) > 1 else -1)
+        new.update_step(rows, parents, step_tokens, before, topk, compiled=compiled)
+        old_learn(old, rows, parents, step_tokens, sequence, topk)
+        assert table_state(new) == table_state(old)
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+@pytest.mark.parametrize("parents", [[0], [-2], [-1, 1], [-1, 0, 5]], ids=str)
+def test_a_grown_tree_refuses_a_parent_after_its_node(parents, compiled):
+    with pytest.raises(ValueError) as raised:
+        DraftTree.grown(list(range(len(parents))), parents, compiled=compiled)
+    with pytest.raises(ValueError) as python:
+        DraftTree.grown_python(list(range(len(parents))), parents)
+    assert str(raised.value) == str(python.value)
+
+
+def old_verify(tree: DraftTree, chosen: Sequence[int]) -> Verdict:
+    """`verify` as it was: each node's children through `DraftTree.children`."""
+    node, tokens = ROOT, []
+    while True:
+        want = chosen[node + 1]
+        child = next((c for c in tree.children(node) if tree.tokens[c] == want), None)
+        if child is None:
+            return Verdict(tokens + [want], node)
+        tokens.append(want)
+        node = child
+
+
+def test_verification_walks_as_it_did():
+    rng = random.Random(7)
+    for _ in range(2000):
+        n = rng.randint(0, 30)
+        vocab = rng.choice([2, 4, 50])
+        parents = [rng.choice([ROOT, *range(j)]) for j in range(n)]
+        tree = DraftTree.grown([rng.randrange(vocab) for _ in range(n)], parents)  # (siblings may repeat a token)
+        chosen = [rng.randrange(vocab) for _ in range(n + 1)]
+        assert verify(tree, chosen) == old_verify(tree, chosen)
+
+
+class OldPool(NGramPool):
+    def add_sequence(self, tokens: Sequence[int], start: int = 0) -> None:
+        for i in range(max(start, 0), len(tokens) - self.ngram + 1):
+            self.add(tokens[i : i + self.ngram])
+
+
+def test_a_pool_adds_a_sequence_as_it_did():
+    rng = random.Random(8)
+    for _ in range(300):
+        ngram, capacity = rng.randint(2, 5), rng.choice([0, 1, 3, 8])
+        new, old = NGramPool(ngram, capacity), OldPool(ngram, capacity)
+        tokens = [rng.randrange(rng.choice([3, 20])) for _ in range(rng.randint(0, 60))]
+        for start in sorted(rng.sample(range(-3, 70), 4)):
+            new.add_sequence(tokens, start)
+            old.add_sequence(tokens, start)
+            assert [(k, list(c)) for k, c in new._grams.items()] == [(k, list(c)) for k, c in old._grams.items()]
+
+
+def test_generations_draft_the_same_without_the_compiled_loops(monkeypatch):
+    """End to end on the mock model, warm: every step's tree, the tokens each step fed and accepted, and what the
+    drafting memory ends up holding are the same whether the compiled loops run or the Python paths do (as where the
+    build fails)."""
+    assert native.load() is not None, "the compiled host loops did not build"
+    cfg = LookaheadConfig(2, 4, 6, budget="fixed")
+    prompts = [[(5 * i + j * j) % 16 for j in range(14)] + [3, 4, 5, 3, 4, 5] for i in range(4)]
+
+    def run() -> tuple:
+        memory, seen = DraftMemory(), []
+        for prompt in prompts:
+            model = MockStepModel(16)
+            result = decode_one(model, prompt, 40, lookahead=cfg, memory=memory)
+            seen.append((result.tokens, result.step_sizes, result.step_tokens,
+                         [(p.window, p.ngram, p.tree_end) for p in model.patterns]))
+        tables = memory.recycle
+        return seen, tables.triples, tables.pairs, tables.single, memory.suffix._ends, memory._grams.keys()
+
+    compiled = run()
+    assert any(len(set(p[2])) > 1 for p in compiled[0][-1][3] if p[2])  # trees with branches were drafted
+    monkeypatch.setattr(native, "load", lambda: None)
+    assert run() == compiled
+
+
+def test_commit_indices_are_the_path_down_to_the_verdict():
+    rng = random.Random(9)
+    config = LookaheadConfig(3, 4, 5)
+    for _ in range(300):
+        n = rng.randint(0, 15)
+        tree = DraftTree.grown(list(range(n)), [rng.choice([ROOT, *range(j)]) for j in range(n)])
+        layout = pack_step([[7, 8, 9]] * rng.randint(1, 3), tree, full_pattern(config), rng.random() < 0.5)
+        node = rng.choice([ROOT, *range(n)])
+        la = layout.pattern.lookahead_len
+        assert layout.commit_indices(Verdict([1], node)) == [0, *(la + j for j in tree.path(node))]

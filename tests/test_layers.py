@@ -73,6 +73,7 @@ def test_no_import_circle():
 RULES = {
     "lookahead.kernels": ("lookahead.",),  # but itself
     "lookahead.config": ("lookahead.",),
+    "lookahead.native": ("lookahead.",),
     "lookahead.paths": ("lookahead.",),
     "lookahead.backends": ("lookahead.",),
     "lookahead.request": ("lookahead.loop", "lookahead.drafts", "lookahead.parallel", "lookahead.hf", "lookahead.cli",

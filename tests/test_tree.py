@@ -8,7 +8,6 @@ import pytest
 import torch
 from test_pattern import TREES
 
-import lookahead.drafts.builder as builder_module
 from helpers import MockStepModel, context_logits, decode_one, grow_from, needs_interpreter
 from lookahead import LookaheadConfig
 from lookahead.drafts import EMPTY, ROOT, DraftBuilder, DraftMemory, DraftTree, NGramPool, RecycleTables, SuffixIndex
@@ -124,17 +123,20 @@ def test_a_long_exact_match_puts_the_budget_on_its_chain():
 
 def test_a_match_in_the_drafting_memory_is_measured_as_far_back(monkeypatch):
     # an earlier generation's text: the builder looks it up with the sequence's last 16 tokens, not the 4 indexed
+    # (the match lengths the builder scores the memory's continuations by)
     seen = []
+    look_up = DraftMemory.continuations
 
-    def recording(match, later, memory=False):
-        seen.append((match, memory))
-        return suffix_state(match, later, memory)
+    def recording(self, tail, limit, length):
+        found = look_up(self, tail, limit, length)
+        seen.extend(match for _, match in found)
+        return found
 
-    monkeypatch.setattr(builder_module, "suffix_state", recording)
+    monkeypatch.setattr(DraftMemory, "continuations", recording)
     for matched in (2, 16):
         seen.clear()
         suffix_chain_depth(matched, remembered=True)
-        assert max(m for m, memory in seen if memory) == matched
+        assert max(seen) == matched
 
 
 def test_recycle_tables_longest_context_first_last_row_wins():

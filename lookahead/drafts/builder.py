@@ -23,7 +23,20 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-from .edges import EDGE_PROBABILITY, MATCH_BANDS, NO_RECYCLE, pool_state, recycle_state, stronger, suffix_state
+import lookahead.native as native
+
+from .edges import (
+    _S,
+    EDGE_PROBABILITY,
+    MATCH_BANDS,
+    NO_RECYCLE,
+    POOL_WEIGHTS,
+    SUFFIX_WEIGHTS,
+    pool_state,
+    recycle_state,
+    stronger,
+    suffix_state,
+)
 from .memory import DraftMemory
 from .pool import NGramPool
 from .recycle import RecycleTables
@@ -38,6 +51,8 @@ SUFFIX_LIMIT = 4  # continuations taken from the suffix index per step
 
 class DraftBuilder:
     """The tree form's draft policy: the draft sources of one generation, and the best-first tree builder."""
+
+    compiled = True  # grow with the compiled loop where it builds (`native`); False: the Python loop (tests)
 
     def __init__(self, sequence: Sequence[int], pool: bool = True, suffix: bool = True, recycle: bool = True,
                  pool_limit: int = 0, memory: DraftMemory | None = None) -> None:
@@ -71,23 +86,34 @@ class DraftBuilder:
         proposals: list = []  # the paths proposed whole, as cursors at their first token (`_expand`)
         memory = self.memory
         if self.use_suffix:
+            states = _SUFFIX_STATES[0]
             for continuation, match in self.suffix.continuations(SUFFIX_LIMIT, budget):
-                proposals.append((continuation, 0, 1, suffix_state(match, False), suffix_state(match, True)))
+                proposals.append((continuation, 0, 1, *states[min(match, SUFFIX_REACH)]))
             if memory is not None:
+                states = _SUFFIX_STATES[1]
                 for continuation, match in memory.continuations(sequence[-SUFFIX_REACH:], SUFFIX_LIMIT, budget):
-                    proposals.append((continuation, 0, 1, suffix_state(match, False, True),
-                                      suffix_state(match, True, True)))
+                    proposals.append((continuation, 0, 1, *states[min(match, SUFFIX_REACH)]))
         if self.use_pool:
             for continuation in pool.candidates(sequence[-1], self.pool_limit):
-                proposals.append((continuation, 0, 2, pool_state(False), pool_state(True)))
+                proposals.append((continuation, 0, 2, *_POOL_STATES[0]))
             if memory is not None:
                 for continuation in memory.candidates(sequence[-1], self.pool_limit):
-                    proposals.append((continuation, 0, 2, pool_state(False, True), pool_state(True, True)))
+                    proposals.append((continuation, 0, 2, *_POOL_STATES[1]))
         previous = sequence[-2] if len(sequence) > 1 else -1
         second = sequence[-3] if len(sequence) > 2 else -1
         return self._grow(second, previous, sequence[-1], proposals, budget)
 
     def _grow(self, second: int, previous: int, root_token: int, proposals: list, budget: int) -> BestFirst:
+        """Best-first growth (`_grow_python`), by the compiled loop where it builds: the same nodes, bit for bit."""
+        module = _compiled() if self.compiled else None
+        if module is None:
+            return self._grow_python(second, previous, root_token, proposals, budget)
+        recycle, memory = self.recycle, self.memory
+        own = (recycle.triples, recycle.pairs, recycle.single) if self.use_recycle else None
+        held = None if memory is None else (memory.recycle.triples, memory.recycle.pairs, memory.recycle.single)
+        return BestFirst(*module.grow(second, previous, root_token, proposals, budget, own, held))
+
+    def _grow_python(self, second: int, previous: int, root_token: int, proposals: list, budget: int) -> BestFirst:
         """Best-first growth. Children of a node are sorted by edge probability, so a child is offered only
         when its elder sibling is taken: two heap pushes per node instead of one per candidate. The proposals'
         trie is unfolded one level at a time, under the nodes taken (`_expand`): a suffix continuation may run to
@@ -173,6 +199,24 @@ _RANKED = [[recycle_state(context, rank, memory) for rank in range(RECYCLE_K)] f
 _RANKED_PROBABILITY = [[EDGE_PROBABILITY[state] for state in states] for states in _RANKED]
 _MISSING = [recycle_state(context, None, memory) for context, memory in _KINDS]
 _NONE = [None] * RECYCLE_K
+# a proposal's (first token's, later tokens') states: a suffix continuation's by its match length (longer ones score as
+# SUFFIX_REACH: the last band), a pool n-gram's; the generation's own, then the memory's
+_SUFFIX_STATES = [[(suffix_state(match, False, memory), suffix_state(match, True, memory))
+                   for match in range(SUFFIX_REACH + 1)] for memory in (False, True)]
+_POOL_STATES = [(pool_state(False, memory), pool_state(True, memory)) for memory in (False, True)]
+
+
+_configured = False
+
+
+def _compiled():
+    """The compiled loop with this module's edge tables (None where it does not build)."""
+    global _configured
+    module = native.load()
+    if module is not None and not _configured:
+        module.configure(EDGE_PROBABILITY, _RANKED, _MISSING, NO_RECYCLE, SUFFIX_WEIGHTS, POOL_WEIGHTS, _S)
+        _configured = True
+    return module
 
 
 def _expand(cursors: list) -> dict:

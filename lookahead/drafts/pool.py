@@ -39,9 +39,18 @@ class NGramPool:
             del continuations[next(iter(continuations))]
 
     def add_sequence(self, tokens: Sequence[int], start: int = 0) -> None:
-        """Add every n-gram of `tokens` that begins at index `start` or later."""
-        for i in range(max(start, 0), len(tokens) - self.ngram + 1):
-            self.add(tokens[i : i + self.ngram])
+        """Add every n-gram of `tokens` that begins at index `start` or later (`add` of each, inline: this runs for
+        every row every step)."""
+        n, capacity, grams = self.ngram, self.capacity, self._grams
+        if capacity == 0:
+            return
+        for i in range(max(start, 0), len(tokens) - n + 1):
+            continuations = grams.setdefault(tokens[i], {})
+            continuation = tuple(tokens[i + 1 : i + n])
+            continuations.pop(continuation, None)
+            continuations[continuation] = None
+            if len(continuations) > capacity:
+                del continuations[next(iter(continuations))]
 
     def candidates(self, token: int, limit: int) -> list[tuple[int, ...]]:
         """Up to `limit` continuations of `token`, most recent first."""

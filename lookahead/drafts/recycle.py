@@ -20,6 +20,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import torch
+
+import lookahead.native as native
 
 _BITS = 21  # a context key packs token ids + 1 (ids from -1, "none", to 2**21 - 2) into one int
 
@@ -45,6 +48,32 @@ class RecycleTables:
                                 strict=True))
         self.pairs.update(zip(pairs, rows, strict=True))
         self.single.update(zip(tokens, rows, strict=True))
+
+    def update_step(self, rows: Sequence[int], parents: Sequence[int], tokens: Sequence[int], before: tuple[int, int],
+                    topk: torch.Tensor, compiled: bool = True) -> None:
+        """Rows of one step, each keyed by its own context in the step: `rows`, step indices (a later one wins);
+        `parents`, each step token's predecessor in its context (-1: the input token's, the sequence's token before
+        it); `tokens`, the step's tokens; `before`, the sequence's two tokens before the input token (-1: none);
+        `topk` [T, k] int64 on the host, every step token's top-k. By the compiled loop (`native.learn`) where it builds
+        (compiled=False: the Python one, for tests); the same entries in the same order either way."""
+        module = native.load() if compiled and topk.dtype == torch.int64 and topk.device.type == "cpu" else None
+        if module is None:
+            self.update_step_python(rows, parents, tokens, before, topk)
+        else:
+            module.learn(self.triples, self.pairs, self.single, rows, parents, tokens, before[0], before[1],
+                         topk.numpy())
+
+    def update_step_python(self, rows: Sequence[int], parents: Sequence[int], tokens: Sequence[int],
+                           before: tuple[int, int], topk: torch.Tensor) -> None:
+        # each row's two tokens before it in its context: step indices, or -1 / -2 for the sequence's last two before
+        # the input token, which Python's negative indices find at the end of these extended lists
+        parent = [*parents, -2]  # the input token's predecessor (-1) is preceded by -2
+        extended = [*tokens, *before]
+        first = [parent[i] for i in rows]
+        second = [parent[p] for p in first]
+        lists = topk.tolist()  # (one conversion, then list indexing: faster than numpy's fancy indexing here)
+        self.update([extended[p] for p in second], [extended[p] for p in first], [extended[i] for i in rows],
+                    [lists[i] for i in rows])
 
     def lookup(self, second: int, previous: int, token: int) -> tuple[list[int] | None, Sequence[int]]:
         """(the list of the longest context seen, triple or pair, or None if neither; the token's list, empty if

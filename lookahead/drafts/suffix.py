@@ -13,6 +13,8 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Sequence
 
+import lookahead.native as native
+
 _SCAN = 4  # occurrences looked at per continuation wanted, per match length
 SEPARATOR = -1  # not a token id: starts a text of its own
 
@@ -20,6 +22,8 @@ SEPARATOR = -1  # not a token id: starts a text of its own
 class SuffixIndex:
     """End positions of every m-gram of a growing sequence, m = 1..max_match (positions count forgotten tokens:
     `tokens[0]` is at position `start`)."""
+
+    compiled = True  # extend and look up with the compiled loops where they build (`native`); False: Python's (tests)
 
     def __init__(self, max_match: int = 4, reach: int = 0) -> None:
         """max_match: the longest m-gram indexed; reach: the longest match measured (at least max_match)."""
@@ -33,7 +37,15 @@ class SuffixIndex:
         self._ends: dict[tuple[int, ...], list[int]] = {}
 
     def extend(self, tokens: Sequence[int]) -> None:
-        """Append tokens, indexing the m-grams that end at each of them (none across a `SEPARATOR`)."""
+        """Append tokens, indexing the m-grams that end at each of them (none across a `SEPARATOR`). By the compiled
+        loop where it builds, else `extend_python`: the same list and keys, in the same order."""
+        module = native.load() if self.compiled else None
+        if module is None:
+            self.extend_python(tokens)
+        else:
+            self._run = module.extend(self.tokens, self._ends, self.start, self._run, self.max_match, tokens)
+
+    def extend_python(self, tokens: Sequence[int]) -> None:
         seq, ends, run = self.tokens, self._ends, self._run
         for token in tokens:
             seq.append(token)
@@ -56,7 +68,16 @@ class SuffixIndex:
                       tail: Sequence[int] | None = None) -> list[tuple[tuple[int, ...], int]]:
         """Up to `limit` distinct continuations (at most `length` tokens) of earlier occurrences of the
         sequence's suffix (or of `tail`'s, looked up in this index), with the suffix length matched (up to
-        `reach`): longest match first, then most recent first."""
+        `reach`): longest match first, then most recent first. By the compiled loop where it builds (the drafts
+        ask twice a step per row), else `continuations_python`: the same list."""
+        module = native.load() if self.compiled else None
+        if module is None:
+            return self.continuations_python(limit, length, tail)
+        return module.continuations(self.tokens, self._ends, self.start, self.max_match, self.reach, limit, length,
+                                    tail, _SCAN)
+
+    def continuations_python(self, limit: int, length: int,
+                             tail: Sequence[int] | None = None) -> list[tuple[tuple[int, ...], int]]:
         seq = self.tokens
         n = len(seq)
         out: list[tuple[tuple[int, ...], int]] = []

@@ -10,7 +10,9 @@ draft builders and lookahead parallelism's sub-steps all go through it.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import lookahead.native as native
 
 ROOT = -1  # the parent of the input token's children
 
@@ -35,16 +37,28 @@ def preorder(children: Mapping[int, Sequence[int]], root: int) -> tuple[list[int
 
 @dataclass(frozen=True)
 class DraftTree:
-    """tokens, parents (ROOT for a child of the input token) and tree_end, all [V] in pre-order."""
+    """tokens, parents (ROOT for a child of the input token) and tree_end, all [V] in pre-order; `depths`, each node's
+    depth (a child of the input token: 1), where the tree was grown (`grown`: the step's relative positions, which a
+    pattern would otherwise derive from tree_end again), else None. Not part of a tree's equality: it follows from
+    the rest."""
 
     tokens: list[int]
     parents: list[int]
     tree_end: list[int]
+    depths: tuple[int, ...] | None = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def grown(cls, tokens: Sequence[int], parents: Sequence[int]) -> DraftTree:
+    def grown(cls, tokens: Sequence[int], parents: Sequence[int], compiled: bool = True) -> DraftTree:
         """A tree from nodes numbered in any order in which a parent comes before its children (ROOT: the input
-        token); renumbered in pre-order, siblings in the order of their numbers."""
+        token); renumbered in pre-order, siblings in the order of their numbers. By the compiled loop where it builds
+        (this runs for every row of every step), else `grown_python` (compiled=False: that one, for tests)."""
+        module = native.load() if compiled else None
+        if module is None:
+            return cls.grown_python(tokens, parents)
+        return cls(*module.grown(tokens, parents))
+
+    @classmethod
+    def grown_python(cls, tokens: Sequence[int], parents: Sequence[int]) -> DraftTree:
         # what `preorder` gives, by arithmetic instead of a walk (this runs for every row of every step): each node's
         # subtree size, then its place = the next free place under its parent (after the parent and its elder
         # siblings' subtrees), taken in number order
@@ -64,13 +78,15 @@ class DraftTree:
                 at = free[parent]
                 free[parent] = at + size[node]
             place[node], free[node] = at, at + 1
-        out_tokens, out_parents, ends = [0] * n, [0] * n, [0] * n
+        out_tokens, out_parents, ends, depth, depths = [0] * n, [0] * n, [0] * n, [0] * n, [0] * n
         for node, at in enumerate(place):
             parent = parents[node]
             out_tokens[at] = tokens[node]
             out_parents[at] = ROOT if parent == ROOT else place[parent]
             ends[at] = at + size[node]
-        return cls(out_tokens, out_parents, ends)
+            depth[node] = 1 if parent == ROOT else depth[parent] + 1
+            depths[at] = depth[node]
+        return cls(out_tokens, out_parents, ends, tuple(depths))
 
     @classmethod
     def from_parents(cls, tokens: Sequence[int], parents: Sequence[int]) -> DraftTree:

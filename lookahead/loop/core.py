@@ -276,15 +276,8 @@ class LookaheadLoop:
         # the accepted path's rows come last: their context was the true one, so their predictions win
         rows = layout.real_indices + layout.commit_indices(verdict)
         sequence = self.sequence
-        # each row's two tokens before it in its context: step indices, or -1 / -2 for the sequence's last two
-        # before the input token, which Python's negative indices find at the end of these extended lists
-        parent = [*layout.parents, -2]  # the input token's predecessor (-1) is preceded by -2
-        tokens = [*layout.tokens, sequence[-3] if len(sequence) > 2 else -1, sequence[-2] if len(sequence) > 1 else -1]
-        first = [parent[i] for i in rows]
-        second = [parent[p] for p in first]
-        topk = output.topk.tolist()  # (one conversion, then list indexing: faster than numpy's fancy indexing here)
-        self.drafts.recycle.update([tokens[p] for p in second], [tokens[p] for p in first], [tokens[i] for i in rows],
-                                   [topk[i] for i in rows])
+        before = (sequence[-3] if len(sequence) > 2 else -1, sequence[-2] if len(sequence) > 1 else -1)
+        self.drafts.recycle.update_step(rows, layout.parents, layout.tokens, before, output.topk)
 
     def _verify(self, layout: StepLayout, output: StepOutput) -> Verdict:
         """Greedy: each slot's argmax; sampling: each slot's seeded winner (`lookahead.loop.sampling`)."""

@@ -136,8 +136,12 @@ class StepLayout:
 
     def commit_indices(self, verdict: Verdict) -> list[int]:
         """Step indices to keep after a verdict: the input token, then the path down to its last accepted node."""
-        la = self.pattern.lookahead_len
-        return [0, *(la + node for node in self.tree.path(verdict.node))]  # `index_of_node` of each (none is ROOT)
+        la, parents, node, up = self.pattern.lookahead_len, self.tree.parents, verdict.node, []
+        while node != ROOT:  # `tree.path`, inline, and `index_of_node` of each (none is ROOT)
+            up.append(la + node)
+            node = parents[node]
+        up.append(0)
+        return up[::-1]
 
 
 def pack_step(levels: Sequence[Sequence[int]], tree: DraftTree, full: StepPattern, static: bool,
@@ -163,8 +167,10 @@ def pack_step(levels: Sequence[Sequence[int]], tree: DraftTree, full: StepPatter
         raise ValueError(f"a tree of {len(tree)} nodes does not fit the static step's {size}")
     # padding nodes are leaves after the real tree: their subtree is themselves, so no real node sees them
     tree_end = (*tree.tree_end, *range(len(tree) + 1, size + 1))
-    # a draft tree is a pre-order forest by construction (`DraftTree.grown`): the pattern skips checking it again
-    pattern = StepPattern.of_tree(window, full.ngram if static else depth + 1, tree_end)
+    # a draft tree is a pre-order forest by construction (`DraftTree.grown`): the pattern skips checking it again,
+    # and takes a grown tree's depths (padding nodes are children of the input token)
+    depths = None if tree.depths is None else (*tree.depths, *(1,) * (size - len(tree)))
+    pattern = StepPattern.of_tree(window, full.ngram if static else depth + 1, tree_end, depths)
     tokens = [t for level in levels for t in level]
     tokens += [pad] * (pattern.lookahead_len - len(tokens))
     tokens += [*tree.tokens, *[pad] * (size - len(tree))]

@@ -33,10 +33,14 @@ class Verdict:
 def verify(tree: DraftTree, chosen: Sequence[int]) -> Verdict:
     """chosen: the model's token after each verified slot (slot 0 the input token, 1 + j node j)."""
     node, tokens = ROOT, []
+    drafted, ends = tree.tokens, tree.tree_end
     while True:
         want = chosen[node + 1]
-        child = next((c for c in tree.children(node) if tree.tokens[c] == want), None)
-        if child is None:
+        # the first child holding `want`: `tree.children(node)` inline, hopping over each child's subtree
+        child, end = (0, len(drafted)) if node == ROOT else (node + 1, ends[node])
+        while child < end and drafted[child] != want:
+            child = ends[child]
+        if child >= end:
             return Verdict(tokens + [want], node)
         tokens.append(want)
         node = child

@@ -41,6 +41,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import lookahead.native as native
 from lookahead.config import LookaheadConfig
 
 from .cost import CostModel
@@ -110,6 +111,8 @@ class StepBudget:
     tokens cost a GPU about nothing), and a step's cost is that of `round_up(tokens)` tokens. clock: seconds, for the
     loop's timings (tests give a fake one)."""
 
+    compiled = True  # merge the rows' slots with the compiled loop where it builds (`lookahead.native`); False: Python
+
     def __init__(self, cfg: LookaheadConfig, cost: CostModel, kind: str = "greedy", static: bool = False,
                  clock: Callable[[], float] = time.perf_counter,
                  round_up: Callable[[int], int] | None = None) -> None:
@@ -150,8 +153,7 @@ class StepBudget:
         length = (fixed.weight + sum(n * c for n, c in zip(lengths, carries, strict=True))) // max(base_tokens, 1)
         plain = self._rate(fixed.tokens + rows, length, base_expected)
         best_rate, best_count = plain, None
-        calibration = self._calibration()
-        order, gains = merge_slots([self._worths(row, calibration) for row in scores])
+        order, gains = self._slots(scores)
         # option k: the step with the first k slots (k = 0, every row's base alone, only where rows carry the branch);
         # all of them rated at once (`predict_many`), the running sums in the order a slot-by-slot scan adds them
         first = 0 if self.branch else 1
@@ -201,6 +203,15 @@ class StepBudget:
             if expected[k] / least > best:
                 return k
         return None
+
+    def _slots(self, scores: Sequence[Sequence[float]]) -> tuple[list[int], list[float]]:
+        """`merge_slots` of every row's `_worths`: by the compiled loop where it builds (every node of every row, each
+        step), else in Python (compiled=False: that one, for tests); the same numbers either way."""
+        calibration = self._calibration()
+        module = native.load() if self.compiled else None
+        if module is None:
+            return merge_slots([self._worths(row, calibration) for row in scores])
+        return module.slots(scores, CALIBRATION_BANDS, *calibration)
 
     def _calibration(self) -> tuple[list[float], list[float]]:
         """Each band's numerator and denominator of c, as `calibrated` computes them."""
