@@ -14,10 +14,11 @@ order and stable sorts, the same entries in the same order, one list object per 
 So the drafts, the steps' sizes and the acceptance are the same either way; tests/test_host_paths.py holds each to
 its Python path and to the older reference.
 
-The source is compiled at first use by torch's C++ extension loader (a C++ compiler and ninja) into its default
-build folder, one build per architecture, Python version and version of the source (as `lookahead.kernels.cpu_gemm`'s
-is, per kind of CPU); where that fails `load` returns None (with one warning) and every caller runs its Python path.
-It imports nothing of the package: the drafts and the tuning room both use it.
+The source is compiled at first use by torch's C++ extension loader (a C++ compiler and ninja) into the cache
+folder's `kernels` (torch's default build folder without one), one build per architecture, Python version and
+version of the source (as `lookahead.kernels.cpu_gemm`'s is, per kind of CPU); where that fails `load` returns None
+(with one warning) and every caller runs its Python path. It imports nothing of the package but `lookahead.paths`: the
+drafts and the tuning room both use it.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ import threading
 import time
 import warnings
 from pathlib import Path
+
+from lookahead.paths import cache_root
 
 _SOURCE = r"""
 #include <Python.h>
@@ -910,10 +913,12 @@ def load():
                 from torch.utils.cpp_extension import load as load_extension
 
                 source = hashlib.sha256(_SOURCE.encode()).hexdigest()[:8]
-                # (plain -O2, no -march=native: one build serves every CPU of an architecture)
-                name = f"lookahead_host_{platform.machine()}_{source}"
-                # (the build is a CPython extension: one per Python version, as torch's own folders are)
-                folder = Path(get_default_build_root()) / f"py{sys.version_info.major}{sys.version_info.minor}" / name
+                # (plain -O2, no -march=native: one build serves every CPU of an architecture; a CPython extension:
+                # one per Python version)
+                python = f"py{sys.version_info.major}{sys.version_info.minor}"
+                name = f"lookahead_host_{platform.machine()}_{python}_{source}"
+                root = cache_root()
+                folder = (Path(get_default_build_root()) if root is None else root / "kernels") / name
                 folder.mkdir(parents=True, exist_ok=True)
                 _drop_stale_lock(folder)
                 path = folder / "host.cpp"
