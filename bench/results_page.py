@@ -65,6 +65,7 @@ RUNS: dict[str, tuple[str, str]] = {
     "sampling-s-cpu": ("python bench/sampling_s.py --per-kind 1", CHAINS),
     "peers-cpu": ("python bench/peers.py", "tree"),
     "profile-cpu": ("python bench/profile_step.py", "tree"),
+    "cpu-gemm-cpu": ("python bench/cpu_gemm.py", "tree"),
     "scaling-cpu": ("python bench/scaling.py", CHAINS),
     "batch-cpu": ("python bench/batch.py", CHAINS),
     "distributed-cpu": ("python bench/distributed.py", "tree"),
@@ -640,6 +641,25 @@ def section_profile() -> list[str]:
             *table(["dtype", "step", "ms/step", *parts], rows), "", *source("profile-cpu")]
 
 
+def section_cpu_gemm() -> list[str]:
+    if not (RESULTS / "cpu-gemm-cpu.json").is_file():
+        return []
+    data = load("cpu-gemm-cpu")
+    names = list(dict.fromkeys(r["implementation"] for r in data["records"]))
+    cells: dict[tuple, dict] = {}
+    for r in data["records"]:
+        cells.setdefault((r["shape"], r["rows"]), {})[r["implementation"]] = r["us"]
+    rows = [[shape, m, *(f"{found[name]:.0f}" for name in names)] for (shape, m), found in cells.items()]
+    feature = data["bf16_feature"] or "none"
+    return ["## The CPU GEMM", "",
+            "`bench/cpu_gemm.py`: the batch-invariant mode's CPU GEMM at the default model's shapes, by row count "
+            "(a plain step has 1 row per request, the default lookahead step 18), microseconds per call, best of "
+            f"{data['repeat']} interleaved rounds of {data['calls']} calls: bfloat16 weights through the CPU's bf16 "
+            f"dot products (this CPU's feature: {feature}) and widened to float32 in registers, float32 weights, and "
+            "torch's `F.linear` in bfloat16 (oneDNN, not batch-invariant) for reference.", "",
+            *table(["shape", "rows", *names], rows), "", *source("cpu-gemm-cpu")]
+
+
 def section_structured() -> list[str]:
     data, masks = load("structured-cpu"), load("grammar-masks-cpu")
     summary = data["summary"]
@@ -673,8 +693,8 @@ def section_structured() -> list[str]:
 
 
 def render_page() -> str:
-    sections = [section_index(), section_peers(), section_profile(), section_e2e(), section_engine(), section_serve(),
-                section_paging(), section_tree(),
+    sections = [section_index(), section_peers(), section_profile(), section_cpu_gemm(), section_e2e(),
+                section_engine(), section_serve(), section_paging(), section_tree(),
                 section_overhead(), section_host_time(), section_sampling(), section_scaling(), section_batch(),
                 section_distributed(), section_tuned(), section_warm(), section_structured(), section_invariant(),
                 section_gpu()]

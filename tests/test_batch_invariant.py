@@ -474,6 +474,23 @@ def test_bf16_dot_products_compute_each_output_as_a_chain_over_pairs_of_k():
         assert torch.equal(cpu_gemm.gemm(x[:rows], cpu_gemm.pack(weight)), out[:rows])
 
 
+def test_the_cpu_gemm_benchmark_runs_quick():
+    """bench/cpu_gemm.py --quick: every implementation at every shape, the dot products' row where this CPU has them."""
+    import subprocess
+    import sys
+
+    from lookahead.kernels import cpu_gemm
+
+    assert cpu_gemm.available()
+    bench = Path(__file__).resolve().parents[1] / "bench" / "cpu_gemm.py"
+    done = subprocess.run([sys.executable, str(bench), "--quick"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    header, *rows = [line for line in done.stdout.splitlines() if "|" in line and not line.startswith("-")]
+    assert ("kernel bf16 (dot products)" in header) == cpu_gemm.pairs()
+    assert "kernel fp32" in header and "torch F.linear bf16" in header
+    assert len(rows) == 8 and {row.split("|")[0].strip() for row in rows} == {"q/k/v", "gate/up", "down", "logits"}
+
+
 def _kernel_outputs(x, packed, q, k, v, slots, counts) -> tuple[torch.Tensor, torch.Tensor]:
     from lookahead.kernels import cpu_gemm
 
