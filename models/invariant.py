@@ -53,8 +53,7 @@ class InvariantLinears:
     def cpu_gemm(self) -> bool:
         """Whether the CPU GEMM is built (building it into the cache folder on the first call)."""
         if self._cpu_kernel is None:
-            root = cache_root()
-            self._cpu_kernel = cpu_gemm.available(None if root is None else root / "kernels")
+            self._cpu_kernel = cpu_kernels_built()
         return self._cpu_kernel
 
     def _copy(self, params: tuple[torch.Tensor, ...], kind: str, make):
@@ -66,3 +65,10 @@ class InvariantLinears:
         if kept is None or kept[0] != versions or kept[1] != addresses:
             kept = self._copies[key] = (versions, addresses, make(params))
         return kept[2]
+
+
+def cpu_kernels_built() -> bool:
+    """Whether the package's CPU kernels are built here (building them into the cache folder's `kernels` on the first
+    call: about a minute, once per machine)."""
+    root = cache_root()
+    return cpu_gemm.available(None if root is None else root / "kernels")

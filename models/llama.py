@@ -25,7 +25,7 @@ from .blocks import Backbone
 from .config import LlamaConfig
 from .fusion import MergedLinears, TorchOps, TritonOps
 from .generation import generate, warmup
-from .invariant import InvariantLinears
+from .invariant import InvariantLinears, cpu_kernels_built
 from .loading import check_layer_count, check_shapes, load_weights, tensor_names
 from .rope import inverse_frequencies, rotary_cos_sin
 from .runner import CachedRunner
@@ -416,8 +416,9 @@ def default_batch_invariant(device: torch.device, fusion: str, attn_backend: str
 def default_dtype(device: torch.device, batch_invariant: bool) -> tuple[torch.dtype, str]:
     """The dtype a model loads in where none is given, and why (the CLI says it): $LOOKAHEAD_DTYPE where it is set;
     else bfloat16 on CUDA (the serving type); on a CPU, bfloat16 where the CPU has bf16 dot products
-    (`cpu_gemm.bf16_dot_products`) and the batch-invariant mode keeps 16-bit exact (half the bytes a step reads:
-    faster), else float32 (the exactness reference, and faster than 16-bit a CPU converts in software)."""
+    (`cpu_gemm.bf16_dot_products`), the batch-invariant mode keeps 16-bit exact and its kernels are built (they read
+    half the bytes a step reads in float32 and use those dot products: faster), else float32 (the exactness
+    reference)."""
     named = os.environ.get(DTYPE_VARIABLE, "")
     if named:
         if named not in DTYPES:
@@ -431,6 +432,8 @@ def default_dtype(device: torch.device, batch_invariant: bool) -> tuple[torch.dt
         return torch.float32, "this CPU has no bf16 dot products"
     if not batch_invariant:
         return torch.float32, "without the batch-invariant mode 16-bit may flip near-ties"
+    if not cpu_kernels_built():  # torch's GEMMs through row plans read bf16 weights as float32 copies: no faster
+        return torch.float32, "the package's CPU kernels could not be built here"
     return torch.bfloat16, f"this CPU has bf16 dot products ({feature}), and the batch-invariant mode keeps it exact"
 
 
