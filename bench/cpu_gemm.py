@@ -25,12 +25,7 @@ SHAPES = {"q/k/v": (576 + 2 * 192, 576), "gate/up": (2 * 1536, 576), "down": (57
 def _implementations(weight: torch.Tensor) -> dict:
     """name -> (call on rows, the rows' dtype)."""
     pairs = cpu_gemm.pack(weight) if cpu_gemm.pairs() else None
-    real = cpu_gemm.pairs
-    cpu_gemm.pairs = lambda: False  # the widening path's layout, whatever this CPU has
-    try:
-        widened = cpu_gemm.pack(weight)
-    finally:
-        cpu_gemm.pairs = real
+    widened = cpu_gemm.pack(weight, widen=True)  # the widening path's layout, whatever this CPU has
     fp32 = cpu_gemm.pack(weight.float())
     found = {"kernel bf16 (dot products)": (lambda x: cpu_gemm.gemm(x, pairs), torch.bfloat16)} if pairs else {}
     found["kernel bf16 (widened)"] = (lambda x: cpu_gemm.gemm(x, widened), torch.float32)

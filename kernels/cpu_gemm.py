@@ -411,16 +411,17 @@ class Packed:
     out_features: int
 
 
-def pack(weight: torch.Tensor) -> Packed:
+def pack(weight: torch.Tensor, widen: bool = False) -> Packed:
     """Lay a CPU weight [N, K] out for `gemm`: bfloat16 stays 16-bit (in pairs of k where the build has bf16 dot
-    products, `pairs`), every other dtype becomes float32. Call `available` first."""
+    products, `pairs`, unless `widen`: the widening path's layout, for a comparison), every other dtype becomes
+    float32. Call `available` first."""
     n, k = weight.shape
     w = weight.detach()
     w = w if w.dtype == torch.bfloat16 else w.float()
     pad = -n % COLUMNS
     if pad:
         w = torch.cat([w, w.new_zeros(pad, k)])
-    if w.dtype == torch.bfloat16 and pairs():
+    if w.dtype == torch.bfloat16 and pairs() and not widen:
         w = torch.cat([w, w.new_zeros(w.shape[0], 1)], dim=1) if k % 2 else w  # an odd K's last pair: a zero weight
         blocks = w.view(-1, COLUMNS, w.shape[1] // 2, 2).transpose(1, 2).contiguous()
         return Packed(blocks.view(torch.int16), n)

@@ -472,6 +472,9 @@ def test_bf16_dot_products_compute_each_output_as_a_chain_over_pairs_of_k():
     assert torch.equal(out, chain)
     for rows in range(1, 8):  # one row to a tile and more: the same bits
         assert torch.equal(cpu_gemm.gemm(x[:rows], cpu_gemm.pack(weight)), out[:rows])
+    widened = cpu_gemm.pack(weight, widen=True)  # the widening path's layout, on this CPU too (bench/cpu_gemm.py)
+    assert widened.blocks.dim() == 3
+    torch.testing.assert_close(cpu_gemm.gemm(x, widened), x.float() @ weight.float().T, rtol=1e-5, atol=1e-4)
 
 
 def test_the_cpu_gemm_benchmark_runs_quick():
