@@ -4,7 +4,11 @@ steps (`LookaheadConfig(budget="fixed")`: 18 tokens a step), in the default mode
 Each step's wall time is split into the GEMMs (the package's kernel, by output width: q/k/v side by side, o, gate/up
 side by side, down, the logits), attention, the norms, dtype conversions, the KV cache's writes, the other torch ops,
 and what is left: Python and the loop's own work between the ops. Milliseconds per step, self times (an op's time
-without the ops it calls), from one generation of `--tokens` tokens after a warm-up.
+without the ops it calls), from one generation of `--tokens` tokens after a warm-up. The profile runs the decoder
+layers one by one from Python (the profiler sees ops called from Python only); beside it, each step's time without
+the profiler (best of 3, from the first decoding step's tokens to the last's), the layers one by one and in one
+call of the CPU kernels (`cpu_gemm.decoder_layers`, the default). Lookahead steps draft cold (`warm=False`): a
+repeated prompt would otherwise be drafted from memory of the last run.
 
     python bench/profile_step.py              # bfloat16 and float32, 48 tokens
     python bench/profile_step.py --quick      # float32, 8 tokens
@@ -58,6 +62,15 @@ def breakdown(prof, wall: float, steps: int, vocab: int, widths: dict[int, str])
     return {name: 1e3 * seconds / steps for name, seconds in sorted(parts.items())}
 
 
+def decoding_ms(model, prompt: list[int], tokens: int, lookahead) -> float:
+    """Milliseconds per decoding step of one generation, without the profiler: from the first step's tokens to the
+    last's (the prefill before them is not a decoding step)."""
+    times = []
+    model.generate(prompt, max_new_tokens=tokens, lookahead=lookahead, eos_token_id=[],
+                   stream=lambda new: times.append(time.perf_counter()))
+    return 1e3 * (times[-1] - times[0]) / max(len(times) - 1, 1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
@@ -71,33 +84,45 @@ def main() -> None:
 
     from lookahead.models import Llama
     from lookahead.models.default_model import default_model_dir
+    from lookahead.models.invariant import InvariantLinears
 
     cpu_gemm.gemm = traced(cpu_gemm.gemm, lambda x, packed: f"GEMM {packed.out_features}")
     cpu_gemm.attention = traced(cpu_gemm.attention, lambda *a: "attention (kernel)")
     folder = default_model_dir()
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     prompt = chat_ids(tokenizer, load_prompts(per_kind=1, kinds=("chat",))[0]["prompt"])
-    rows, records = [], []
+    rows, records, timed = [], [], []
     for dtype in args.dtypes:
         model = Llama.from_pretrained(folder, dtype=dtype)
         cfg = model.config
         q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
         widths = {q + 2 * kv: "q/k/v", cfg.hidden_size: "o, down", 2 * cfg.intermediate_size: "gate/up"}
-        for kind, lookahead in (("plain", None), ("lookahead 18", LookaheadConfig(budget="fixed"))):
+        for kind, lookahead in (("plain", None), ("lookahead 18", LookaheadConfig(budget="fixed", warm=False))):
             model.generate(prompt, max_new_tokens=8, lookahead=lookahead)  # warm: kernels built, costs measured
+            # unprofiled, both ways: the layers in one call of the CPU kernels (the default), and one by one
+            unprofiled = {}
+            for way, whole in (("one call", True), ("one by one", False)):
+                InvariantLinears.whole_layers = whole
+                unprofiled[way] = min(decoding_ms(model, prompt, args.tokens, lookahead) for _ in range(3))
+            # the profile, of the layers one by one (run from Python, so the profiler sees each op)
             if model.runner is not None:
                 model.runner.clear_cache()
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 start = time.perf_counter()
                 result = model.generate(prompt, max_new_tokens=args.tokens, lookahead=lookahead, eos_token_id=[])
                 wall = time.perf_counter() - start
+            InvariantLinears.whole_layers = True
             steps = result.steps - 1  # the prefill's pass is not a decoding step; its time is in the first share
             parts = breakdown(prof, wall, max(steps, 1), cfg.vocab_size, widths)
             total = sum(parts.values())
             records.append({"dtype": dtype, "step": kind, "steps": steps, "tokens": len(result.tokens),
-                            "ms_per_step": total, "batch_invariant": model.batch_invariant, "parts": parts})
+                            "ms_per_step": total, "batch_invariant": model.batch_invariant, "parts": parts,
+                            "unprofiled_ms": unprofiled})
             rows += [[dtype, kind, name, f"{ms:.2f}", f"{100 * ms / total:.0f}%"] for name, ms in parts.items()]
+            timed.append([dtype, kind, *(f"{unprofiled[way]:.1f}" for way in ("one by one", "one call")),
+                          f"{unprofiled['one by one'] / unprofiled['one call']:.2f}x"])
     print_table(["dtype", "step", "part", "ms/step", "share"], rows)
+    print_table(["dtype", "step", "ms/step, layers one by one", "in one call", "speed-up"], timed)
     if not args.quick:
         save_json("profile", {"machine": machine(), "command": "python bench/profile_step.py", "prompt_tokens":
                               len(prompt), "max_new_tokens": args.tokens, "records": records})

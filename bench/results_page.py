@@ -638,7 +638,21 @@ def section_profile() -> list[str]:
             "plain steps and full 18-token lookahead steps (1-4-5, fixed); milliseconds per decoding step by part "
             "(self times; the package's CPU kernels labelled around their calls; Python and the loop: the wall time "
             "no op accounts for).", "",
-            *table(["dtype", "step", "ms/step", *parts], rows), "", *source("profile-cpu")]
+            *table(["dtype", "step", "ms/step", *parts], rows), "",
+            *unprofiled_table(data["records"]), *source("profile-cpu")]
+
+
+def unprofiled_table(records: list[dict]) -> list[str]:
+    """The steps' times without the profiler: the decoder layers one by one from Python, and in one call."""
+    timed = [r for r in records if "unprofiled_ms" in r]
+    if not timed:
+        return []
+    rows = [[r["dtype"], r["step"], *(f"{r['unprofiled_ms'][way]:.1f}" for way in ("one by one", "one call")),
+             f"{r['unprofiled_ms']['one by one'] / r['unprofiled_ms']['one call']:.2f}x"] for r in timed]
+    return ["The profile runs the decoder layers one by one from Python (the profiler sees only ops called from "
+            "Python). The same steps without the profiler, best of 3, milliseconds per decoding step, with the layers "
+            "one by one and in one call of the CPU kernels (`cpu_gemm.decoder_layers`, the default):", "",
+            *table(["dtype", "step", "layers one by one", "in one call", "speed-up"], rows), ""]
 
 
 def section_cpu_gemm() -> list[str]:

@@ -323,10 +323,9 @@ static void run(const float* x, int64_t M, int64_t K, const W* w, float* out, in
 
 // x [M, K] float32, packed [blocks, K, NB] (float32, or bfloat16 bits as int16); or x [M, K] bfloat16 and packed
 // [blocks, ceil(K / 2), NB, 2] bfloat16 bits as int16 (the pairs of a build with bf16 dot products)
-torch::Tensor rows_gemm(torch::Tensor x, torch::Tensor packed, int64_t n) {
+static torch::Tensor gemm_rows(const torch::Tensor& x, const torch::Tensor& packed, int64_t n) {
   const int64_t M = x.size(0), K = x.size(1);
   auto out = torch::empty({M, n}, x.options().dtype(torch::kFloat32));
-  pybind11::gil_scoped_release free_python;  // a server's other threads run meanwhile (no Python object is touched)
   if (packed.dim() == 4)
     run_pairs(reinterpret_cast<const uint16_t*>(x.data_ptr()), M, K,
               reinterpret_cast<const uint16_t*>(packed.data_ptr()), out.data_ptr<float>(), n);
@@ -336,6 +335,11 @@ torch::Tensor rows_gemm(torch::Tensor x, torch::Tensor packed, int64_t n) {
     run<uint16_t>(x.data_ptr<float>(), M, K, reinterpret_cast<uint16_t*>(packed.data_ptr()),
                   out.data_ptr<float>(), n);
   return out;
+}
+
+torch::Tensor rows_gemm(torch::Tensor x, torch::Tensor packed, int64_t n) {
+  pybind11::gil_scoped_release free_python;  // a server's other threads run meanwhile (no Python object is touched)
+  return gemm_rows(x, packed, n);
 }
 
 // Attention of R queries, each over its own keys: slots [R, W] (the first counts[r] are query r's key slots in position
@@ -386,16 +390,78 @@ static void attend(const float* q, const T* k, const T* v, const int64_t* slots,
   });
 }
 
-torch::Tensor chain_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor slots,
-                              torch::Tensor counts) {
+static torch::Tensor attention_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                    const torch::Tensor& slots, const torch::Tensor& counts) {
   const int64_t R = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(0), S = k.size(1), W = slots.size(1);
   auto out = torch::empty({R, Hq, D}, q.options());
-  pybind11::gil_scoped_release free_python;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k.scalar_type(), "chain_attention", [&] {
     attend<scalar_t>(q.data_ptr<float>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), slots.data_ptr<int64_t>(),
                      counts.data_ptr<int64_t>(), out.data_ptr<float>(), R, Hq, Hkv, S, D, W);
   });
   return out;
+}
+
+torch::Tensor chain_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor slots,
+                              torch::Tensor counts) {
+  pybind11::gil_scoped_release free_python;
+  return attention_rows(q, k, v, slots, counts);
+}
+
+// A packed GEMM's output for a model of dtype `dtype`: rows_gemm after gemm()'s conversion of its rows.
+static torch::Tensor linear_rows(const torch::Tensor& x, const torch::Tensor& packed, int64_t n) {
+  return gemm_rows(x.to(packed.dim() == 4 ? torch::kBFloat16 : torch::kFloat32).contiguous(), packed, n);
+}
+
+// RMSNorm as models.blocks.RMSNorm computes it: normalised in float32, rounded to the model's dtype, times the weight.
+static torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  return weight * at::rms_norm(x.to(torch::kFloat32), {x.size(-1)}, c10::nullopt, eps).to(x.scalar_type());
+}
+
+// The decoder layers of a LLaMA model (no biases, no q/k norms) over a packed step in the batch-invariant mode, with
+// the CPU kernels: the ATen ops models.blocks' forward runs in the same order on tensors of the same shapes and
+// layouts (so the same bits: an element-wise kernel picks its vectorised or scalar loop by layout), without a return
+// to Python between them. x [1, T, H] (the model's dtype); cos, sin [1, T, 1, D] in that dtype; weights: per layer,
+// the input norm's weight, q/k/v packed side by side, o, the post-attention norm's weight, gate/up side by side, down;
+// k_cache, v_cache [layers, Hkv, S, D]; write_slots [T] int64, where each token's key and value go; queries [R] int64,
+// the tokens that attend (the rest are padding: their attention output is zero), key_slots [R, W] and counts [R]
+// int64, each query's key slots in position order (`cpu_gemm.attention`'s). Returns x after the last layer.
+torch::Tensor decoder_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> weights,
+                             torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor write_slots,
+                             torch::Tensor queries, torch::Tensor key_slots, torch::Tensor counts, int64_t heads,
+                             int64_t kv_heads, int64_t intermediate, double eps) {
+  pybind11::gil_scoped_release free_python;
+  const auto dtype = x.scalar_type();
+  const int64_t T = x.size(1), H = x.size(2), D = cos.size(-1), half = D / 2;
+  const double scale = std::pow(static_cast<double>(D), -0.5);
+  for (size_t layer = 0; layer * 6 < weights.size(); ++layer) {
+    const torch::Tensor* w = &weights[layer * 6];
+    // attention: q, k and v from one GEMM, each rounded to the dtype; RoPE on q and k together
+    auto qkv = linear_rows(rms_norm(x, w[0], eps).reshape({-1, H}), w[1], (heads + 2 * kv_heads) * D)
+                   .split({heads * D, kv_heads * D, kv_heads * D}, 1);
+    auto q = qkv[0].to(dtype).reshape({1, T, heads * D}).view({1, T, heads, D});
+    auto k = qkv[1].to(dtype).reshape({1, T, kv_heads * D}).view({1, T, kv_heads, D});
+    auto v = qkv[2].to(dtype).reshape({1, T, kv_heads * D}).view({1, T, kv_heads, D}).transpose(1, 2);
+    auto both = at::cat({q, k}, 2);
+    auto rotated = at::cat({-both.slice(-1, half), both.slice(-1, 0, half)}, -1);
+    auto qk = (both * cos + rotated * sin).split({heads, kv_heads}, 2);
+    auto qt = qk[0].transpose(1, 2), kt = qk[1].transpose(1, 2);  // [1, H, T, D]
+    k_cache[layer].index_copy_(1, write_slots, kt[0]);
+    v_cache[layer].index_copy_(1, write_slots, v[0]);
+    auto attended = at::zeros_like(qt);
+    auto scaled = (qt[0].index_select(1, queries).transpose(0, 1).to(torch::kFloat32) * scale).contiguous();
+    auto got = attention_rows(scaled, k_cache[layer], v_cache[layer], key_slots, counts).to(dtype);
+    attended[0].index_copy_(1, queries, got.transpose(0, 1));
+    auto o = linear_rows(attended.transpose(1, 2).reshape({1, T, heads * D}).reshape({-1, heads * D}), w[2], H);
+    x = x + o.to(dtype).reshape({1, T, H});
+    // MLP: gate and up from one GEMM, each rounded to the dtype
+    auto gate_up = linear_rows(rms_norm(x, w[3], eps).reshape({-1, H}), w[4], 2 * intermediate)
+                       .split({intermediate, intermediate}, 1);
+    auto gate = gate_up[0].to(dtype).reshape({1, T, intermediate});
+    auto up = gate_up[1].to(dtype).reshape({1, T, intermediate});
+    auto down = linear_rows((at::silu(gate) * up).reshape({-1, intermediate}), w[5], H);
+    x = x + down.to(dtype).reshape({1, T, H});
+  }
+  return x;
 }
 """
 _module = None
@@ -477,6 +543,22 @@ def attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, slots: 
     return out.to(q.dtype)
 
 
+def decoder_layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weights: list[torch.Tensor],
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, write_slots: torch.Tensor, queries: torch.Tensor,
+                   key_slots: torch.Tensor, counts: torch.Tensor, heads: int, kv_heads: int, intermediate: int,
+                   eps: float) -> torch.Tensor:
+    """A LLaMA model's decoder layers (no biases, no q/k norms) over one packed step of the batch-invariant mode, in
+    one call: per layer the ATen ops of `models.blocks`' forward in the same order, with `gemm` and `attention`, so
+    the same bits as running them from Python, without Python between the ~80 ops of a layer. x [1, T, H] in the
+    model's dtype; cos, sin [1, T, 1, D] in that dtype; weights: six per layer (input norm weight, q/k/v packed side
+    by side, o, post-attention norm weight, gate/up side by side, down; packed by `pack`); k_cache, v_cache [layers,
+    Hkv, S, D], written at `write_slots` [T]; queries [R], the tokens that attend, each over its key slots [R, W] in
+    position order (the first counts[r]; all three int64, as `attention` takes them). Returns x after the last layer.
+    Call `available` first."""
+    return _module.decoder_layers(x, cos, sin, weights, k_cache, v_cache, write_slots, queries, key_slots, counts,
+                                  heads, kv_heads, intermediate, eps)
+
+
 def cpu_tag() -> str:
     """A short hash of this CPU's model and flags: the build is for this CPU alone (-march=native), so a cache folder
     shared by machines keeps one build per kind of CPU."""
@@ -535,7 +617,7 @@ def _load(build_dir):
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     _module = load_inline(name, cpp_sources=_SOURCE,
-                                          functions=["rows_gemm", "chain_attention", "bf16_pairs"],
+                                          functions=["rows_gemm", "chain_attention", "bf16_pairs", "decoder_layers"],
                                           extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
                                           extra_ldflags=["-fopenmp"],
                                           build_directory=None if folder is None else str(folder), verbose=False)

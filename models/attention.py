@@ -45,15 +45,42 @@ def invariant_causal(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                         for b in range(q.shape[0])])
 
 
+class Paged:
+    """`paged`'s per-layer function. It keeps its parts, so a forward that runs every layer in one call (the
+    batch-invariant mode's CPU kernels, `models.invariant`) can take the pool, the write slots and the key lists
+    instead of calling it layer by layer."""
+
+    def __init__(self, pool: KVPool, slots: torch.Tensor, attend: LayerAttention) -> None:
+        self.pool, self.slots, self.attend = pool, slots, attend
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k_all, v_all = self.pool.write(layer, self.slots, k[0], v[0])
+        return self.attend(layer, q, k_all, v_all)
+
+
 def paged(pool: KVPool, slots: torch.Tensor, attend: LayerAttention) -> Attend:
     """Write each layer's new K/V (of a packed step, [1, Hkv, ΣT, D]) at `slots` [ΣT] of the pool, then attend over
     the layer's pool."""
+    return Paged(pool, slots, attend)
 
-    def layer_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        k_all, v_all = pool.write(layer, slots, k[0], v[0])
-        return attend(layer, q, k_all, v_all)
 
-    return layer_attention
+class KeyLists:
+    """The invariant backend's per-layer function with a kernel: every attending query (`queries` [R], its packed
+    index) over its own key slots (`slots` [R, W], the first `counts[r]` of row r in position order), in one call
+    per layer; the other tokens (padding) get zeros. kind: the kernel's, "cpu" or "triton"."""
+
+    def __init__(self, kind: str, queries: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor) -> None:
+        if kind == "cpu":
+            from lookahead.kernels.cpu_gemm import attention as kernel
+        else:
+            from lookahead.kernels.invariant_triton import invariant_attention as kernel
+        self.kind, self.kernel, self.queries, self.slots, self.counts = kind, kernel, queries, slots, counts
+
+    def __call__(self, layer: int, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(q)  # padding tokens: seen by no one
+        out[0][:, self.queries] = self.kernel(q[0][:, self.queries].transpose(0, 1), k_all, v_all, self.slots,
+                                              self.counts).transpose(0, 1)
+        return out
 
 
 @dataclass(frozen=True)
@@ -265,24 +292,12 @@ class InvariantBackend:
 
     def _kernel_step(self, rows: list) -> LayerAttention:
         """Every row's queries in one call per layer: each query's key slots as one padded list."""
-        if self.kernel == "cpu":
-            from lookahead.kernels.cpu_gemm import attention as invariant_attention
-        else:
-            from lookahead.kernels.invariant_triton import invariant_attention
-
+        index = torch.int64 if self.kernel == "cpu" else torch.int32  # as the kernel reads them: once a step
         lists = [query_slots(keys, queries.numel()) for queries, keys in rows]
         width = max(slots.shape[1] for slots, _ in lists)
-        slots = torch.cat([F.pad(s, (0, width - s.shape[1])) for s, _ in lists]).to(torch.int32)
-        counts = torch.cat([c for _, c in lists]).to(torch.int32)
-        queries = torch.cat([q for q, _ in rows])
-
-        def attend(layer: int, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor) -> torch.Tensor:
-            out = torch.zeros_like(q)  # padding tokens: seen by no one
-            out[0][:, queries] = invariant_attention(q[0][:, queries].transpose(0, 1), k_all, v_all, slots,
-                                                     counts).transpose(0, 1)
-            return out
-
-        return attend
+        slots = torch.cat([F.pad(s, (0, width - s.shape[1])) for s, _ in lists]).to(index)
+        counts = torch.cat([c for _, c in lists]).to(index)
+        return KeyLists(self.kernel, torch.cat([q for q, _ in rows]), slots, counts)
 
     def end_step(self) -> None:
         pass

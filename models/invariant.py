@@ -20,9 +20,14 @@ from lookahead.kernels import cpu_gemm
 from lookahead.kernels.row_plans import invariant_linear
 from lookahead.paths import cache_root
 
+from .attention import KeyLists, Paged
+
 
 class InvariantLinears:
-    """`linear(module, x)`: the module's `F.linear`, batch-invariant, accumulated in float32."""
+    """`linear(module, x)`: the module's `F.linear`, batch-invariant, accumulated in float32; and with the CPU
+    kernels, a packed step's decoder layers all in one call (`decoder_layers`)."""
+
+    whole_layers = True  # run a packed step's layers in one call where it applies (False: one by one, for tests)
 
     def __init__(self) -> None:
         # (ids, kind) -> (versions, addresses, copy): one copy per weight, or per group of weights run side by side
@@ -39,8 +44,7 @@ class InvariantLinears:
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
         if x.device.type == "cpu" and self.cpu_gemm():  # the rows in their dtype: bf16 dot products take bf16 ones
-            weights = tuple(m.weight for m in modules)
-            outs = [cpu_gemm.gemm(rows, self._copy(weights, "packed", lambda ws: cpu_gemm.pack(torch.cat(ws))))]
+            outs = [cpu_gemm.gemm(rows, self._packed(modules))]
             if len(modules) > 1:
                 outs = outs[0].split([m.out_features for m in modules], dim=1)
         else:
@@ -49,6 +53,36 @@ class InvariantLinears:
                     for m in modules]
         return [(out if m.bias is None else out + m.bias.float()).to(x.dtype).reshape(*shape[:-1], out.shape[-1])
                 for m, out in zip(modules, outs, strict=True)]
+
+    def decoder_layers(self, layers, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       attend) -> torch.Tensor | None:
+        """x after every decoder layer of `layers` in one call of the CPU kernels (`cpu_gemm.decoder_layers`: the
+        ops of the layers' own forward, so the same bits, without Python between them), where it applies: the CPU
+        kernel built, `whole_layers`, a packed step's attention over the pool through the kernel's key lists, LLaMA
+        layers without biases or q/k norms. None elsewhere: the caller runs the layers one by one."""
+        if not (self.whole_layers and x.device.type == "cpu" and isinstance(attend, Paged)
+                and isinstance(attend.attend, KeyLists) and attend.attend.kind == "cpu" and self.cpu_gemm()):
+            return None
+        first = layers[0]
+        attention, mlp = first.self_attn, first.mlp
+        linears = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj, mlp.gate_proj, mlp.up_proj,
+                   mlp.down_proj)
+        if attention.qk_norm or any(m.bias is not None for m in linears):
+            return None
+        weights = []
+        for layer in layers:
+            a, m = layer.self_attn, layer.mlp
+            weights += [layer.input_layernorm.weight, self._packed((a.q_proj, a.k_proj, a.v_proj)).blocks,
+                        self._packed((a.o_proj,)).blocks, layer.post_attention_layernorm.weight,
+                        self._packed((m.gate_proj, m.up_proj)).blocks, self._packed((m.down_proj,)).blocks]
+        keys, pool = attend.attend, attend.pool
+        return cpu_gemm.decoder_layers(x, cos, sin, weights, pool.k, pool.v, attend.slots, keys.queries, keys.slots,
+                                       keys.counts, attention.heads, attention.kv_heads,
+                                       mlp.gate_proj.out_features, first.input_layernorm.eps)
+
+    def _packed(self, modules: tuple[nn.Linear, ...]) -> cpu_gemm.Packed:
+        """The modules' weights side by side, packed for the CPU kernel (the copy `side_by_side` uses)."""
+        return self._copy(tuple(m.weight for m in modules), "packed", lambda ws: cpu_gemm.pack(torch.cat(ws)))
 
     def cpu_gemm(self) -> bool:
         """Whether the CPU GEMM is built (building it into the cache folder on the first call)."""

@@ -262,8 +262,12 @@ class Llama(nn.Module):
         """The batch-invariant mode: every linear by `InvariantLinears`; norms, RoPE and SiLU are per row already."""
         linear = self._invariant_linears
         cos, sin = (c.to(x.dtype).unsqueeze(-2) for c in rotary_cos_sin(self.rope_inv_freq, positions))
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, i, attend, linear)
+        whole = linear.decoder_layers(self.model.layers, x, cos, sin, attend)  # all in one call, where it applies
+        if whole is not None:
+            x = whole
+        else:
+            for i, layer in enumerate(self.model.layers):
+                x = layer(x, cos, sin, i, attend, linear)
         return linear(self.lm_head, self.model.norm(_take_rows(x, rows)))
 
     def _merged_forward(self, x: torch.Tensor, positions: torch.Tensor, attend: Attend,

@@ -216,6 +216,45 @@ def test_without_the_cpu_kernel_torch_gemms_through_row_plans_are_invariant_too(
     assert model._invariant_linears._cpu_kernel is False
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_a_steps_layers_in_one_call_give_the_bits_of_the_layers_one_by_one(models, monkeypatch, dtype):
+    """With the CPU kernels a packed step's decoder layers run in one call (`cpu_gemm.decoder_layers`): every
+    position's logits, over random schedules (chunks, trees, padding, rows beside), are bitwise what the layers give
+    run one by one from Python."""
+    from lookahead.kernels import cpu_gemm
+    from lookahead.models.invariant import InvariantLinears
+
+    model = models[dtype]
+    assert model.cpu_gemm, "the CPU kernels did not build here"
+    rng = random.Random(21)
+    sequence = [rng.randrange(VOCAB) for _ in range(70)]
+    monkeypatch.setattr(InvariantLinears, "whole_layers", False)
+    reference = plain_logits(model, sequence)
+    calls, real = [], cpu_gemm.decoder_layers
+    monkeypatch.setattr(InvariantLinears, "whole_layers", True)
+    monkeypatch.setattr(cpu_gemm, "decoder_layers", lambda *args: calls.append(args[0].shape) or real(*args))
+    assert run_schedule(model, sequence, 21, others=2, reference=reference, chunk_prefix=20) >= 35
+    assert len(calls) > 20 and len({shape[1] for shape in calls}) > 5  # it ran, over many step sizes
+
+
+@pytest.mark.parametrize("family, whole", [("llama", True), ("qwen2", False), ("qwen3", False)])
+def test_layers_with_biases_or_qk_norms_run_one_by_one(tiny_checkpoint, family, whole):
+    """`decoder_layers` computes LLaMA's layers only: a model with q/k/v biases (Qwen2) or q/k norms (Qwen3) runs its
+    own, one by one."""
+    from lookahead.models.attention import KeyLists, Paged
+    from lookahead.models.kv_cache import KVPool
+
+    extra = {"head_dim": 32} if family == "qwen3" else {}
+    model = Llama.from_pretrained(tiny_checkpoint(family, family=family, **extra), batch_invariant=True)
+    cfg = model.config
+    pool = KVPool(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 1, 16, model.dtype, "cpu")
+    one = torch.zeros(1, dtype=torch.int64)  # one token at slot 0, seeing itself
+    attend = Paged(pool, one, KeyLists("cpu", one, one[None], one + 1))
+    x, cos = torch.zeros(1, 1, cfg.hidden_size), torch.zeros(1, 1, 1, cfg.head_dim)
+    out = model._invariant_linears.decoder_layers(model.model.layers, x, cos, cos, attend)
+    assert (out is not None) == whole
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the mode on CUDA needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("backend", ["triton", "torch"])
