@@ -41,6 +41,7 @@ _SOURCE = r"""
 #include <functional>
 #include <mutex>
 #include <thread>
+#include <type_traits>
 #include <vector>
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -342,49 +343,190 @@ torch::Tensor rows_gemm(torch::Tensor x, torch::Tensor packed, int64_t n) {
   return gemm_rows(x, packed, n);
 }
 
+// exp(x) for x <= 0 (a score minus its row's maximum) in operations that are exact in IEEE arithmetic (fused
+// multiply-adds, products, sums, a rounding, an exponent's bits), so a loop of it gives the same bits whether the
+// compiler vectorises it or not, and whatever lane an element lands in (a vector libm's exp need not agree with the
+// scalar one). Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by a degree-7 polynomial, within 2 ulp. Below
+// -87.3 (where 2^n would be subnormal) it gives exp(-87.3), about 1e-38: nothing a softmax's sum can tell from 0.
+static inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.3f);
+  const float n = (std::fma(x, 1.44269504088896341f, 12582912.0f)) - 12582912.0f;  // round(x / ln2)
+  float r = std::fma(n, -0.693359375f, x);
+  r = std::fma(n, 2.12194440e-4f, r);
+  float p = 1.9875691500e-4f;
+  p = std::fma(p, r, 1.3981999507e-3f);
+  p = std::fma(p, r, 8.3334519073e-3f);
+  p = std::fma(p, r, 4.1665795894e-2f);
+  p = std::fma(p, r, 1.6666665459e-1f);
+  p = std::fma(p, r, 5.0000001201e-1f);
+  const float y = std::fma(p, r * r, r) + 1.0f;
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return y * scale;
+}
+
+// Sixteen floats from a cache's 16-bit elements, besides the GEMM's float32 and bfloat16 ones (each conversion exact).
+#if defined(__AVX512F__)
+static inline __m512 load16(const c10::BFloat16* p) { return load16(reinterpret_cast<const uint16_t*>(p)); }
+static inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
+// s[g * 16 + jj] = the chain fma(q[g * D + d], keys[d * 16 + jj], ...) over d = 0 .. D - 1 from 0, for G query rows
+// and the 16 lanes jj: with AVX-512, four rows' chains at a time in four registers (independent chains hide the
+// instruction's latency; past G the last row is repeated and dropped); elsewhere the plain loops (the compiler leaves
+// them scalar). Each lane's arithmetic is the same fused multiply-adds either way.
+static inline void dots16(const float* q, int64_t G, int64_t D, const float* keys, float* s) {
+#if defined(__AVX512F__)
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    const float* r0 = q + g0 * D;
+    const float* r1 = q + std::min(g0 + 1, G - 1) * D;
+    const float* r2 = q + std::min(g0 + 2, G - 1) * D;
+    const float* r3 = q + std::min(g0 + 3, G - 1) * D;
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t d = 0; d < D; ++d) {
+      const __m512 key = _mm512_loadu_ps(keys + d * 16);
+      a0 = _mm512_fmadd_ps(_mm512_set1_ps(r0[d]), key, a0);
+      a1 = _mm512_fmadd_ps(_mm512_set1_ps(r1[d]), key, a1);
+      a2 = _mm512_fmadd_ps(_mm512_set1_ps(r2[d]), key, a2);
+      a3 = _mm512_fmadd_ps(_mm512_set1_ps(r3[d]), key, a3);
+    }
+    const __m512 got[4] = {a0, a1, a2, a3};
+    for (int64_t i = 0; i < 4 && g0 + i < G; ++i) _mm512_storeu_ps(s + (g0 + i) * 16, got[i]);
+  }
+#else
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = s + g * 16;
+    for (int jj = 0; jj < 16; ++jj) sg[jj] = 0.f;
+    for (int64_t d = 0; d < D; ++d)
+      for (int jj = 0; jj < 16; ++jj) sg[jj] = std::fma(q[g * D + d], keys[d * 16 + jj], sg[jj]);
+  }
+#endif
+}
+
+// acc[g * D + d] = the chain fma(p[g * width + j], v_j[d], ...) over j = 0 .. n - 1 from 0 (v_j = vh + slot[j] * D),
+// for G weight rows: with AVX-512 (D a multiple of 16), sixteen elements of four rows' chains in four registers while
+// the values go by (past G the last row is repeated and dropped); elsewhere the plain loops. The same fused
+// multiply-adds either way.
+template <typename T>
+static inline void weighted_sum(const float* p, int64_t width, int64_t G, const T* vh, const int64_t* slot, int64_t n,
+                                int64_t D, float* acc, float* row) {
+#if defined(__AVX512F__)
+  if constexpr (!std::is_same<T, double>::value) if (D % 16 == 0) {
+    for (int64_t g0 = 0; g0 < G; g0 += 4) {
+      const float* p0 = p + g0 * width;
+      const float* p1 = p + std::min(g0 + 1, G - 1) * width;
+      const float* p2 = p + std::min(g0 + 2, G - 1) * width;
+      const float* p3 = p + std::min(g0 + 3, G - 1) * width;
+      for (int64_t c = 0; c < D; c += 16) {
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t j = 0; j < n; ++j) {
+          const __m512 value = load16(vh + slot[j] * D + c);
+          a0 = _mm512_fmadd_ps(_mm512_set1_ps(p0[j]), value, a0);
+          a1 = _mm512_fmadd_ps(_mm512_set1_ps(p1[j]), value, a1);
+          a2 = _mm512_fmadd_ps(_mm512_set1_ps(p2[j]), value, a2);
+          a3 = _mm512_fmadd_ps(_mm512_set1_ps(p3[j]), value, a3);
+        }
+        const __m512 got[4] = {a0, a1, a2, a3};
+        for (int64_t i = 0; i < 4 && g0 + i < G; ++i) _mm512_storeu_ps(acc + (g0 + i) * D + c, got[i]);
+      }
+    }
+    return;
+  }
+#endif
+  std::fill(acc, acc + G * D, 0.f);
+  for (int64_t j = 0; j < n; ++j) {
+    const T* vj = vh + slot[j] * D;
+    for (int64_t d = 0; d < D; ++d) row[d] = static_cast<float>(vj[d]);
+    for (int64_t g = 0; g < G; ++g) {
+      const float pj = p[g * width + j];
+      float* a = acc + g * D;
+      for (int64_t d = 0; d < D; ++d) a[d] = std::fma(pj, row[d], a[d]);
+    }
+  }
+}
+
+constexpr int64_t RUN = 8;          // queries at most in a run that shares its key blocks (runs are the threads' items)
+constexpr int64_t MIN_SHARED = 16;  // keys a query must share with the run's first to join it (one block)
+
 // Attention of R queries, each over its own keys: slots [R, W] (the first counts[r] are query r's key slots in position
 // order), k, v [Hkv, S, D] (float32, bfloat16 or float16), q [R, Hq, D] float32 (scaled), out [R, Hq, D] float32.
 // Per (query, KV head): each score a fused multiply-add chain over d (16 keys at a time, one per vector lane), the max
-// over the scores, then one chain over the keys in order for every output and for the weights' sum.
+// over the scores, exp_nonpositive of each minus it, then one chain over the keys in order for every output and one
+// for the weights' sum. Consecutive queries whose key lists begin alike (a step's tokens of one row share its prefix)
+// form a run, and each block of 16 shared keys is gathered into lanes once for the run, not once per query; which
+// run a query is in changes nothing in its arithmetic.
 template <typename T>
 static void attend(const float* q, const T* k, const T* v, const int64_t* slots, const int64_t* counts, float* out,
                    int64_t R, int64_t Hq, int64_t Hkv, int64_t S, int64_t D, int64_t W) {
   const int64_t G = Hq / Hkv;
-  pool.run(R * Hkv, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores, keys(16 * D), acc(D);
+  std::vector<int64_t> first{0}, shared;  // per run: its first query (then R), the keys all its queries share
+  while (first.back() < R) {
+    const int64_t r0 = first.back();
+    int64_t end = r0 + 1, common = counts[r0];
+    while (end < R && end - r0 < RUN) {
+      int64_t same = 0;
+      const int64_t limit = std::min(common, counts[end]);
+      while (same < limit && slots[end * W + same] == slots[r0 * W + same]) ++same;
+      if (same < MIN_SHARED) break;
+      common = same;
+      ++end;
+    }
+    shared.push_back(common);
+    first.push_back(end);
+  }
+  const int64_t runs = static_cast<int64_t>(shared.size());
+  pool.run(runs * Hkv, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores, keys(16 * D), lanes(16 * G), acc(G * D), row(D), total(G);
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t r = i / Hkv, h = i % Hkv, n = counts[r];
-      const int64_t* slot = slots + r * W;
+      const int64_t run = i / Hkv, h = i % Hkv, r0 = first[run], r1 = first[run + 1];
       const T* kh = k + h * S * D;
       const T* vh = v + h * S * D;
-      scores.assign(G * n, 0.f);
-      for (int64_t j0 = 0; j0 < n; j0 += 16) {
-        const int64_t m = std::min<int64_t>(16, n - j0);
-        for (int64_t jj = 0; jj < 16; ++jj)  // keys transposed: [d][key], a vector lane per key
+      int64_t width = 0;
+      for (int64_t r = r0; r < r1; ++r) width = std::max(width, counts[r]);
+      scores.assign((r1 - r0) * G * width, 0.f);  // [query of the run][g][key]
+      auto gather = [&](const int64_t* slot, int64_t m) {  // m keys, transposed: [d][key], a vector lane per key
+        for (int64_t jj = 0; jj < 16; ++jj)
           for (int64_t d = 0; d < D; ++d)
-            keys[d * 16 + jj] = jj < m ? static_cast<float>(kh[slot[j0 + jj] * D + d]) : 0.f;
+            keys[d * 16 + jj] = jj < m ? static_cast<float>(kh[slot[jj] * D + d]) : 0.f;
+      };
+      auto score = [&](int64_t r, int64_t j0, int64_t m) {  // query r's scores of the gathered keys j0 .. j0 + m - 1
+        dots16(q + (r * Hq + h * G) * D, G, D, keys.data(), lanes.data());
         for (int64_t g = 0; g < G; ++g) {
-          const float* qg = q + (r * Hq + h * G + g) * D;
-          float s[16] = {0.f};
-          for (int64_t d = 0; d < D; ++d)
-            for (int jj = 0; jj < 16; ++jj) s[jj] = std::fma(qg[d], keys[d * 16 + jj], s[jj]);
-          for (int64_t jj = 0; jj < m; ++jj) scores[g * n + j0 + jj] = s[jj];
+          float* dst = scores.data() + ((r - r0) * G + g) * width + j0;
+          for (int64_t jj = 0; jj < m; ++jj) dst[jj] = lanes[g * 16 + jj];
         }
+      };
+      int64_t j0 = 0;
+      for (; j0 + 16 <= shared[run]; j0 += 16) {
+        gather(slots + r0 * W + j0, 16);
+        for (int64_t r = r0; r < r1; ++r) score(r, j0, 16);
       }
-      for (int64_t g = 0; g < G; ++g) {
-        const float* sg = scores.data() + g * n;
-        float top = sg[0];
-        for (int64_t j = 1; j < n; ++j) top = std::max(top, sg[j]);
-        float total = 0.f;
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t j = 0; j < n; ++j) {
-          const float p = std::exp(sg[j] - top);
-          total += p;
-          const T* vj = vh + slot[j] * D;
-          for (int64_t d = 0; d < D; ++d) acc[d] = std::fma(p, static_cast<float>(vj[d]), acc[d]);
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t j = j0; j < counts[r]; j += 16) {
+          const int64_t m = std::min<int64_t>(16, counts[r] - j);
+          gather(slots + r * W + j, m);
+          score(r, j, m);
         }
-        float* o = out + (r * Hq + h * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) o[d] = acc[d] / total;
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t n = counts[r];
+        const int64_t* slot = slots + r * W;
+        for (int64_t g = 0; g < G; ++g) {
+          float* sg = scores.data() + ((r - r0) * G + g) * width;
+          float top = sg[0];
+          for (int64_t j = 1; j < n; ++j) top = std::max(top, sg[j]);
+          for (int64_t j = 0; j < n; ++j) sg[j] = exp_nonpositive(sg[j] - top);
+          float sum = 0.f;
+          for (int64_t j = 0; j < n; ++j) sum += sg[j];
+          total[g] = sum;
+        }
+        weighted_sum(scores.data() + (r - r0) * G * width, width, G, vh, slot, n, D, acc.data(), row.data());
+        for (int64_t g = 0; g < G; ++g) {
+          float* o = out + (r * Hq + h * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) o[d] = acc[g * D + d] / total[g];
+        }
       }
     }
   });

@@ -476,16 +476,20 @@ def test_the_cpu_kernels_compute_what_torch_computes(dtype):
     weight, x = torch.randn(100, 70).to(dtype), torch.randn(9, 70).to(dtype)  # a model's rows are in its dtype
     torch.testing.assert_close(cpu_gemm.gemm(x, cpu_gemm.pack(weight)), x.float() @ weight.float().T, rtol=1e-5,
                                atol=1e-4)
-    heads, kv_heads, dim, n = 4, 2, 16, 37
-    k, v = torch.randn(kv_heads, n + 5, dim).to(dtype), torch.randn(kv_heads, n + 5, dim).to(dtype)
-    q = torch.randn(n, heads, dim)
-    slots, counts = query_slots(path_keys(0, n, lambda p: p, "cpu"), n)
-    out = cpu_gemm.attention(q, k, v, slots, counts)
-    mask = torch.ones(n, n, dtype=torch.bool).tril()
-    sdpa = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k[:, :n].float(), v[:, :n].float(),
-                                                            attn_mask=mask, enable_gqa=True).transpose(0, 1)
-    torch.testing.assert_close(out, sdpa, rtol=1e-5, atol=1e-5)
-    assert torch.equal(cpu_gemm.attention(q[20:21], k, v, slots[20:21], counts[20:21]), out[20:21])
+    # query i sees keys 0..i: consecutive queries share their first keys, so the kernel gathers those once for a run
+    # of queries; heads per KV head 2, 3 and 6 (its vector path takes four at a time), head sizes in and out of 16s
+    for heads, kv_heads, dim, n in ((4, 2, 16, 37), (9, 3, 64, 45), (6, 1, 24, 20)):
+        k, v = torch.randn(kv_heads, n + 5, dim).to(dtype), torch.randn(kv_heads, n + 5, dim).to(dtype)
+        q = torch.randn(n, heads, dim)
+        slots, counts = query_slots(path_keys(0, n, lambda p: p, "cpu"), n)
+        out = cpu_gemm.attention(q, k, v, slots, counts)
+        mask = torch.ones(n, n, dtype=torch.bool).tril()
+        sdpa = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), k[:, :n].float(), v[:, :n].float(), attn_mask=mask, enable_gqa=True).transpose(0, 1)
+        torch.testing.assert_close(out, sdpa.to(out.dtype), rtol=1e-5, atol=1e-5)
+        for i in range(n):
+            assert torch.equal(cpu_gemm.attention(q[i : i + 1], k, v, slots[i : i + 1], counts[i : i + 1]),
+                               out[i : i + 1]), (heads, kv_heads, dim, i)
 
 
 def test_bf16_dot_products_compute_each_output_as_a_chain_over_pairs_of_k():
