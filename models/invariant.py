@@ -33,6 +33,7 @@ class InvariantLinears:
         # (ids, kind) -> (versions, addresses, copy): one copy per weight, or per group of weights run side by side
         self._copies: dict[tuple[tuple[int, ...], str], tuple[tuple, tuple, object]] = {}
         self._cpu_kernel: bool | None = None  # whether cpu_gemm is built (found out at the first CPU call)
+        self._layers: dict[tuple[int, ...], list | None] = {}  # layers' ids -> [modules, stamp, weights] (`_layer_weights`)
 
     def __call__(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return self.side_by_side((module,), x)[0]
@@ -63,22 +64,45 @@ class InvariantLinears:
         if not (self.whole_layers and x.device.type == "cpu" and isinstance(attend, Paged)
                 and isinstance(attend.attend, KeyLists) and attend.attend.kind == "cpu" and self.cpu_gemm()):
             return None
-        first = layers[0]
-        attention, mlp = first.self_attn, first.mlp
-        linears = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj, mlp.gate_proj, mlp.up_proj,
-                   mlp.down_proj)
-        if attention.qk_norm or any(m.bias is not None for m in linears):
+        weights = self._layer_weights(layers)
+        if weights is None:
             return None
-        weights = []
-        for layer in layers:
-            a, m = layer.self_attn, layer.mlp
-            weights += [layer.input_layernorm.weight, self._packed((a.q_proj, a.k_proj, a.v_proj)).blocks,
-                        self._packed((a.o_proj,)).blocks, layer.post_attention_layernorm.weight,
-                        self._packed((m.gate_proj, m.up_proj)).blocks, self._packed((m.down_proj,)).blocks]
+        attention, mlp = layers[0].self_attn, layers[0].mlp
         keys, pool = attend.attend, attend.pool
         return cpu_gemm.decoder_layers(x, cos, sin, weights, pool.k, pool.v, attend.slots, keys.queries, keys.slots,
                                        keys.counts, attention.heads, attention.kv_heads,
-                                       mlp.gate_proj.out_features, first.input_layernorm.eps)
+                                       mlp.gate_proj.out_features, layers[0].input_layernorm.eps)
+
+    def _layer_weights(self, layers) -> list[torch.Tensor] | None:
+        """Six tensors per layer for `cpu_gemm.decoder_layers` (norm weight, q/k/v packed, o packed, norm weight,
+        gate/up packed, down packed), or None for layers with biases or q/k norms. Kept between steps and checked at
+        each by the weights' identities, versions and addresses: gathering them through the modules' attributes
+        costs a step about half a millisecond."""
+        key = tuple(map(id, layers))
+        if key not in self._layers:
+            modules = []
+            for layer in layers:
+                a, m = layer.self_attn, layer.mlp
+                linears = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
+                if a.qk_norm or any(linear.bias is not None for linear in linears):
+                    self._layers[key] = None
+                    return None
+                modules += [layer.input_layernorm, *linears[:4], layer.post_attention_layernorm, *linears[4:]]
+            self._layers[key] = [modules, None, None]
+        kept = self._layers[key]
+        if kept is None:
+            return None
+        modules, stamp, weights = kept
+        params = [module._parameters["weight"] for module in modules]
+        now = [(id(p), p._version, p.data_ptr()) for p in params]
+        if now != stamp:
+            weights = []
+            for i in range(0, len(modules), 9):
+                norm, q, k, v, o, post_norm, gate, up, down = modules[i : i + 9]
+                weights += [norm.weight, self._packed((q, k, v)).blocks, self._packed((o,)).blocks, post_norm.weight,
+                            self._packed((gate, up)).blocks, self._packed((down,)).blocks]
+            kept[1:] = now, weights
+        return weights
 
     def _packed(self, modules: tuple[nn.Linear, ...]) -> cpu_gemm.Packed:
         """The modules' weights side by side, packed for the CPU kernel (the copy `side_by_side` uses)."""

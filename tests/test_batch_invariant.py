@@ -237,6 +237,32 @@ def test_a_steps_layers_in_one_call_give_the_bits_of_the_layers_one_by_one(model
     assert len(calls) > 20 and len({shape[1] for shape in calls}) > 5  # it ran, over many step sizes
 
 
+def test_the_layers_in_one_call_see_weights_written_or_replaced(tiny_checkpoint, monkeypatch):
+    """The one call keeps its weights between steps: a weight written in place, or a parameter replaced, reaches its
+    next step as it reaches the layers run one by one."""
+    from lookahead.models.invariant import InvariantLinears
+
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"), batch_invariant=True)
+    prompt, tokens = list(range(1, 14)), []
+
+    def generate_both_ways():
+        monkeypatch.setattr(InvariantLinears, "whole_layers", False)
+        one_by_one = model.generate(prompt, max_new_tokens=16, eos_token_id=[]).tokens
+        monkeypatch.setattr(InvariantLinears, "whole_layers", True)
+        tokens.append(model.generate(prompt, max_new_tokens=16, eos_token_id=[]).tokens)
+        assert tokens[-1] == one_by_one
+
+    generate_both_ways()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.down_proj.weight.mul_(-4)
+    generate_both_ways()
+    for layer in model.model.layers:
+        layer.self_attn.o_proj.weight = torch.nn.Parameter(layer.self_attn.o_proj.weight.detach() * 3)
+    generate_both_ways()
+    assert tokens[0] != tokens[1] != tokens[2]
+
+
 @pytest.mark.parametrize("family, whole", [("llama", True), ("qwen2", False), ("qwen3", False)])
 def test_layers_with_biases_or_qk_norms_run_one_by_one(tiny_checkpoint, family, whole):
     """`decoder_layers` computes LLaMA's layers only: a model with q/k/v biases (Qwen2) or q/k norms (Qwen3) runs its
