@@ -33,7 +33,7 @@ class InvariantLinears:
         # (ids, kind) -> (versions, addresses, copy): one copy per weight, or per group of weights run side by side
         self._copies: dict[tuple[tuple[int, ...], str], tuple[tuple, tuple, object]] = {}
         self._cpu_kernel: bool | None = None  # whether cpu_gemm is built (found out at the first CPU call)
-        self._layers: dict[tuple[int, ...], list | None] = {}  # layers' ids -> [modules, stamp, weights] (`_layer_weights`)
+        self._layers: dict[tuple[int, ...], list | None] = {}  # layers' ids -> [modules, stamp, weights]
 
     def __call__(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return self.side_by_side((module,), x)[0]
