@@ -46,6 +46,7 @@ from lookahead.drafts.suffix import _SCAN, SEPARATOR
 from lookahead.drafts.tree import BestFirst
 from lookahead.kernels import StepPattern
 from lookahead.loop import full_pattern, pack_step
+from lookahead.loop.core import Output
 from lookahead.loop.verify import Verdict, verify
 from lookahead.models.programs import PackedOutput, Packing, slot_run
 from lookahead.tuning import CostModel, Curve, StepBudget, budget
@@ -306,6 +307,56 @@ def test_packed_outputs_are_each_rows_logits_rows_argmax_and_top_k():
                 assert len(out.topk) == len(step.tokens)
                 assert torch.equal(out.topk, want)
             assert out.sampled is None
+
+
+def old_accept(out, tokens, fed=None):
+    """`Output.accept` as it was: token by token, the limit checked before each."""
+    result = out.result
+    result.steps += 1
+    if fed is not None:
+        result.step_sizes.append(fed)
+    taken = []
+    for token in tokens:
+        if len(result.tokens) + len(taken) == out.limit:
+            break
+        taken.append(token)
+        if token in out.stop or (out.stops_at is not None and out.stops_at(token)):
+            out.done = True
+            result.finish_reason = "stop"
+            break
+    result.tokens.extend(taken)
+    result.step_tokens.append(taken)
+    if not out.done and len(result.tokens) >= out.limit:
+        out.done = True
+        result.finish_reason = "length"
+    return taken
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_output_accepts_as_it_did(seed):
+    """The same tokens taken, the same finish, and `stops_at` (which keeps state: a stop string's detector) asked
+    about the same tokens in the same order."""
+    rng = random.Random(seed)
+    for _ in range(50):
+        limit, stop = rng.randint(1, 12), set(rng.sample(range(20), rng.randint(0, 3)))
+        stop_after = rng.choice([None, rng.randint(1, 15)])
+        outs, asked = [], []
+        for _ in range(2):
+            seen = []
+
+            def stops_at(token, seen=seen, after=stop_after):  # a stop string ending at the `after`-th token seen
+                seen.append(token)
+                return len(seen) == after
+
+            outs.append(Output(limit, stop, None, stops_at if stop_after is not None else None))
+            asked.append(seen)
+        new, old = outs
+        while not new.done:
+            tokens = [rng.randrange(20) for _ in range(rng.randint(1, 6))]
+            fed = rng.choice([None, len(tokens) + 2])
+            assert new.accept(tokens, fed) == old_accept(old, tokens, fed)
+            assert (new.done, new.result) == (old.done, old.result)
+        assert old.done and asked[0] == asked[1]
 
 
 class OldSuffixIndex(SuffixIndex):
