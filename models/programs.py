@@ -81,22 +81,23 @@ class Packing:
         self.heads: list[tuple[list[int], int]] = []  # per step: its output rows' places in `head`, its top-k start
         self.samples: dict = {}  # params -> (head places, seeds, absolute positions)
         limit = max(runner.max_step_tokens, runner.prefill_chunk)
+        rows, block_size = runner.rows, runner.block_size  # (properties: read once, not once a row)
         for s in steps:
-            row = runner.rows[s.row]
-            t, start = len(s.tokens), len(tokens)
-            if t != s.pattern.num_tokens:
-                raise ValueError(f"row {s.row}: {t} tokens for a pattern of {s.pattern.num_tokens}")
+            row, pattern = rows[s.row], s.pattern
+            t, start, length = len(s.tokens), len(tokens), row.length
+            branch = pattern.lookahead_len
+            if t != branch + pattern.verify_len:
+                raise ValueError(f"row {s.row}: {t} tokens for a pattern of {pattern.num_tokens}")
             if t > limit:
                 raise ValueError(f"row {s.row}: a step of {t} tokens exceeds the runner's {limit}")
-            if row.length + t > len(row.blocks) * runner.block_size:
-                raise ValueError(f"row {s.row}: {t} tokens at L={row.length} overflow its "
-                                 f"{len(row.blocks) * runner.block_size} positions")
+            if length + t > len(row.blocks) * block_size:
+                raise ValueError(f"row {s.row}: {t} tokens at L={length} overflow its "
+                                 f"{len(row.blocks) * block_size} positions")
             tokens += s.tokens
-            length = row.length
-            positions += [length + p for p in s.pattern.position_list]
-            slots += slot_run(row.blocks, runner.block_size, length, t)
-            tree_end += [0] * s.pattern.lookahead_len
-            tree_end += s.pattern.node_ends
+            positions += map(length.__add__, pattern.position_list)  # L + each relative position
+            slots += slot_run(row.blocks, block_size, length, t)
+            tree_end += [0] * branch
+            tree_end += pattern.node_ends
             first = len(head)
             if s.topk:
                 head += range(start, start + t)
@@ -112,8 +113,8 @@ class Packing:
                 group[2].extend(s.sample.positions)
             starts.append(start)
             tables.append(row.blocks)
-            lengths.append(row.length)
-            patterns.append(s.pattern)
+            lengths.append(length)
+            patterns.append(pattern)
         self.tokens, self.positions, self.slots, self.head, self.tree_end = tokens, positions, slots, head, tree_end
         self.step = PackedStep(lengths, patterns, tables, starts, runner.block_size, len(tokens))
         self.topk = max((s.topk for s in steps), default=0)
@@ -124,7 +125,8 @@ class Packing:
 
     def outputs(self, logits: torch.Tensor, host: np.ndarray, topk: int) -> list[StepOutput]:
         """One `StepOutput` per step from the logits rows [H, V] (H padded) and the fetched int64 array: argmax [H],
-        top-k [H, k] and winners (per sampling group, in order)."""
+        top-k [H, k] and winners (per sampling group, in order). Each row's logits are taken from `logits` when read
+        (`PackedOutput`)."""
         h = logits.shape[0]
         argmax = host[:h].tolist()
         # every row's top-k: views of the fetched array (no copy), as the int64 tensors `StepOutput.topk` holds
@@ -134,22 +136,34 @@ class Packing:
             for place, token in zip(heads, host[offset : offset + len(heads)].tolist(), strict=True):
                 winners[place] = token
             offset += len(heads)
-        # a row whose output rows are not one run of the logits rows (a lookahead row's input token read twice, say)
-        # gets a copy; all such rows' in one gather (one op a step, not one a row), each a view of it
-        runs = [_is_run(places) for places, _ in self.heads]
-        gather = [p for (places, _), run in zip(self.heads, runs, strict=True) if not run for p in places]
-        gathered = logits[torch.from_numpy(np.array(gather, dtype=np.int64)).to(logits.device)] if gather else None
-        outputs, offset = [], 0
-        for s, (places, top_start), run in zip(self.steps, self.heads, runs, strict=True):
-            n = len(places)
-            if run:
-                row_logits = logits[places[0] : places[0] + n]
-            else:
-                row_logits, offset = gathered[offset : offset + n], offset + n
+        outputs = []
+        for s, (places, top_start) in zip(self.steps, self.heads, strict=True):
             row_top = None if top_start < 0 else torch.from_numpy(top[top_start : top_start + len(s.tokens)])
             sampled = None if s.sample is None else [winners[p] for p in places]
-            outputs.append(StepOutput(row_logits, [argmax[p] for p in places], row_top, sampled))
+            outputs.append(PackedOutput(logits, places, [argmax[p] for p in places], row_top, sampled))
         return outputs
+
+
+class PackedOutput(StepOutput):
+    """A row's `StepOutput` of a packed step, whose `logits` rows are taken from the step's logits on first read: most
+    rows never read them (verification reads the argmax; a grammar or log-probabilities read them), and a slice or
+    gather per row costs more than the rest of a row's unpacking. Read, they are what the step's logits hold until
+    the model's next step (as `StepOutput.logits` says)."""
+
+    def __init__(self, step_logits: torch.Tensor, places: list[int], argmax: list[int], topk: torch.Tensor | None,
+                 sampled: list[int] | None) -> None:
+        self._step_logits, self._places, self._logits = step_logits, places, None
+        self.argmax, self.topk, self.sampled = argmax, topk, sampled
+
+    @property
+    def logits(self) -> torch.Tensor:  # [R, V]: a view where the rows are one run of the step's logits, else a copy
+        if self._logits is None:
+            places, source = self._places, self._step_logits
+            if _is_run(places):
+                self._logits = source[places[0] : places[0] + len(places)]
+            else:  # (a lookahead row's input token read twice, say)
+                self._logits = source[torch.from_numpy(np.array(places, dtype=np.int64)).to(source.device)]
+        return self._logits
 
 
 class StepProgram:
@@ -157,22 +171,24 @@ class StepProgram:
     and with `graphs` its CUDA graph, captured on first use after two warm-up runs and replayed after. It keeps no
     reference to its runner (passed to each call), so a dropped runner frees its pool and graphs at once."""
 
-    def __init__(self, runner, shape: StepShape, table_width: int) -> None:
+    def __init__(self, runner, shape: StepShape, table_width: int,
+                 buffers: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """buffers: an input buffer and its staging buffer, at least `program_size(shape, table_width)` long, that the
+        program's take the start of (None: its own). Exact-size programs share one such pair: a CPU's decoding
+        steps rarely repeat their sizes, and allocating a program's buffers costs more than staging them."""
         self.shape, self.table_width = shape, table_width
-        t, b, h = shape.tokens, shape.rows, shape.heads
-        self._sizes = {"tokens": t, "positions": t, "slots": t, "tree_end": t, "head": h, "cu_seqlens": b + 1,
-                       "prefix_len": b, "window": b, "ngram": b, "block_table": b * table_width}
-        device = runner.device
-        with torch.inference_mode(False):  # normal tensors: staged into whether or not the caller is in inference mode
-            self.inputs = torch.zeros(sum(self._sizes.values()), dtype=torch.int64, device=device)
-            self.staging = torch.zeros(self.inputs.numel(), dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._sizes = _sections(shape, table_width)
+        total, device = sum(self._sizes.values()), runner.device
+        if buffers is None:
+            buffers = program_buffers(total, device)
+        self.inputs, self.staging = buffers[0][:total], buffers[1][:total]
         self._host = self.staging.numpy()  # writes through to the (pinned) staging buffer
         self.views, self._offsets, offset = {}, {}, 0
         for name, size in self._sizes.items():
             self.views[name] = self.inputs[offset : offset + size]
             self._offsets[name] = offset
             offset += size
-        self.views["block_table"] = self.views["block_table"].view(b, table_width)
+        self.views["block_table"] = self.views["block_table"].view(shape.rows, table_width)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs: tuple[torch.Tensor, torch.Tensor] | None = None
         self.step: PackedStep | None = None  # the host's view of the step staged last (what a torch backend reads)
@@ -181,7 +197,7 @@ class StepProgram:
         """The step's one host-to-device copy (from pinned memory on CUDA), padded to the shape: padding tokens write
         the scratch slot and belong to no row; padding rows hold no tokens."""
         shape, step, host, at = self.shape, packing.step, self._host, self._offsets
-        real, rows = len(packing.tokens), len(step.lengths)
+        real = len(packing.tokens)
 
         def put(name: str, values, pad: int) -> None:  # a section: its values, then its padding value
             start, size = at[name], self._sizes[name]
@@ -198,10 +214,9 @@ class StepProgram:
         put("window", [p.window for p in step.patterns], 1)
         put("ngram", [p.ngram for p in step.patterns], 2)
         table = host[at["block_table"] :].reshape(shape.rows, self.table_width)
-        table[rows:] = 0
+        table.fill(0)  # one fill, then each row's blocks (not a fill a row past its blocks)
         for b, blocks in enumerate(step.tables):
             table[b, : len(blocks)] = blocks
-            table[b, len(blocks) :] = 0
         self.inputs.copy_(self.staging, non_blocking=True)
         self.step = PackedStep(step.lengths, step.patterns, step.tables, step.starts, step.block_size, shape.tokens)
 
@@ -243,6 +258,26 @@ class StepProgram:
         with torch.cuda.graph(graph, pool=runner.graph_pool, capture_error_mode="thread_local"):
             self.outputs = self.forward(runner)
         self.graph = graph
+
+
+def _sections(shape: StepShape, table_width: int) -> dict[str, int]:
+    """The input buffer's sections and their sizes, in order."""
+    t, b, h = shape.tokens, shape.rows, shape.heads
+    return {"tokens": t, "positions": t, "slots": t, "tree_end": t, "head": h, "cu_seqlens": b + 1, "prefix_len": b,
+            "window": b, "ngram": b, "block_table": b * table_width}
+
+
+def program_size(shape: StepShape, table_width: int) -> int:
+    """The int64 elements of a program's input buffer."""
+    return sum(_sections(shape, table_width).values())
+
+
+def program_buffers(size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """An input buffer of `size` int64 on `device` and its host staging buffer (pinned on CUDA)."""
+    with torch.inference_mode(False):  # normal tensors: staged into whether or not the caller is in inference mode
+        inputs = torch.zeros(size, dtype=torch.int64, device=device)
+        staging = torch.zeros(size, dtype=torch.int64, pin_memory=device.type == "cuda")
+    return inputs, staging
 
 
 def _is_run(places: list[int]) -> bool:

@@ -30,7 +30,7 @@ from .attention import Attend, InvariantBackend, TorchBackend, TritonBackend
 from .config import LlamaConfig
 from .kv_cache import KVPool
 from .paging import BlockPool, Row, RowTables
-from .programs import MIN_TOKENS, Packing, StepProgram, StepShape, table_width
+from .programs import MIN_TOKENS, Packing, StepProgram, StepShape, program_buffers, program_size, table_width
 
 BLOCK_SIZE = 16  # positions per block
 PREFILL_CHUNK = {"cpu": 512, "cuda": 2048}  # prompt tokens one step carries for one row at most
@@ -82,6 +82,7 @@ class CachedRunner:
         self.static = self.device.type == "cuda"  # steps padded to a few shapes (`StepShape`): one program each
         self.programs: dict[StepShape, StepProgram] = {}
         self._exact: dict[tuple[StepShape, int], StepProgram] = {}  # exact-size programs, least recently used first
+        self._exact_buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # the buffers they share
         self.graph_pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         self.prefill_chunk = PREFILL_CHUNK.get(self.device.type, PREFILL_CHUNK["cpu"])
         self.table_width = table_width(cfg.max_position_embeddings + max(max_step_tokens, self.prefill_chunk),
@@ -231,7 +232,12 @@ class CachedRunner:
         key = (shape, max(len(t) for t in packing.step.tables))
         program = self._exact.pop(key, None)
         if program is None:
-            program = StepProgram(self, shape, key[1])
+            # its buffers are the start of one shared pair (grown to the largest step so far): each step stages its
+            # whole input before its forward, so programs used one at a time can share them
+            size, held = program_size(shape, key[1]), self._exact_buffers
+            if held is None or held[0].numel() < size:  # doubled: growing steps reallocate a few times only
+                self._exact_buffers = program_buffers(max(size, 2 * held[0].numel() if held else 0), self.device)
+            program = StepProgram(self, shape, key[1], self._exact_buffers)
             if len(self._exact) >= EXACT_PROGRAMS:
                 del self._exact[next(iter(self._exact))]  # the least recently used
         self._exact[key] = program

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -45,8 +46,9 @@ from lookahead.drafts.suffix import _SCAN, SEPARATOR
 from lookahead.drafts.tree import BestFirst
 from lookahead.kernels import StepPattern
 from lookahead.loop import full_pattern, pack_step
+from lookahead.loop.core import Output
 from lookahead.loop.verify import Verdict, verify
-from lookahead.models.programs import slot_run
+from lookahead.models.programs import PackedOutput, Packing, slot_run
 from lookahead.tuning import CostModel, Curve, StepBudget, budget
 from lookahead.tuning.budget import EXPLORE_EVERY, NOTHING_FIXED, Choice, Fixed
 
@@ -269,6 +271,92 @@ def test_slot_runs_are_the_table_look_ups():
         count = rng.randint(0, size * 6 - 1)
         assert slot_run(blocks, size, start, count) == [blocks[p // size] * size + p % size
                                                           for p in range(start, start + count)]
+
+
+def test_packed_outputs_are_each_rows_logits_rows_argmax_and_top_k():
+    """`Packing.outputs` hands each row its logits lazily (`PackedOutput`): read, they are the step's logits rows at
+    the row's places, as the eager unpacking took them (a run of rows as a view, any other places gathered); its
+    argmax and top-k are the fetched array's."""
+    rng = random.Random(5)
+    for _ in range(100):
+        h, k = rng.randint(1, 24), rng.choice([0, 3])
+        logits = torch.randn(h, 11)
+        host = torch.cat([logits.argmax(-1), logits.topk(k, dim=-1).indices.flatten()]).numpy() if k else \
+            logits.argmax(-1).numpy()
+        packing = Packing.__new__(Packing)  # only what `outputs` reads: the steps, their places, no sampling
+        packing.steps, packing.heads, packing.samples = [], [], {}
+        for _ in range(rng.randint(1, 6)):
+            n = rng.randint(1, h)
+            first = rng.randrange(h - n + 1)
+            places = list(range(first, first + n)) if rng.random() < 0.5 else [rng.randrange(h) for _ in range(n)]
+            t = rng.randint(1, h)
+            top_start = rng.randrange(h - t + 1) if k and rng.random() < 0.7 else -1
+            packing.steps.append(SimpleNamespace(tokens=[0] * t, sample=None))
+            packing.heads.append((places, top_start))
+        outputs = packing.outputs(logits, host, k)
+        for step, (places, top_start), out in zip(packing.steps, packing.heads, outputs, strict=True):
+            assert isinstance(out, PackedOutput)
+            assert out.argmax == logits.argmax(-1)[places].tolist()
+            assert torch.equal(out.logits, logits[torch.tensor(places)])
+            if places == list(range(places[0], places[0] + len(places))):
+                assert out.logits.data_ptr() == logits[places[0]].data_ptr()  # a view: no copy
+            if top_start < 0:
+                assert out.topk is None
+            else:
+                want = logits.topk(k, dim=-1).indices[top_start : top_start + len(out.topk)]
+                assert len(out.topk) == len(step.tokens)
+                assert torch.equal(out.topk, want)
+            assert out.sampled is None
+
+
+def old_accept(out, tokens, fed=None):
+    """`Output.accept` as it was: token by token, the limit checked before each."""
+    result = out.result
+    result.steps += 1
+    if fed is not None:
+        result.step_sizes.append(fed)
+    taken = []
+    for token in tokens:
+        if len(result.tokens) + len(taken) == out.limit:
+            break
+        taken.append(token)
+        if token in out.stop or (out.stops_at is not None and out.stops_at(token)):
+            out.done = True
+            result.finish_reason = "stop"
+            break
+    result.tokens.extend(taken)
+    result.step_tokens.append(taken)
+    if not out.done and len(result.tokens) >= out.limit:
+        out.done = True
+        result.finish_reason = "length"
+    return taken
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_output_accepts_as_it_did(seed):
+    """The same tokens taken, the same finish, and `stops_at` (which keeps state: a stop string's detector) asked
+    about the same tokens in the same order."""
+    rng = random.Random(seed)
+    for _ in range(50):
+        limit, stop = rng.randint(1, 12), set(rng.sample(range(20), rng.randint(0, 3)))
+        stop_after = rng.choice([None, rng.randint(1, 15)])
+        outs, asked = [], []
+        for _ in range(2):
+            seen = []
+
+            def stops_at(token, seen=seen, after=stop_after):  # a stop string ending at the `after`-th token seen
+                seen.append(token)
+                return len(seen) == after
+
+            outs.append(Output(limit, stop, None, stops_at if stop_after is not None else None))
+            asked.append(seen)
+        new, old = outs
+        while not new.done:
+            tokens = [rng.randrange(20) for _ in range(rng.randint(1, 6))]
+            fed = rng.choice([None, len(tokens) + 2])
+            assert new.accept(tokens, fed) == old_accept(old, tokens, fed)
+            assert (new.done, new.result) == (old.done, old.result)
+        assert old.done and asked[0] == asked[1]
 
 
 class OldSuffixIndex(SuffixIndex):

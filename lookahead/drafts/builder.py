@@ -83,22 +83,24 @@ class DraftBuilder:
         prefix of it is the best tree of its size."""
         if budget <= 0:
             return BestFirst([], [], [])
-        proposals: list = []  # the paths proposed whole, as cursors at their first token (`_expand`)
+        # the paths proposed whole, as cursors at their first token (`_expand`); (list comprehensions: this runs for
+        # every row every step)
+        proposals: list = []
         memory = self.memory
         if self.use_suffix:
             states = _SUFFIX_STATES[0]
-            for continuation, match in self.suffix.continuations(SUFFIX_LIMIT, budget):
-                proposals.append((continuation, 0, 1, *states[min(match, SUFFIX_REACH)]))
+            proposals += [(continuation, 0, 1, *states[min(match, SUFFIX_REACH)])
+                          for continuation, match in self.suffix.continuations(SUFFIX_LIMIT, budget)]
             if memory is not None:
                 states = _SUFFIX_STATES[1]
-                for continuation, match in memory.continuations(sequence[-SUFFIX_REACH:], SUFFIX_LIMIT, budget):
-                    proposals.append((continuation, 0, 1, *states[min(match, SUFFIX_REACH)]))
+                proposals += [(continuation, 0, 1, *states[min(match, SUFFIX_REACH)]) for continuation, match
+                              in memory.continuations(sequence[-SUFFIX_REACH:], SUFFIX_LIMIT, budget)]
         if self.use_pool:
-            for continuation in pool.candidates(sequence[-1], self.pool_limit):
-                proposals.append((continuation, 0, 2, *_POOL_STATES[0]))
+            own, held = _POOL_STATES
+            proposals += [(continuation, 0, 2, *own) for continuation in pool.candidates(sequence[-1], self.pool_limit)]
             if memory is not None:
-                for continuation in memory.candidates(sequence[-1], self.pool_limit):
-                    proposals.append((continuation, 0, 2, *_POOL_STATES[1]))
+                proposals += [(continuation, 0, 2, *held)
+                              for continuation in memory.candidates(sequence[-1], self.pool_limit)]
         previous = sequence[-2] if len(sequence) > 1 else -1
         second = sequence[-3] if len(sequence) > 2 else -1
         return self._grow(second, previous, sequence[-1], proposals, budget)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import islice
 
 from .edges import MATCH_BANDS
 from .pool import NGramPool
@@ -129,7 +130,7 @@ class DraftMemory:
         kept = self._grams.get(token)
         if not kept or limit <= 0:
             return []
-        return list(reversed(kept))[:limit]
+        return list(islice(reversed(kept), limit))  # (not the whole dict reversed into a list)
 
 
 def _tables(recycle: RecycleTables) -> tuple[dict, dict, dict]:

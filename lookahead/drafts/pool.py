@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import islice
 
 
 class NGramPool:
@@ -57,12 +58,7 @@ class NGramPool:
         continuations = self._grams.get(token)
         if not continuations or limit <= 0:
             return []
-        out = []
-        for continuation in reversed(continuations):
-            out.append(continuation)
-            if len(out) == limit:
-                break
-        return out
+        return list(islice(reversed(continuations), limit))
 
     def items(self):
         """(key token, its continuations oldest first) pairs: what the drafting memory keeps of a generation's pool."""

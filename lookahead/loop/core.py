@@ -117,12 +117,12 @@ class Output:
         result.steps += 1
         if fed is not None:
             result.step_sizes.append(fed)
-        taken: list[int] = []
-        for token in tokens:
-            if len(result.tokens) + len(taken) == self.limit:
-                break
-            taken.append(token)
-            if token in self.stop or (self.stops_at is not None and self.stops_at(token)):
+        # up to the limit, then up to the first stop (checked token by token in order: `stops_at` keeps state)
+        taken = list(tokens[: max(self.limit - len(result.tokens), 0)])
+        stop, stops_at = self.stop, self.stops_at
+        for i, token in enumerate(taken):
+            if token in stop or (stops_at is not None and stops_at(token)):
+                del taken[i + 1 :]
                 self.done = True
                 result.finish_reason = "stop"
                 break
