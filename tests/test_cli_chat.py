@@ -153,7 +153,16 @@ def test_no_input_ends_before_the_model_loads(monkeypatch, capsys):
     assert code == 0 and loads == []
 
 
-def test_ctrl_c_mid_answer_stops_it_and_keeps_the_conversation(monkeypatch, capsys):
+@pytest.fixture
+def foreground_sigint():
+    """SIGINT as Python sets it up in a foreground process, then as it was: a suite started as a background job (a
+    script's `cmd &`) inherits SIGINT ignored, and there the chat rightly leaves Ctrl-C alone."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_mid_answer_stops_it_and_keeps_the_conversation(monkeypatch, capsys, foreground_sigint):
     """Ctrl-C mid-answer exited 130, '^C' glued to the partial answer; now the answer stops at its next tokens, the
     partial answer stays in the conversation and the next line is answered."""
     model = FakeModel([[1, 2, 3, 4], [5]], interrupt_at=(0, 2))
