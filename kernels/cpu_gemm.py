@@ -8,7 +8,9 @@ whose arithmetic per output is the same for one row or six, so a row's bits depe
 split of K, no kernel chosen by shape). A block's bytes are read once per six rows (six rows' accumulators and a row
 of the block fill an AVX-512 register file): a one-token step reads the weight once, like a GEMV, and a longer step
 reads it again from cache. `attention(...)`, in the same extension, is the batch-invariant attention on the CPU (each
-query over its own keys in position order: `block_attention`'s contract as fused multiply-add chains).
+query over its own keys in position order: `block_attention`'s contract as fused multiply-add chains), and
+`decoder_layers(...)` runs a LLaMA model's layers over one packed step in one call (the same ATen ops as the Python
+layers, with these kernels, so the same bits).
 
 The source is compiled by torch's C++ extension loader (a C++ compiler and ninja) into `build_dir`; where that fails
 `available` is False and callers use `row_plans` instead.
@@ -549,7 +551,7 @@ torch::Tensor chain_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
   return attention_rows(q, k, v, slots, counts);
 }
 
-// A packed GEMM's output for a model of dtype `dtype`: rows_gemm after gemm()'s conversion of its rows.
+// A packed weight's GEMM as gemm() runs it: the rows in bfloat16 for pairs, else in float32; the output float32.
 static torch::Tensor linear_rows(const torch::Tensor& x, const torch::Tensor& packed, int64_t n) {
   return gemm_rows(x.to(packed.dim() == 4 ? torch::kBFloat16 : torch::kFloat32).contiguous(), packed, n);
 }
