@@ -154,7 +154,7 @@ def budgets(rng: random.Random, static: bool):
     made = []
     for cls in (StepBudget, HeapBudget):
         cost = CostModel({"greedy": Curve(*(list(x) for x in curve))})
-        chooser = cls(LookaheadConfig(4, 5, 30), cost, static=static, clock=lambda: 0.0, round_up=rounding)
+        chooser = cls(LookaheadConfig(4, 5, 30), cost, static=static, round_up=rounding)
         made.append(chooser)
     seed = rng.random()
     for chooser in made:  # the same calibration, host time and exploration history

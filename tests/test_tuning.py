@@ -259,7 +259,7 @@ def test_costs_measured_under_load_do_not_keep_a_quiet_machine_plain(tmp_path, l
     cost = CostModel.load(path, {"k": 1})
     assert cost.predict(8, 100) >= 10 * quiet(8)  # as measured under load
     now = [0.0]
-    chooser = StepBudget(LookaheadConfig(), cost, clock=lambda: now[0])
+    chooser = StepBudget(LookaheadConfig(), cost)
     choices, _ = run_on_a_fake_clock(chooser, quiet, SCORES, 24, now)
     assert any(c.tokens > 1 for c in choices)  # draft steps again within 24 steps
     start = now[0]
@@ -312,6 +312,44 @@ def test_an_engine_on_a_poisoned_cost_file_decodes_faster_than_plain_within_a_fe
     assert rate > 1.5 / quiet(1)  # faster than plain decoding, on the fake clock
 
 
+def test_idle_waits_and_steps_of_prompts_alone_are_not_the_loops_own_time():
+    """A server waits for requests between steps, and a new request's prompt may take a step of its own; neither is a
+    cost of the steps the budget sizes. An engine on a fake clock, a minute of idle wait before each step and a second
+    request's prompt step between, sizes every step as the same requests run back to back do, and what it adds to a
+    step's cost is the loop's own time in it: here 8 ms of sending. (Counting the time since the last sized step made
+    that cost seconds long after a wait, and every step looked cheap beside it: the budget took the largest.)"""
+    from lookahead.loop import Engine, SingleRowModel
+    from lookahead.request import Request
+
+    # every time a multiple of 2^-9 s: the fake clock's sums are exact, so both runs time every step alike
+    quiet = lambda tokens: (128 + 2 * (tokens - 1)) / 1024  # noqa: E731  (an 18-token step: 1.27 plain ones)
+    target = [7, 8, 9, 10, 11, 12, 13, 14] * 30
+    fn = lambda ctx: context_logits(ctx, VOCAB, [*target[:40], 3, 5, *target[40:]])  # noqa: E731
+
+    def run(idle: float) -> tuple[list[list[int]], float]:
+        now = [0.0]
+        cost = CostModel({"greedy": fit([(t, 0, quiet(t)) for t in knots_up_to(LookaheadConfig().step_tokens)])})
+        engine = Engine(SingleRowModel(TimedModel(VOCAB, fn, quiet, now)), cost=cost, clock=lambda: now[0])
+        results = []
+
+        def sink(delta) -> None:
+            now[0] += 1 / 128  # sending a step's tokens: the loop's own time
+            if delta.result is not None:
+                results.append(delta.result)
+
+        for prompt in (target[:12], target[3:40]):
+            engine.submit(Request([prompt], 48, GREEDY, LookaheadConfig(), frozenset()), sink=sink)
+            while engine.step():
+                now[0] += idle
+        (budget,) = engine.scheduler.budgets.values()
+        return [result.step_sizes for result in results], budget.host
+
+    sizes, host = run(0.0)
+    assert any(size > 4 for row in sizes for size in row) and any(size < 4 for row in sizes for size in row)
+    assert 0.5 / 128 < host <= 1 / 128  # 1/128 s a step (the last step's tokens are sent after it)
+    assert run(64.0) == (sizes, host)
+
+
 def test_a_size_that_is_truly_dear_is_explored_ever_more_rarely():
     """Exploration is bounded: where a 2-token step truly costs 1.8 one-token steps (measured right, but not yet run
     by a step of this process), steps of draft sizes run only now and then, ever more rarely, and the run keeps
@@ -319,7 +357,7 @@ def test_a_size_that_is_truly_dear_is_explored_ever_more_rarely():
     dear = lambda tokens: 0.1 * (1 + 0.8 * (tokens - 1))  # noqa: E731
     cost = CostModel({"greedy": fit([(t, 100, dear(t)) for t in knots_up_to(LookaheadConfig().step_tokens)])})
     now = [0.0]
-    chooser = StepBudget(LookaheadConfig(), cost, clock=lambda: now[0])
+    chooser = StepBudget(LookaheadConfig(), cost)
     choices, gave = run_on_a_fake_clock(chooser, dear, SCORES, 400, now)
     explored = [i for i, c in enumerate(choices) if c.tokens > 1]
     assert 1 <= len(explored) <= 8 and chooser.explored == len(explored)
@@ -337,7 +375,7 @@ def test_static_steps_explore_a_stale_bucket_at_its_fullest():
     knots = [1, 32, 64, 96, 128]
     cost = CostModel({"greedy": Curve(knots, [quiet(t) * (1 if t == 1 else 15) for t in knots], [0.0] * 5)})
     now = [0.0]
-    chooser = StepBudget(cfg, cost, static=True, clock=lambda: now[0], round_up=round_up)
+    chooser = StepBudget(cfg, cost, static=True, round_up=round_up)
     scores = [0.5 * 0.9**i for i in range(100)]
     sizes = []
     for _ in range(48):
@@ -359,7 +397,7 @@ def test_exploration_runs_only_a_size_that_could_win():
     monotone) are not worth a step."""
     cost = CostModel({"greedy": Curve([1, 2, 4, 8, 16], [0.1, 1.0, 1.0, 1.0, 1.0], [0.0] * 5)})
     now = [0.0]
-    chooser = StepBudget(LookaheadConfig(), cost, clock=lambda: now[0])
+    chooser = StepBudget(LookaheadConfig(), cost)
     for tokens in (1, 2):
         cost.observe(tokens, 100, cost.predict(tokens, 100))  # run now: neither stale
     choices, _ = run_on_a_fake_clock(chooser, lambda tokens: 0.1 if tokens == 1 else 1.0, SCORES, 3 * 8, now)
@@ -372,7 +410,7 @@ def test_the_chooser_learns_a_machine_that_gets_busier_on_a_fake_clock():
     steps."""
     now = [0.0]
     cost = CostModel({"greedy": fit([(t, 0, 0.05 * (1 + 0.3 * (t - 1) / 17)) for t in (1, 2, 4, 8, 16, 18)])})
-    chooser = StepBudget(LookaheadConfig(), cost, clock=lambda: now[0])
+    chooser = StepBudget(LookaheadConfig(), cost)
     scores = [0.4 * 0.7**i for i in range(15)]
     plain_at = None
     for step in range(40):

@@ -6,7 +6,6 @@ It knows nothing of tokenizers or of the model's internals, so tests drive it wi
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -156,19 +155,17 @@ def static_steps(cfg: LookaheadConfig | None) -> list[tuple[StepPattern, int, in
     return [(layout.pattern, len(layout.rows), layout.topk) for layout in layouts]
 
 
-def step_budget(loop: LookaheadLoop, cost: CostModel | None, sampling: bool, model=None,
-                clock: Callable[[], float] | None = None) -> StepBudget | None:
+def step_budget(loop: LookaheadLoop, cost: CostModel | None, sampling: bool, model=None) -> StepBudget | None:
     """The per-step size chooser of an engine's rows: with a cost model and a self-tuned configuration
     (`loop.tunable`), else None (full-size steps). A cost model without a curve of sampled steps sizes them by its
-    greedy curve. A model that rounds its steps up to captured sizes says so by a `round_up(tokens)` method. clock:
-    the engine's, which times its steps (the budget times the loop's own work between them by it)."""
+    greedy curve. A model that rounds its steps up to captured sizes says so by a `round_up(tokens)` method."""
     if cost is None or not loop.tunable:
         return None
     kind = "sampling" if sampling and "sampling" in cost.curves else "greedy"
     round_up = getattr(model, "round_up", None)
     if kind not in cost.curves:
         return None
-    return StepBudget(loop.cfg, cost, kind, loop.static, clock=clock or time.perf_counter, round_up=round_up)
+    return StepBudget(loop.cfg, cost, kind, loop.static, round_up=round_up)
 
 
 def sampling_seed(request: Request, row: int) -> int | None:

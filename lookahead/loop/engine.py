@@ -67,7 +67,7 @@ class Engine:
         self.model, self.memory, self.clock = model, memory, clock
         self.max_queue, self.max_positions, self.vocab_size = max_queue, max_positions, vocab_size
         self.lookahead = lookahead
-        self.scheduler = Scheduler(model, max_rows, cost, clock)
+        self.scheduler = Scheduler(model, max_rows, cost)
         self._inbox: list[Job] = []
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -175,6 +175,7 @@ class Engine:
         self.scheduler.admit(self._fail)
         if not self.active:
             return bool(self.waiting)
+        planned = self.clock()
         jobs, steps = self.scheduler.plan()
         start = self.clock()
         outputs = self.model.step(steps)
@@ -185,9 +186,11 @@ class Engine:
             self.model.commit(job.row, commit)
             accepted[job] = len(commit) - 1
             self._send(job, taken)
-        self.scheduler.record(steps, seconds, accepted)
         if self.on_step is not None:
             self.on_step(steps, seconds)
+        # the loop's own time for this step, not the time since the last one: a server's idle wait, or a step the
+        # budgets did not size (prompts alone), is no cost of the steps they size
+        self.scheduler.record(steps, seconds, accepted, self.clock() - planned - seconds)
         self._retire([job for job in self.active if job.out.done])
         return bool(self.active or self.waiting)
 

@@ -10,7 +10,6 @@ it did. It runs nothing and sends nothing: the engine does.
 from __future__ import annotations
 
 import collections
-import time
 from collections.abc import Callable, Sequence
 
 from lookahead.tuning import CostModel, Fixed, StepBudget
@@ -30,10 +29,8 @@ class Scheduler:
     """The waiting requests and live rows of an engine over `model` (at most `max_rows` live; None: as many as the
     model admits), and the step budgets of the cost model `cost` (None: full-size steps)."""
 
-    def __init__(self, model: RowModel, max_rows: int | None, cost: CostModel | None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
-        """clock: the engine's, which times its steps (a budget times the loop's own work between them by it)."""
-        self.model, self.max_rows, self.cost, self.clock = model, max_rows, cost, clock
+    def __init__(self, model: RowModel, max_rows: int | None, cost: CostModel | None) -> None:
+        self.model, self.max_rows, self.cost = model, max_rows, cost
         self.waiting: collections.deque[Job] = collections.deque()
         self.active: list[Job] = []
         # one budget per (sampled, static): a row is sized by the curve of its own kind, never by another request's
@@ -126,7 +123,7 @@ class Scheduler:
             return None
         key = (job.seed is not None, job.loop.static)
         if key not in self.budgets:
-            self.budgets[key] = step_budget(job.loop, self.cost, job.seed is not None, self.model, self.clock)
+            self.budgets[key] = step_budget(job.loop, self.cost, job.seed is not None, self.model)
         return self.budgets[key]
 
     def _prefill_allowance(self, decoding_tokens: int, prompts: int) -> int | None:
@@ -146,10 +143,12 @@ class Scheduler:
             size *= 2
         return min(chunk, max(size, spread))
 
-    def record(self, steps: Sequence[RowStep], seconds: float, accepted: dict[Job, int]) -> None:
-        """What the planned step did: its time and each sized row's accepted nodes, for the budgets that sized it."""
+    def record(self, steps: Sequence[RowStep], seconds: float, accepted: dict[Job, int],
+               loop_seconds: float = 0.0) -> None:
+        """What the planned step did, for the budgets that sized it: the model's time, `seconds`, the engine's own
+        for the step, `loop_seconds` (from planning it to sending its tokens), and each sized row's accepted nodes."""
         tokens = sum(len(s.tokens) for s in steps)
         weight = sum(len(s.tokens) * length for s, length in zip(steps, self._lengths, strict=True))
         for i, (budget, expected) in enumerate(self._sized):  # the cost model learns the step's time once
             budget.record(tokens, weight // max(tokens, 1), seconds, list(expected.values()),
-                          [accepted[job] for job in expected], observe=i == 0)
+                          [accepted[job] for job in expected], loop_seconds, observe=i == 0)

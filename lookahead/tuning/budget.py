@@ -18,7 +18,9 @@ It keeps itself honest with what the steps then did:
   edge model was fitted on one model and one prompt set, and its sums are too flat: small sums come out low and
   large ones high, so one factor for all would misjudge both ends; another model or text drafts better or worse);
 - the cost model learns each step's measured time (`CostModel.observe`), so a machine that gets busier steps
-  smaller, and h follows the loop's time outside the model;
+  smaller, and h follows the loop's own time in each step it sized (planning, drafting, verifying, sending: given
+  by the engine, which times them; never the time between steps, an idle server's wait or a step of prompts alone,
+  which would make h seconds long and every step look cheap beside it, so the budget took the largest);
 - it explores: at most one step in `EXPLORE_EVERY` runs a size whose knot no step ran lately (`CostModel.stale_knot`:
   the knot's own size where the draft reaches it, else the fullest step nearest to it), the smallest such that could
   beat the step it would otherwise take were it as cheap as the knots run lately allow (`CostModel.floor`), so costs
@@ -37,7 +39,6 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -108,15 +109,13 @@ class StepBudget:
 
     cost: the machine's `CostModel` (it is updated in place). kind: its curve ("greedy", "sampling"). static: steps
     are rounded up to captured shapes (CUDA graphs): every lookahead row carries its lookahead branch (a few more
-    tokens cost a GPU about nothing), and a step's cost is that of `round_up(tokens)` tokens. clock: seconds, for the
-    loop's timings (tests give a fake one)."""
+    tokens cost a GPU about nothing), and a step's cost is that of `round_up(tokens)` tokens."""
 
     compiled = True  # merge the rows' slots with the compiled loop where it builds (`lookahead.native`); False: Python
 
     def __init__(self, cfg: LookaheadConfig, cost: CostModel, kind: str = "greedy", static: bool = False,
-                 clock: Callable[[], float] = time.perf_counter,
                  round_up: Callable[[int], int] | None = None) -> None:
-        self.cfg, self.cost, self.kind, self.clock = cfg, cost, kind, clock
+        self.cfg, self.cost, self.kind = cfg, cost, kind
         self.static, self.round_up = static, round_up or (lambda tokens: tokens)
         self.branch = static or BRANCH == "always"  # whether lookahead rows carry the lookahead branch
         self.expected = [0.0] * (len(CALIBRATION_BANDS) + 1)  # per band: nodes the scores expected, and accepted
@@ -124,7 +123,6 @@ class StepBudget:
         self.host = 0.0  # seconds per step the loop spends outside the model
         self.since_explored = 0  # steps since the last one that explored a stale knot
         self.explored = 0  # steps that did
-        self.last = clock()  # when the last step was recorded: a step's loop time runs from there
         self._rounded: list[int] = []  # round_up(t) for t = 0, 1, ... as far as asked
 
     def calibrated(self, expected: float) -> float:
@@ -237,16 +235,15 @@ class StepBudget:
         return expected / seconds, seconds
 
     def record(self, tokens: int, length: int, step_seconds: float, expected: Sequence[float],
-               accepted: Sequence[int], observe: bool = True) -> None:
+               accepted: Sequence[int], loop_seconds: float = 0.0, observe: bool = True) -> None:
         """What a step did: it fed `tokens` tokens (every row) whose mean cache length was `length`, the model took
-        `step_seconds` (the rest of the time since the last record is the loop's own), and each lookahead row that
-        verified nodes accepted `accepted[i]` of them where its scores expected `expected[i]` (uncalibrated).
-        observe: the cost model learns the step's time (False: another budget of the step taught it already)."""
-        now = self.clock()
+        `step_seconds`, the loop's own work for it (planning, drafting, verifying, sending) `loop_seconds`, and each
+        lookahead row that verified nodes accepted `accepted[i]` of them where its scores expected `expected[i]`
+        (uncalibrated). observe: the cost model learns the step's time (False: another budget of the step taught it
+        already)."""
         if observe:
             self.cost.observe(self.round_up(tokens), length, step_seconds, self.kind)
-        self.host += HOST_RATE * (max(now - self.last - step_seconds, 0.0) - self.host)
-        self.last = now
+        self.host += HOST_RATE * (max(loop_seconds, 0.0) - self.host)
         for promised, got in zip(expected, accepted, strict=True):
             band = bisect.bisect_right(CALIBRATION_BANDS, promised)
             self.expected[band] += promised
