@@ -58,6 +58,11 @@ REPO = Path(__file__).resolve().parents[1]
 class HeapBudget(StepBudget):
     """`StepBudget` with its choice as it was: a heap of each row's next node, every option's taken list kept."""
 
+    def _rate(self, tokens: int, length: int, expected: float) -> tuple[float, float]:
+        """(expected tokens per second, seconds) of a step of `tokens` tokens over mean cache length `length`."""
+        seconds = self.cost.predict(self.round_up(tokens), length, self.kind) + self.host
+        return expected / seconds, seconds
+
     def choose(self, scores: Sequence[Sequence[float]], branch: int | Sequence[int], lengths: Sequence[int],
                fixed: Fixed = NOTHING_FIXED) -> list[Choice]:
         """Each lookahead row's size for the next step. scores: each row's draft node scores, best first (a prefix

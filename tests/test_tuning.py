@@ -144,8 +144,10 @@ def test_a_damaged_cache_file_is_not_trusted(tmp_path, damage):
 # ---- the chooser --------------------------------------------------------------------------------------------------
 
 
-def brute_force(rows, branch: int, cost: CostModel, lengths, fixed, policy: str) -> float:
-    """The best rate of any per-row prefix sizes, by enumeration, written independently of `StepBudget.choose`."""
+def brute_force(rows, branch: int, cost: CostModel, lengths, fixed, policy: str, against: float | None = None
+                ) -> float:
+    """The best rate of any per-row prefix sizes (against a rate R: the most expected tokens - R * seconds), by
+    enumeration, written independently of `StepBudget.choose`."""
     carry = branch if policy == "always" else 1
     # the step's cache length: the mean over its tokens with every row at its base size (as the chooser reads it)
     length = (fixed.weight + sum(lengths) * carry) // (fixed.tokens + len(rows) * carry)
@@ -153,7 +155,8 @@ def brute_force(rows, branch: int, cost: CostModel, lengths, fixed, policy: str)
     def rate(sizes, per_row):
         tokens = fixed.tokens + sum(per_row + n for n in sizes)
         expected = fixed.expected + len(rows) + sum(sum(r[:n]) for r, n in zip(rows, sizes, strict=True))
-        return expected / cost.predict(tokens, length)
+        seconds = cost.predict(tokens, length)
+        return expected / seconds if against is None else expected - against * seconds
 
     best = rate([0] * len(rows), 1)  # every row plain
     for sizes in itertools.product(*[range(len(r) + 1) for r in rows]):
@@ -189,6 +192,73 @@ def test_the_chooser_takes_the_best_slot_set_of_the_whole_step(monkeypatch, poli
         if len(set(sizes)) > 1:
             kinds.add("rows differ")
     assert kinds == {"plain", "part", "all", "rows differ"}  # the cases exercised every outcome
+
+
+@pytest.mark.parametrize("policy", budget.BRANCH_POLICIES)
+def test_beside_prompt_chunks_a_slot_must_beat_the_rows_steady_rate(monkeypatch, policy):
+    """A step that carries prompt chunks is dear, so nearly any draft node raises its own rate; but the node's time
+    could have decoded at the steady rate R, the best rate of the step without the chunks. The chooser takes the slot
+    set of the most expected tokens net of R times its seconds, by brute force; so weak drafts beside a long chunk take
+    no slot, though they would have raised that step's own rate, and strong ones still do."""
+    monkeypatch.setattr(budget, "BRANCH", policy)
+    carry = 3 if policy == "always" else 1
+    rng = random.Random(2)
+    for case in range(200):
+        cost = CostModel({"greedy": Curve([1, 512], [0.02, 0.02 + rng.choice([1e-4, 1e-3, 1e-2]) * 511],
+                                          [1e-6, 1e-6 + 1e-9 * 511])})
+        rows = [best_first_scores(rng, rng.randrange(0, 6), rng.choice([0.05, 0.3, 1.0]))
+                for _ in range(rng.randrange(1, 4))]
+        lengths = [rng.randrange(0, 400) for _ in rows]
+        steady = budget.Fixed(*rng.choice([(0, 0.0, 0), (3, 3.0, 300)]))
+        chunk = rng.choice([16, 100, 400])
+        fixed = budget.Fixed(steady.tokens + chunk, steady.expected, steady.weight + chunk * rng.randrange(0, 400))
+        choices = StepBudget(LookaheadConfig(), cost).choose(rows, 3, lengths, fixed, steady)
+        target = brute_force(rows, 3, cost, lengths, steady, policy)
+        sizes = [c.nodes for c in choices]
+        tokens = fixed.tokens + sum((carry if c.branch else 1) + c.nodes for c in choices)
+        length = (fixed.weight + sum(lengths) * carry) // (fixed.tokens + len(rows) * carry)
+        expected = fixed.expected + len(rows) + sum(sum(r[:n]) for r, n in zip(rows, sizes, strict=True))
+        got = expected - target * cost.predict(tokens, length)
+        want = brute_force(rows, 3, cost, lengths, fixed, policy, against=target)
+        assert got == pytest.approx(want, rel=1e-9, abs=1e-12), (case, rows)
+    weak, strong = [[0.1 * 0.5**i for i in range(8)]] * 4, [[0.99] * 8] * 4  # a node: 0.1 tokens a ms, or 0.99
+    cost = CostModel({"greedy": Curve([1, 512], [0.02, 0.02 + 1e-3 * 511], [0.0, 0.0])})  # a token: 5% of a pass
+    chunk = budget.Fixed(400, 0.0, 0)
+    assert any(c.nodes for c in StepBudget(LookaheadConfig(), cost).choose(weak, 3, [50] * 4, chunk))
+    assert all(c.plain for c in StepBudget(LookaheadConfig(), cost).choose(weak, 3, [50] * 4, chunk,
+                                                                           budget.NOTHING_FIXED))
+    assert all(c.nodes == 8 for c in StepBudget(LookaheadConfig(), cost).choose(strong, 3, [50] * 4, chunk,
+                                                                                budget.NOTHING_FIXED))
+
+
+def test_the_scheduler_sizes_a_step_beside_prompt_chunks_against_the_step_without_them(monkeypatch):
+    """An engine whose second request arrives while the first decodes: the step that carries its prompt chunks hands
+    the budget the rest of the step and that rest without the chunks; a step without chunks hands no second part."""
+    from lookahead.loop import Engine
+    from lookahead.request import Request
+
+    seen = []
+    choose = StepBudget.choose
+
+    def spy(self, scores, branch, lengths, fixed=budget.NOTHING_FIXED, steady=None):
+        seen.append((fixed, steady))
+        return choose(self, scores, branch, lengths, fixed, steady)
+
+    monkeypatch.setattr(StepBudget, "choose", spy)
+    engine = Engine(MockRowModel(VOCAB, prefill_chunk=8), cost=linear_cost(0.01, base=0.02))
+    first = engine.submit(Request([PROMPT], 12, GREEDY, LookaheadConfig(), frozenset()))
+    while not seen:
+        engine.step()
+    plain_row = engine.submit(Request([[5, 4] * 10], 12, GREEDY, None, frozenset()))  # a plain row beside the chunks
+    engine.submit(Request([[2, 3] * 10], 12, GREEDY, None, frozenset()))
+    while engine.step():
+        pass
+    assert first.result().tokens and plain_row.result().tokens
+    with_chunks = [(fixed, steady) for fixed, steady in seen if steady is not None]
+    assert with_chunks and any(steady.tokens for _, steady in with_chunks)  # the plain row, once decoding
+    for fixed, steady in with_chunks:  # the chunks: the model's 8 prompt tokens a step, which give no token now
+        assert fixed.tokens - steady.tokens == 8 and fixed.expected == steady.expected
+    assert any(steady is None for _, steady in seen[1:])  # steps without chunks, after them
 
 
 def test_a_plain_step_when_nothing_pays_and_the_full_budget_when_everything_does():

@@ -83,6 +83,7 @@ class Scheduler:
             steps.append(job.chunk(allowance))
             jobs.append(job)
             allowance = None if allowance is None else allowance - len(steps[-1].tokens)
+        chunks = len(steps)  # the step's prompt chunks come first
         groups: dict[StepBudget, list[Job]] = {}
         full = []
         for job in lookahead:
@@ -98,10 +99,11 @@ class Scheduler:
         expected = float(len(plain) + len(full))
         self._sized = []
         for budget, rows in groups.items():
-            fixed = Fixed(sum(len(s.tokens) for s in steps), expected,
-                          sum(len(s.tokens) * self._length_of(job) for job, s in zip(jobs, steps, strict=True)))
+            # the rest of the step, and that rest without its prompt chunks (they give no token now)
+            fixed = self._fixed(jobs, steps, expected)
+            steady = self._fixed(jobs[chunks:], steps[chunks:], expected) if chunks else None
             choices = budget.choose([job.draft.scores for job in rows], [job.loop.branch_tokens for job in rows],
-                                    [job.loop.length for job in rows], fixed)
+                                    [job.loop.length for job in rows], fixed, steady)
             self._sized.append((budget, {job: sum(job.draft.scores[: min(choice.nodes, len(job.draft))])
                                          for job, choice in zip(rows, choices, strict=True) if choice.nodes}))
             for job, choice in zip(rows, choices, strict=True):
@@ -110,6 +112,11 @@ class Scheduler:
                 expected += choice.expected
         self._lengths = [self._length_of(job) for job in jobs]
         return jobs, steps
+
+    def _fixed(self, jobs: Sequence[Job], steps: Sequence[RowStep], expected: float) -> Fixed:
+        """The part of a step that `steps` of `jobs` make, giving `expected` tokens: what a budget sizes around."""
+        return Fixed(sum(len(s.tokens) for s in steps), expected,
+                     sum(len(s.tokens) * self._length_of(job) for job, s in zip(jobs, steps, strict=True)))
 
     @staticmethod
     def _length_of(job: Job) -> int:

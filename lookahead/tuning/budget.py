@@ -41,6 +41,7 @@ import bisect
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import lookahead.native as native
 from lookahead.config import LookaheadConfig
@@ -103,6 +104,13 @@ class Fixed:
 NOTHING_FIXED = Fixed()  # a step of lookahead rows only
 
 
+class Rated(NamedTuple):
+    """A step's expected tokens and predicted seconds (the loop's own time included)."""
+
+    expected: float
+    seconds: float
+
+
 class StepBudget:
     """The per-step size chooser of the rows an engine steps together: how many draft nodes each lookahead row
     verifies in the next packed step (a row may take none: a plain one-token row, while another takes thirty).
@@ -132,44 +140,50 @@ class StepBudget:
         return expected * (self.accepted[band] + CALIBRATION_PRIOR) / (self.expected[band] + CALIBRATION_PRIOR)
 
     def choose(self, scores: Sequence[Sequence[float]], branch: int | Sequence[int], lengths: Sequence[int],
-               fixed: Fixed = NOTHING_FIXED) -> list[Choice]:
+               fixed: Fixed = NOTHING_FIXED, steady: Fixed | None = None) -> list[Choice]:
         """Each lookahead row's size for the next step. scores: each row's draft node scores, best first (a prefix
         of a best-first tree is a tree); branch: the lookahead branch's tokens per row (W times the window's levels;
         carried only when `self.branch`), one for all rows or each row's own; lengths: each row's cache length L; fixed:
-        the rest of the step.
+        the rest of the step; steady: that rest without its prompt chunks, where it holds some.
 
         The step takes (row, node) slots in decreasing calibrated worth (a row's node only after its parent, so each
         row's share is a prefix of its draft), and of every count of slots keeps the one that maximises the whole
         step's expected tokens per second, (expected tokens) / (t(tokens, L) + h), against every lookahead row
-        decoding plainly. At most one step in `EXPLORE_EVERY` explores (`_explore`)."""
+        decoding plainly. At most one step in `EXPLORE_EVERY` explores (`_explore`).
+
+        A step that carries prompt chunks is dear, so its own rate is low and nearly any node would raise it; but a
+        node's time could have decoded at the rows' steady rate R instead (the best rate of the step without the
+        chunks). So such a step keeps the count that maximises expected tokens - R * seconds (which, for a step
+        without chunks, is the count of the best rate itself), and does not explore."""
         rows = len(scores)
         branches = [branch] * rows if isinstance(branch, int) else list(branch)
         carries = branches if self.branch else [1] * rows  # each row's tokens before its nodes
-        base_tokens, base_expected = fixed.tokens + sum(carries), fixed.expected + rows
-        # the step's mean cache length, with every row at its base size: what each added slot's attention reads on
-        # average (a slot of a longer row reads more; a second-order effect the choice ignores)
-        length = (fixed.weight + sum(n * c for n, c in zip(lengths, carries, strict=True))) // max(base_tokens, 1)
-        plain = self._rate(fixed.tokens + rows, length, base_expected)
-        best_rate, best_count = plain, None
         order, gains = self._slots(scores)
-        # option k: the step with the first k slots (k = 0, every row's base alone, only where rows carry the branch);
-        # all of them rated at once (`predict_many`), the running sums in the order a slot-by-slot scan adds them
+        # option k: the step with the first k slots (k = 0, every row's base alone, only where rows carry the branch)
         first = 0 if self.branch else 1
-        expected = list(itertools.accumulate([base_expected, *gains]))[first:]
-        tokens = range(base_tokens + first, base_tokens + len(gains) + 1)
-        rounded = self._rounded_upto(tokens.stop)[tokens.start : tokens.stop]
-        seconds = [s + self.host for s in self.cost.predict_many(rounded, length, self.kind)]
+        plain, expected, seconds, rounded, length = self._options(fixed, carries, lengths, gains, first)
         rates = [e / s for e, s in zip(expected, seconds, strict=True)]
-        if rates:
-            k = rates.index(max(rates))  # the first of the best, as a scan keeps it
-            if rates[k] > best_rate[0]:
-                best_rate, best_count = (rates[k], seconds[k]), k + first
+        best_rate, best_count = (plain.expected / plain.seconds, plain.seconds), None
         self.since_explored += 1
-        if self.since_explored >= EXPLORE_EVERY:
-            k = self._explore(rounded, expected, length, plain[1] - self.host, best_rate[0])
-            if k is not None and k + first != best_count:
-                best_rate, best_count = (rates[k], seconds[k]), k + first
-                self.since_explored, self.explored = 0, self.explored + 1
+        if steady is not None:
+            alone, alone_expected, alone_seconds, _, _ = self._options(steady, carries, lengths, gains, first)
+            target = max(e / s for e, s in zip([alone.expected, *alone_expected], [alone.seconds, *alone_seconds],
+                                               strict=True))
+            profits = [e - target * s for e, s in zip(expected, seconds, strict=True)]
+            if profits:
+                k = profits.index(max(profits))
+                if profits[k] > plain.expected - target * plain.seconds:
+                    best_rate, best_count = (rates[k], seconds[k]), k + first
+        else:
+            if rates:
+                k = rates.index(max(rates))  # the first of the best, as a scan keeps it
+                if rates[k] > best_rate[0]:
+                    best_rate, best_count = (rates[k], seconds[k]), k + first
+            if self.since_explored >= EXPLORE_EVERY:
+                k = self._explore(rounded, expected, length, plain.seconds - self.host, best_rate[0])
+                if k is not None and k + first != best_count:
+                    best_rate, best_count = (rates[k], seconds[k]), k + first
+                    self.since_explored, self.explored = 0, self.explored + 1
         if best_count is None:
             return [Choice(0, False, 0, 1, 1.0, best_rate[1]) for _ in scores]
         best_taken = [0] * rows
@@ -177,6 +191,23 @@ class StepBudget:
             best_taken[r] += 1
         return [Choice(n, self.branch, n, carry + n, 1 + self.calibrated(sum(row[:n])), best_rate[1])
                 for n, row, carry in zip(best_taken, scores, carries, strict=True)]
+
+    def _options(self, fixed: Fixed, carries: Sequence[int], lengths: Sequence[int], gains: Sequence[float],
+                 first: int) -> tuple[Rated, list[float], list[float], list[int], int]:
+        """The step of `fixed` and these rows, rated: with every row plain; then the expected tokens, seconds and
+        (rounded-up) tokens of option k = first .. len(gains), the step with its first k slots (all rated at once by
+        `predict_many`, the running sums in the order a slot-by-slot scan adds them); and the step's mean cache
+        length, with every row at its base size (what each added slot's attention reads on average: a slot of a
+        longer row reads more, a second-order effect the choice ignores)."""
+        rows = len(carries)
+        base_tokens, base_expected = fixed.tokens + sum(carries), fixed.expected + rows
+        length = (fixed.weight + sum(n * c for n, c in zip(lengths, carries, strict=True))) // max(base_tokens, 1)
+        plain_seconds = self.cost.predict(self.round_up(fixed.tokens + rows), length, self.kind) + self.host
+        expected = list(itertools.accumulate([base_expected, *gains]))[first:]
+        tokens = range(base_tokens + first, base_tokens + len(gains) + 1)
+        rounded = self._rounded_upto(tokens.stop)[tokens.start : tokens.stop]
+        seconds = [s + self.host for s in self.cost.predict_many(rounded, length, self.kind)]
+        return Rated(fixed.expected + rows, plain_seconds), expected, seconds, rounded, length
 
     def _rounded_upto(self, stop: int) -> list[int]:
         """`round_up(t)` for t = 0 .. stop - 1, remembered (a scan asks for every size each step)."""
@@ -228,11 +259,6 @@ class StepBudget:
             worths.append(now - before)
             before = now
         return worths
-
-    def _rate(self, tokens: int, length: int, expected: float) -> tuple[float, float]:
-        """(expected tokens per second, seconds) of a step of `tokens` tokens over mean cache length `length`."""
-        seconds = self.cost.predict(self.round_up(tokens), length, self.kind) + self.host
-        return expected / seconds, seconds
 
     def record(self, tokens: int, length: int, step_seconds: float, expected: Sequence[float],
                accepted: Sequence[int], loop_seconds: float = 0.0, observe: bool = True) -> None:
