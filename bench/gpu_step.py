@@ -89,12 +89,13 @@ class ChoiceLog:
         original = self._original = budget.StepBudget.choose
         log = self
 
-        def choose(self, scores, branch, lengths, fixed=budget.NOTHING_FIXED):
-            choices = original(self, scores, branch, lengths, fixed)
+        def choose(self, scores, branch, lengths, fixed=budget.NOTHING_FIXED, steady=None):
+            choices = original(self, scores, branch, lengths, fixed, steady)
             log.steps.append({"scores": [list(row) for row in scores], "branch": branch, "lengths": list(lengths),
-                              "fixed": fixed, "expected": list(self.expected), "accepted": list(self.accepted),
-                              "host": self.host, "tokens": sum(c.tokens for c in choices), "cfg": self.cfg,
-                              "static": self.static, "round_up": self.round_up})
+                              "fixed": fixed, "steady": steady, "expected": list(self.expected),
+                              "accepted": list(self.accepted), "host": self.host,
+                              "tokens": sum(c.tokens for c in choices), "cfg": self.cfg, "static": self.static,
+                              "round_up": self.round_up})
             return choices
 
         budget.StepBudget.choose = choose
@@ -110,7 +111,7 @@ def replay(steps: list[dict], cost) -> collections.Counter:
     for step in steps:
         chooser = budget.StepBudget(step["cfg"], cost, "greedy", step["static"], round_up=step["round_up"])
         chooser.expected, chooser.accepted, chooser.host = list(step["expected"]), list(step["accepted"]), step["host"]
-        choices = chooser.choose(step["scores"], step["branch"], step["lengths"], step["fixed"])
+        choices = chooser.choose(step["scores"], step["branch"], step["lengths"], step["fixed"], step["steady"])
         sizes[sum(c.tokens for c in choices)] += 1
     return sizes
 

@@ -229,6 +229,12 @@ def test_beside_prompt_chunks_a_slot_must_beat_the_rows_steady_rate(monkeypatch,
                                                                            budget.NOTHING_FIXED))
     assert all(c.nodes == 8 for c in StepBudget(LookaheadConfig(), cost).choose(strong, 3, [50] * 4, chunk,
                                                                                 budget.NOTHING_FIXED))
+    chooser = StepBudget(LookaheadConfig(), cost)  # a curve just made: every knot stale, so a step may explore
+    chooser.since_explored = budget.EXPLORE_EVERY
+    chooser.choose(weak, 3, [50] * 4, chunk, budget.NOTHING_FIXED)
+    assert chooser.explored == 0  # not a step beside chunks
+    chooser.choose(weak, 3, [50] * 4)
+    assert chooser.explored == 1  # the next one without them
 
 
 def test_the_scheduler_sizes_a_step_beside_prompt_chunks_against_the_step_without_them(monkeypatch):
@@ -298,8 +304,8 @@ def test_static_steps_carry_the_branch_and_fill_the_rounded_size():
 def run_on_a_fake_clock(chooser: StepBudget, seconds_of, scores: list[float], steps: int, now: list[float],
                         length: int = 100) -> tuple[list, float]:
     """`steps` steps of one row whose draft scores `scores` (and whose steps accept what the scores promise), each
-    taking `seconds_of(tokens)` on the chooser's fake clock `now`, recorded as the engine records them. The choices,
-    and the tokens the steps gave."""
+    taking `seconds_of(tokens)` on a fake clock `now` (the loop's own time none), recorded as the engine records them.
+    The choices, and the tokens the steps gave."""
     choices, gave = [], 0.0
     for _ in range(steps):
         (choice,) = chooser.choose([scores], 3, [length])
@@ -382,24 +388,46 @@ def test_an_engine_on_a_poisoned_cost_file_decodes_faster_than_plain_within_a_fe
     assert rate > 1.5 / quiet(1)  # faster than plain decoding, on the fake clock
 
 
-def test_idle_waits_and_steps_of_prompts_alone_are_not_the_loops_own_time():
-    """A server waits for requests between steps, and a new request's prompt may take a step of its own; neither is a
-    cost of the steps the budget sizes. An engine on a fake clock, a minute of idle wait before each step and a second
-    request's prompt step between, sizes every step as the same requests run back to back do, and what it adds to a
-    step's cost is the loop's own time in it: here 8 ms of sending. (Counting the time since the last sized step made
-    that cost seconds long after a wait, and every step looked cheap beside it: the budget took the largest.)"""
-    from lookahead.loop import Engine, SingleRowModel
+class TimedRowModel(MockRowModel):
+    """`MockRowModel` whose every step advances a fake clock by what a pass of all its rows' tokens costs."""
+
+    def __init__(self, vocab, fn, seconds_of, now: list[float], **kwargs) -> None:
+        super().__init__(vocab, fn, **kwargs)
+        self.seconds_of, self.now = seconds_of, now
+
+    def step(self, steps):
+        self.now[0] += self.seconds_of(sum(len(s.tokens) for s in steps))
+        return super().step(steps)
+
+
+def test_idle_waits_prompts_and_request_setup_are_not_the_loops_own_time(monkeypatch):
+    """What the budget adds to a step's cost is the loop's own time in the steps it sizes; none of these is: a
+    server's idle wait between steps, a step of a prompt alone, a new request's setup (its lookahead loop, built when
+    its prompt's last chunk is done; tens of ms for a long prompt). An engine on a fake clock: a minute of idle wait
+    before each step; a second request that arrives while the first decodes, its prompt chunked beside it and its
+    setup costing 64 s; a third once both are done. Every step is sized as without the waits, and h is the 1/128 s a
+    row of sending a step's tokens. (Counted, a wait or a setup made h seconds long, every step looked cheap beside
+    it, and the budget took the largest.)"""
+    from lookahead.loop import Engine
+    from lookahead.loop import jobs as jobs_module
     from lookahead.request import Request
 
     # every time a multiple of 2^-9 s: the fake clock's sums are exact, so both runs time every step alike
     quiet = lambda tokens: (128 + 2 * (tokens - 1)) / 1024  # noqa: E731  (an 18-token step: 1.27 plain ones)
     target = [7, 8, 9, 10, 11, 12, 13, 14] * 30
     fn = lambda ctx: context_logits(ctx, VOCAB, [*target[:40], 3, 5, *target[40:]])  # noqa: E731
+    loop_class = jobs_module.LookaheadLoop
 
-    def run(idle: float) -> tuple[list[list[int]], float]:
+    def run(idle: float) -> tuple[list[list[int]], float, float]:
         now = [0.0]
+
+        def set_up(*args, **kwargs):
+            now[0] += 64.0
+            return loop_class(*args, **kwargs)
+
+        monkeypatch.setattr(jobs_module, "LookaheadLoop", set_up)
         cost = CostModel({"greedy": fit([(t, 0, quiet(t)) for t in knots_up_to(LookaheadConfig().step_tokens)])})
-        engine = Engine(SingleRowModel(TimedModel(VOCAB, fn, quiet, now)), cost=cost, clock=lambda: now[0])
+        engine = Engine(TimedRowModel(VOCAB, fn, quiet, now, prefill_chunk=16), cost=cost, clock=lambda: now[0])
         results = []
 
         def sink(delta) -> None:
@@ -407,17 +435,32 @@ def test_idle_waits_and_steps_of_prompts_alone_are_not_the_loops_own_time():
             if delta.result is not None:
                 results.append(delta.result)
 
-        for prompt in (target[:12], target[3:40]):
+        def submit(prompt: list[int]) -> None:
             engine.submit(Request([prompt], 48, GREEDY, LookaheadConfig(), frozenset()), sink=sink)
-            while engine.step():
-                now[0] += idle
-        (budget,) = engine.scheduler.budgets.values()
-        return [result.step_sizes for result in results], budget.host
 
-    sizes, host = run(0.0)
+        most = 0.0  # the largest h of any step
+
+        def step(steps: int | None = None) -> None:
+            nonlocal most
+            while (steps is None or steps > 0) and engine.step():
+                now[0] += idle
+                most = max([most, *(b.host for b in engine.scheduler.budgets.values())])
+                steps = None if steps is None else steps - 1
+
+        submit(target[:12])
+        step(6)
+        submit(target[3:43])  # chunked beside the first row's lookahead steps
+        step()
+        submit(target[5:30])
+        step()
+        (budget,) = engine.scheduler.budgets.values()
+        return [result.step_sizes for result in results], budget.host, most
+
+    sizes, host, most = run(0.0)
     assert any(size > 4 for row in sizes for size in row) and any(size < 4 for row in sizes for size in row)
-    assert 0.5 / 128 < host <= 1 / 128  # 1/128 s a step (the last step's tokens are sent after it)
-    assert run(64.0) == (sizes, host)
+    assert 0.5 / 128 < host <= 1 / 128  # 1/128 s a step alone (its last tokens are sent after it)
+    assert most <= 2 / 128  # and 1/128 s a row when two rows send
+    assert run(64.0) == (sizes, host, most)
 
 
 def test_a_size_that_is_truly_dear_is_explored_ever_more_rarely():

@@ -181,16 +181,20 @@ class Engine:
         outputs = self.model.step(steps)
         seconds = self.clock() - start
         accepted = {}
+        setup = 0.0  # finishing prompt chunks: a prompt's last sets up its row's lookahead loop (a request's cost)
         for job, step, output in zip(jobs, steps, outputs, strict=True):
+            began = self.clock() if step.prefill else None
             commit, taken = job.finish(step, output, self.memory)
+            if began is not None:
+                setup += self.clock() - began
             self.model.commit(job.row, commit)
             accepted[job] = len(commit) - 1
             self._send(job, taken)
         if self.on_step is not None:
             self.on_step(steps, seconds)
-        # the loop's own time for this step, not the time since the last one: a server's idle wait, or a step the
-        # budgets did not size (prompts alone), is no cost of the steps they size
-        self.scheduler.record(steps, seconds, accepted, self.clock() - planned - seconds)
+        # the loop's own time for this step, not the time since the last one: a server's idle wait, a step the
+        # budgets did not size (prompts alone) or a request's setup is no cost of the steps they size
+        self.scheduler.record(steps, seconds, accepted, self.clock() - planned - seconds - setup)
         self._retire([job for job in self.active if job.out.done])
         return bool(self.active or self.waiting)
 

@@ -20,7 +20,8 @@ It keeps itself honest with what the steps then did:
 - the cost model learns each step's measured time (`CostModel.observe`), so a machine that gets busier steps
   smaller, and h follows the loop's own time in each step it sized (planning, drafting, verifying, sending: given
   by the engine, which times them; never the time between steps, an idle server's wait or a step of prompts alone,
-  which would make h seconds long and every step look cheap beside it, so the budget took the largest);
+  nor a new request's setup, which would make h seconds long and every step look cheap beside it, so the budget took
+  the largest);
 - it explores: at most one step in `EXPLORE_EVERY` runs a size whose knot no step ran lately (`CostModel.stale_knot`:
   the knot's own size where the draft reaches it, else the fullest step nearest to it), the smallest such that could
   beat the step it would otherwise take were it as cheap as the knots run lately allow (`CostModel.floor`), so costs
@@ -93,8 +94,9 @@ def bucket_choices(cfg: LookaheadConfig) -> list[Choice]:
 @dataclass(frozen=True)
 class Fixed:
     """The part of a step the budget does not size: rows that decode plainly (a request without lookahead) and prompt
-    chunks. `tokens` they feed, `expected` tokens they give (a plain row 1, a chunk its first token only when it is the
-    prompt's last), `weight`: the sum of their tokens' cache lengths (what their attention reads)."""
+    chunks. `tokens` they feed, `expected` tokens they give (a plain row 1; the scheduler counts a chunk none, though
+    a prompt's last gives its first token: a constant beside every option, which changes no choice), `weight`: the sum
+    of their tokens' cache lengths (what their attention reads)."""
 
     tokens: int = 0
     expected: float = 0.0
