@@ -83,6 +83,33 @@ def test_gpu_step_times_static_steps_and_plain_on_its_own_runner(monkeypatch):
     assert model.runner.static and [shape.tokens for shape in model.runner.step_shapes] == [32]  # T = 18, padded
 
 
+def test_gpu_step_logs_and_replays_the_budgets_choices_beside_prompt_chunks(monkeypatch):
+    """bench/gpu_step.py's choice log wraps `StepBudget.choose` as the scheduler calls it (the step without its prompt
+    chunks included), and its replay sizes every logged step again."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import gpu_step
+
+    from helpers import MockRowModel
+    from lookahead import LookaheadConfig
+    from lookahead.loop import Engine
+    from lookahead.request import GREEDY, Request
+    from lookahead.tuning import CostModel, Curve
+
+    def cost() -> CostModel:
+        return CostModel({"greedy": Curve([1, 256], [0.02, 0.02 + 0.001 * 255], [0.0, 0.0])})
+
+    engine = Engine(MockRowModel(32, prefill_chunk=8), cost=cost())
+    with gpu_step.ChoiceLog() as log:
+        engine.submit(Request([[3, 1, 4, 1, 5, 9, 2, 6]], 16, GREEDY, LookaheadConfig(), frozenset()))
+        for _ in range(3):
+            engine.step()
+        engine.submit(Request([[2, 7] * 12], 16, GREEDY, LookaheadConfig(), frozenset()))  # chunked beside it
+        while engine.step():
+            pass
+    assert any(step["steady"] is not None for step in log.steps)
+    assert sum(gpu_step.replay(log.steps, cost()).values()) == len(log.steps)
+
+
 def test_batch_invariant_part_times_both_modes_where_the_model_has_them(tmp_path, monkeypatch):
     """Part (d) feature-detects `Llama(..., batch_invariant=...)`: with it (a stand-in here), a plain and a lookahead
     step timed in the default forward and the unfused one (and, on a GPU, the mode)."""
