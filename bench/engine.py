@@ -10,8 +10,15 @@ pass a row took part in) and the draft nodes the budget gave each lookahead row 
 decoding in that step (a histogram per batch size: JSON and a plot). Every lookahead answer is checked against the
 plain one (greedy: token for token).
 
+Where the time goes, over the steps in which all c rows decode (no prompt chunk, no row missing): per step, the
+model's time, the engine's own (the rest of `Engine.step`: drafting, packing, verifying, committing, scheduling),
+the tokens fed and the tokens given, for each method. Set side by side they say what lookahead's extra tokens cost
+(model ms per extra token fed, against a plain step's ms per token: the acceptance a draft node needs to pay, its
+"break-even") and what they gave (tokens given per extra token fed: the nodes' acceptance).
+
     python bench/engine.py --quick      # 4 prompts, 32 tokens, c = 1, 2, 4
     python bench/engine.py              # 16 prompts, 128 tokens, c = 1, 2, 4, 8, two rounds
+    python bench/engine.py --dtype bfloat16 --name engine-bf16
 """
 
 from __future__ import annotations
@@ -28,38 +35,102 @@ import time  # noqa: E402
 from common import RESULTS, chat_ids, load_model, load_prompts, machine, print_table, save_json  # noqa: E402
 from lookahead import LookaheadConfig, Request  # noqa: E402
 from lookahead.models import engine_for  # noqa: E402
+from results_page import FULL_HEADERS, PARTS_HEADERS, full_rows, parts_rows  # noqa: E402
 
 PLAIN, LOOKAHEAD = "plain", "lookahead 1-4-5@auto"
 
 
 def run(engine, prompts, concurrency: int, max_new_tokens: int, lookahead, eos: list[int]) -> dict:
-    """Decode `prompts` keeping `concurrency` in flight: tokens, seconds, forward passes per row, the answers, and
-    (lookahead) each decoding row's draft nodes per step by the rows decoding in it."""
+    """Decode `prompts` keeping `concurrency` in flight: tokens, seconds, forward passes per row, the answers,
+    (lookahead) each decoding row's draft nodes per step by the rows decoding in it, the mean step with all
+    `concurrency` rows decoding (`full`: its model and engine milliseconds, tokens fed and given), and the run's steps
+    in three parts (`parts`: steps, seconds, tokens given): those with every row decoding, those carrying a prompt
+    chunk, those with fewer rows decoding (a request waits for none: the run's tail)."""
     engine.model.clear_cache()
     nodes: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+    step: dict = {}
 
     def on_step(steps, seconds):
         decoding = [s for s in steps if not s.prefill]
-        for s in decoding:  # a plain row step verifies no node
-            nodes[len(decoding)][s.pattern.verify_len] += 1
+        step.update(seconds=seconds, fed=sum(len(s.tokens) for s in steps), decoding=len(decoding),
+                    prefill=len(decoding) < len(steps))
+        if lookahead is not None:
+            for s in decoding:  # a plain row step verifies no node
+                nodes[len(decoding)][s.pattern.verify_len] += 1
 
-    engine.on_step = on_step if lookahead is not None else None
+    given = [0]  # tokens sent to every request so far
+
+    def submit(ids):
+        handle = None
+
+        def sink(delta):  # count, then queue as the handle would
+            given[0] += len(delta.tokens)
+            handle.put(delta)
+
+        handle = engine.submit(Request([ids], max_new_tokens, lookahead=lookahead, stop=frozenset(eos)), sink=sink)
+        return handle
+
+    engine.on_step = on_step
     waiting = collections.deque(enumerate(prompts))
     live, answers = {}, {}
+    parts: dict[str, list] = {"full": [], "chunk": [], "fewer": []}
     start = time.perf_counter()
     while waiting or live:
         while waiting and len(live) < concurrency:
             i, ids = waiting.popleft()
-            live[i] = engine.submit(Request([ids], max_new_tokens, lookahead=lookahead, stop=frozenset(eos)))
+            live[i] = submit(ids)
+        step.clear()
+        before, began = given[0], time.perf_counter()
         engine.step()
+        wall = time.perf_counter() - began
+        if step:
+            kind = "chunk" if step["prefill"] else "full" if step["decoding"] == concurrency else "fewer"
+            parts[kind].append((step["seconds"], wall - step["seconds"], step["fed"], given[0] - before))
         for i in [i for i, handle in live.items() if handle.done]:
             answers[i] = live.pop(i).result()
     seconds = time.perf_counter() - start
     tokens = sum(len(r.tokens) for r in answers.values())
     steps = sum(r.steps for r in answers.values())
+    full = parts["full"]
+    mean = [statistics.fmean(column) for column in zip(*full, strict=True)] if full else [0.0] * 4
     return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "S": tokens / steps,
             "answers": {i: r.tokens for i, r in answers.items()},
-            "nodes": {b: dict(counter) for b, counter in nodes.items()}}
+            "nodes": {b: dict(counter) for b, counter in nodes.items()},
+            "full": {"steps": len(full), "model_ms": 1000 * mean[0], "engine_ms": 1000 * mean[1], "fed": mean[2],
+                     "given": mean[3]},
+            "parts": {kind: {"steps": len(rows), "seconds": sum(m + e for m, e, _, _ in rows),
+                             "given": sum(g for *_, g in rows)} for kind, rows in parts.items()}}
+
+
+def full_steps(records: list[dict], concurrency: int) -> dict:
+    """The steps with every row decoding at `concurrency`, both methods (medians over rounds), and what lookahead's
+    extra tokens cost and gave there: model ms per extra token fed (`extra_ms`) against plain's ms per token
+    (`plain_ms_per_token`); their ratio, the acceptance a node needs to pay for its model time (`break_even`); tokens
+    given per extra token fed (`acceptance`)."""
+    def median(method: str, key: str) -> float:
+        return statistics.median(x["full"][key] for x in records if x["concurrency"] == concurrency
+                                 and x["method"] == method and x["full"]["steps"])
+
+    if not all(x["full"]["steps"] for x in records if x["concurrency"] == concurrency):
+        return {}
+    plain = {key: median(PLAIN, key) for key in ("model_ms", "engine_ms", "fed", "given")}
+    ahead = {key: median(LOOKAHEAD, key) for key in ("model_ms", "engine_ms", "fed", "given")}
+    extra = ahead["fed"] - plain["fed"]
+    per_token = plain["model_ms"] / plain["fed"]
+    extra_ms = (ahead["model_ms"] - plain["model_ms"]) / extra if extra > 0 else 0.0
+    return {"plain": plain, "lookahead": ahead, "plain_ms_per_token": per_token, "extra_ms": extra_ms,
+            "break_even": extra_ms / per_token,
+            "acceptance": (ahead["given"] - plain["given"]) / extra if extra > 0 else 0.0}
+
+
+def run_parts(records: list[dict], concurrency: int) -> dict:
+    """Per method, the run's steps in their three parts (`run`'s `parts`), medians over rounds."""
+    out = {}
+    for method in (PLAIN, LOOKAHEAD):
+        runs = [x["parts"] for x in records if x["concurrency"] == concurrency and x["method"] == method]
+        out[method] = {kind: {key: statistics.median(r[kind][key] for r in runs)
+                              for key in ("steps", "seconds", "given")} for kind in ("full", "chunk", "fewer")}
+    return out
 
 
 def main() -> None:
@@ -69,13 +140,14 @@ def main() -> None:
     parser.add_argument("--per-kind", type=int)
     parser.add_argument("--tokens", type=int)
     parser.add_argument("--rounds", type=int)
+    parser.add_argument("--dtype", default="float32", help="the model's dtype (float32: comparable across machines)")
     parser.add_argument("--name", default="engine")
     args = parser.parse_args()
     levels = args.concurrency or ([1, 2, 4] if args.quick else [1, 2, 4, 8])
     per_kind = args.per_kind or (1 if args.quick else 4)
     max_new = args.tokens or (32 if args.quick else 128)
     rounds = args.rounds or (1 if args.quick else 2)
-    _, model, tokenizer = load_model()
+    _, model, tokenizer = load_model(dtype=args.dtype)
     prompts = [chat_ids(tokenizer, row["prompt"]) for row in load_prompts(per_kind)]
     eos = [tokenizer.eos_token_id]
     engine = engine_for(model, max_batch=max(levels), lookahead=LookaheadConfig(), warm=False)
@@ -106,15 +178,20 @@ def main() -> None:
         summary.append({"concurrency": c, "plain_tok_s": rate[PLAIN], "lookahead_tok_s": rate[LOOKAHEAD],
                         "ratio": rate[LOOKAHEAD] / rate[PLAIN], "S": s, "exact": exact, "prompts": len(prompts),
                         "plain_row_steps": nodes.get(0, 0) / total if total else 0.0,
-                        "mean_nodes": sum(n * k for n, k in nodes.items()) / total if total else 0.0})
+                        "mean_nodes": sum(n * k for n, k in nodes.items()) / total if total else 0.0,
+                        "full": full_steps(records, c), "parts": run_parts(records, c)})
     print_table(["in flight", "plain tok/s", "lookahead tok/s", "ratio", "S", "rows plain", "nodes/row", "exact"],
                 [[x["concurrency"], f"{x['plain_tok_s']:.1f}", f"{x['lookahead_tok_s']:.1f}", f"{x['ratio']:.2f}x",
                   f"{x['S']:.2f}", f"{x['plain_row_steps']:.0%}", f"{x['mean_nodes']:.1f}",
                   f"{x['exact']}/{x['prompts']}"] for x in summary])
+    print("\nsteps with every row decoding (means; medians over rounds):")
+    print_table(FULL_HEADERS, full_rows(summary))
+    print("\neach run's steps in three parts (medians over rounds):")
+    print_table(PARTS_HEADERS, parts_rows(summary))
     payload = {"machine": machine(), "command": "python bench/engine.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" if not isinstance(v, bool) else f"--{k}" for k, v in vars(args).items()
-        if v not in (None, False) and k != "name"), "form": "tree", "max_new_tokens": max_new, "summary": summary,
-        "records": records}
+        if v not in (None, False) and k != "name"), "form": "tree", "dtype": args.dtype, "max_new_tokens": max_new,
+        "summary": summary, "records": records}
     path = save_json(args.name, payload)
     plot(summary, records, path.with_suffix(".png"))
     print(path)

@@ -346,7 +346,35 @@ def section_host_time() -> list[str]:
             f"medians of {len(data['runs']['after'])} rounds. CPU time after / before: {ratios}. Issue 36's goal "
             "is 50 us a row at 32 rows.", "",
             *table(["code", "rows", "steps", "tokens / step", "host us / step", "us / row (wall)", "us / row (CPU)",
-                    *(f"{p} us / row" for p in parts), "(of commit: learn)"], rows), "", *source("host-time-cpu")]
+                    *(f"{p} us / row" for p in parts), "(of commit: learn)"], rows), "", *host_profile(data),
+            *source("host-time-cpu")]
+
+
+PROFILED = 15  # functions of the host-time profile shown
+
+
+def host_profile(data: dict) -> list[str]:
+    """The top functions by own time in the profiled run of the most rows ("after"), and the compiled loops' share."""
+    measured = data["runs"].get("after", [])
+    last = measured[-1]["rows"][-1] if measured else {}
+    top = last.get("profile_top")
+    if not top:
+        return []
+    n = last["rows"]
+    compiled = sum(p["own_us"] for p in top if "lookahead_host" in p["function"])
+    python_own = [p["own_us"] / n for p in top if "lookahead_host" not in p["function"]]
+    rows = [[f"`{p['function']}`", f"{p['calls_per_step']:.1f}", f"{p['own_us'] / n:.1f}",
+             f"{p['cumulative_us'] / n:.1f}"] for p in top[:PROFILED]]
+    return [f"Where it goes at {n} rows: the profiled run's top functions by own time (cProfile, whose own cost per "
+            "call inflates the Python functions' figures), per row a step. The compiled loops (`lookahead.native`: "
+            f"`grow`, `learn`, `continuations`, `extend`, `grown`, `slots`) take {compiled / n:.0f} us a row of it "
+            f"(of those in the top {len(top)}); the rest is spread over about {calls_per_row(top, n):.0f} Python "
+            f"calls a row, none above {max(python_own, default=0.0):.0f} us a row.", "",
+            *table(["function", "calls / step", "own us / row", "cumulative us / row"], rows), ""]
+
+
+def calls_per_row(top: list[dict], rows: int) -> float:
+    return sum(p["calls_per_step"] for p in top if "lookahead_host" not in p["function"]) / rows
 
 
 def section_sampling() -> list[str]:
@@ -405,22 +433,71 @@ def section_batch() -> list[str]:
             *source("batch-cpu")]
 
 
+# the engine's where-the-time-went tables (`bench/engine.py`'s summary): its run prints them, the page renders them
+PARTS_HEADERS = ["in flight", "method", "all rows decoding: s (tokens)", "with a prompt chunk: s (tokens)",
+                 "fewer rows: s (tokens)"]
+
+
+def parts_rows(summary: list[dict]) -> list[list]:
+    """`PARTS_HEADERS`' rows: where each method's run spent its time (`bench/engine.py` prints them too)."""
+    return [[x["concurrency"], method, *(f"{part['seconds']:.1f} ({part['given']:.0f})" for part in parts.values())]
+            for x in summary for method, parts in x.get("parts", {}).items()]
+
+
+FULL_HEADERS = ["in flight", "plain ms", "plain engine ms", "lookahead ms", "lookahead engine ms", "fed", "given",
+                "ms per plain token", "ms per extra token", "break-even", "acceptance"]
+
+
+def full_rows(summary: list[dict]) -> list[list]:
+    """`FULL_HEADERS`' rows: each concurrency's steps with every row decoding (`bench/engine.py` prints them too)."""
+    rows = []
+    for x in summary:
+        f = x.get("full")
+        if f:
+            plain, ahead = f["plain"], f["lookahead"]
+            rows.append([x["concurrency"], f"{plain['model_ms']:.1f}", f"{plain['engine_ms']:.2f}",
+                         f"{ahead['model_ms']:.1f}", f"{ahead['engine_ms']:.2f}", f"{ahead['fed']:.1f}",
+                         f"{ahead['given']:.1f}", f"{f['plain_ms_per_token']:.2f}", f"{f['extra_ms']:.2f}",
+                         f"{f['break_even']:.0%}", f"{f['acceptance']:.0%}"])
+    return rows
+
+
 def section_engine() -> list[str]:
-    if not (RESULTS / "engine-cpu.json").is_file():
+    stems = [stem for stem in ("engine-cpu", "engine-bf16-cpu") if (RESULTS / f"{stem}.json").is_file()]
+    if not stems:
         return []
-    data = load("engine-cpu")
-    rows = [[r["concurrency"], f"{r['plain_tok_s']:.1f}", f"{r['lookahead_tok_s']:.1f}", x(r["ratio"]),
-             f"{r['S']:.2f}", f"{r['plain_row_steps']:.0%}", f"{r['mean_nodes']:.1f}", f"{r['exact']}/{r['prompts']}"]
-            for r in data["summary"]]
-    return ["## Continuous batching: lookahead rows against plain rows", "",
-            f"The engine with c requests in flight (a closed loop over {data['summary'][0]['prompts']} dev prompts, "
-            f"{data['max_new_tokens']} new tokens each, fp32, greedy; a finished request's row is taken by the next "
-            "prompt after its chunked prefill); plain rows against lookahead rows (the default, each row sized per "
-            "step by the batch-wide budget), interleaved, the prefix cache cleared and no drafting memory. 'rows "
-            "plain': the share of lookahead row steps that verified no draft node; 'nodes/row': the mean draft "
-            "nodes a lookahead row verified per step; exact: lookahead answers identical to the plain ones.", "",
-            *table(["in flight", "plain tok/s", "lookahead tok/s", "lookahead / plain", "S", "rows plain",
-                    "nodes/row", "exact"], rows), "", *plot("engine-cpu"), "", *source("engine-cpu")]
+    first = load(stems[0])
+    lines = ["## Continuous batching: lookahead rows against plain rows", "",
+             f"The engine with c requests in flight (a closed loop over {first['summary'][0]['prompts']} dev prompts, "
+             f"{first['max_new_tokens']} new tokens each, greedy; a finished request's row is taken by the next "
+             "prompt after its chunked prefill); plain rows against lookahead rows (the default, each row sized per "
+             "step by the batch-wide budget), interleaved, the prefix cache cleared and no drafting memory. 'rows "
+             "plain': the share of lookahead row steps that verified no draft node; 'nodes/row': the mean draft "
+             "nodes a lookahead row verified per step; exact: lookahead answers identical to the plain ones.", "",
+             "Then where the time went. First the steps in which all c rows decode (no prompt chunk), means per "
+             "step: the model's ms and the engine's own (the rest of the step: drafting, packing, verifying, "
+             "committing, scheduling), lookahead's tokens fed and given (plain feeds and gives c); 'ms per extra "
+             "token': what lookahead's step cost beyond plain's, per token it fed beyond plain's; 'break-even': that "
+             "over plain's ms per token, the share of its nodes a step must accept to pay for their model time; "
+             "'acceptance': the share it accepted (tokens given beyond c, per extra token fed). Then each run's time "
+             "in three parts: the steps with every row decoding, those that carried a prompt chunk (prefill, which "
+             "lookahead cannot shorten), and those with fewer rows decoding (the run's tail, once no prompt waits), "
+             "with the tokens they gave.", ""]
+    for stem in stems:
+        data = load(stem)
+        summary = data["summary"]
+        rows = [[r["concurrency"], f"{r['plain_tok_s']:.1f}", f"{r['lookahead_tok_s']:.1f}", x(r["ratio"]),
+                 f"{r['S']:.2f}", f"{r['plain_row_steps']:.0%}", f"{r['mean_nodes']:.1f}",
+                 f"{r['exact']}/{r['prompts']}"] for r in summary]
+        lines += [f"### {data.get('dtype', 'float32')}", "",
+                  *table(["in flight", "plain tok/s", "lookahead tok/s", "lookahead / plain", "S", "rows plain",
+                          "nodes/row", "exact"], rows), ""]
+        if any(r.get("full") for r in summary):
+            lines += ["Steps with every row decoding:", "", *table(FULL_HEADERS, full_rows(summary)), "",
+                      "Each run's time (s) and the tokens it gave, by part:", "",
+                      *table(PARTS_HEADERS, parts_rows(summary)), ""]
+        lines += [*plot(stem), "", *source(stem), ""]
+    return lines[:-1]
 
 
 def section_serve() -> list[str]:

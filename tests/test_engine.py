@@ -407,3 +407,51 @@ def test_a_long_prompt_beside_decoding_rows_is_prefilled_in_a_few_steps(lookahea
     assert first - steps_before <= PREFILL_STEPS
     assert deltas[-1][1].result.tokens == alone({"prompt": prompt, "max_new_tokens": 4, "sampling": SamplingParams(),
                                                  "lookahead": lookahead, "stop": []}).tokens
+
+
+def test_the_engine_benchmark_accounts_for_every_step_and_token(tiny_checkpoint):
+    """bench/engine.py's closed loop on the tiny LLaMA: every token a run gives is counted in exactly one part of its
+    steps (all rows decoding, a prompt chunk, fewer rows), a plain step with every row decoding feeds and gives one
+    token a row, lookahead's answers are plain's, and the summary's break-even is lookahead's extra model time per
+    extra token over plain's time per token."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from lookahead.models import engine_for
+
+    bench_dir = Path(__file__).resolve().parents[1] / "bench"
+    sys.path.insert(0, str(bench_dir))  # its `common` and `results_page`
+    try:
+        spec = importlib.util.spec_from_file_location("engine_bench", bench_dir / "engine.py")
+        bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench)
+    finally:
+        sys.path.remove(str(bench_dir))
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"))
+    engine = engine_for(model, max_batch=2, lookahead=LookaheadConfig(), warm=False)
+    rng = random.Random(0)
+    prompts = [[1, 2, *TARGET[: rng.randrange(4, 12)]] for _ in range(5)]
+    records = []
+    for method, lookahead in ((bench.PLAIN, None), (bench.LOOKAHEAD, LookaheadConfig(warm=False))):
+        got = bench.run(engine, prompts, 2, 10, lookahead, eos=[])
+        assert got["tokens"] == 5 * 10
+        assert sum(part["given"] for part in got["parts"].values()) == got["tokens"]
+        assert got["parts"]["full"]["steps"] == got["full"]["steps"] > 0
+        assert got["parts"]["chunk"]["steps"] >= 3  # every prompt's chunk: 5 prompts, at most 2 in one step
+        records.append({"concurrency": 2, "method": method, **got})
+    plain, ahead = records[0]["full"], records[1]["full"]
+    assert plain["fed"] == plain["given"] == 2
+    assert ahead["fed"] >= 2 and ahead["given"] >= 2
+    assert records[1]["answers"] == records[0]["answers"]
+    summary = bench.full_steps(records, 2)
+    assert summary["plain_ms_per_token"] == plain["model_ms"] / 2
+    if ahead["fed"] > 2:
+        extra = ahead["fed"] - 2
+        assert summary["extra_ms"] == (ahead["model_ms"] - plain["model_ms"]) / extra
+        assert summary["break_even"] == summary["extra_ms"] / summary["plain_ms_per_token"]
+        assert summary["acceptance"] == (ahead["given"] - 2) / extra
+    rows = bench.full_rows([{"concurrency": 2, "full": summary}])
+    assert len(rows) == 1 and len(rows[0]) == len(bench.FULL_HEADERS)
+    parts = bench.parts_rows([{"concurrency": 2, "parts": bench.run_parts(records, 2)}])
+    assert len(parts) == 2 and all(len(row) == len(bench.PARTS_HEADERS) for row in parts)
