@@ -64,6 +64,7 @@ RUNS: dict[str, tuple[str, str]] = {
                       "tree"),
     "sampling-s-cpu": ("python bench/sampling_s.py --per-kind 1", CHAINS),
     "peers-cpu": ("python bench/peers.py", "tree"),
+    "peers-c1-cpu": ("python bench/peers.py --only ours --concurrency 1 --rounds 3 --name peers-c1", "tree"),
     "profile-cpu": ("python bench/profile_step.py", "tree"),
     "cpu-gemm-cpu": ("python bench/cpu_gemm.py", "tree"),
     "scaling-cpu": ("python bench/scaling.py", CHAINS),
@@ -699,7 +700,31 @@ def section_peers() -> list[str]:
             "token (median); TTFT: to the first chunk with text (median); vs llama.cpp: tokens/s over llama.cpp's in "
             "the same dtype at the same concurrency; load: the 1-minute load average when the run began.", "",
             *table(PEERS_HEADERS, peers_rows(data)), "",
-            *(["Not measured:", "", *skipped, ""] if skipped else []), *source("peers-cpu")]
+            *(["Not measured:", "", *skipped, ""] if skipped else []), *source("peers-cpu"), "",
+            *ours_against_plain()]
+
+
+def ours_against_plain() -> list[str]:
+    """Our lookahead server's tokens/s over our plain one's, per dtype and concurrency, each round (rounds alternate
+    the order) and the medians, from every peers file that ran both (`peers-c1`: more rounds, one request at a time)."""
+    stems = [stem for stem in ("peers-cpu", "peers-c1-cpu") if (RESULTS / f"{stem}.json").is_file()]
+    rows = []
+    for stem in stems:
+        data = load(stem)
+        rate = {(s["engine"], s["dtype"], s["concurrency"]): s["tok_s"] for s in data["summary"]}
+        each = {(r["engine"], r["dtype"], r["concurrency"], r["round"]): r["tok_s"] for r in data["records"]}
+        for engine, dtype, c in sorted(rate, key=lambda k: (k[1], k[2])):
+            if engine != "ours lookahead" or ("ours plain", dtype, c) not in rate:
+                continue
+            rounds = [each[key] / each[("ours plain", dtype, c, n)] for key in sorted(each) for n in [key[3]]
+                      if key[:3] == (engine, dtype, c) and ("ours plain", dtype, c, n) in each]
+            rows.append([f"`{stem}`", dtype, c, ", ".join(x(ratio) for ratio in rounds),
+                         x(rate[engine, dtype, c] / rate["ours plain", dtype, c])])
+    if not rows:
+        return []
+    return ["Our lookahead server against our plain one (tokens/s over tokens/s), each round and the medians' ratio; "
+            "the rounds are minutes apart on a machine whose speed drifts by about 10%:", "",
+            *table(["file", "dtype", "concurrent", "rounds", "medians"], rows), "", *source(*stems[1:])]
 
 
 def section_profile() -> list[str]:
