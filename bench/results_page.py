@@ -363,19 +363,16 @@ def host_profile(data: dict) -> list[str]:
         return []
     n = last["rows"]
     compiled = sum(p["own_us"] for p in top if "lookahead_host" in p["function"])
-    python_own = [p["own_us"] / n for p in top if "lookahead_host" not in p["function"]]
+    python = [p for p in top if "lookahead_host" not in p["function"]]
     rows = [[f"`{p['function']}`", f"{p['calls_per_step']:.1f}", f"{p['own_us'] / n:.1f}",
              f"{p['cumulative_us'] / n:.1f}"] for p in top[:PROFILED]]
     return [f"Where it goes at {n} rows: the profiled run's top functions by own time (cProfile, whose own cost per "
             "call inflates the Python functions' figures), per row a step. The compiled loops (`lookahead.native`: "
             f"`grow`, `learn`, `continuations`, `extend`, `grown`, `slots`) take {compiled / n:.0f} us a row of it "
-            f"(of those in the top {len(top)}); the rest is spread over about {calls_per_row(top, n):.0f} Python "
-            f"calls a row, none above {max(python_own, default=0.0):.0f} us a row.", "",
+            f"(of those in the top {len(top)}); the rest is spread over about "
+            f"{sum(p['calls_per_step'] for p in python) / n:.0f} Python calls a row, none above "
+            f"{max((p['own_us'] / n for p in python), default=0.0):.0f} us a row.", "",
             *table(["function", "calls / step", "own us / row", "cumulative us / row"], rows), ""]
-
-
-def calls_per_row(top: list[dict], rows: int) -> float:
-    return sum(p["calls_per_step"] for p in top if "lookahead_host" not in p["function"]) / rows
 
 
 def section_sampling() -> list[str]:
@@ -716,8 +713,8 @@ def ours_against_plain() -> list[str]:
         for engine, dtype, c in sorted(rate, key=lambda k: (k[1], k[2])):
             if engine != "ours lookahead" or ("ours plain", dtype, c) not in rate:
                 continue
-            rounds = [each[key] / each[("ours plain", dtype, c, n)] for key in sorted(each) for n in [key[3]]
-                      if key[:3] == (engine, dtype, c) and ("ours plain", dtype, c, n) in each]
+            rounds = [each[key] / each[("ours plain", dtype, c, key[3])] for key in sorted(each)
+                      if key[:3] == (engine, dtype, c) and ("ours plain", dtype, c, key[3]) in each]
             rows.append([f"`{stem}`", dtype, c, ", ".join(x(ratio) for ratio in rounds),
                          x(rate[engine, dtype, c] / rate["ours plain", dtype, c])])
     if not rows:
