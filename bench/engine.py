@@ -109,7 +109,7 @@ def full_steps(records: list[dict], concurrency: int) -> dict:
     given per extra token fed (`acceptance`)."""
     def median(method: str, key: str) -> float:
         return statistics.median(x["full"][key] for x in records if x["concurrency"] == concurrency
-                                 and x["method"] == method and x["full"]["steps"])
+                                 and x["method"] == method)
 
     if not all(x["full"]["steps"] for x in records if x["concurrency"] == concurrency):
         return {}

@@ -2,15 +2,18 @@
 seeds, each get exactly what they get alone (a property test over random arrival schedules, on the mock model and the
 tiny LLaMA); its thread, handles, limits and failures."""
 
+import importlib.util
 import random
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 
 from helpers import MockRowModel, MockStepModel, RandomCost, context_logits, decode_one, needs_interpreter, one
 from lookahead import LookaheadConfig
 from lookahead.loop import Engine, QueueFull
-from lookahead.models import Llama
+from lookahead.models import Llama, engine_for
 from lookahead.request import Request, SamplingParams
 from lookahead.tuning import CostModel, Curve
 
@@ -414,12 +417,6 @@ def test_the_engine_benchmark_accounts_for_every_step_and_token(tiny_checkpoint)
     steps (all rows decoding, a prompt chunk, fewer rows), a plain step with every row decoding feeds and gives one
     token a row, lookahead's answers are plain's, and the summary's break-even is lookahead's extra model time per
     extra token over plain's time per token."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    from lookahead.models import engine_for
-
     bench_dir = Path(__file__).resolve().parents[1] / "bench"
     sys.path.insert(0, str(bench_dir))  # its `common` and `results_page`
     try:
