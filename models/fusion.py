@@ -30,6 +30,10 @@ class MergedLinears(nn.Module):
         merged tensors (a `.to()` that changed nothing keeps them, so CUDA graphs captured on them stay valid).
         Call after building, moving or replacing them; returns whether it made new tensors."""
         linears = [getattr(self, name) for name in self.MERGED]
+        if not all(isinstance(linear, nn.Linear) for linear in linears):  # quantized (models.quantized): not merged
+            merged = getattr(self, "merged_weight", None) is not None
+            self.merged_weight = self.merged_bias = None
+            return merged
         weights = [linear.weight for linear in linears]
         biases = None if linears[0].bias is None else [linear.bias for linear in linears]
         if _rows_of(getattr(self, "merged_weight", None), weights) and (

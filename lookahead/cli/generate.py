@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 from collections.abc import Iterator, Mapping
 from datetime import timedelta
 
@@ -283,10 +284,14 @@ def _backend(requested: str, device: str) -> str:
 
 
 def _tokenizer(folder):
+    """The checkpoint's tokenizer: a folder's files, or a GGUF file's own (with its chat template)."""
     from transformers import AutoTokenizer
 
+    from lookahead.models.gguf import gguf_file, gguf_tokenizer
+
     try:
-        return AutoTokenizer.from_pretrained(str(folder))
+        gguf = gguf_file(Path(folder))
+        return gguf_tokenizer(gguf) if gguf is not None else AutoTokenizer.from_pretrained(str(folder))
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"cannot load the tokenizer of {folder}: {e}") from None
 

@@ -167,7 +167,7 @@ SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k")  # what a model's generati
 def sampling_defaults(folder: str | Path) -> dict:
     """The temperature, top_p and top_k a checkpoint folder's generation_config.json sets (those it sets), which a
     request that leaves them unset gets, as vLLM serves them by default; {} without the file."""
-    path = Path(folder) / "generation_config.json"
+    path = Path(folder) / "generation_config.json"  # (a GGUF file has none: {})
     if not path.is_file():
         return {}
     try:

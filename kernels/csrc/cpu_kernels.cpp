@@ -1,0 +1,583 @@
+// The batch-invariant CPU kernels (lookahead.kernels.cpu_gemm builds this file with quant_gemm.cpp after it).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <unistd.h>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <type_traits>
+#include <vector>
+#if defined(__x86_64__)
+#include <immintrin.h>
+static inline void relax() { _mm_pause(); }
+#else
+static inline void relax() {}
+#endif
+
+constexpr int NB = 64;
+
+// The kernels' own threads. A decoding step calls the kernels ~250 times in a few milliseconds; an OpenMP region
+// whose idle threads sleep (OMP_WAIT_POLICY=PASSIVE, what a shared CPU needs) costs tens of microseconds to wake
+// each time, and one whose threads spin stalls for a whole time slice when another process holds a core. Here the
+// calling thread and the workers claim the items of a call one at a time from a shared counter, so the caller never
+// waits for a worker that has not started (on a busy machine it just does more of the items itself); workers spin
+// for SPIN_US after a call (the next one usually comes sooner), then sleep. Which thread computes an item never
+// changes its arithmetic.
+class Pool {
+ public:
+  using Job = std::function<void(int64_t, int64_t)>;
+  static constexpr int64_t SPIN_US = 200;
+  static constexpr uint64_t ITEMS = (1u << 20) - 1;  // items a call may have (more run on the caller alone)
+  static constexpr int64_t STRAGGLER_US = 20;
+  static constexpr std::chrono::milliseconds BACKOFF_MIN{10};
+
+  // fn(i, i + 1) for every i in [0, n), spread over the caller and up to torch's thread count - 1 workers. From a
+  // second thread at once, or with one thread, the caller runs it all.
+  void run(int64_t n, const Job& fn) {
+    const int threads = std::min<int64_t>(n, at::get_num_threads());
+    std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
+    const auto start = std::chrono::steady_clock::now();
+    if (threads <= 1 || !busy.owns_lock() || n > ITEMS || start < serial_until_) {
+      fn(0, n);
+      return;
+    }
+    State& s = state(threads - 1);
+    s.job = &fn;
+    s.done.store(0, std::memory_order_relaxed);
+    const uint64_t generation = ((s.next.load(std::memory_order_relaxed) >> 40) + 1) & 0xffffff;
+    // sequentially consistent, with the worker's two below: either it sees the new call or this sees it asleep
+    s.next.store(generation << 40 | uint64_t(n) << 20);
+    if (s.sleeping.load() > 0) {
+      std::lock_guard<std::mutex> lock(s.mutex);
+      s.wake.notify_all();
+    }
+    const int64_t mine = claim(s, generation);
+    const auto claimed = std::chrono::steady_clock::now();
+    for (int64_t spins = 0; s.done.load(std::memory_order_acquire) < n; ++spins)
+      if (spins > 4096) std::this_thread::yield(); else relax();
+    // A worker that claimed an item and then lost its core (another process took it) makes the caller wait for a
+    // time slice: much longer than an item takes. Then the calls run on the caller alone for a while (doubling while
+    // it recurs, up to a second) before the workers are tried again.
+    const auto now = std::chrono::steady_clock::now();
+    const auto item = (claimed - start) / std::max<int64_t>(mine, 1);
+    if (now - claimed > 2 * item + std::chrono::microseconds(STRAGGLER_US)) {
+      backoff_ = std::min<std::chrono::nanoseconds>(std::max<std::chrono::nanoseconds>(2 * backoff_, BACKOFF_MIN),
+                                                    std::chrono::seconds(1));
+      serial_until_ = now + backoff_;
+    } else {
+      backoff_ = std::chrono::nanoseconds(0);
+    }
+  }
+
+ private:
+  struct State {
+    // the call: its generation (24 bits), its number of items (20 bits) and its next unclaimed item (20 bits)
+    std::atomic<uint64_t> next{0};
+    std::atomic<int64_t> done{0};   // items finished
+    std::atomic<int> sleeping{0};
+    std::mutex mutex;
+    std::condition_variable wake;
+    const Job* job = nullptr;
+    int workers = 0;
+    pid_t pid = getpid();
+  };
+
+  // Items of call `generation` until none is left. An item below the call's count is claimed only while that call
+  // is current, and the call cannot end before a claimed item is done, so `job` is that call's while it is read.
+  // Returns how many it did.
+  static int64_t claim(State& s, uint64_t generation) {
+    int64_t did = 0;
+    uint64_t next = s.next.load(std::memory_order_acquire);
+    while ((next >> 40) == generation) {
+      const int64_t item = int64_t(next & ITEMS), n = int64_t((next >> 20) & ITEMS);
+      if (item >= n) break;
+      if (!s.next.compare_exchange_weak(next, next + 1, std::memory_order_acq_rel)) continue;
+      (*s.job)(item, item + 1);
+      ++did;
+      s.done.fetch_add(1, std::memory_order_acq_rel);
+      next = s.next.load(std::memory_order_acquire);
+    }
+    return did;
+  }
+
+  // the workers, made on first use (more when torch's thread count grows) and after a fork (a child has none of its
+  // parent's threads: it starts afresh, leaving the parent's state behind)
+  State& state(int want) {
+    if (state_ == nullptr || state_->pid != getpid()) state_ = new State();
+    while (state_->workers < want) {
+      ++state_->workers;
+      std::thread(work, state_).detach();
+    }
+    return *state_;
+  }
+
+  static void work(State* s) {
+    uint64_t seen = s->next.load() >> 40;
+    for (;;) {
+      auto idle = std::chrono::steady_clock::now();
+      uint64_t now;
+      while ((now = s->next.load(std::memory_order_acquire) >> 40) == seen) {
+        relax();
+        if (std::chrono::steady_clock::now() - idle > std::chrono::microseconds(SPIN_US)) {
+          std::unique_lock<std::mutex> lock(s->mutex);
+          s->sleeping.fetch_add(1);
+          s->wake.wait(lock, [&] { return (s->next.load() >> 40) != seen; });
+          s->sleeping.fetch_sub(1);
+          idle = std::chrono::steady_clock::now();
+        }
+      }
+      seen = now;
+      claim(*s, now);
+    }
+  }
+
+  std::mutex busy_;
+  State* state_ = nullptr;
+  std::chrono::steady_clock::time_point serial_until_{};
+  std::chrono::nanoseconds backoff_{0};
+};
+
+static Pool pool;
+
+static inline float widen(float v) { return v; }
+static inline float widen(uint16_t v) {  // bfloat16 -> float32: its bits are a float32's upper half
+  uint32_t u = uint32_t(v) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// MR rows of x [.., K] times one column block [K, NB]: each output a fused multiply-add chain over k in order
+#if defined(__AVX512F__)
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const uint16_t* p) {  // 16 bfloat16 -> float32: shift each into a float's upper half
+  __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+template <int MR, typename W>
+static void tile(const float* x, int64_t K, const W* block, float* out, int64_t N, int64_t col0) {
+  const int64_t cols = std::min<int64_t>(NB, N - col0);
+  __m512 acc[MR][4];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const W* wk = block + k * NB;
+    const __m512 w0 = load16(wk), w1 = load16(wk + 16), w2 = load16(wk + 32), w3 = load16(wk + 48);
+    for (int r = 0; r < MR; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[r * K + k]);
+      acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(xv, w1, acc[r][1]);
+      acc[r][2] = _mm512_fmadd_ps(xv, w2, acc[r][2]);
+      acc[r][3] = _mm512_fmadd_ps(xv, w3, acc[r][3]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    float row[NB];
+    for (int v = 0; v < 4; ++v) _mm512_storeu_ps(row + 16 * v, acc[r][v]);
+    std::memcpy(out + r * N + col0, row, cols * sizeof(float));
+  }
+}
+#else
+template <int MR, typename W>
+static void tile(const float* x, int64_t K, const W* block, float* out, int64_t N, int64_t col0) {
+  const int64_t cols = std::min<int64_t>(NB, N - col0);
+  float acc[MR][NB];
+  for (int r = 0; r < MR; ++r)
+    for (int n = 0; n < NB; ++n) acc[r][n] = 0.f;
+  for (int64_t k = 0; k < K; ++k) {
+    float w[NB];
+    const W* wk = block + k * NB;
+    for (int n = 0; n < NB; ++n) w[n] = widen(wk[n]);
+    for (int r = 0; r < MR; ++r) {
+      const float xv = x[r * K + k];
+      for (int n = 0; n < NB; ++n) acc[r][n] = std::fma(xv, w[n], acc[r][n]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) std::memcpy(out + r * N + col0, acc[r], cols * sizeof(float));
+}
+#endif
+
+// bfloat16 rows times bfloat16 weights with the CPU's bf16 dot products (AVX512-BF16's vdpbf16ps: 32 products a
+// vector where an fp32 fused multiply-add has 16, and no widening): the weight's block is laid out in pairs of k,
+// [ceil(K / 2), NB, 2], and each output is a chain over the pairs in order, from zero, each pair's two products
+// added into it by the instruction (its own fixed order and rounding, denormals flushed). The same chain for one row
+// or six: rows stay independent of each other. An odd K's last pair is padded with a zero weight and a zero input.
+#if defined(__AVX512BF16__)
+constexpr bool BF16_PAIRS = true;
+
+template <int MR>
+static void tile_pairs(const uint16_t* x, int64_t K, const uint16_t* block, float* out, int64_t N, int64_t col0) {
+  const int64_t cols = std::min<int64_t>(NB, N - col0), pairs = (K + 1) / 2;
+  __m512 acc[MR][4];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    const uint16_t* wp = block + p * 2 * NB;  // 16 columns' pairs a vector
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp), w1 = (__m512bh)_mm512_loadu_si512(wp + 32),
+                   w2 = (__m512bh)_mm512_loadu_si512(wp + 64), w3 = (__m512bh)_mm512_loadu_si512(wp + 96);
+    const int64_t k = 2 * p;
+    for (int r = 0; r < MR; ++r) {
+      const uint16_t* xr = x + r * K;
+      const uint32_t both = uint32_t(xr[k]) | (k + 1 < K ? uint32_t(xr[k + 1]) << 16 : 0u);
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(int(both));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, w1);
+      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], xv, w2);
+      acc[r][3] = _mm512_dpbf16_ps(acc[r][3], xv, w3);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    float row[NB];
+    for (int v = 0; v < 4; ++v) _mm512_storeu_ps(row + 16 * v, acc[r][v]);
+    std::memcpy(out + r * N + col0, row, cols * sizeof(float));
+  }
+}
+
+static void run_pairs(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, float* out, int64_t N) {
+  const int64_t blocks = (N + NB - 1) / NB, stride = (K + 1) / 2 * 2 * NB;
+  pool.run(blocks, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint16_t* block = w + b * stride;
+      for (int64_t m = 0; m < M; m += 6) {
+        const uint16_t* xm = x + m * K;
+        float* om = out + m * N;
+        switch (std::min<int64_t>(6, M - m)) {
+          case 6: tile_pairs<6>(xm, K, block, om, N, b * NB); break;
+          case 5: tile_pairs<5>(xm, K, block, om, N, b * NB); break;
+          case 4: tile_pairs<4>(xm, K, block, om, N, b * NB); break;
+          case 3: tile_pairs<3>(xm, K, block, om, N, b * NB); break;
+          case 2: tile_pairs<2>(xm, K, block, om, N, b * NB); break;
+          default: tile_pairs<1>(xm, K, block, om, N, b * NB); break;
+        }
+      }
+    }
+  });
+}
+#else
+constexpr bool BF16_PAIRS = false;
+
+static void run_pairs(const uint16_t*, int64_t, int64_t, const uint16_t*, float*, int64_t) {
+  TORCH_CHECK(false, "this build has no bf16 dot products");
+}
+#endif
+
+bool bf16_pairs() { return BF16_PAIRS; }
+
+template <typename W>
+static void run(const float* x, int64_t M, int64_t K, const W* w, float* out, int64_t N) {
+  const int64_t blocks = (N + NB - 1) / NB;
+  pool.run(blocks, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const W* block = w + b * K * NB;
+      for (int64_t m = 0; m < M; m += 6) {
+        const float* xm = x + m * K;
+        float* om = out + m * N;
+        switch (std::min<int64_t>(6, M - m)) {
+          case 6: tile<6>(xm, K, block, om, N, b * NB); break;
+          case 5: tile<5>(xm, K, block, om, N, b * NB); break;
+          case 4: tile<4>(xm, K, block, om, N, b * NB); break;
+          case 3: tile<3>(xm, K, block, om, N, b * NB); break;
+          case 2: tile<2>(xm, K, block, om, N, b * NB); break;
+          default: tile<1>(xm, K, block, om, N, b * NB); break;
+        }
+      }
+    }
+  });
+}
+
+// x [M, K] float32, packed [blocks, K, NB] (float32, or bfloat16 bits as int16); or x [M, K] bfloat16 and packed
+// [blocks, ceil(K / 2), NB, 2] bfloat16 bits as int16 (the pairs of a build with bf16 dot products)
+static torch::Tensor gemm_rows(const torch::Tensor& x, const torch::Tensor& packed, int64_t n) {
+  const int64_t M = x.size(0), K = x.size(1);
+  auto out = torch::empty({M, n}, x.options().dtype(torch::kFloat32));
+  if (packed.dim() == 4)
+    run_pairs(reinterpret_cast<const uint16_t*>(x.data_ptr()), M, K,
+              reinterpret_cast<const uint16_t*>(packed.data_ptr()), out.data_ptr<float>(), n);
+  else if (packed.scalar_type() == torch::kFloat32)
+    run<float>(x.data_ptr<float>(), M, K, packed.data_ptr<float>(), out.data_ptr<float>(), n);
+  else
+    run<uint16_t>(x.data_ptr<float>(), M, K, reinterpret_cast<uint16_t*>(packed.data_ptr()),
+                  out.data_ptr<float>(), n);
+  return out;
+}
+
+torch::Tensor rows_gemm(torch::Tensor x, torch::Tensor packed, int64_t n) {
+  pybind11::gil_scoped_release free_python;  // a server's other threads run meanwhile (no Python object is touched)
+  return gemm_rows(x, packed, n);
+}
+
+// exp(x) for x <= 0 (a score minus its row's maximum) in operations that are exact in IEEE arithmetic (fused
+// multiply-adds, products, sums, a rounding, an exponent's bits), so a loop of it gives the same bits whether the
+// compiler vectorises it or not, and whatever lane an element lands in (a vector libm's exp need not agree with the
+// scalar one). Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by a degree-7 polynomial, within 2 ulp. Below
+// -87.3 (where 2^n would be subnormal) it gives exp(-87.3), about 1e-38: nothing a softmax's sum can tell from 0.
+static inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.3f);
+  const float n = (std::fma(x, 1.44269504088896341f, 12582912.0f)) - 12582912.0f;  // round(x / ln2)
+  float r = std::fma(n, -0.693359375f, x);
+  r = std::fma(n, 2.12194440e-4f, r);
+  float p = 1.9875691500e-4f;
+  p = std::fma(p, r, 1.3981999507e-3f);
+  p = std::fma(p, r, 8.3334519073e-3f);
+  p = std::fma(p, r, 4.1665795894e-2f);
+  p = std::fma(p, r, 1.6666665459e-1f);
+  p = std::fma(p, r, 5.0000001201e-1f);
+  const float y = std::fma(p, r * r, r) + 1.0f;
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return y * scale;
+}
+
+// Sixteen floats from a cache's 16-bit elements, besides the GEMM's float32 and bfloat16 ones (each conversion exact).
+#if defined(__AVX512F__)
+static inline __m512 load16(const c10::BFloat16* p) { return load16(reinterpret_cast<const uint16_t*>(p)); }
+static inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
+// s[g * 16 + jj] = the chain fma(q[g * D + d], keys[d * 16 + jj], ...) over d = 0 .. D - 1 from 0, for G query rows
+// and the 16 lanes jj: with AVX-512, four rows' chains at a time in four registers (independent chains hide the
+// instruction's latency; past G the last row is repeated and dropped); elsewhere the plain loops (the compiler leaves
+// them scalar). Each lane's arithmetic is the same fused multiply-adds either way.
+static inline void dots16(const float* q, int64_t G, int64_t D, const float* keys, float* s) {
+#if defined(__AVX512F__)
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    const float* r0 = q + g0 * D;
+    const float* r1 = q + std::min(g0 + 1, G - 1) * D;
+    const float* r2 = q + std::min(g0 + 2, G - 1) * D;
+    const float* r3 = q + std::min(g0 + 3, G - 1) * D;
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t d = 0; d < D; ++d) {
+      const __m512 key = _mm512_loadu_ps(keys + d * 16);
+      a0 = _mm512_fmadd_ps(_mm512_set1_ps(r0[d]), key, a0);
+      a1 = _mm512_fmadd_ps(_mm512_set1_ps(r1[d]), key, a1);
+      a2 = _mm512_fmadd_ps(_mm512_set1_ps(r2[d]), key, a2);
+      a3 = _mm512_fmadd_ps(_mm512_set1_ps(r3[d]), key, a3);
+    }
+    const __m512 got[4] = {a0, a1, a2, a3};
+    for (int64_t i = 0; i < 4 && g0 + i < G; ++i) _mm512_storeu_ps(s + (g0 + i) * 16, got[i]);
+  }
+#else
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = s + g * 16;
+    for (int jj = 0; jj < 16; ++jj) sg[jj] = 0.f;
+    for (int64_t d = 0; d < D; ++d)
+      for (int jj = 0; jj < 16; ++jj) sg[jj] = std::fma(q[g * D + d], keys[d * 16 + jj], sg[jj]);
+  }
+#endif
+}
+
+// acc[g * D + d] = the chain fma(p[g * width + j], v_j[d], ...) over j = 0 .. n - 1 from 0 (v_j = vh + slot[j] * D),
+// for G weight rows: with AVX-512 (D a multiple of 16), sixteen elements of four rows' chains in four registers while
+// the values go by (past G the last row is repeated and dropped); elsewhere the plain loops. The same fused
+// multiply-adds either way.
+template <typename T>
+static inline void weighted_sum(const float* p, int64_t width, int64_t G, const T* vh, const int64_t* slot, int64_t n,
+                                int64_t D, float* acc, float* row) {
+#if defined(__AVX512F__)
+  if constexpr (!std::is_same<T, double>::value) if (D % 16 == 0) {
+    for (int64_t g0 = 0; g0 < G; g0 += 4) {
+      const float* p0 = p + g0 * width;
+      const float* p1 = p + std::min(g0 + 1, G - 1) * width;
+      const float* p2 = p + std::min(g0 + 2, G - 1) * width;
+      const float* p3 = p + std::min(g0 + 3, G - 1) * width;
+      for (int64_t c = 0; c < D; c += 16) {
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t j = 0; j < n; ++j) {
+          const __m512 value = load16(vh + slot[j] * D + c);
+          a0 = _mm512_fmadd_ps(_mm512_set1_ps(p0[j]), value, a0);
+          a1 = _mm512_fmadd_ps(_mm512_set1_ps(p1[j]), value, a1);
+          a2 = _mm512_fmadd_ps(_mm512_set1_ps(p2[j]), value, a2);
+          a3 = _mm512_fmadd_ps(_mm512_set1_ps(p3[j]), value, a3);
+        }
+        const __m512 got[4] = {a0, a1, a2, a3};
+        for (int64_t i = 0; i < 4 && g0 + i < G; ++i) _mm512_storeu_ps(acc + (g0 + i) * D + c, got[i]);
+      }
+    }
+    return;
+  }
+#endif
+  std::fill(acc, acc + G * D, 0.f);
+  for (int64_t j = 0; j < n; ++j) {
+    const T* vj = vh + slot[j] * D;
+    for (int64_t d = 0; d < D; ++d) row[d] = static_cast<float>(vj[d]);
+    for (int64_t g = 0; g < G; ++g) {
+      const float pj = p[g * width + j];
+      float* a = acc + g * D;
+      for (int64_t d = 0; d < D; ++d) a[d] = std::fma(pj, row[d], a[d]);
+    }
+  }
+}
+
+constexpr int64_t RUN = 8;          // queries at most in a run that shares its key blocks (runs are the threads' items)
+constexpr int64_t MIN_SHARED = 16;  // keys a query must share with the run's first to join it (one block)
+
+// Attention of R queries, each over its own keys: slots [R, W] (the first counts[r] are query r's key slots in position
+// order), k, v [Hkv, S, D] (float32, bfloat16 or float16), q [R, Hq, D] float32 (scaled), out [R, Hq, D] float32.
+// Per (query, KV head): each score a fused multiply-add chain over d (16 keys at a time, one per vector lane), the max
+// over the scores, exp_nonpositive of each minus it, then one chain over the keys in order for every output and one
+// for the weights' sum. Consecutive queries whose key lists begin alike (a step's tokens of one row share its prefix)
+// form a run, and each block of 16 shared keys is gathered into lanes once for the run, not once per query; which
+// run a query is in changes nothing in its arithmetic.
+template <typename T>
+static void attend(const float* q, const T* k, const T* v, const int64_t* slots, const int64_t* counts, float* out,
+                   int64_t R, int64_t Hq, int64_t Hkv, int64_t S, int64_t D, int64_t W) {
+  const int64_t G = Hq / Hkv;
+  std::vector<int64_t> first{0}, shared;  // per run: its first query (then R), the keys all its queries share
+  while (first.back() < R) {
+    const int64_t r0 = first.back();
+    int64_t end = r0 + 1, common = counts[r0];
+    while (end < R && end - r0 < RUN) {
+      int64_t same = 0;
+      const int64_t limit = std::min(common, counts[end]);
+      while (same < limit && slots[end * W + same] == slots[r0 * W + same]) ++same;
+      if (same < MIN_SHARED) break;
+      common = same;
+      ++end;
+    }
+    shared.push_back(common);
+    first.push_back(end);
+  }
+  const int64_t runs = static_cast<int64_t>(shared.size());
+  pool.run(runs * Hkv, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores, keys(16 * D), lanes(16 * G), acc(G * D), row(D), total(G);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t run = i / Hkv, h = i % Hkv, r0 = first[run], r1 = first[run + 1];
+      const T* kh = k + h * S * D;
+      const T* vh = v + h * S * D;
+      int64_t width = 0;
+      for (int64_t r = r0; r < r1; ++r) width = std::max(width, counts[r]);
+      scores.assign((r1 - r0) * G * width, 0.f);  // [query of the run][g][key]
+      auto gather = [&](const int64_t* slot, int64_t m) {  // m keys, transposed: [d][key], a vector lane per key
+        for (int64_t jj = 0; jj < 16; ++jj)
+          for (int64_t d = 0; d < D; ++d)
+            keys[d * 16 + jj] = jj < m ? static_cast<float>(kh[slot[jj] * D + d]) : 0.f;
+      };
+      auto score = [&](int64_t r, int64_t j0, int64_t m) {  // query r's scores of the gathered keys j0 .. j0 + m - 1
+        dots16(q + (r * Hq + h * G) * D, G, D, keys.data(), lanes.data());
+        for (int64_t g = 0; g < G; ++g) {
+          float* dst = scores.data() + ((r - r0) * G + g) * width + j0;
+          for (int64_t jj = 0; jj < m; ++jj) dst[jj] = lanes[g * 16 + jj];
+        }
+      };
+      int64_t j0 = 0;
+      for (; j0 + 16 <= shared[run]; j0 += 16) {
+        gather(slots + r0 * W + j0, 16);
+        for (int64_t r = r0; r < r1; ++r) score(r, j0, 16);
+      }
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t j = j0; j < counts[r]; j += 16) {
+          const int64_t m = std::min<int64_t>(16, counts[r] - j);
+          gather(slots + r * W + j, m);
+          score(r, j, m);
+        }
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t n = counts[r];
+        const int64_t* slot = slots + r * W;
+        for (int64_t g = 0; g < G; ++g) {
+          float* sg = scores.data() + ((r - r0) * G + g) * width;
+          float top = sg[0];
+          for (int64_t j = 1; j < n; ++j) top = std::max(top, sg[j]);
+          for (int64_t j = 0; j < n; ++j) sg[j] = exp_nonpositive(sg[j] - top);
+          float sum = 0.f;
+          for (int64_t j = 0; j < n; ++j) sum += sg[j];
+          total[g] = sum;
+        }
+        weighted_sum(scores.data() + (r - r0) * G * width, width, G, vh, slot, n, D, acc.data(), row.data());
+        for (int64_t g = 0; g < G; ++g) {
+          float* o = out + (r * Hq + h * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) o[d] = acc[g * D + d] / total[g];
+        }
+      }
+    }
+  });
+}
+
+static torch::Tensor attention_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                    const torch::Tensor& slots, const torch::Tensor& counts) {
+  const int64_t R = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(0), S = k.size(1), W = slots.size(1);
+  auto out = torch::empty({R, Hq, D}, q.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k.scalar_type(), "chain_attention", [&] {
+    attend<scalar_t>(q.data_ptr<float>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), slots.data_ptr<int64_t>(),
+                     counts.data_ptr<int64_t>(), out.data_ptr<float>(), R, Hq, Hkv, S, D, W);
+  });
+  return out;
+}
+
+torch::Tensor chain_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor slots,
+                              torch::Tensor counts) {
+  pybind11::gil_scoped_release free_python;
+  return attention_rows(q, k, v, slots, counts);
+}
+
+static torch::Tensor quant_linear_rows(const torch::Tensor& x, const std::vector<torch::Tensor>& segments);
+
+// A linear's GEMM as gemm() runs it, the output float32: a packed weight ([packed]) with the rows in bfloat16 for
+// pairs, else in float32; or quantized weights side by side (uint8 blobs of quant_gemm.cpp) with float32 rows.
+static torch::Tensor linear_rows(const torch::Tensor& x, const std::vector<torch::Tensor>& weight, int64_t n) {
+  if (weight[0].scalar_type() == torch::kByte) return quant_linear_rows(x, weight);
+  const torch::Tensor& packed = weight[0];
+  return gemm_rows(x.to(packed.dim() == 4 ? torch::kBFloat16 : torch::kFloat32).contiguous(), packed, n);
+}
+
+// RMSNorm as models.blocks.RMSNorm computes it: normalised in float32, rounded to the model's dtype, times the weight.
+static torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  return weight * at::rms_norm(x.to(torch::kFloat32), {x.size(-1)}, c10::nullopt, eps).to(x.scalar_type());
+}
+
+// The decoder layers of a LLaMA model (no biases, no q/k norms) over a packed step in the batch-invariant mode, with
+// the CPU kernels: the ATen ops models.blocks' forward runs in the same order on tensors of the same shapes and
+// layouts (so the same bits: an element-wise kernel picks its vectorised or scalar loop by layout), without a return
+// to Python between them. x [1, T, H] (the model's dtype); cos, sin [1, T, 1, D] in that dtype; weights: per layer,
+// the input norm's weight, q/k/v side by side, o, the post-attention norm's weight, gate/up side by side, down (each
+// a list: [weight] for a norm, [packed] for a packed weight, one quantized blob per linear for quantized ones);
+// k_cache, v_cache [layers, Hkv, S, D]; write_slots [T] int64, where each token's key and value go; queries [R] int64,
+// the tokens that attend (the rest are padding: their attention output is zero), key_slots [R, W] and counts [R]
+// int64, each query's key slots in position order (`cpu_gemm.attention`'s). Returns x after the last layer.
+torch::Tensor decoder_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
+                             std::vector<std::vector<torch::Tensor>> weights,
+                             torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor write_slots,
+                             torch::Tensor queries, torch::Tensor key_slots, torch::Tensor counts, int64_t heads,
+                             int64_t kv_heads, int64_t intermediate, double eps) {
+  pybind11::gil_scoped_release free_python;
+  const auto dtype = x.scalar_type();
+  const int64_t T = x.size(1), H = x.size(2), D = cos.size(-1), half = D / 2;
+  const double scale = std::pow(static_cast<double>(D), -0.5);
+  for (size_t layer = 0; layer * 6 < weights.size(); ++layer) {
+    const std::vector<torch::Tensor>* w = &weights[layer * 6];
+    // attention: q, k and v from one GEMM, each rounded to the dtype; RoPE on q and k together
+    auto qkv = linear_rows(rms_norm(x, w[0][0], eps).reshape({-1, H}), w[1], (heads + 2 * kv_heads) * D)
+                   .split({heads * D, kv_heads * D, kv_heads * D}, 1);
+    auto q = qkv[0].to(dtype).reshape({1, T, heads * D}).view({1, T, heads, D});
+    auto k = qkv[1].to(dtype).reshape({1, T, kv_heads * D}).view({1, T, kv_heads, D});
+    auto v = qkv[2].to(dtype).reshape({1, T, kv_heads * D}).view({1, T, kv_heads, D}).transpose(1, 2);
+    auto both = at::cat({q, k}, 2);
+    auto rotated = at::cat({-both.slice(-1, half), both.slice(-1, 0, half)}, -1);
+    auto qk = (both * cos + rotated * sin).split({heads, kv_heads}, 2);
+    auto qt = qk[0].transpose(1, 2), kt = qk[1].transpose(1, 2);  // [1, H, T, D]
+    k_cache[layer].index_copy_(1, write_slots, kt[0]);
+    v_cache[layer].index_copy_(1, write_slots, v[0]);
+    auto attended = at::zeros_like(qt);
+    auto scaled = (qt[0].index_select(1, queries).transpose(0, 1).to(torch::kFloat32) * scale).contiguous();
+    auto got = attention_rows(scaled, k_cache[layer], v_cache[layer], key_slots, counts).to(dtype);
+    attended[0].index_copy_(1, queries, got.transpose(0, 1));
+    auto o = linear_rows(attended.transpose(1, 2).reshape({1, T, heads * D}).reshape({-1, heads * D}), w[2], H);
+    x = x + o.to(dtype).reshape({1, T, H});
+    // MLP: gate and up from one GEMM, each rounded to the dtype
+    auto gate_up = linear_rows(rms_norm(x, w[3][0], eps).reshape({-1, H}), w[4], 2 * intermediate)
+                       .split({intermediate, intermediate}, 1);
+    auto gate = gate_up[0].to(dtype).reshape({1, T, intermediate});
+    auto up = gate_up[1].to(dtype).reshape({1, T, intermediate});
+    auto down = linear_rows((at::silu(gate) * up).reshape({-1, intermediate}), w[5], H);
+    x = x + down.to(dtype).reshape({1, T, H});
+  }
+  return x;
+}

@@ -1,0 +1,363 @@
+// GEMMs over GGUF-quantized weights that keep the batch-invariant contract: each output row's bits depend on its own
+// input row and the weight alone, whatever rows are computed beside it and whichever thread computes it.
+//
+// Built after cpu_kernels.cpp in one translation unit (lookahead.kernels.cpu_gemm): it uses that file's thread pool.
+//
+// The arithmetic (lookahead.kernels.quant holds the same definition in numpy, and the tests hold the two bitwise equal):
+// - each input row is quantized on its own, in blocks of 32 along K: d = max|x| / 127, q = rint(x / d) (as
+//   rint(x * (1 / d))), clamped to [-127, 127] (a block of zeros has d = 0 and q = 0);
+// - each weight is an unsigned code c with a per-type affine map: "zero-point" types (Q8_0, Q4_0, Q5_0, Q6_K) have
+//   w = d * s * (c - z), "min" types (Q4_1, Q5_1, Q4_K) have w = d * s * c - m * t (s, t a K-quant's sub-block
+//   scale and min, 1 elsewhere; Q4_1's m is its stored min with t = -1);
+// - per output and input block, in block order from zero: the integer sums (exact, so any order and any vector
+//   width give them) then a few float32 products and sums, each rounded, never fused:
+//     zero-point: acc = acc + (d * dx) * float(sum_sub s * (sum c * q - z * sum q))
+//     min:        acc = acc + (d * dx) * float(s * sum c * q);  acc = acc - (m * dx) * float(t * sum q)
+//   (Q4_1 and Q5_1 subtract their min times -1, so their m is stored negated: m * t * -1 = +m.)
+// A row's arithmetic is the same in the AVX512-VNNI tiles (u8 x s8 dot products, 16 outputs a vector) and in the
+// portable loops: both compute exactly the definition above.
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace quant {
+
+constexpr int64_t MAGIC = 0x4C4B485131;  // "1QHKL": a blob of lookahead.kernels.quant
+constexpr int64_t COLS = 16;            // outputs per column group (a vector of int32 lanes)
+constexpr int64_t BLOCK = 32;           // inputs per activation block
+constexpr int MAX_ROWS = 8;             // rows sharing one unpacking of a block's codes
+constexpr int64_t GROUPS = 4;           // column groups a thread takes at a time (a claim costs a shared counter)
+
+// ggml's type ids
+enum Type : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+
+// A packed weight (lookahead.kernels.quant.pack writes it): a header of 16 int64, then its regions, each at an
+// offset the header gives, for column groups of 16 outputs g and input blocks j:
+//   codes [G][J][256 + 64 * hb]: the low nibbles of quads t and t + 4 in byte 4 * col + b of vector t (t < 4), then
+//     hb vectors of high bits (quad t's at bit hb * t of the (hb * t / 8)-th), for input 32 j + 4 t + b;
+//   d [G][J / per][16] float16; m the same (min types); sc [G][J][subs][16] (int8 for Q6_K, uint8 for Q4_K);
+//   mn [G][J][16] uint8 (Q4_K).
+struct Blob {
+  int64_t type, N, K, G, J, hb, zero, per, subs, code_bytes;
+  const uint8_t* codes;
+  const uint16_t* d;
+  const uint16_t* m;
+  const uint8_t* sc;
+  const uint8_t* mn;
+};
+
+static Blob parse(const torch::Tensor& t) {
+  TORCH_CHECK(t.scalar_type() == torch::kByte && t.dim() == 1 && t.is_contiguous() && t.numel() >= 128,
+              "a quantized weight must be a packed uint8 blob (lookahead.kernels.quant.pack)");
+  const auto* h = reinterpret_cast<const int64_t*>(t.data_ptr());
+  TORCH_CHECK(h[0] == MAGIC, "not a packed quantized weight (bad magic)");
+  const auto* base = t.data_ptr<uint8_t>();
+  Blob b{h[1], h[2], h[3], h[4], h[5], h[6], h[7], h[8], h[9], 256 + 64 * h[6], nullptr, nullptr, nullptr,
+         nullptr, nullptr};
+  b.codes = base + h[10];
+  b.d = reinterpret_cast<const uint16_t*>(base + h[11]);
+  b.m = h[12] ? reinterpret_cast<const uint16_t*>(base + h[12]) : nullptr;
+  b.sc = h[13] ? base + h[13] : nullptr;
+  b.mn = h[14] ? base + h[14] : nullptr;
+  TORCH_CHECK(h[15] == t.numel(), "a packed quantized weight's size differs from its header's");
+  return b;
+}
+
+static inline float half_to_float(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
+
+// The input rows, quantized: q [M][K] int8, dx [M][J], and each block's sums of q over its two halves [M][J][2].
+struct Rows {
+  int64_t M = 0, K = 0, J = 0;
+  std::vector<int8_t> q;
+  std::vector<float> dx;
+  std::vector<int32_t> sums;
+};
+
+static void quantize_rows(const float* x, int64_t M, int64_t K, Rows& r) {
+  r.M = M, r.K = K, r.J = K / BLOCK;
+  r.q.resize(M * K), r.dx.resize(M * r.J), r.sums.resize(M * r.J * 2);
+  for (int64_t i = 0; i < M * r.J; ++i) {
+    const float* xb = x + i * BLOCK;
+    float amax = 0.f;
+    for (int64_t k = 0; k < BLOCK; ++k) amax = std::max(amax, std::fabs(xb[k]));
+    const float d = amax / 127.f, inv = d != 0.f ? 1.f / d : 0.f;
+    int8_t* qb = r.q.data() + i * BLOCK;
+    int32_t half[2] = {0, 0};
+    for (int64_t k = 0; k < BLOCK; ++k) {
+      const float v = std::nearbyint(xb[k] * inv);
+      qb[k] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
+      half[k / 16] += qb[k];
+    }
+    r.dx[i] = d;
+    r.sums[2 * i] = half[0], r.sums[2 * i + 1] = half[1];
+  }
+}
+
+// The code of input 32 j + 4 t + b of column c in a block's code bytes.
+static inline int32_t code_at(const Blob& w, const uint8_t* cp, int64_t c, int64_t t, int64_t b) {
+  const uint8_t lo = cp[64 * (t % 4) + 4 * c + b];
+  int32_t code = t < 4 ? (lo & 15) : (lo >> 4);
+  if (w.hb) {
+    const int64_t bit = w.hb * t;
+    code |= ((cp[256 + 64 * (bit / 8) + 4 * c + b] >> (bit % 8)) & ((1 << w.hb) - 1)) << 4;
+  }
+  return code;
+}
+
+// The portable loops: rows [m0, m0 + rows) of column group g, into out (row stride ldo) at col0.
+static void tile_scalar(const Blob& w, const Rows& x, int64_t m0, int64_t rows, int64_t g, float* out, int64_t ldo,
+                        int64_t col0) {
+  const bool zero_point = w.zero >= 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t m = m0 + r;
+    float acc[COLS] = {};
+    for (int64_t j = 0; j < w.J; ++j) {
+      const uint8_t* cp = w.codes + (g * w.J + j) * w.code_bytes;
+      const int8_t* xq = x.q.data() + m * x.K + j * BLOCK;
+      const float dx = x.dx[m * x.J + j];
+      const int32_t s0 = x.sums[2 * (m * x.J + j)], s1 = x.sums[2 * (m * x.J + j) + 1];
+      const int64_t dj = (g * (w.J / w.per) + j / w.per) * COLS;
+      for (int64_t c = 0; c < COLS; ++c) {
+        int32_t dot[2] = {0, 0};
+        for (int64_t t = 0; t < 8; ++t)
+          for (int64_t b = 0; b < 4; ++b) dot[t / 4] += code_at(w, cp, c, t, b) * xq[4 * t + b];
+        const float d = half_to_float(w.d[dj + c]);
+        if (zero_point) {
+          int32_t i;
+          if (w.subs == 2) {
+            const auto* sc = reinterpret_cast<const int8_t*>(w.sc) + (g * w.J + j) * 2 * COLS;
+            i = sc[c] * (dot[0] - int32_t(w.zero) * s0) + sc[COLS + c] * (dot[1] - int32_t(w.zero) * s1);
+          } else {
+            i = dot[0] + dot[1] - int32_t(w.zero) * (s0 + s1);
+          }
+          acc[c] = acc[c] + (d * dx) * static_cast<float>(i);
+        } else {
+          const int32_t s = w.sc ? w.sc[(g * w.J + j) * COLS + c] : 1, t = w.mn ? w.mn[(g * w.J + j) * COLS + c] : 1;
+          acc[c] = acc[c] + (d * dx) * static_cast<float>(s * (dot[0] + dot[1]));
+          acc[c] = acc[c] - (half_to_float(w.m[dj + c]) * dx) * static_cast<float>(t * (s0 + s1));
+        }
+      }
+    }
+    std::memcpy(out + m * ldo + col0, acc, sizeof(float) * std::min<int64_t>(COLS, w.N - g * COLS));
+  }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+constexpr bool VNNI = true;
+
+// The same arithmetic with AVX512-VNNI: a block's 8 quads of codes are unpacked once into 8 vectors (16 columns x 4
+// inputs each) and shared by up to MAX_ROWS rows; each row's integer sums by vpdpbusd (u8 codes x s8 inputs), then
+// its float steps on 16 columns at once.
+template <int64_t TYPE, int ROWS>
+static void tile_vnni(const Blob& w, const Rows& x, int64_t m0, int64_t g, float* out, int64_t ldo, int64_t col0) {
+  constexpr bool zero_point = TYPE == Q8_0 || TYPE == Q4_0 || TYPE == Q5_0 || TYPE == Q6_K;
+  constexpr int64_t hb = TYPE == Q8_0 ? 4 : TYPE == Q6_K ? 2 : (TYPE == Q5_0 || TYPE == Q5_1) ? 1 : 0;
+  constexpr int32_t z = TYPE == Q8_0 ? 128 : TYPE == Q4_0 ? 8 : TYPE == Q5_0 ? 16 : TYPE == Q6_K ? 32 : 0;
+  constexpr int64_t per = (TYPE == Q4_K || TYPE == Q6_K) ? 8 : 1;
+  const __m512i low = _mm512_set1_epi8(15), high = _mm512_set1_epi8((1 << hb) - 1);
+  __m512 acc[ROWS];
+  for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < w.J; ++j) {
+    const uint8_t* cp = w.codes + (g * w.J + j) * w.code_bytes;
+    __m512i code[8];
+#pragma GCC unroll 4
+    for (int t = 0; t < 4; ++t) {
+      const __m512i lo = _mm512_loadu_si512(cp + 64 * t);
+      code[t] = _mm512_and_si512(lo, low);
+      code[t + 4] = _mm512_and_si512(_mm512_srli_epi16(lo, 4), low);
+    }
+    if constexpr (hb > 0) {
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t) {
+        const __m512i hi = _mm512_loadu_si512(cp + 256 + 64 * ((hb * t) / 8));
+        const __m512i bits = _mm512_and_si512(_mm512_srli_epi16(hi, (hb * t) % 8), high);
+        code[t] = _mm512_or_si512(code[t], _mm512_slli_epi16(bits, 4));
+      }
+    }
+    const int64_t dj = (g * (w.J / per) + j / per) * COLS;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.d + dj)));
+    __m512 mv = _mm512_setzero_ps();
+    __m512i sc0 = _mm512_setzero_si512(), sc1 = sc0, mn = sc0;
+    if constexpr (!zero_point)
+      mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.m + dj)));
+    if constexpr (TYPE == Q6_K) {
+      const auto* sc = reinterpret_cast<const int8_t*>(w.sc) + (g * w.J + j) * 2 * COLS;
+      sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
+      sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + COLS)));
+    }
+    if constexpr (TYPE == Q4_K) {
+      sc0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.sc + (g * w.J + j) * COLS)));
+      mn = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.mn + (g * w.J + j) * COLS)));
+    }
+    // every row's integer sums, quad by quad: the rows' chains are independent, so they overlap in the pipeline
+    __m512i dot0[ROWS], dot1[ROWS];
+#pragma GCC unroll 8
+    for (int r = 0; r < ROWS; ++r) dot0[r] = dot1[r] = _mm512_setzero_si512();
+    const int8_t* xq = x.q.data() + m0 * x.K + j * BLOCK;
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t)
+#pragma GCC unroll 8
+      for (int r = 0; r < ROWS; ++r) {
+        int32_t quad;
+        std::memcpy(&quad, xq + r * x.K + 4 * t, 4);
+        __m512i& dot = t < 4 ? dot0[r] : dot1[r];
+        dot = _mm512_dpbusd_epi32(dot, code[t], _mm512_set1_epi32(quad));
+      }
+#pragma GCC unroll 8
+    for (int r = 0; r < ROWS; ++r) {
+      const int64_t m = m0 + r;
+      const __m512 dx = _mm512_set1_ps(x.dx[m * x.J + j]);
+      const int32_t s0 = x.sums[2 * (m * x.J + j)], s1 = x.sums[2 * (m * x.J + j) + 1];
+      __m512i i;
+      if constexpr (TYPE == Q6_K) {
+        i = _mm512_add_epi32(_mm512_mullo_epi32(sc0, _mm512_sub_epi32(dot0[r], _mm512_set1_epi32(z * s0))),
+                             _mm512_mullo_epi32(sc1, _mm512_sub_epi32(dot1[r], _mm512_set1_epi32(z * s1))));
+      } else if constexpr (zero_point) {
+        i = _mm512_sub_epi32(_mm512_add_epi32(dot0[r], dot1[r]), _mm512_set1_epi32(z * (s0 + s1)));
+      } else if constexpr (TYPE == Q4_K) {
+        i = _mm512_mullo_epi32(sc0, _mm512_add_epi32(dot0[r], dot1[r]));
+      } else {
+        i = _mm512_add_epi32(dot0[r], dot1[r]);
+      }
+      acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(i)));
+      if constexpr (!zero_point) {
+        const __m512i sums = _mm512_set1_epi32(s0 + s1);
+        const __m512i ts = TYPE == Q4_K ? _mm512_mullo_epi32(mn, sums) : sums;
+        acc[r] = _mm512_sub_ps(acc[r], _mm512_mul_ps(_mm512_mul_ps(mv, dx), _mm512_cvtepi32_ps(ts)));
+      }
+    }
+  }
+  const int64_t cols = std::min<int64_t>(COLS, w.N - g * COLS);
+  for (int r = 0; r < ROWS; ++r) {
+    float row[COLS];
+    _mm512_storeu_ps(row, acc[r]);
+    std::memcpy(out + (m0 + r) * ldo + col0, row, sizeof(float) * cols);
+  }
+}
+
+template <int64_t TYPE>
+static void tiles_of(const Blob& w, const Rows& x, int64_t g, float* out, int64_t ldo, int64_t col0) {
+  for (int64_t m0 = 0; m0 < x.M; m0 += MAX_ROWS) {
+    switch (std::min<int64_t>(MAX_ROWS, x.M - m0)) {
+      case 8: tile_vnni<TYPE, 8>(w, x, m0, g, out, ldo, col0); break;
+      case 7: tile_vnni<TYPE, 7>(w, x, m0, g, out, ldo, col0); break;
+      case 6: tile_vnni<TYPE, 6>(w, x, m0, g, out, ldo, col0); break;
+      case 5: tile_vnni<TYPE, 5>(w, x, m0, g, out, ldo, col0); break;
+      case 4: tile_vnni<TYPE, 4>(w, x, m0, g, out, ldo, col0); break;
+      case 3: tile_vnni<TYPE, 3>(w, x, m0, g, out, ldo, col0); break;
+      case 2: tile_vnni<TYPE, 2>(w, x, m0, g, out, ldo, col0); break;
+      default: tile_vnni<TYPE, 1>(w, x, m0, g, out, ldo, col0); break;
+    }
+  }
+}
+#else
+constexpr bool VNNI = false;
+#endif
+
+// One column group of every row, by the build's fastest path (or the portable one where asked: the tests compare).
+static void group(const Blob& w, const Rows& x, int64_t g, float* out, int64_t ldo, int64_t col0, bool portable) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  if (!portable) {
+    switch (w.type) {
+      case Q8_0: return tiles_of<Q8_0>(w, x, g, out, ldo, col0);
+      case Q4_0: return tiles_of<Q4_0>(w, x, g, out, ldo, col0);
+      case Q4_1: return tiles_of<Q4_1>(w, x, g, out, ldo, col0);
+      case Q5_0: return tiles_of<Q5_0>(w, x, g, out, ldo, col0);
+      case Q5_1: return tiles_of<Q5_1>(w, x, g, out, ldo, col0);
+      case Q4_K: return tiles_of<Q4_K>(w, x, g, out, ldo, col0);
+      case Q6_K: return tiles_of<Q6_K>(w, x, g, out, ldo, col0);
+      default: break;
+    }
+  }
+#endif
+  (void)portable;
+  tile_scalar(w, x, 0, x.M, g, out, ldo, col0);
+}
+
+// x [M, K] float32 times the weights side by side (each segment's outputs after the previous ones'): [M, sum N].
+static torch::Tensor rows(const torch::Tensor& x, const std::vector<torch::Tensor>& segments, bool portable) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x must be [M, K] float32");
+  std::vector<Blob> blobs;
+  std::vector<int64_t> first_col{0};
+  std::vector<std::pair<int64_t, int64_t>> items;  // (segment, first column group): GROUPS groups a thread's item
+  for (const auto& s : segments) {
+    blobs.push_back(parse(s));
+    TORCH_CHECK(blobs.back().K == x.size(1), "a quantized weight's K (", blobs.back().K, ") differs from x's (",
+                x.size(1), ")");
+    for (int64_t g = 0; g < blobs.back().G; g += GROUPS) items.emplace_back(int64_t(blobs.size()) - 1, g);
+    first_col.push_back(first_col.back() + blobs.back().N);
+  }
+  const int64_t M = x.size(0), n = first_col.back();
+  auto out = torch::empty({M, n}, x.options());
+  if (M == 0) return out;
+  Rows q;
+  quantize_rows(x.data_ptr<float>(), M, x.size(1), q);
+  float* o = out.data_ptr<float>();
+  pool.run(int64_t(items.size()), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const auto [s, g0] = items[i];
+      for (int64_t g = g0; g < std::min(g0 + GROUPS, blobs[s].G); ++g)
+        group(blobs[s], q, g, o, n, first_col[s] + g * COLS, portable);
+    }
+  });
+  return out;
+}
+
+}  // namespace quant
+
+// A quantized linear's rows as decoder_layers runs them: float32 in, float32 out.
+static torch::Tensor quant_linear_rows(const torch::Tensor& x, const std::vector<torch::Tensor>& segments) {
+  return quant::rows(x.to(torch::kFloat32).contiguous(), segments, false);
+}
+
+torch::Tensor quant_gemm(torch::Tensor x, std::vector<torch::Tensor> segments, bool portable) {
+  pybind11::gil_scoped_release free_python;
+  return quant::rows(x, segments, portable);
+}
+
+bool quant_vnni() { return quant::VNNI; }
+
+// Rows `ids` of a packed weight, dequantized to float32 as ggml does ([len(ids), K]): an embedding's lookup.
+torch::Tensor quant_rows(torch::Tensor blob, torch::Tensor ids) {
+  using namespace quant;
+  const Blob w = parse(blob);
+  const auto id = ids.to(torch::kInt64).contiguous();
+  auto out = torch::empty({id.numel(), w.K}, torch::kFloat32);
+  const int64_t* idp = id.data_ptr<int64_t>();
+  float* o = out.data_ptr<float>();
+  for (int64_t i = 0; i < id.numel(); ++i) {
+    const int64_t n = idp[i];
+    TORCH_CHECK(n >= 0 && n < w.N, "row ", n, " is outside the weight's ", w.N, " rows");
+    const int64_t g = n / COLS, c = n % COLS;
+    for (int64_t j = 0; j < w.J; ++j) {
+      const uint8_t* cp = w.codes + (g * w.J + j) * w.code_bytes;
+      const int64_t dj = (g * (w.J / w.per) + j / w.per) * COLS;
+      const float d = half_to_float(w.d[dj + c]);
+      for (int64_t k = 0; k < BLOCK; ++k) {
+        const int32_t code = code_at(w, cp, c, k / 4, k % 4);
+        float v;
+        if (w.zero >= 0) {
+          const float s = w.sc ? static_cast<float>(reinterpret_cast<const int8_t*>(w.sc)[(g * w.J + j) * 2 * COLS +
+                                                                                         (k / 16) * COLS + c])
+                               : 1.f;
+          v = w.sc ? (d * s) * static_cast<float>(code - w.zero) : d * static_cast<float>(code - w.zero);
+        } else if (w.sc) {  // Q4_K: (d * sc) * c - dmin * mn
+          const float s = w.sc[(g * w.J + j) * COLS + c], t = w.mn[(g * w.J + j) * COLS + c];
+          v = (d * s) * static_cast<float>(code) - half_to_float(w.m[dj + c]) * t;
+        } else {  // Q4_1, Q5_1: d * c + m (m stored negated)
+          v = d * static_cast<float>(code) - half_to_float(w.m[dj + c]);
+        }
+        o[i * w.K + j * BLOCK + k] = v;
+      }
+    }
+  }
+  return out;
+}

@@ -1,0 +1,247 @@
+"""GGUF files loaded as they are, their quantized weights kept quantized (`models.gguf`, `kernels/quant.py`):
+
+- the kernel computes exactly its documented arithmetic (a numpy twin, bitwise), close to the float product, and each
+  row's bits are its own (alone, in a batch, portable loops or AVX512-VNNI);
+- a loaded file computes what transformers computes on the file's dequantized weights (to the rounding of 8-bit
+  activations), for llama (q/k rows permuted as llama.cpp's converter writes them), qwen2 and qwen3;
+- the batch-invariant promise holds on quantized weights: every position bitwise the plain steps' whatever the step,
+  lookahead = plain greedy, a batch = each alone;
+- what is refused is refused by name."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from gguf_files import write_gguf
+from test_batch_invariant import plain_logits, run_schedule
+
+from helpers import fixed
+from lookahead import LookaheadConfig
+from lookahead.kernels import cpu_gemm, quant
+from lookahead.models import Llama
+from lookahead.models.quantized import QuantEmbedding, QuantLinear
+
+VOCAB = 101
+# the types llama.cpp's Q8_0, Q4_0, Q4_1 and Q4_K_M files hold (Q4_K_M: Q4_K, Q6_K, and Q5_0/Q8_0 where a row is
+# no multiple of 256 long)
+MIXED = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q5_0", "ffn_gate": "Q4_K",
+         "ffn_up": "Q5_1", "ffn_down": "Q6_K", "token_embd": "Q6_K", "output": "Q4_0"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels(tmp_path_factory):
+    from lookahead.models.invariant import cpu_kernels_built
+
+    assert cpu_kernels_built(), f"the CPU kernels did not build here: {cpu_gemm._failed}"
+
+
+def random_blocks(type_name: str, n: int, k: int, seed: int) -> np.ndarray:
+    """Random ggml blocks of `type_name` (any bytes are valid weights) with small float16 scales."""
+    rng = np.random.default_rng(seed)
+    layout = quant.LAYOUTS[type_name]
+    raw = rng.integers(0, 256, (n, k // layout.weights, layout.block_bytes), dtype=np.uint8)
+    scales = {"Q6_K": [208], "Q4_K": [0, 2], "Q4_1": [0, 2], "Q5_1": [0, 2]}.get(type_name, [0])
+    for at in scales:
+        d = (rng.standard_normal((n, k // layout.weights)) * 0.01).astype(np.float16)
+        raw[..., at:at + 2] = d.view(np.uint8).reshape(n, -1, 2)
+    return raw.reshape(n, -1)
+
+
+@pytest.mark.parametrize("type_name", quant.TYPES)
+def test_the_kernel_computes_its_definition_bitwise_and_each_row_alone(type_name):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    n, k = 40, 512  # 40 outputs: a partial column group
+    raw = random_blocks(type_name, n, k, seed=len(type_name))
+    fields = quant.decode(raw, type_name, n, k)
+    weight = dequantize(raw, GGMLQuantizationType[type_name]).reshape(n, k)
+    assert np.array_equal(quant.dequantize(fields, type_name), weight)  # the decoder reads ggml's layout
+    blob = quant.pack(fields, type_name)
+    assert torch.equal(quant.rows(blob, torch.tensor([0, 17, 39])), torch.from_numpy(weight[[0, 17, 39]]))
+    x = np.random.default_rng(1).standard_normal((13, k)).astype(np.float32)
+    x[3, :32] = 0  # a block of zeros (d = 0)
+    got = quant.gemm(torch.from_numpy(x), [blob])
+    assert torch.equal(got, torch.from_numpy(quant.reference_gemm(x, fields, type_name)))
+    assert torch.equal(quant.gemm(torch.from_numpy(x), [blob], portable=True), got)
+    for i in (0, 3, 7, 12):
+        assert torch.equal(quant.gemm(torch.from_numpy(x[i:i + 1]), [blob]), got[i:i + 1])
+    exact = torch.from_numpy(x @ weight.T)
+    assert (got - exact).abs().max() < 0.02 * exact.abs().max()  # 8-bit activations: about 1% of the scale
+
+
+def test_weights_side_by_side_give_each_ones_bits():
+    blobs = [quant.pack_ggml(random_blocks(t, n, 256, seed=n), t, n, 256)
+             for t, n in (("Q4_K", 48), ("Q6_K", 16), ("Q8_0", 33))]
+    x = torch.randn(5, 256)
+    together = quant.gemm(x, blobs)
+    assert torch.equal(together, torch.cat([quant.gemm(x, [b]) for b in blobs], dim=1))
+    with pytest.raises(RuntimeError, match="K"):
+        quant.gemm(torch.randn(2, 128), blobs)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """Factory: (path, transformers reference) of a tiny GGUF of `family` with `types`, written once."""
+    made = {}
+
+    def make(types="Q8_0", family="llama", tied=False):
+        key = (repr(types), family, tied)
+        if key not in made:
+            path = tmp_path_factory.mktemp("gguf") / f"tiny-{family}.gguf"
+            made[key] = path, write_gguf(path, types, family, tied=tied)
+        return made[key]
+
+    return make
+
+
+def logits_of(model, ids) -> torch.Tensor:
+    return model(torch.tensor([ids])).float()[0]
+
+
+def error(model, reference, ids) -> float:
+    """How far the model's logits are from transformers' on the file's dequantized weights, relative to their size:
+    about 1% from the 8-bit activations, order 1 for a weight read wrongly."""
+    with torch.no_grad():
+        want = reference(torch.tensor([ids])).logits.float()[0]
+    return float(torch.linalg.norm(logits_of(model, ids) - want) / torch.linalg.norm(want))
+
+
+@pytest.mark.parametrize("types", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K", "mixed"])
+def test_a_gguf_file_computes_what_transformers_computes_on_its_weights(files, types):
+    path, reference = files(MIXED if types == "mixed" else types)
+    model = Llama.from_pretrained(path)
+    assert isinstance(model.model.layers[0].self_attn.q_proj, QuantLinear)
+    assert isinstance(model.model.embed_tokens, QuantEmbedding)
+    assert error(model, reference, list(range(3, 60, 3))) < 0.03
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_qwen_files_with_biases_and_qk_norms(files, family):
+    path, reference = files("Q8_0", family)
+    model = Llama.from_pretrained(path)
+    assert model.config.model_type == family
+    assert error(model, reference, list(range(5, 70, 4))) < 0.03
+
+
+def test_tied_embeddings_share_one_quantized_weight(files):
+    path, reference = files("Q8_0", tied=True)
+    model = Llama.from_pretrained(path)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert error(model, reference, [7, 8, 9, 50, 60]) < 0.03
+
+
+def test_without_the_unpermute_the_llama_file_would_be_wrong(files, monkeypatch):
+    """The check above can fail: llama.cpp's q/k row order read as HF's gives other logits."""
+    from lookahead.models import gguf
+
+    path, reference = files("Q8_0")
+    monkeypatch.setattr(gguf, "_unpermute", lambda rows, heads: rows)
+    assert error(Llama.from_pretrained(path), reference, list(range(3, 60, 3))) > 0.3
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_every_position_on_quantized_weights_is_bitwise_the_plain_steps(files, seed):
+    """The batch-invariant contract on a Q4_K_M-like file: random schedules (chunked prompts, trees, rows beside)
+    give every position the bits of one-token steps."""
+    model = Llama.from_pretrained(files(MIXED)[0])
+    rng = random.Random(seed)
+    sequence = [rng.randrange(VOCAB) for _ in range(rng.randint(40, 80))]
+    reference = plain_logits(model, sequence)
+    assert run_schedule(model, sequence, seed, others=seed % 3, reference=reference,
+                        chunk_prefix=[0, 20, 37][seed]) >= len(sequence) // 2
+
+
+@pytest.mark.parametrize("types", ["Q8_0", "mixed"])
+def test_lookahead_and_batches_on_quantized_weights_give_plain_greedy(files, types):
+    model = Llama.from_pretrained(files(MIXED if types == "mixed" else types)[0])
+    rng = random.Random(4)
+    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(3, 30))] for _ in range(3)]
+    plain = [model.generate(p, max_new_tokens=40, eos_token_id=[]).tokens for p in prompts]
+    for config in (fixed(1, 4, 5), fixed(10, 5, 20), LookaheadConfig()):
+        for prompt, want in zip(prompts, plain, strict=True):
+            assert model.generate(prompt, max_new_tokens=40, eos_token_id=[], lookahead=config).tokens == want
+    batch = model.generate(prompts, max_new_tokens=40, eos_token_id=[], lookahead=fixed(2, 3, 4))
+    assert [r.tokens for r in batch] == plain
+
+
+def test_the_layers_in_one_call_run_quantized_weights(files, monkeypatch):
+    """A step's layers run in one call of the CPU kernels with quantized weights too, bitwise the layers one by one."""
+    from lookahead.models.invariant import InvariantLinears
+
+    model = Llama.from_pretrained(files(MIXED)[0])
+    calls, real = [], cpu_gemm.decoder_layers
+    monkeypatch.setattr(cpu_gemm, "decoder_layers", lambda *args: calls.append(1) or real(*args))
+    ids = list(range(10, 40))
+    whole = model.generate(ids, max_new_tokens=12, eos_token_id=[], lookahead=fixed(3, 3, 3))
+    assert calls
+    monkeypatch.setattr(InvariantLinears, "whole_layers", False)
+    model.release()
+    one_by_one = plain_logits(model, ids + whole.tokens[:4])
+    monkeypatch.setattr(InvariantLinears, "whole_layers", True)
+    model.release()
+    assert all(torch.equal(a, b) for a, b in zip(plain_logits(model, ids + whole.tokens[:4]), one_by_one,
+                                                  strict=True))
+
+
+def test_quantized_weights_stay_the_files_size(files):
+    """Packed, a file's quantized weights take about the file's bytes (a Q4_K sub-block's 6-bit scale takes a byte);
+    no float copy of them is kept."""
+    from gguf import GGUFReader
+
+    path, _ = files(MIXED)
+    model = Llama.from_pretrained(path)
+    file_bytes = sum(t.n_bytes for t in GGUFReader(str(path)).tensors if t.tensor_type.name in quant.LAYOUTS)
+    packed = sum(m.weight.numel() for m in model.modules() if isinstance(m, QuantLinear | QuantEmbedding))
+    assert packed < 1.15 * file_bytes  # tiny tensors: headers and padding weigh more here than in a real file
+    assert not [n for n, p in model.named_parameters() if p.dtype.is_floating_point and p.ndim == 2]
+
+
+def test_unsupported_types_and_architectures_are_refused_by_name(tmp_path, files):
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+
+    path, _ = files("Q8_0")
+    reader = GGUFReader(str(path))
+    writer = GGUFWriter(str(tmp_path / "q2k.gguf"), "llama")
+    for name, field in reader.fields.items():
+        if name.startswith("llama.") or name == "tokenizer.ggml.eos_token_id":
+            writer.add_key_value(name, field.contents(), field.types[0])
+    for t in reader.tensors:
+        if t.name == "blk.0.ffn_up.weight":
+            n = int(t.shape[1])
+            writer.add_tensor(t.name, np.zeros((n, 512 // 256 * 84), np.uint8), raw_dtype=GGMLQuantizationType.Q2_K)
+        else:
+            writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    with pytest.raises(ValueError, match=r"blk\.0\.ffn_up\.weight is Q2_K"):
+        Llama.from_pretrained(tmp_path / "q2k.gguf")
+    other = GGUFWriter(str(tmp_path / "gemma.gguf"), "gemma")
+    other.add_block_count(1)
+    other.write_header_to_file(), other.write_kv_data_to_file(), other.write_tensors_to_file(), other.close()
+    with pytest.raises(ValueError, match="'gemma' model"):
+        Llama.from_pretrained(tmp_path / "gemma.gguf")
+    (tmp_path / "two").mkdir()
+    for name in ("a.gguf", "b.gguf"):
+        (tmp_path / "two" / name).write_bytes(b"")
+    with pytest.raises(ValueError, match="2 GGUF files"):
+        Llama.from_pretrained(tmp_path / "two")
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
+    with pytest.raises(ValueError, match="cannot read"):
+        Llama.from_pretrained(tmp_path / "junk.gguf")
+
+
+def test_without_the_cpu_kernels_quantized_weights_are_dequantized_with_a_warning(files, monkeypatch):
+    from lookahead.models import invariant
+
+    path, reference = files("Q4_1")
+    monkeypatch.setattr(invariant, "cpu_kernels_built", lambda: False)
+    with pytest.warns(UserWarning, match="dequantized"):
+        model = Llama.from_pretrained(path)
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())
+    ids = [4, 5, 6, 7]
+    with torch.no_grad():
+        want = reference(torch.tensor([ids])).logits.float()[0]
+    torch.testing.assert_close(logits_of(model, ids), want, rtol=1e-4, atol=1e-4)
