@@ -34,7 +34,8 @@ import torch
 COLUMNS = 64  # columns per block: four AVX-512 vectors of float32 per row
 CSRC = Path(__file__).parent / "csrc"
 SOURCE_FILES = ("cpu_kernels.cpp", "quant_gemm.cpp")  # one translation unit, in this order (the second uses the first)
-FUNCTIONS = ["rows_gemm", "chain_attention", "bf16_pairs", "decoder_layers", "quant_gemm", "quant_vnni", "quant_rows"]
+FUNCTIONS = ["rows_gemm", "chain_attention", "bf16_pairs", "decoder_layers", "norm_rows", "quant_gemm", "quant_vnni",
+             "quant_rows"]
 
 
 def _source() -> str:
@@ -119,6 +120,13 @@ def attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, slots: 
     out = _module.chain_attention(q32, k_all.contiguous(), v_all.contiguous(), slots.to(torch.int64).contiguous(),
                                   counts.to(torch.int64).contiguous())
     return out.to(q.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The batch-invariant mode's RMSNorm of x [..., H] (any float dtype; weight [H]): per row, the squares summed in
+    float32 in 16 lanes, then x / rms rounded to x's dtype, times the weight; each row's bits its own, in one call
+    (`decoder_layers` runs the same). Call `available` first."""
+    return _module.norm_rows(x, weight, eps)
 
 
 def decoder_layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weights: list[list[torch.Tensor]],

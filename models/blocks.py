@@ -30,6 +30,12 @@ def _side_by_side(linear: Linear, modules: tuple[nn.Linear, ...], x: torch.Tenso
     return many(modules, x) if many is not None else [linear(m, x) for m in modules]
 
 
+def _norm(linear: Linear, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The norm as the hook runs it, where it has one (the batch-invariant mode's `norm`); else the module's own."""
+    norm = getattr(linear, "norm", None)
+    return norm(module, x) if norm is not None else module(x)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -65,7 +71,7 @@ class Attention(MergedLinears):
         k = k.view(b, t, self.kv_heads, self.head_dim)
         v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = _norm(linear, self.q_norm, q), _norm(linear, self.k_norm, k)
         q, k = apply_rotary_qk(q, k, cos, sin)
         # [B, Hq, T, D]; the kernel's is a view of [B, T, Hq, D], so the reshape below copies nothing
         out = attend(layer, q.transpose(1, 2), k.transpose(1, 2), v)
@@ -111,8 +117,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, layer: int, attend: Attend, linear: Linear = _call) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, attend, linear)
-        return x + self.mlp(self.post_attention_layernorm(x), linear)
+        x = x + self.self_attn(_norm(linear, self.input_layernorm, x), cos, sin, layer, attend, linear)
+        return x + self.mlp(_norm(linear, self.post_attention_layernorm, x), linear)
 
     def merged_forward(self, x: torch.Tensor, residual: torch.Tensor | None, ops: TritonOps | TorchOps, layer: int,
                        attend: Attend) -> tuple[torch.Tensor, torch.Tensor]:

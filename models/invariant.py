@@ -59,6 +59,13 @@ class InvariantLinears:
         return [(out if m.bias is None else out + m.bias.float()).to(x.dtype).reshape(*shape[:-1], out.shape[-1])
                 for m, out in zip(modules, outs, strict=True)]
 
+    def norm(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The module's RMSNorm as the mode runs it: with the CPU kernels, `cpu_gemm.rms_norm` (what
+        `decoder_layers` runs, so the layers one by one give its bits); elsewhere the module's own."""
+        if x.device.type == "cpu" and self.cpu_gemm():
+            return cpu_gemm.rms_norm(x, module.weight, module.eps)
+        return module(x)
+
     @staticmethod
     def _quantized(modules: tuple[nn.Module, ...], x: torch.Tensor) -> list[torch.Tensor]:
         """Quantized linears (`models.quantized`) side by side in one call of `quant.gemm`, where all are; else each

@@ -282,7 +282,7 @@ class Llama(nn.Module):
         else:
             for i, layer in enumerate(self.model.layers):
                 x = layer(x, cos, sin, i, attend, linear)
-        return linear(self.lm_head, self.model.norm(_take_rows(x, rows)))
+        return linear(self.lm_head, linear.norm(self.model.norm, _take_rows(x, rows)))
 
     def _merged_forward(self, x: torch.Tensor, positions: torch.Tensor, attend: Attend,
                         rows: torch.Tensor | None) -> torch.Tensor:

@@ -528,9 +528,119 @@ static torch::Tensor linear_rows(const torch::Tensor& x, const std::vector<torch
   return gemm_rows(x.to(packed.dim() == 4 ? torch::kBFloat16 : torch::kFloat32).contiguous(), packed, n);
 }
 
-// RMSNorm as models.blocks.RMSNorm computes it: normalised in float32, rounded to the model's dtype, times the weight.
+// The mode's RMSNorm (models.invariant.InvariantLinears.norm runs it for the layers run from Python): per row, the
+// squares summed in float32 in 16 lanes (lane l takes k = l, l + 16, ... in order), the lanes added in order, then
+// x * (1 / sqrt(sum / H + eps)) rounded to the dtype, times the weight (a product rounded to the dtype). A row's bits
+// are its own. One loop over the row where ATen's rms_norm runs a dozen ops of ~5 us each.
+template <typename T>
+static void norm_rows_of(const T* x, const T* w, T* out, int64_t rows, int64_t H, float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * H;
+    float lanes[16] = {};
+    int64_t k0 = 0;
+    for (; k0 + 16 <= H; k0 += 16)
+      for (int l = 0; l < 16; ++l) {
+        const float v = static_cast<float>(xr[k0 + l]);
+        lanes[l] = lanes[l] + v * v;
+      }
+    for (int64_t k = k0; k < H; ++k) {
+      const float v = static_cast<float>(xr[k]);
+      lanes[k - k0] = lanes[k - k0] + v * v;
+    }
+    float total = 0.f;
+    for (int l = 0; l < 16; ++l) total = total + lanes[l];
+    const float inv = 1.f / std::sqrt(total / static_cast<float>(H) + eps);
+    T* o = out + r * H;
+    for (int64_t k = 0; k < H; ++k)
+      o[k] = static_cast<T>(static_cast<float>(w[k]) * static_cast<float>(static_cast<T>(static_cast<float>(xr[k]) * inv)));
+  }
+}
+
 static torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
-  return weight * at::rms_norm(x.to(torch::kFloat32), {x.size(-1)}, c10::nullopt, eps).to(x.scalar_type());
+  const auto xc = x.contiguous();
+  const auto wc = weight.to(x.scalar_type()).contiguous();
+  auto out = torch::empty_like(xc);
+  const int64_t H = x.size(-1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "norm_rows", [&] {
+    norm_rows_of<scalar_t>(xc.data_ptr<scalar_t>(), wc.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), xc.numel() / H,
+                           H, static_cast<float>(eps));
+  });
+  return out;
+}
+
+torch::Tensor norm_rows(torch::Tensor x, torch::Tensor weight, double eps) {
+  pybind11::gil_scoped_release free_python;
+  return rms_norm(x, weight, eps);
+}
+
+// RoPE on q [T, Hq, D] and k [T, Hkv, D] (contiguous) by cos, sin [T, D], as models.rope.apply_rotary computes it
+// (x * cos + rotate_half(x) * sin, each product and the sum rounded to the dtype, never fused): the same bits, in
+// one loop instead of eight ops.
+template <typename T>
+static void rope_rows(const T* x, const T* cos, const T* sin, T* out, int64_t tokens, int64_t heads, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t h = 0; h < heads; ++h) {
+      const T* xh = x + (t * heads + h) * D;
+      T* oh = out + (t * heads + h) * D;
+      for (int64_t d = 0; d < D; ++d) {
+        const T rot = d < half ? static_cast<T>(-static_cast<float>(xh[d + half])) : xh[d - half];
+        const T a = static_cast<T>(static_cast<float>(xh[d]) * static_cast<float>(cos[t * D + d]));
+        const T b = static_cast<T>(static_cast<float>(rot) * static_cast<float>(sin[t * D + d]));
+        oh[d] = static_cast<T>(static_cast<float>(a) + static_cast<float>(b));
+      }
+    }
+}
+
+static torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  const auto xc = x.contiguous(), cc = cos.contiguous(), sc = sin.contiguous();
+  auto out = torch::empty_like(xc);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "rope_rows", [&] {
+    rope_rows<scalar_t>(xc.data_ptr<scalar_t>(), cc.data_ptr<scalar_t>(), sc.data_ptr<scalar_t>(),
+                        out.data_ptr<scalar_t>(), x.size(-3), x.size(-2), x.size(-1));
+  });
+  return out;
+}
+
+// One layer's attention as models.blocks' forward and the pool's key lists compute it, the copies done by loops (no
+// arithmetic in them, so the same bits as index_copy_ and index_select): each token's k and v ([1, T, Hkv, D] after
+// RoPE, and [T, Hkv * D]) written at its write slot of the layer's caches [Hkv, S, D]; the queries' rows [R] scaled
+// in float32 (q * float(scale)), attended by attention_rows, rounded to the dtype; the output [T, Hq * D] holds each
+// query's row and zeros for the padding tokens.
+static torch::Tensor attention_block(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                     torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor& write_slots,
+                                     const torch::Tensor& queries, const torch::Tensor& key_slots,
+                                     const torch::Tensor& counts, double scale) {
+  const int64_t T = q.size(1), Hq = q.size(2), D = q.size(3), Hkv = k.size(2), S = k_cache.size(1);
+  const int64_t R = queries.size(0);
+  const int64_t* slot = write_slots.data_ptr<int64_t>();
+  const int64_t* query = queries.data_ptr<int64_t>();
+  auto scaled = torch::empty({R, Hq, D}, q.options().dtype(torch::kFloat32));
+  auto out = torch::zeros({T, Hq * D}, q.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "attention_block", [&] {
+    using T_ = scalar_t;
+    const T_* kp = k.data_ptr<T_>();
+    const T_* vp = v.data_ptr<T_>();
+    T_* kc = k_cache.data_ptr<T_>();
+    T_* vc = v_cache.data_ptr<T_>();
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < Hkv; ++h) {
+        TORCH_CHECK(slot[t] >= 0 && slot[t] < S, "write slot ", slot[t], " is outside the cache's ", S);
+        std::memcpy(kc + (h * S + slot[t]) * D, kp + (t * Hkv + h) * D, sizeof(T_) * D);
+        std::memcpy(vc + (h * S + slot[t]) * D, vp + (t * Hkv + h) * D, sizeof(T_) * D);
+      }
+    const T_* qp = q.data_ptr<T_>();
+    float* sp = scaled.data_ptr<float>();
+    const float factor = static_cast<float>(scale);
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t i = 0; i < Hq * D; ++i) sp[r * Hq * D + i] = static_cast<float>(qp[query[r] * Hq * D + i]) * factor;
+    const auto got = attention_rows(scaled, k_cache, v_cache, key_slots, counts);
+    const float* gp = got.data_ptr<float>();
+    T_* op = out.data_ptr<T_>();
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t i = 0; i < Hq * D; ++i) op[query[r] * Hq * D + i] = static_cast<T_>(gp[r * Hq * D + i]);
+  });
+  return out;
 }
 
 // The decoder layers of a LLaMA model (no biases, no q/k norms) over a packed step in the batch-invariant mode, with
@@ -549,7 +659,7 @@ torch::Tensor decoder_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor s
                              int64_t kv_heads, int64_t intermediate, double eps) {
   pybind11::gil_scoped_release free_python;
   const auto dtype = x.scalar_type();
-  const int64_t T = x.size(1), H = x.size(2), D = cos.size(-1), half = D / 2;
+  const int64_t T = x.size(1), H = x.size(2), D = cos.size(-1);
   const double scale = std::pow(static_cast<double>(D), -0.5);
   for (size_t layer = 0; layer * 6 < weights.size(); ++layer) {
     const std::vector<torch::Tensor>* w = &weights[layer * 6];
@@ -558,18 +668,11 @@ torch::Tensor decoder_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor s
                    .split({heads * D, kv_heads * D, kv_heads * D}, 1);
     auto q = qkv[0].to(dtype).reshape({1, T, heads * D}).view({1, T, heads, D});
     auto k = qkv[1].to(dtype).reshape({1, T, kv_heads * D}).view({1, T, kv_heads, D});
-    auto v = qkv[2].to(dtype).reshape({1, T, kv_heads * D}).view({1, T, kv_heads, D}).transpose(1, 2);
-    auto both = at::cat({q, k}, 2);
-    auto rotated = at::cat({-both.slice(-1, half), both.slice(-1, 0, half)}, -1);
-    auto qk = (both * cos + rotated * sin).split({heads, kv_heads}, 2);
-    auto qt = qk[0].transpose(1, 2), kt = qk[1].transpose(1, 2);  // [1, H, T, D]
-    k_cache[layer].index_copy_(1, write_slots, kt[0]);
-    v_cache[layer].index_copy_(1, write_slots, v[0]);
-    auto attended = at::zeros_like(qt);
-    auto scaled = (qt[0].index_select(1, queries).transpose(0, 1).to(torch::kFloat32) * scale).contiguous();
-    auto got = attention_rows(scaled, k_cache[layer], v_cache[layer], key_slots, counts).to(dtype);
-    attended[0].index_copy_(1, queries, got.transpose(0, 1));
-    auto o = linear_rows(attended.transpose(1, 2).reshape({1, T, heads * D}).reshape({-1, heads * D}), w[2], H);
+    auto v = qkv[2].to(dtype).contiguous();  // [T, Hkv * D]
+    const auto qr = rope(q, cos, sin), kr = rope(k, cos, sin);  // [1, T, H, D]
+    auto attended = attention_block(qr, kr, v, k_cache[layer], v_cache[layer], write_slots, queries, key_slots, counts,
+                                     scale);
+    auto o = linear_rows(attended, w[2], H);
     x = x + o.to(dtype).reshape({1, T, H});
     // MLP: gate and up from one GEMM, each rounded to the dtype
     auto gate_up = linear_rows(rms_norm(x, w[3][0], eps).reshape({-1, H}), w[4], 2 * intermediate)
