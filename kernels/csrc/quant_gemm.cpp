@@ -33,7 +33,7 @@ namespace quant {
 constexpr int64_t MAGIC = 0x4C4B485131;  // "1QHKL": a blob of lookahead.kernels.quant
 constexpr int64_t COLS = 16;            // outputs per column group (a vector of int32 lanes)
 constexpr int64_t BLOCK = 32;           // inputs per activation block
-constexpr int MAX_ROWS = 8;             // rows sharing one unpacking of a block's codes
+constexpr int MAX_ROWS = 4;             // rows sharing one unpacking of a block's codes
 constexpr int64_t GROUPS = 4;           // column groups a thread takes at a time (a claim costs a shared counter)
 
 // ggml's type ids
@@ -153,133 +153,158 @@ static void tile_scalar(const Blob& w, const Rows& x, int64_t m0, int64_t rows, 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 constexpr bool VNNI = true;
 
-// The same arithmetic with AVX512-VNNI: a block's 8 quads of codes are unpacked once into 8 vectors (16 columns x 4
-// inputs each) and shared by up to MAX_ROWS rows; each row's integer sums by vpdpbusd (u8 codes x s8 inputs), then
-// its float steps on 16 columns at once.
-template <int64_t TYPE, int ROWS>
-static void tile_vnni(const Blob& w, const Rows& x, int64_t m0, int64_t g, float* out, int64_t ldo, int64_t col0) {
+// The same arithmetic with AVX512-VNNI, for NC column groups side by side (32 outputs) and up to MAX_ROWS rows: quad
+// by quad, each group's 16 x 4 codes are unpacked once and each row's 4 inputs broadcast once, for NC vpdpbusd (u8
+// codes x s8 inputs); the rows' and groups' integer chains are independent, so they overlap in the pipeline. Then
+// each row's float steps on 16 outputs at once.
+template <int64_t TYPE, int ROWS, int NC>
+static void tile_vnni(const Blob& w, const Rows& x, int64_t m0, int64_t g0, float* out, int64_t ldo, int64_t col0) {
   constexpr bool zero_point = TYPE == Q8_0 || TYPE == Q4_0 || TYPE == Q5_0 || TYPE == Q6_K;
-  constexpr int64_t hb = TYPE == Q8_0 ? 4 : TYPE == Q6_K ? 2 : (TYPE == Q5_0 || TYPE == Q5_1) ? 1 : 0;
+  constexpr int hb = TYPE == Q8_0 ? 4 : TYPE == Q6_K ? 2 : (TYPE == Q5_0 || TYPE == Q5_1) ? 1 : 0;
   constexpr int32_t z = TYPE == Q8_0 ? 128 : TYPE == Q4_0 ? 8 : TYPE == Q5_0 ? 16 : TYPE == Q6_K ? 32 : 0;
   constexpr int64_t per = (TYPE == Q4_K || TYPE == Q6_K) ? 8 : 1;
   const __m512i low = _mm512_set1_epi8(15), high = _mm512_set1_epi8((1 << hb) - 1);
-  __m512 acc[ROWS];
-  for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 acc[ROWS][NC];
+#pragma GCC unroll 8
+  for (int r = 0; r < ROWS; ++r)
+#pragma GCC unroll 2
+    for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t j = 0; j < w.J; ++j) {
-    const uint8_t* cp = w.codes + (g * w.J + j) * w.code_bytes;
-    __m512i code[8];
-#pragma GCC unroll 4
-    for (int t = 0; t < 4; ++t) {
-      const __m512i lo = _mm512_loadu_si512(cp + 64 * t);
-      code[t] = _mm512_and_si512(lo, low);
-      code[t + 4] = _mm512_and_si512(_mm512_srli_epi16(lo, 4), low);
-    }
-    if constexpr (hb > 0) {
-#pragma GCC unroll 8
-      for (int t = 0; t < 8; ++t) {
-        const __m512i hi = _mm512_loadu_si512(cp + 256 + 64 * ((hb * t) / 8));
-        const __m512i bits = _mm512_and_si512(_mm512_srli_epi16(hi, (hb * t) % 8), high);
-        code[t] = _mm512_or_si512(code[t], _mm512_slli_epi16(bits, 4));
-      }
-    }
-    const int64_t dj = (g * (w.J / per) + j / per) * COLS;
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.d + dj)));
-    __m512 mv = _mm512_setzero_ps();
-    __m512i sc0 = _mm512_setzero_si512(), sc1 = sc0, mn = sc0;
-    if constexpr (!zero_point)
-      mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.m + dj)));
-    if constexpr (TYPE == Q6_K) {
-      const auto* sc = reinterpret_cast<const int8_t*>(w.sc) + (g * w.J + j) * 2 * COLS;
-      sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
-      sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + COLS)));
-    }
-    if constexpr (TYPE == Q4_K) {
-      sc0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.sc + (g * w.J + j) * COLS)));
-      mn = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.mn + (g * w.J + j) * COLS)));
-    }
-    // every row's integer sums, quad by quad: the rows' chains are independent, so they overlap in the pipeline
-    __m512i dot0[ROWS], dot1[ROWS];
-#pragma GCC unroll 8
-    for (int r = 0; r < ROWS; ++r) dot0[r] = dot1[r] = _mm512_setzero_si512();
+    const uint8_t* cp[NC];
+    for (int c = 0; c < NC; ++c) cp[c] = w.codes + ((g0 + c) * w.J + j) * w.code_bytes;
     const int8_t* xq = x.q.data() + m0 * x.K + j * BLOCK;
+    __m512i dot[ROWS][NC], first[ROWS][NC];  // first: Q6_K's first half, finished at the fourth quad
 #pragma GCC unroll 8
-    for (int t = 0; t < 8; ++t)
+    for (int r = 0; r < ROWS; ++r)
+#pragma GCC unroll 2
+      for (int c = 0; c < NC; ++c) dot[r][c] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t) {
+      __m512i code[NC];
+#pragma GCC unroll 2
+      for (int c = 0; c < NC; ++c) {
+        const __m512i lo = _mm512_loadu_si512(cp[c] + 64 * (t % 4));
+        code[c] = t < 4 ? _mm512_and_si512(lo, low) : _mm512_and_si512(_mm512_srli_epi16(lo, 4), low);
+        if constexpr (hb > 0) {
+          const __m512i hi = _mm512_loadu_si512(cp[c] + 256 + 64 * ((hb * t) / 8));
+          const __m512i bits = _mm512_and_si512(_mm512_srli_epi16(hi, (hb * t) % 8), high);
+          code[c] = _mm512_or_si512(code[c], _mm512_slli_epi16(bits, 4));
+        }
+      }
 #pragma GCC unroll 8
       for (int r = 0; r < ROWS; ++r) {
-        int32_t quad;
-        std::memcpy(&quad, xq + r * x.K + 4 * t, 4);
-        __m512i& dot = t < 4 ? dot0[r] : dot1[r];
-        dot = _mm512_dpbusd_epi32(dot, code[t], _mm512_set1_epi32(quad));
+        // four inputs broadcast straight from memory (a load, no shuffle port)
+        const __m512i b = _mm512_broadcastd_epi32(_mm_loadu_si32(xq + r * x.K + 4 * t));
+#pragma GCC unroll 2
+        for (int c = 0; c < NC; ++c) dot[r][c] = _mm512_dpbusd_epi32(dot[r][c], code[c], b);
+      }
+      if constexpr (TYPE == Q6_K) {
+        if (t == 3) {
+#pragma GCC unroll 8
+          for (int r = 0; r < ROWS; ++r)
+#pragma GCC unroll 2
+            for (int c = 0; c < NC; ++c) {
+              first[r][c] = dot[r][c];
+              dot[r][c] = _mm512_setzero_si512();
+            }
+        }
+      }
+    }
+#pragma GCC unroll 2
+    for (int c = 0; c < NC; ++c) {
+      const int64_t g = g0 + c, dj = (g * (w.J / per) + j / per) * COLS;
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.d + dj)));
+      __m512 mv = _mm512_setzero_ps();
+      __m512i sc0 = _mm512_setzero_si512(), sc1 = sc0, mn = sc0;
+      if constexpr (!zero_point)
+        mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.m + dj)));
+      if constexpr (TYPE == Q6_K) {
+        const auto* sc = reinterpret_cast<const int8_t*>(w.sc) + (g * w.J + j) * 2 * COLS;
+        sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
+        sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + COLS)));
+      }
+      if constexpr (TYPE == Q4_K) {
+        sc0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.sc + (g * w.J + j) * COLS)));
+        mn = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.mn + (g * w.J + j) * COLS)));
       }
 #pragma GCC unroll 8
-    for (int r = 0; r < ROWS; ++r) {
-      const int64_t m = m0 + r;
-      const __m512 dx = _mm512_set1_ps(x.dx[m * x.J + j]);
-      const int32_t s0 = x.sums[2 * (m * x.J + j)], s1 = x.sums[2 * (m * x.J + j) + 1];
-      __m512i i;
-      if constexpr (TYPE == Q6_K) {
-        i = _mm512_add_epi32(_mm512_mullo_epi32(sc0, _mm512_sub_epi32(dot0[r], _mm512_set1_epi32(z * s0))),
-                             _mm512_mullo_epi32(sc1, _mm512_sub_epi32(dot1[r], _mm512_set1_epi32(z * s1))));
-      } else if constexpr (zero_point) {
-        i = _mm512_sub_epi32(_mm512_add_epi32(dot0[r], dot1[r]), _mm512_set1_epi32(z * (s0 + s1)));
-      } else if constexpr (TYPE == Q4_K) {
-        i = _mm512_mullo_epi32(sc0, _mm512_add_epi32(dot0[r], dot1[r]));
-      } else {
-        i = _mm512_add_epi32(dot0[r], dot1[r]);
-      }
-      acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(i)));
-      if constexpr (!zero_point) {
-        const __m512i sums = _mm512_set1_epi32(s0 + s1);
-        const __m512i ts = TYPE == Q4_K ? _mm512_mullo_epi32(mn, sums) : sums;
-        acc[r] = _mm512_sub_ps(acc[r], _mm512_mul_ps(_mm512_mul_ps(mv, dx), _mm512_cvtepi32_ps(ts)));
+      for (int r = 0; r < ROWS; ++r) {
+        const int64_t m = m0 + r;
+        const __m512 dx = _mm512_set1_ps(x.dx[m * x.J + j]);
+        const int32_t s0 = x.sums[2 * (m * x.J + j)], s1 = x.sums[2 * (m * x.J + j) + 1];
+        __m512i i;
+        if constexpr (TYPE == Q6_K) {
+          i = _mm512_add_epi32(_mm512_mullo_epi32(sc0, _mm512_sub_epi32(first[r][c], _mm512_set1_epi32(z * s0))),
+                               _mm512_mullo_epi32(sc1, _mm512_sub_epi32(dot[r][c], _mm512_set1_epi32(z * s1))));
+        } else if constexpr (zero_point) {
+          i = _mm512_sub_epi32(dot[r][c], _mm512_set1_epi32(z * (s0 + s1)));
+        } else if constexpr (TYPE == Q4_K) {
+          i = _mm512_mullo_epi32(sc0, dot[r][c]);
+        } else {
+          i = dot[r][c];
+        }
+        acc[r][c] = _mm512_add_ps(acc[r][c], _mm512_mul_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(i)));
+        if constexpr (!zero_point) {
+          const __m512i sums = _mm512_set1_epi32(s0 + s1);
+          const __m512i ts = TYPE == Q4_K ? _mm512_mullo_epi32(mn, sums) : sums;
+          acc[r][c] = _mm512_sub_ps(acc[r][c], _mm512_mul_ps(_mm512_mul_ps(mv, dx), _mm512_cvtepi32_ps(ts)));
+        }
       }
     }
   }
-  const int64_t cols = std::min<int64_t>(COLS, w.N - g * COLS);
-  for (int r = 0; r < ROWS; ++r) {
-    float row[COLS];
-    _mm512_storeu_ps(row, acc[r]);
-    std::memcpy(out + (m0 + r) * ldo + col0, row, sizeof(float) * cols);
+  for (int c = 0; c < NC; ++c) {
+    const int64_t cols = std::min<int64_t>(COLS, w.N - (g0 + c) * COLS);
+    for (int r = 0; r < ROWS; ++r) {
+      float row[COLS];
+      _mm512_storeu_ps(row, acc[r][c]);
+      std::memcpy(out + (m0 + r) * ldo + col0 + c * COLS, row, sizeof(float) * cols);
+    }
+  }
+}
+
+// Column groups [g0, g0 + groups) of every row: two groups at a time (one where a single one is left), MAX_ROWS rows.
+template <int64_t TYPE, int NC>
+static void rows_of(const Blob& w, const Rows& x, int64_t g0, float* out, int64_t ldo, int64_t col0) {
+  for (int64_t m0 = 0; m0 < x.M; m0 += MAX_ROWS) {
+    switch (std::min<int64_t>(MAX_ROWS, x.M - m0)) {
+      case 4: tile_vnni<TYPE, 4, NC>(w, x, m0, g0, out, ldo, col0); break;
+      case 3: tile_vnni<TYPE, 3, NC>(w, x, m0, g0, out, ldo, col0); break;
+      case 2: tile_vnni<TYPE, 2, NC>(w, x, m0, g0, out, ldo, col0); break;
+      default: tile_vnni<TYPE, 1, NC>(w, x, m0, g0, out, ldo, col0); break;
+    }
   }
 }
 
 template <int64_t TYPE>
-static void tiles_of(const Blob& w, const Rows& x, int64_t g, float* out, int64_t ldo, int64_t col0) {
-  for (int64_t m0 = 0; m0 < x.M; m0 += MAX_ROWS) {
-    switch (std::min<int64_t>(MAX_ROWS, x.M - m0)) {
-      case 8: tile_vnni<TYPE, 8>(w, x, m0, g, out, ldo, col0); break;
-      case 7: tile_vnni<TYPE, 7>(w, x, m0, g, out, ldo, col0); break;
-      case 6: tile_vnni<TYPE, 6>(w, x, m0, g, out, ldo, col0); break;
-      case 5: tile_vnni<TYPE, 5>(w, x, m0, g, out, ldo, col0); break;
-      case 4: tile_vnni<TYPE, 4>(w, x, m0, g, out, ldo, col0); break;
-      case 3: tile_vnni<TYPE, 3>(w, x, m0, g, out, ldo, col0); break;
-      case 2: tile_vnni<TYPE, 2>(w, x, m0, g, out, ldo, col0); break;
-      default: tile_vnni<TYPE, 1>(w, x, m0, g, out, ldo, col0); break;
-    }
-  }
+static void tiles_of(const Blob& w, const Rows& x, int64_t g0, int64_t groups, float* out, int64_t ldo, int64_t col0) {
+  int64_t g = g0;
+  for (; g + 2 <= g0 + groups; g += 2) rows_of<TYPE, 2>(w, x, g, out, ldo, col0 + (g - g0) * COLS);
+  if (g < g0 + groups) rows_of<TYPE, 1>(w, x, g, out, ldo, col0 + (g - g0) * COLS);
 }
 #else
 constexpr bool VNNI = false;
 #endif
 
-// One column group of every row, by the build's fastest path (or the portable one where asked: the tests compare).
-static void group(const Blob& w, const Rows& x, int64_t g, float* out, int64_t ldo, int64_t col0, bool portable) {
+// Column groups [g0, g0 + groups) of every row, by the build's fastest path (or the portable one where asked: the
+// tests compare the two).
+static void groups_of(const Blob& w, const Rows& x, int64_t g0, int64_t groups, float* out, int64_t ldo, int64_t col0,
+                      bool portable) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
   if (!portable) {
     switch (w.type) {
-      case Q8_0: return tiles_of<Q8_0>(w, x, g, out, ldo, col0);
-      case Q4_0: return tiles_of<Q4_0>(w, x, g, out, ldo, col0);
-      case Q4_1: return tiles_of<Q4_1>(w, x, g, out, ldo, col0);
-      case Q5_0: return tiles_of<Q5_0>(w, x, g, out, ldo, col0);
-      case Q5_1: return tiles_of<Q5_1>(w, x, g, out, ldo, col0);
-      case Q4_K: return tiles_of<Q4_K>(w, x, g, out, ldo, col0);
-      case Q6_K: return tiles_of<Q6_K>(w, x, g, out, ldo, col0);
+      case Q8_0: return tiles_of<Q8_0>(w, x, g0, groups, out, ldo, col0);
+      case Q4_0: return tiles_of<Q4_0>(w, x, g0, groups, out, ldo, col0);
+      case Q4_1: return tiles_of<Q4_1>(w, x, g0, groups, out, ldo, col0);
+      case Q5_0: return tiles_of<Q5_0>(w, x, g0, groups, out, ldo, col0);
+      case Q5_1: return tiles_of<Q5_1>(w, x, g0, groups, out, ldo, col0);
+      case Q4_K: return tiles_of<Q4_K>(w, x, g0, groups, out, ldo, col0);
+      case Q6_K: return tiles_of<Q6_K>(w, x, g0, groups, out, ldo, col0);
       default: break;
     }
   }
 #endif
   (void)portable;
-  tile_scalar(w, x, 0, x.M, g, out, ldo, col0);
+  for (int64_t g = g0; g < g0 + groups; ++g) tile_scalar(w, x, 0, x.M, g, out, ldo, col0 + (g - g0) * COLS);
 }
 
 // x [M, K] float32 times the weights side by side (each segment's outputs after the previous ones'): [M, sum N].
@@ -304,8 +329,7 @@ static torch::Tensor rows(const torch::Tensor& x, const std::vector<torch::Tenso
   pool.run(int64_t(items.size()), [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const auto [s, g0] = items[i];
-      for (int64_t g = g0; g < std::min(g0 + GROUPS, blobs[s].G); ++g)
-        group(blobs[s], q, g, o, n, first_col[s] + g * COLS, portable);
+      groups_of(blobs[s], q, g0, std::min(GROUPS, blobs[s].G - g0), o, n, first_col[s] + g0 * COLS, portable);
     }
   });
   return out;
