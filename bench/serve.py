@@ -49,14 +49,16 @@ def free_port() -> int:
 
 
 def launch(command: list[str], name: str, ready: str, timeout_s: float,
-           env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
-    """`command` (with "{port}" where a free port of 127.0.0.1 goes) started; returns (the process, its URL) once GET
-    `ready` answers 200, or raises with the tail of its output (kept in a file: a pipe nobody reads would stall a
+           env: dict[str, str] | None = None, drop: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+    """`command` (with "{port}" where a free port of 127.0.0.1 goes) started, with this environment plus `env` less
+    the variables `drop` names (ours, such as OMP_WAIT_POLICY, kept from a peer); returns (the process, its URL) once
+    GET `ready` answers 200, or raises with the tail of its output (kept in a file: a pipe nobody reads would stall a
     talkative server)."""
     port = free_port()
     log = tempfile.TemporaryFile(mode="w+")
+    environment = {k: v for k, v in {**os.environ, **(env or {})}.items() if k not in drop}
     process = subprocess.Popen([part.replace("{port}", str(port)) for part in command], stdout=log,
-                               stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
+                               stderr=subprocess.STDOUT, text=True, env=environment)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

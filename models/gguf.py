@@ -146,7 +146,7 @@ def load(cls, path: Path, dtype: torch.dtype, device: torch.device, **options):
         loaded.add(target)
     # then memory for the rest (norms, biases, float weights) only: the quantized ones never exist in float
     model.to(dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device) if t.is_meta else t)
-    for name, target, module, param, raw, kind, shape in floats:
+    for name, target, _, param, raw, kind, shape in floats:
         value = torch.from_numpy(_floats(raw, kind, shape)).reshape(shape)
         current = getattr(model.get_submodule(target.rpartition(".")[0]), param)
         if tuple(current.shape) != tuple(value.shape):
@@ -186,8 +186,8 @@ def _floats(raw: np.ndarray, kind: str, shape: list[int]) -> np.ndarray:
         return np.asarray(raw).view(FLOAT_TYPES[kind]).astype(np.float32)
     if kind == "BF16":
         return (np.asarray(raw).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-    from gguf.quants import dequantize  # a quantized tensor where it is not kept quantized
     from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize  # a quantized tensor where it is not kept quantized
 
     return dequantize(np.asarray(raw).reshape(shape[0], -1), GGMLQuantizationType[kind]).astype(np.float32)
 

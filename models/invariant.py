@@ -4,9 +4,9 @@ rows come with it, and in float32.
 On the CPU: `lookahead.kernels.cpu_gemm`, the package's own kernel, compiled once per machine into the cache folder
 (each output a fused multiply-add chain over K in order; bfloat16 weights read as 16 bits, and multiplied by the CPU's
 bf16 dot products where it has them: `cpu_gemm.pairs`); a GGUF model's quantized linears (`models.quantized`) by
-`lookahead.kernels.quant`, each row quantized on its own and multiplied with integer dot products. Where it cannot be built,
-and on other devices: `lookahead.kernels.invariant_linear`, torch's GEMMs through row counts verified to compute every
-row alike, in float32 from float32 copies of 16-bit weights (a 16-bit output hides most differences of reduction
+`lookahead.kernels.quant`, each row quantized on its own and multiplied with integer dot products. Where it cannot be
+built, and on other devices: `lookahead.kernels.invariant_linear`, torch's GEMMs through row counts verified to compute
+every row alike, in float32 from float32 copies of 16-bit weights (a 16-bit output hides most differences of reduction
 order, so that check can only be trusted on float32 outputs). Either way a 16-bit model's GEMMs accumulate in float32
 and round their outputs to its dtype, as a GPU's tensor cores do. Weight copies are made at first use, and again when a
 weight changes.

@@ -47,6 +47,11 @@ def measure(runner: CachedRunner, request: Request, sizes: list[int]) -> Curve:
         topk = static_steps(cfg)[-1][2]
         shapes = [(path_step(size), size, topk) for size in sizes]
     largest = max(pattern.num_tokens for pattern, _, _ in shapes)
+    need = batch * -(-(largest + 2) // runner.block_size)
+    if runner.blocks.free < need or len(runner.rows) + batch > runner.max_rows:
+        # a pool sized for short requests, the rest of it holding their rows and cached prefixes: room for the passes
+        runner.grow(runner.blocks.num_blocks + max(0, need - runner.blocks.free),
+                    max(runner.max_rows, len(runner.rows) + batch), runner.max_step_tokens)
     span = min(runner.blocks.free // batch, -(-(shared.MAX_SPAN + largest) // runner.block_size)) * runner.block_size
     rows = [runner.admit([], span)[0] for _ in range(batch)]
 

@@ -676,6 +676,23 @@ def test_the_cost_model_is_measured_once_then_read_from_its_cache(tiny_checkpoin
     assert measured == [1, 1, 1] and fourth.cost_model is mine and fifth.cost_model is None
 
 
+def test_the_cost_model_is_measured_when_the_pool_is_nearly_full(tiny_checkpoint):
+    """A measurement on a runner whose free blocks hold less than one timed step (a pool sized for short requests,
+    the rest holding cached prefixes) makes room for its steps; it once failed: "18 tokens at L=0 overflow its 16
+    positions"."""
+    from helpers import one
+    from lookahead.models.runner import CachedRunner
+
+    model = Llama.from_pretrained(tiny_checkpoint())
+    config = LookaheadConfig()
+    runner = CachedRunner(model, 2, config.step_tokens)
+    runner.admit([], 16)
+    assert runner.blocks.free == 1
+    request = one([1, 2, 3], 8, lookahead=config)
+    curve = model_tuning.measure(runner, request, knots_up_to(config.step_tokens))
+    assert curve.knots == knots_up_to(config.step_tokens) and runner.blocks.free >= 1
+
+
 def test_warmup_measures_the_cost_model_and_prepares_every_shape(tiny_checkpoint, cache_dir):
     model = Llama.from_pretrained(tiny_checkpoint())
     cfg = LookaheadConfig(2, 3, 8)

@@ -14,9 +14,9 @@ import signal
 import sys
 import threading
 import time
-from pathlib import Path
 from collections.abc import Iterator, Mapping
 from datetime import timedelta
+from pathlib import Path
 
 from lookahead.config import LookaheadConfig
 
