@@ -20,7 +20,7 @@ setup(
     python_requires=">=3.10",
     packages=PACKAGES,
     package_dir=FOLDERS,
-    package_data={"lookahead.kernels": ["csrc/*.cpp"]},  # the CPU kernels' source, compiled on first use
+    package_data={"lookahead": ["csrc/*.cpp"], "lookahead.kernels": ["csrc/*.cpp"]},  # C++ compiled on first use
     install_requires=[
         "torch>=2.4",  # CUDA builds of torch bring triton with them; the CPU path never runs it
         "safetensors>=0.4",

@@ -42,7 +42,7 @@ import torch  # noqa: E402
 from peers import LLAMA_CPP_PYTHON, held_out  # noqa: E402
 from serve import launch, stop_server  # noqa: E402
 
-from common import chat_ids, machine, print_table, save_json  # noqa: E402
+from common import RESULTS, chat_ids, machine, print_table, save_json  # noqa: E402
 from lookahead import LookaheadConfig  # noqa: E402
 from lookahead.loop import RowStep  # noqa: E402
 from lookahead.models import Llama, default_model_dir  # noqa: E402
@@ -230,11 +230,32 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def rss_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
+MEMORY = """
+import json, os, sys
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import torch
+from lookahead.models import Llama
+
+def rss():
+    for line in open("/proc/self/status"):
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
-    return float("nan")
+
+base = rss()
+model = Llama.from_pretrained(sys.argv[1])
+loaded = rss()
+model.generate(list(range(100, 164)), max_new_tokens=64, eos_token_id=[])
+pool = model.runner.pool
+kv = sum(t.numel() * t.element_size() for t in (pool.k, pool.v)) / 2**20
+print(json.dumps({"base_mb": base, "after_load_mb": loaded - base, "after_decode_mb": rss() - base, "kv_mb": kv}))
+"""
+
+
+def memory(path: Path) -> dict:
+    """Resident memory in a fresh process (MB): torch and the package imported (the base), then the model loaded, then
+    64 tokens decoded after a 64-token prompt, each over the base; and the KV pool's size."""
+    run = subprocess.run([sys.executable, "-c", MEMORY, str(path)], capture_output=True, text=True, check=True)
+    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 def weight_bytes(path: Path) -> tuple[int, int]:
@@ -250,16 +271,17 @@ def measure(path: Path, bin_dir: Path, args, bandwidth: float) -> dict:
     print(f"\n== {path.name}", flush=True)
     tokenizer = gguf_tokenizer(path)
     rows = held_out(max(args.prompts, 16))
-    prompts = [chat_ids(tokenizer, row["prompt"]) for row in rows]
-    before = rss_mb()
+    if getattr(tokenizer, "chat_template", None):
+        prompts = [chat_ids(tokenizer, row["prompt"]) for row in rows]
+    else:  # the 1B shape's file: SmolLM2's vocabulary without its chat template
+        prompts = [tokenizer(row["prompt"])["input_ids"] for row in rows]
     model = Llama.from_pretrained(path)
     total, per_token = weight_bytes(path)
     result = {"file": path.name, "file_mb": path.stat().st_size / 2**20, "weights_mb": total / 2**20}
     plain_rate, plain_answers = decode_rate(model, prompts[:args.prompts], args.tokens, None)
     lookahead_rate, lookahead_answers = decode_rate(model, prompts[:args.prompts], args.tokens, LookaheadConfig())
     result.update(ours_plain_tok_s=plain_rate, ours_lookahead_tok_s=lookahead_rate,
-                  lookahead_equals_plain=lookahead_answers == plain_answers,
-                  rss_mb=rss_mb() - before, kv_mb=_kv_mb(model))
+                  lookahead_equals_plain=lookahead_answers == plain_answers, memory=memory(path))
     model.release()  # the step curve's runners size the attention backend for themselves: no generation after them
     result["ours_step_ms"] = {T: step_ms(model, T) for T in SIZES}
     peer = llama_bench(bin_dir, path, args.threads, args.repetitions)
@@ -276,11 +298,6 @@ def measure(path: Path, bin_dir: Path, args, bandwidth: float) -> dict:
     return result
 
 
-def _kv_mb(model) -> float:
-    runner = model.runner
-    return 0.0 if runner is None else sum(t.numel() * t.element_size() for t in (runner.pool.k, runner.pool.v)) / 2**20
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--llama-cpp", type=Path, help="a folder with llama.cpp's llama-bench, llama-server, "
@@ -293,7 +310,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repetitions", type=int, default=3, help="llama-bench's -r")
     parser.add_argument("--quick", action="store_true", help="SmolLM2 Q8_0, 2 prompts, 16 tokens; saves nothing")
+    parser.add_argument("--memory-only", action="store_true",
+                        help="measure the saved results' files' memory again, in fresh processes, and save")
     args = parser.parse_args()
+    if args.memory_only:
+        saved = json.loads((RESULTS / "quantized-cpu.json").read_text())
+        for r in saved["results"]:
+            r["memory"] = memory(work_dir() / r["file"])
+            print(r["file"], r["memory"], flush=True)
+        save_json("quantized", saved)
+        return
     if args.quick:
         args.models, args.types, args.prompts, args.tokens, args.repetitions = ["smollm2"], ["Q8_0"], 2, 16, 1
     work = work_dir()
@@ -328,7 +354,7 @@ def main() -> None:
     print()
     print_table(headers, table)
     if not args.quick:
-        path = save_json("gguf", {"machine": machine(), "threads": args.threads, "tokens": args.tokens,
+        path = save_json("quantized", {"machine": machine(), "threads": args.threads, "tokens": args.tokens,
                                   "prompts": args.prompts, "results": results})
         print(f"saved {path}")
 

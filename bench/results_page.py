@@ -64,6 +64,7 @@ RUNS: dict[str, tuple[str, str]] = {
                       "tree"),
     "sampling-s-cpu": ("python bench/sampling_s.py --per-kind 1", CHAINS),
     "peers-cpu": ("python bench/peers.py", "tree"),
+    "quantized-cpu": ("python bench/quantized.py --build", "tree"),
     "peers-c1-cpu": ("python bench/peers.py --only ours --concurrency 1 --rounds 3 --name peers-c1", "tree"),
     "profile-cpu": ("python bench/profile_step.py", "tree"),
     "cpu-gemm-cpu": ("python bench/cpu_gemm.py", "tree"),
@@ -174,16 +175,30 @@ def summary_table() -> list[str]:
     keep = {"greedy (ours)", "hf greedy", "hf prompt lookup", f"lookahead {DEFAULT}", f"lookahead {DEFAULT}@auto"}
     rows = [row for row, method in zip(e2e_rows(stem, False), load(stem)["methods"], strict=True) if method in keep]
     data = load(stem)
+    quantized = []
+    if (RESULTS / "quantized-cpu.json").is_file():
+        q = load("quantized-cpu")
+        rows_q = [[r["file"], f"{r['llama_cpp_tg_tok_s']:.1f}", f"{r['ours_plain_tok_s']:.1f}",
+                   x(r["ours_plain_tok_s"] / r["llama_cpp_tg_tok_s"]), f"{r['ours_lookahead_tok_s']:.1f}",
+                   x(r["ours_lookahead_tok_s"] / r["llama_cpp_tg_tok_s"])] for r in q["results"]]
+        quantized = ["", f"Against llama.cpp's own binaries at their defaults on the same GGUF file, weights kept "
+                     f"quantized, one request, {q['prompts']} held-out prompts, {q['tokens']} new tokens, greedy, "
+                     f"decode tokens/s (no prefill; [step curves, bandwidth, exactness, agreement]({QUANTIZED_LINK})):",
+                     "", *table(["file", "llama.cpp", "ours plain", "vs llama.cpp", "ours lookahead", "vs llama.cpp"],
+                                rows_q), "", *source("quantized-cpu", link="")]
     peers = []
     if (RESULTS / "peers-cpu.json").is_file():
         data_peers = load("peers-cpu")
         peers = ["", f"Against llama.cpp (and vLLM's CPU build where it ran), one request at a time, "
                  f"3 held-out prompts, up to {data_peers['max_tokens']} new tokens, greedy, "
-                 "through each server ([all concurrencies](docs/results.md#against-the-engines-people-already-run)):",
+                 "through each server ([all concurrencies](docs/results.md#against-the-engines-people-already-run)). "
+                 "llama.cpp here is llama-cpp-python's server, which inherited the benchmark's "
+                 "OMP_WAIT_POLICY=PASSIVE: about half its speed at its own defaults (the table above runs it at its "
+                 "defaults):",
                  "", *table(PEERS_HEADERS, peers_rows(data_peers, {1})), "", *source("peers-cpu", link="")]
     return [f"{len(data['records']) // len(data['methods'])} dev prompts, up to {data['max_new_tokens']} new tokens, "
             "fp32, greedy, default model; S = tokens per forward pass:", "",
-            *table(["method", *E2E_HEADERS], rows), "", *source(stem, link=""), *peers]
+            *table(["method", *E2E_HEADERS], rows), "", *source(stem, link=""), *quantized, *peers]
 
 
 def section_index() -> list[str]:
@@ -724,6 +739,64 @@ def ours_against_plain() -> list[str]:
             *table(["file", "dtype", "concurrent", "rounds", "medians"], rows), "", *source(*stems[1:])]
 
 
+SIZES = ("1", "2", "4", "8", "16", "32")
+QUANTIZED_LINK = "docs/results.md#gguf-files-against-llamacpp-on-the-same-file"
+
+
+def section_quantized() -> list[str]:
+    """GGUF files against llama.cpp's own binaries on the same file (`bench/quantized.py`)."""
+    if not (RESULTS / "quantized-cpu.json").is_file():
+        return []
+    data = load("quantized-cpu")
+    results = data["results"]
+    speed = [[r["file"], f"{r['llama_cpp_tg_tok_s']:.1f}", f"{r['ours_plain_tok_s']:.1f}",
+              x(r["ours_plain_tok_s"] / r["llama_cpp_tg_tok_s"]), f"{r['ours_lookahead_tok_s']:.1f}",
+              x(r["ours_lookahead_tok_s"] / r["llama_cpp_tg_tok_s"]),
+              "yes" if r["lookahead_equals_plain"] else "no"] for r in results]
+    curve = []
+    for r in results:
+        ours, theirs = r["ours_step_ms"], r["llama_cpp_step_ms"]
+        curve.append([r["file"], "ours", *(f"{ours[T] / ours['1']:.2f}" for T in SIZES), f"{ours['1']:.1f}"])
+        curve.append(["", "llama.cpp", *(f"{theirs[T] / theirs['1']:.2f}" for T in SIZES), f"{theirs['1']:.1f}"])
+    bandwidth = [[r["file"], f"{r['bandwidth_gb_s']['ours plain']:.1f}", f"{r['bandwidth_gb_s']['llama.cpp']:.1f}",
+                  f"{r['bandwidth_gb_s']['machine copy']:.1f}",
+                  f"{r['bandwidth_gb_s']['ours plain'] / r['bandwidth_gb_s']['machine copy']:.0%}",
+                  f"{r['memory']['after_load_mb']:.0f}", f"{r['memory']['after_decode_mb']:.0f}",
+                  f"{r['file_mb']:.0f}", f"{r['memory']['kv_mb']:.0f}",
+                  x(r["memory"]["after_decode_mb"] / (r["file_mb"] + r["memory"]["kv_mb"]))] for r in results]
+    checked = [r for r in results if "exactness" in r]
+    exact = [[r["file"], *(f"{r['exactness'][k]}/{r['exactness']['prompts'] if k != 'batch of 3' else 3}"
+                           for k in ("1-4-5", "10-5-20", "default", "batch of 3")),
+              f"{r['agreement']['identical']}/{r['agreement']['prompts']}",
+              ", ".join(map(str, sorted(r["agreement"]["first_difference"]))) or "-"] for r in checked]
+    return ["## GGUF files against llama.cpp on the same file", "",
+            f"`bench/quantized.py`: llama.cpp's files (SmolLM2-135M-Instruct converted by llama.cpp's converter "
+            "and quantized by its `llama-quantize`; a 1B-shaped LLaMA with random weights made the same way) loaded "
+            "as they are, their weights kept quantized. llama.cpp: its own binaries built from source at their "
+            f"defaults (threads spin), {data['threads']} threads; ours in-process as the `lookahead` command runs "
+            "(OMP_WAIT_POLICY=PASSIVE). Decode tokens/s as llama-bench's tg counts them (no prefill: ours from the "
+            f"first token to the last), {data['prompts']} held-out prompts, {data['tokens']} new tokens, greedy; "
+            "exact: lookahead's tokens equal plain's.", "",
+            *table(["file", "llama.cpp tg", "ours plain", "vs llama.cpp", "ours lookahead", "vs llama.cpp",
+                    "exact"], speed), "",
+            "A step's cost over a one-token step's, t(T) / t(1): llama.cpp's `pp T` against our prompt-chunk steps "
+            "of T tokens at a context of 64 (what makes a lookahead step pay: the flatter, the more tokens a draft "
+            "can try for free); last column: t(1) in ms:", "",
+            *table(["file", "engine", *(f"T={T}" for T in SIZES), "t(1) ms"], curve), "",
+            "Memory: the weights a decoded token reads times its rate (GB/s) against this machine's copy bandwidth "
+            "(STREAM's copy, read + write); our resident memory in a fresh process over its base (torch and the "
+            "package imported) after loading, and after decoding 64 tokens of a 64-token prompt (MB), beside the "
+            "file's size and the KV pool's:", "",
+            *table(["file", "ours GB/s", "llama.cpp GB/s", "copy GB/s", "ours / copy", "RSS loaded", "RSS decoded",
+                    "file MB", "KV MB", "decoded / (file + KV)"], bandwidth), "",
+            *(["Exactness on 9 held-out prompts (lookahead against plain greedy; a batch of 3 against each alone) and "
+               "agreement with llama.cpp's `llama-server` greedy tokens on 16 held-out prompts, 64 tokens (the two "
+               "sum in other orders, so they need not agree; where they first differ, in tokens):", "",
+               *table(["file", "1-4-5", "10-5-20", "default", "batch of 3", "same as llama.cpp", "first differs at"],
+                      exact), ""] if checked else []),
+            *source("quantized-cpu")]
+
+
 def section_profile() -> list[str]:
     if not (RESULTS / "profile-cpu.json").is_file():
         return []
@@ -806,8 +879,8 @@ def section_structured() -> list[str]:
 
 
 def render_page() -> str:
-    sections = [section_index(), section_peers(), section_profile(), section_cpu_gemm(), section_e2e(),
-                section_engine(), section_serve(), section_paging(), section_tree(),
+    sections = [section_index(), section_quantized(), section_peers(), section_profile(), section_cpu_gemm(),
+                section_e2e(), section_engine(), section_serve(), section_paging(), section_tree(),
                 section_overhead(), section_host_time(), section_sampling(), section_scaling(), section_batch(),
                 section_distributed(), section_tuned(), section_warm(), section_structured(), section_invariant(),
                 section_gpu()]

@@ -27,7 +27,8 @@ HEADER = 16  # int64 fields
 
 @dataclass(frozen=True)
 class Layout:
-    """How a ggml type maps onto the packed form: high bits beyond the low nibble, the zero point (-1: a "min" type),
+    """How a ggml type maps onto the packed form: high bits beyond the low nibble (8: whole bytes instead of planes),
+    the zero point (-1: a "min" type),
     blocks of 32 per scale, sub-scales per block (0: none), and the bytes of one ggml block of `weights` weights."""
 
     name: str
@@ -45,7 +46,7 @@ LAYOUTS = {layout.name: layout for layout in (
     Layout("Q4_1", 3, 0, -1, 1, 0, 20, 32),
     Layout("Q5_0", 6, 1, 16, 1, 0, 22, 32),
     Layout("Q5_1", 7, 1, -1, 1, 0, 24, 32),
-    Layout("Q8_0", 8, 4, 128, 1, 0, 34, 32),
+    Layout("Q8_0", 8, 8, 128, 1, 0, 34, 32),  # hb 8: whole bytes, nothing to unpack
     Layout("Q4_K", 12, 0, -1, 8, 1, 144, 256),
     Layout("Q6_K", 14, 2, 32, 8, 2, 210, 256),
 )}
@@ -137,8 +138,8 @@ def pack(fields: Fields, type_name: str) -> torch.Tensor:
     codes = by_group(fields.codes.reshape(n, blocks, 8, 4))  # [g, j, t, b, c]
     codes = np.ascontiguousarray(codes.transpose(0, 1, 2, 4, 3))  # [g, j, t, c, b]: 64 bytes a quad
     low, high = codes & 15, codes >> 4
-    planes = [low[:, :, :4] | (low[:, :, 4:] << 4)]
-    if layout.hb:
+    planes = [codes] if layout.hb == 8 else [low[:, :, :4] | (low[:, :, 4:] << 4)]
+    if 0 < layout.hb < 8:
         hi = np.zeros((groups, blocks, layout.hb, COLS, 4), np.uint8)
         for t in range(8):
             bit = layout.hb * t

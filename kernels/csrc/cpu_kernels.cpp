@@ -551,8 +551,10 @@ static void norm_rows_of(const T* x, const T* w, T* out, int64_t rows, int64_t H
     for (int l = 0; l < 16; ++l) total = total + lanes[l];
     const float inv = 1.f / std::sqrt(total / static_cast<float>(H) + eps);
     T* o = out + r * H;
-    for (int64_t k = 0; k < H; ++k)
-      o[k] = static_cast<T>(static_cast<float>(w[k]) * static_cast<float>(static_cast<T>(static_cast<float>(xr[k]) * inv)));
+    for (int64_t k = 0; k < H; ++k) {
+      const T normed = static_cast<T>(static_cast<float>(xr[k]) * inv);
+      o[k] = static_cast<T>(static_cast<float>(w[k]) * static_cast<float>(normed));
+    }
   }
 }
 

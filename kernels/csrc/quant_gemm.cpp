@@ -3,7 +3,7 @@
 //
 // Built after cpu_kernels.cpp in one translation unit (lookahead.kernels.cpu_gemm): it uses that file's thread pool.
 //
-// The arithmetic (lookahead.kernels.quant holds the same definition in numpy, and the tests hold the two bitwise equal):
+// The arithmetic (lookahead.kernels.quant holds the same definition in numpy; the tests hold the two bitwise equal):
 // - each input row is quantized on its own, in blocks of 32 along K: d = max|x| / 127, q = rint(x / d) (as
 //   rint(x * (1 / d))), clamped to [-127, 127] (a block of zeros has d = 0 and q = 0);
 // - each weight is an unsigned code c with a per-type affine map: "zero-point" types (Q8_0, Q4_0, Q5_0, Q6_K) have
@@ -42,7 +42,8 @@ enum Type : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 1
 // A packed weight (lookahead.kernels.quant.pack writes it): a header of 16 int64, then its regions, each at an
 // offset the header gives, for column groups of 16 outputs g and input blocks j:
 //   codes [G][J][256 + 64 * hb]: the low nibbles of quads t and t + 4 in byte 4 * col + b of vector t (t < 4), then
-//     hb vectors of high bits (quad t's at bit hb * t of the (hb * t / 8)-th), for input 32 j + 4 t + b;
+//     hb vectors of high bits (quad t's at bit hb * t of the (hb * t / 8)-th), for input 32 j + 4 t + b; with hb = 8
+//     (Q8_0) whole bytes instead, [G][J][512], quad t's in vector t;
 //   d [G][J / per][16] float16; m the same (min types); sc [G][J][subs][16] (int8 for Q6_K, uint8 for Q4_K);
 //   mn [G][J][16] uint8 (Q4_K).
 struct Blob {
@@ -60,8 +61,8 @@ static Blob parse(const torch::Tensor& t) {
   const auto* h = reinterpret_cast<const int64_t*>(t.data_ptr());
   TORCH_CHECK(h[0] == MAGIC, "not a packed quantized weight (bad magic)");
   const auto* base = t.data_ptr<uint8_t>();
-  Blob b{h[1], h[2], h[3], h[4], h[5], h[6], h[7], h[8], h[9], 256 + 64 * h[6], nullptr, nullptr, nullptr,
-         nullptr, nullptr};
+  const int64_t code_bytes = h[6] == 8 ? 512 : 256 + 64 * h[6];
+  Blob b{h[1], h[2], h[3], h[4], h[5], h[6], h[7], h[8], h[9], code_bytes, nullptr, nullptr, nullptr, nullptr, nullptr};
   b.codes = base + h[10];
   b.d = reinterpret_cast<const uint16_t*>(base + h[11]);
   b.m = h[12] ? reinterpret_cast<const uint16_t*>(base + h[12]) : nullptr;
@@ -103,6 +104,7 @@ static void quantize_rows(const float* x, int64_t M, int64_t K, Rows& r) {
 
 // The code of input 32 j + 4 t + b of column c in a block's code bytes.
 static inline int32_t code_at(const Blob& w, const uint8_t* cp, int64_t c, int64_t t, int64_t b) {
+  if (w.hb == 8) return cp[64 * t + 4 * c + b];  // whole bytes (Q8_0)
   const uint8_t lo = cp[64 * (t % 4) + 4 * c + b];
   int32_t code = t < 4 ? (lo & 15) : (lo >> 4);
   if (w.hb) {
@@ -160,10 +162,10 @@ constexpr bool VNNI = true;
 template <int64_t TYPE, int ROWS, int NC>
 static void tile_vnni(const Blob& w, const Rows& x, int64_t m0, int64_t g0, float* out, int64_t ldo, int64_t col0) {
   constexpr bool zero_point = TYPE == Q8_0 || TYPE == Q4_0 || TYPE == Q5_0 || TYPE == Q6_K;
-  constexpr int hb = TYPE == Q8_0 ? 4 : TYPE == Q6_K ? 2 : (TYPE == Q5_0 || TYPE == Q5_1) ? 1 : 0;
+  constexpr int hb = TYPE == Q8_0 ? 8 : TYPE == Q6_K ? 2 : (TYPE == Q5_0 || TYPE == Q5_1) ? 1 : 0;
   constexpr int32_t z = TYPE == Q8_0 ? 128 : TYPE == Q4_0 ? 8 : TYPE == Q5_0 ? 16 : TYPE == Q6_K ? 32 : 0;
   constexpr int64_t per = (TYPE == Q4_K || TYPE == Q6_K) ? 8 : 1;
-  const __m512i low = _mm512_set1_epi8(15), high = _mm512_set1_epi8((1 << hb) - 1);
+  const __m512i low = _mm512_set1_epi8(15), high = _mm512_set1_epi8(hb < 8 ? (1 << hb) - 1 : -1);
   __m512 acc[ROWS][NC];
 #pragma GCC unroll 8
   for (int r = 0; r < ROWS; ++r)
@@ -183,9 +185,13 @@ static void tile_vnni(const Blob& w, const Rows& x, int64_t m0, int64_t g0, floa
       __m512i code[NC];
 #pragma GCC unroll 2
       for (int c = 0; c < NC; ++c) {
+        if constexpr (hb == 8) {  // whole bytes: nothing to unpack
+          code[c] = _mm512_loadu_si512(cp[c] + 64 * t);
+          continue;
+        }
         const __m512i lo = _mm512_loadu_si512(cp[c] + 64 * (t % 4));
         code[c] = t < 4 ? _mm512_and_si512(lo, low) : _mm512_and_si512(_mm512_srli_epi16(lo, 4), low);
-        if constexpr (hb > 0) {
+        if constexpr (hb > 0 && hb < 8) {
           const __m512i hi = _mm512_loadu_si512(cp[c] + 256 + 64 * ((hb * t) / 8));
           const __m512i bits = _mm512_and_si512(_mm512_srli_epi16(hi, (hb * t) % 8), high);
           code[c] = _mm512_or_si512(code[c], _mm512_slli_epi16(bits, 4));
