@@ -295,3 +295,50 @@ def test_the_command_generates_from_a_gguf_file(smollm2_gguf):
                           "16"], capture_output=True, text=True, env=ENV, timeout=600)
     assert run.returncode == 0, run.stderr
     assert sum(c.isalpha() for c in run.stdout) > 10
+
+
+@pytest.mark.slow
+def test_the_server_serves_a_gguf_file_as_the_model_answers_alone(smollm2_gguf):
+    """`lookahead serve FILE.gguf` (a real process on 127.0.0.1): a greedy chat answer is the in-process plain
+    greedy answer of the same file, text for text."""
+    import json
+    import socket
+    import subprocess
+    import time
+    import urllib.request
+
+    from test_cli import ENV, command
+
+    from lookahead.models.gguf import gguf_tokenizer
+
+    messages = [{"role": "user", "content": "Name three colors."}]
+    tokenizer = gguf_tokenizer(smollm2_gguf)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    want = tokenizer.decode(Llama.from_pretrained(smollm2_gguf).generate(ids, max_new_tokens=16).tokens,
+                            skip_special_tokens=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([*command(), "serve", str(smollm2_gguf), "--host", "127.0.0.1", "--port", str(port),
+                               "--max-batch", "2", "--log-level", "warning"], env=ENV, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            assert server.poll() is None, server.stderr.read()
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                    break
+            except OSError:
+                time.sleep(0.5)
+        body = json.dumps({"model": smollm2_gguf.name, "messages": messages, "max_tokens": 16,
+                           "temperature": 0}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body,
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            answer = json.loads(response.read())
+        assert answer["choices"][0]["message"]["content"] == want
+    finally:
+        server.terminate()
+        server.wait(60)
