@@ -17,8 +17,8 @@ its Python path and to the older reference.
 The source (`csrc/host_loops.cpp`) is compiled at first use by torch's C++ extension loader (a C++ compiler and
 ninja) into the cache folder's `kernels` (torch's default build folder without one), one build per architecture,
 Python version and version of the source (as `lookahead.kernels.cpu_gemm`'s is, per kind of CPU); where that fails
-`load` returns None (with one warning) and every caller runs its Python path. It imports nothing of the package but `lookahead.paths`: the
-drafts and the tuning room both use it.
+`load` returns None (with one warning) and every caller runs its Python path. It imports nothing of the package but
+`lookahead.paths`: the drafts and the tuning room both use it.
 """
 
 from __future__ import annotations
