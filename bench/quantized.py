@@ -318,6 +318,7 @@ def main() -> None:
         for r in saved["results"]:
             r["memory"] = memory(work_dir() / r["file"])
             print(r["file"], r["memory"], flush=True)
+        saved["memory_machine"] = machine()  # the memory figures' commit, where it differs from the speed's
         save_json("quantized", saved)
         return
     if args.quick:

@@ -790,7 +790,7 @@ def section_quantized() -> list[str]:
             *table(["file", "ours GB/s", "llama.cpp GB/s", "copy GB/s", "ours / copy", "RSS loaded", "RSS decoded",
                     "file MB", "KV MB", "decoded / (file + KV)"], bandwidth), "",
             *(["Exactness on 9 held-out prompts (lookahead against plain greedy; a batch of 3 against each alone) and "
-               "agreement with llama.cpp's `llama-server` greedy tokens on 16 held-out prompts, 64 tokens (the two "
+               "agreement with llama.cpp's `llama-server` greedy tokens on the held-out prompts, 64 tokens (the two "
                "sum in other orders, so they need not agree; where they first differ, in tokens):", "",
                *table(["file", "1-4-5", "10-5-20", "default", "batch of 3", "same as llama.cpp", "first differs at"],
                       exact), ""] if checked else []),

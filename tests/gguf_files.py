@@ -55,11 +55,34 @@ def _raw(w: np.ndarray, type_name: str, rng: np.random.Generator) -> np.ndarray:
     return raw.reshape(n, -1)
 
 
+def llama3_factors(config) -> np.ndarray:
+    """llama.cpp's converter's `rope_freqs` for a Llama 3 RoPE scaling: each frequency's divisor."""
+    scaling = config.rope_scaling
+    base = config.rope_theta if hasattr(config, "rope_theta") else config.rope_parameters["rope_theta"]
+    dim = config.hidden_size // config.num_attention_heads
+    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    old, factor = scaling["original_max_position_embeddings"], scaling["factor"]
+    low, high = old / scaling["low_freq_factor"], old / scaling["high_freq_factor"]
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * np.pi / freq
+        if wavelen < high:
+            factors.append(1.0)
+        elif wavelen > low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - scaling["low_freq_factor"]) / (scaling["high_freq_factor"] -
+                                                                     scaling["low_freq_factor"])
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
 def write_gguf(path: Path, types: str | dict[str, str], family: str = "llama", seed: int = 0, tied: bool = False,
                **overrides):
     """Write a tiny random `family` model (llama, qwen2, qwen3) to the GGUF file `path`, its 2-D weights in
-    `types` (one type for all, or {GGUF tensor name suffix such as 'attn_v' or 'token_embd': type}, others Q8_0),
-    and return the transformers model holding the file's weights dequantized (the reference)."""
+    `types` (one type for all, or {GGUF tensor name suffix such as 'attn_v' or 'token_embd': type}, others Q8_0;
+    F32, F16 and BF16 too), and return the transformers model holding the file's weights dequantized (the
+    reference). A Llama 3 `rope_scaling` in `overrides` is written as llama.cpp writes it: a `rope_freqs` tensor."""
     import transformers
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import dequantize
@@ -89,6 +112,8 @@ def write_gguf(path: Path, types: str | dict[str, str], family: str = "llama", s
     if family == "qwen3":
         writer.add_key_length(64)
         writer.add_value_length(64)
+    if (getattr(config, "rope_scaling", None) or {}).get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_factors(config))
     state = {}
     with torch.no_grad():
         for name, p in model.state_dict().items():
@@ -108,8 +133,9 @@ def write_gguf(path: Path, types: str | dict[str, str], family: str = "llama", s
                 target.split(".")[-2])
             if family == "llama" and heads is not None:
                 w = permute(w, heads)
-            if kind == "F32":
-                raw, held = w.astype(np.float32), w.astype(np.float32)
+            if kind in ("F32", "F16"):
+                raw = w.astype(np.float32 if kind == "F32" else np.float16)
+                held = raw.astype(np.float32)
                 writer.add_tensor(target, raw)
             else:
                 raw = _raw(w, kind, rng)

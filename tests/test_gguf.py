@@ -127,6 +127,39 @@ def test_qwen_files_with_biases_and_qk_norms(files, family):
     assert error(model, reference, list(range(5, 70, 4))) < 0.03
 
 
+@pytest.mark.parametrize("types", ["F32", "F16", "BF16"])
+def test_float_files_load_as_float_weights(files, types):
+    """Float tensors load as ordinary linears (no 8-bit activations): transformers' logits to float32 rounding."""
+    path, reference = files(types)
+    model = Llama.from_pretrained(path)
+    assert not any(isinstance(m, QuantLinear | QuantEmbedding) for m in model.modules())
+    assert error(model, reference, list(range(3, 60, 3))) < 1e-4
+
+
+def test_llama3_rope_scaling_comes_from_the_files_rope_freqs(tmp_path):
+    """Llama 3's RoPE scaling is a `rope_freqs` tensor in llama.cpp's files: the frequencies divided by it give
+    transformers' llama3 scaling; read without it, the logits part."""
+    from lookahead.models import gguf
+    from lookahead.models.rope import inverse_frequencies
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+    path = tmp_path / "llama3.gguf"
+    reference = write_gguf(path, "F32", rope_scaling=scaling)
+    ids = list(range(3, 90))
+    assert error(Llama.from_pretrained(path), reference, ids) < 1e-4
+    real = gguf.load
+
+    def without_rope_freqs(cls, file, *args, **kwargs):
+        model = real(cls, file, *args, **kwargs)
+        model.rope_inv_freq = inverse_frequencies(model.config.head_dim, model.config.rope)
+        return model
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("lookahead.models.llama.load_gguf", without_rope_freqs)
+        assert error(Llama.from_pretrained(path), reference, ids) > 1e-3
+
+
 def test_tied_embeddings_share_one_quantized_weight(files):
     path, reference = files("Q8_0", tied=True)
     model = Llama.from_pretrained(path)
