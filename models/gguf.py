@@ -122,13 +122,13 @@ def load(cls, path: Path, dtype: torch.dtype, device: torch.device, **options):
     for name, t in tensors.items():  # quantized weights first, packed into modules on the meta-built model
         if name == "rope_freqs.weight":  # Llama 3's scaled frequencies: inv_freq / factor, per frequency
             continue
-        target = _hf_name(name, path)
+        target = hf_name(name, path)
         shape = [int(n) for n in reversed(t.shape)]
         raw = np.asarray(t.data)
         heads = {"self_attn.q_proj.weight": config.num_attention_heads,
                  "self_attn.k_proj.weight": config.num_key_value_heads}.get(target.split(".", 3)[-1])
         if permute and heads is not None:
-            raw = _unpermute(raw.reshape(shape[0], -1), heads)
+            raw = unpermute(raw.reshape(shape[0], -1), heads)
         module_name, _, param = target.rpartition(".")
         module = _module(model, module_name, name, path)
         kind = t.tensor_type.name
@@ -206,7 +206,8 @@ def _floats(raw: np.ndarray, kind: str, shape: list[int]) -> np.ndarray:
     return dequantize(np.asarray(raw).reshape(shape[0], -1), GGMLQuantizationType[kind]).astype(np.float32)
 
 
-def _hf_name(gguf_name: str, path: Path) -> str:
+def hf_name(gguf_name: str, path: Path) -> str:
+    """The Hugging Face name of a LLaMA-shaped model's GGUF tensor (`path` names the file in the error)."""
     parts = gguf_name.split(".")
     if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER:
         return f"model.layers.{parts[1]}.{_LAYER[parts[2]]}.{parts[3]}"
@@ -215,7 +216,7 @@ def _hf_name(gguf_name: str, path: Path) -> str:
     raise ValueError(f"{path}: tensor {gguf_name!r} is not one of a LLaMA-shaped model's")
 
 
-def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
+def unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
     """Inverse of llama.cpp's converter's permute of q/k rows (heads, 2, d/2) -> (heads, d/2, 2): whole rows move,
     so a quantized row's blocks move with it."""
     n = rows.shape[0]

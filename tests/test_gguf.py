@@ -172,7 +172,7 @@ def test_without_the_unpermute_the_llama_file_would_be_wrong(files, monkeypatch)
     from lookahead.models import gguf
 
     path, reference = files("Q8_0")
-    monkeypatch.setattr(gguf, "_unpermute", lambda rows, heads: rows)
+    monkeypatch.setattr(gguf, "unpermute", lambda rows, heads: rows)
     assert error(Llama.from_pretrained(path), reference, list(range(3, 60, 3))) > 0.3
 
 
