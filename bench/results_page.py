@@ -170,7 +170,8 @@ E2E_HEADERS = ["S", "tokens/s", "vs our greedy", "vs transformers greedy", "exac
 
 
 def summary_table() -> list[str]:
-    """README's one table: the default against plain decoding, from the latest end-to-end run."""
+    """README's tables: the default against plain decoding (the latest end-to-end run), and GGUF files against
+    llama.cpp's own binaries on the same file."""
     stem = "e2e-tuned-cpu"
     keep = {"greedy (ours)", "hf greedy", "hf prompt lookup", f"lookahead {DEFAULT}", f"lookahead {DEFAULT}@auto"}
     rows = [row for row, method in zip(e2e_rows(stem, False), load(stem)["methods"], strict=True) if method in keep]
@@ -186,19 +187,9 @@ def summary_table() -> list[str]:
                      f"decode tokens/s (no prefill; [step curves, bandwidth, exactness, agreement]({QUANTIZED_LINK})):",
                      "", *table(["file", "llama.cpp", "ours plain", "vs llama.cpp", "ours lookahead", "vs llama.cpp"],
                                 rows_q), "", *source("quantized-cpu", link="")]
-    peers = []
-    if (RESULTS / "peers-cpu.json").is_file():
-        data_peers = load("peers-cpu")
-        peers = ["", f"Against llama.cpp (and vLLM's CPU build where it ran), one request at a time, "
-                 f"3 held-out prompts, up to {data_peers['max_tokens']} new tokens, greedy, "
-                 "through each server ([all concurrencies](docs/results.md#against-the-engines-people-already-run)). "
-                 "llama.cpp here is llama-cpp-python's server, which inherited the benchmark's "
-                 "OMP_WAIT_POLICY=PASSIVE: about half its speed at its own defaults (the table above runs it at its "
-                 "defaults):",
-                 "", *table(PEERS_HEADERS, peers_rows(data_peers, {1})), "", *source("peers-cpu", link="")]
     return [f"{len(data['records']) // len(data['methods'])} dev prompts, up to {data['max_new_tokens']} new tokens, "
             "fp32, greedy, default model; S = tokens per forward pass:", "",
-            *table(["method", *E2E_HEADERS], rows), "", *source(stem, link=""), *quantized, *peers]
+            *table(["method", *E2E_HEADERS], rows), "", *source(stem, link=""), *quantized]
 
 
 def section_index() -> list[str]:
