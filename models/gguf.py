@@ -133,7 +133,7 @@ def load(cls, path: Path, dtype: torch.dtype, device: torch.device, **options):
         module = _module(model, module_name, name, path)
         kind = t.tensor_type.name
         if not (kind in quant.LAYOUTS and keep and param == "weight"):
-            floats.append((name, target, module, param, raw, kind, shape))
+            floats.append((name, target, param, raw, kind, shape))
             continue
         if (module.weight.shape[0], module.weight.shape[1]) != tuple(shape):
             raise ValueError(f"{path}: tensor {name} has shape {tuple(shape)}, the metadata implies "
@@ -146,12 +146,14 @@ def load(cls, path: Path, dtype: torch.dtype, device: torch.device, **options):
         loaded.add(target)
     # then memory for the rest (norms, biases, float weights) only: the quantized ones never exist in float
     model.to(dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device) if t.is_meta else t)
-    for name, target, _, param, raw, kind, shape in floats:
+    for name, target, param, raw, kind, shape in floats:
         value = torch.from_numpy(_floats(raw, kind, shape)).reshape(shape)
         current = getattr(model.get_submodule(target.rpartition(".")[0]), param)
         if tuple(current.shape) != tuple(value.shape):
             raise ValueError(f"{path}: tensor {name} has shape {tuple(value.shape)}, the metadata implies "
                              f"{tuple(current.shape)}")
+        if not torch.isfinite(value).all():
+            raise ValueError(f"{path}: tensor {name} holds NaN or inf values: the file is damaged")
         with torch.no_grad():
             current.copy_(value)
         loaded.add(target)
@@ -167,11 +169,12 @@ def load(cls, path: Path, dtype: torch.dtype, device: torch.device, **options):
     missing = sorted(expected - loaded)
     if missing:
         raise ValueError(f"{path} lacks tensor(s) for {', '.join(missing[:4])}" + (" ..." if len(missing) > 4 else ""))
-    _return_freed_memory()
     inv_freq = inverse_frequencies(config.head_dim, config.rope)
     if "rope_freqs.weight" in tensors:
         inv_freq = inv_freq / torch.from_numpy(np.array(tensors["rope_freqs.weight"].data, np.float32))
     model.rope_inv_freq = inv_freq.to(device)
+    del reader, tensors, floats  # the file's mapping and fields: then their memory can go back
+    _return_freed_memory()
     return model
 
 
