@@ -143,7 +143,7 @@ print(code, os.environ.get("OMP_WAIT_POLICY"), heavy)
     (["--seed", "-1"], "--seed must be in [0, 2**64), got -1"),
     (["--device", "gpu"], "--device must be cpu, cuda or cuda:N, got 'gpu'"),
     (["--model", ""], "--model is empty; give a checkpoint folder, or leave the flag out for SmolLM2-135M-Instruct"),
-    (["--model", "/nonexistent/x"], "--model '/nonexistent/x' is not a folder (it does not exist)"),
+    (["--model", "/nonexistent/x"], "--model '/nonexistent/x' is not a folder or a .gguf file (it does not exist)"),
     (["--cache-dir", ""], "--cache-dir is empty; give a folder or leave the flag out"),
 ])
 def test_bad_arguments_get_one_line_naming_the_flag(capsys, argv, message):
