@@ -46,9 +46,13 @@ class InvariantLinears:
         instead of several); torch's GEMMs choose their reduction by shape, so elsewhere each runs alone."""
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
-        if any(isinstance(m, QuantLinear) for m in modules):
-            return self._quantized(modules, x)
-        if x.device.type == "cpu" and self.cpu_gemm():  # the rows in their dtype: bf16 dot products take bf16 ones
+        quantized = [isinstance(m, QuantLinear) for m in modules]
+        if any(quantized) and not all(quantized):
+            # each alone, each by the mode's own path (a float linear's F.linear would not be batch-invariant)
+            return [self.side_by_side((m,), x)[0] for m in modules]
+        if all(quantized):  # a GGUF model's (`models.quantized`): their blobs side by side in one call
+            outs = quant.gemm(rows, [m.weight for m in modules]).split([m.out_features for m in modules], dim=1)
+        elif x.device.type == "cpu" and self.cpu_gemm():  # the rows in their dtype: bf16 dot products take bf16 ones
             outs = [cpu_gemm.gemm(rows, self._packed(modules))]
             if len(modules) > 1:
                 outs = outs[0].split([m.out_features for m in modules], dim=1)
@@ -65,17 +69,6 @@ class InvariantLinears:
         if x.device.type == "cpu" and self.cpu_gemm():
             return cpu_gemm.rms_norm(x, module.weight, module.eps)
         return module(x)
-
-    @staticmethod
-    def _quantized(modules: tuple[nn.Module, ...], x: torch.Tensor) -> list[torch.Tensor]:
-        """Quantized linears (`models.quantized`) side by side in one call of `quant.gemm`, where all are; else each
-        alone (each output column its own arithmetic either way)."""
-        if not all(isinstance(m, QuantLinear) for m in modules):
-            return [m(x) for m in modules]
-        out = quant.gemm(x.reshape(-1, x.shape[-1]), [m.weight for m in modules])
-        outs = out.split([m.out_features for m in modules], dim=1)
-        return [(out if m.bias is None else out + m.bias.float()).to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
-                for m, out in zip(modules, outs, strict=True)]
 
     def decoder_layers(self, layers, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        attend) -> torch.Tensor | None:

@@ -188,6 +188,16 @@ def test_every_position_on_quantized_weights_is_bitwise_the_plain_steps(files, s
                         chunk_prefix=[0, 20, 37][seed]) >= len(sequence) // 2
 
 
+def test_a_group_mixing_float_and_quantized_linears_is_bitwise_the_plain_steps(files):
+    """q/k/v or gate/up of mixed kinds run each alone, each by the mode's own path: still batch-invariant."""
+    model = Llama.from_pretrained(files({"attn_v": "F32", "ffn_up": "F32"})[0])
+    assert not isinstance(model.model.layers[0].self_attn.v_proj, QuantLinear)
+    rng = random.Random(8)
+    sequence = [rng.randrange(VOCAB) for _ in range(60)]
+    reference = plain_logits(model, sequence)
+    assert run_schedule(model, sequence, 8, others=1, reference=reference, chunk_prefix=20) >= 30
+
+
 @pytest.mark.parametrize("types", ["Q8_0", "mixed"])
 def test_lookahead_and_batches_on_quantized_weights_give_plain_greedy(files, types):
     model = Llama.from_pretrained(files(MIXED if types == "mixed" else types)[0])
