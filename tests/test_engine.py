@@ -375,41 +375,76 @@ def test_tiny_llama_rows_joining_a_running_batch_equal_each_alone(tiny_checkpoin
     assert not runner.rows and runner.blocks.held == 0
 
 
-class LinearCost(CostModel):
-    """Steps cost in proportion to their tokens, as on a CPU (a fixed 20 ms and 1 ms a token), and learn nothing."""
+class LengthCost(CostModel):
+    """Steps cost a fixed 20 ms, 1 ms a token and 2 us a token per cached position (a CPU's GEMMs, then attention),
+    and learn nothing."""
 
     def __init__(self) -> None:
         super().__init__({"greedy": Curve([1], [1.0], [0.0])})
 
     def predict(self, tokens: int, length: int, kind: str = "greedy") -> float:
-        return 0.02 + 0.001 * tokens
+        return 0.02 + 0.001 * tokens + 2e-6 * tokens * length
 
     def observe(self, tokens: int, length: int, seconds: float, kind: str = "greedy") -> None:
         pass
 
 
-@pytest.mark.parametrize("lookahead", [None, LookaheadConfig(1, 4, 5, warm=False)], ids=["plain", "lookahead"])
-def test_a_long_prompt_beside_decoding_rows_is_prefilled_in_a_few_steps(lookahead):
-    """A prompt arriving while rows decode waits about `PREFILL_STEPS` steps for its first token, however cheap the
-    decoding rows' steps: where steps cost in proportion to their tokens, keeping the step within twice the decoding
-    rows' cost alone gave a 400-token prompt 16-token chunks, 25 steps of waiting (2 s on a 2-core CPU)."""
-    from lookahead.loop.scheduler import PREFILL_STEPS
+class ChunkRecorder(MockRowModel):
+    """A `MockRowModel` that also records each step's prompt chunk of row `watched` (None: none) and its decoding
+    rows' tokens, with the cache lengths they ran at."""
 
-    model = MockRowModel(VOCAB, logits_fn, prefill_chunk=512)
-    engine = Engine(model, cost=LinearCost())
-    engine.submit(one([1, 2, 3], 60, lookahead=lookahead))
+    def __init__(self, *args, watched: int = 0, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.watched = watched
+        self.cached: dict[int, int] = {}
+        self.steps: list[tuple[tuple[int, int] | None, list[tuple[int, int]]]] = []
+
+    def step(self, steps):
+        chunk = next(((len(s.tokens), self.cached.get(s.row, 0)) for s in steps
+                      if s.prefill and s.row == self.watched), None)
+        decoding = [(len(s.tokens), self.cached.get(s.row, 0)) for s in steps if not s.prefill]
+        self.steps.append((chunk, decoding))
+        for s in steps:
+            self.cached[s.row] = self.cached.get(s.row, 0) + (len(s.tokens) if s.prefill else 1)
+        return super().step(steps)
+
+
+@pytest.mark.parametrize("lookahead", [None, LookaheadConfig(1, 4, 5, warm=False)], ids=["plain", "lookahead"])
+def test_a_long_prompt_beside_decoding_rows_never_stalls_them(lookahead):
+    """While a 3,000-token prompt prefills beside a decoding row (and alone once that row ends), each step with a
+    prompt chunk costs at most `CHUNK_COST` times the decoding row's step alone by the cost model, priced at the
+    chunk's own cache length, so the chunks shrink as the prompt's cache grows (a fixed 512-token budget made a chunk
+    at 6k positions cost seconds); every chunk carries a token at least; the long prompt's answer is its own; alone, a
+    prompt takes whole chunks."""
+    from lookahead.loop.scheduler import CHUNK_COST
+
+    cost = LengthCost()
+    model = ChunkRecorder(VOCAB, logits_fn, prefill_chunk=512, watched=1)
+    engine = Engine(model, cost=cost)
+    engine.submit(one([1, 2, 3], 400, lookahead=lookahead))
     for _ in range(3):
         engine.step()
-    steps_before, deltas = len(model.step_tokens), []
-    prompt = [(7 * i) % (VOCAB - 1) + 1 for i in range(400)]
-    engine.submit(one(prompt, 4, lookahead=lookahead),
-                  sink=lambda delta: deltas.append((len(model.step_tokens), delta)))
-    while engine.step():
+    prompt = [(7 * i) % (VOCAB - 1) + 1 for i in range(3000)]
+    handle = engine.submit(one(prompt, 4, lookahead=lookahead))
+    while engine.step() and not handle.done:
         pass
-    first = next(at for at, delta in deltas if delta.tokens)
-    assert first - steps_before <= PREFILL_STEPS
-    assert deltas[-1][1].result.tokens == alone({"prompt": prompt, "max_new_tokens": 4, "sampling": SamplingParams(),
-                                                 "lookahead": lookahead, "stop": []}).tokens
+    chunks = [(chunk, decoding) for chunk, decoding in model.steps if chunk is not None]
+    assert sum(size for (size, _), _ in chunks) == len(prompt)
+    beside = [(chunk, decoding) for chunk, decoding in chunks if decoding]  # the first row ends after 400 tokens
+    assert len(beside) > 100
+    for (size, filled), decoding in beside:
+        assert size >= 1
+        fed = sum(n for n, _ in decoding)
+        weight = sum(n * length for n, length in decoding)
+        alone_cost = cost.predict(fed, weight // fed)
+        # the scheduler counts a lookahead row as 1 + its levels tokens, its actual step may feed fewer
+        assert cost.predict(fed + size, (weight + size * filled) // (fed + size)) <= CHUNK_COST * alone_cost * 1.25
+    assert beside[0][0][0] > 4 * beside[-1][0][0]  # deep into the prompt a token costs more, so fewer of them
+    assert handle.result().tokens == alone({"prompt": prompt, "max_new_tokens": 4, "sampling": SamplingParams(),
+                                             "lookahead": lookahead, "stop": []}).tokens
+    model = ChunkRecorder(VOCAB, logits_fn, prefill_chunk=512)
+    Engine(model, cost=cost).run(Request([prompt], 2))
+    assert [chunk[0] for chunk, _ in model.steps if chunk is not None] == [512] * 5 + [440]
 
 
 def test_the_engine_benchmark_accounts_for_every_step_and_token(tiny_checkpoint):

@@ -211,13 +211,16 @@ def test_merged_slots_are_the_heap_order():
 
 def test_compiled_slots_are_the_merged_worths_bit_for_bit():
     """`native.slots` (what the budget takes its slots from) against `merge_slots` of each row's `_worths`, on scores
-    with ties, zeros, sums on the calibration bands' bounds and empty rows."""
+    with ties within a row and between rows (two rows alike: the lower row first), zeros, sums on the calibration
+    bands' bounds, empty rows and no rows."""
     assert native.load() is not None, "the compiled host loops did not build"
     rng = random.Random(6)
     budget_ = budgets(rng, False)[0]
-    for _ in range(300):
-        scores = random_scores(rng, rng.randint(0, 12), rng.choice([3, 15, 40]))
+    for i in range(300):
+        scores = random_scores(rng, rng.randint(0, 12), rng.choice([3, 15, 40])) if i else []
         scores += [[0.25, 0.25, 0.5, 0.0, 1.0]] if rng.random() < 0.3 else []
+        if scores and rng.random() < 0.5:  # a row twice, the copy somewhere after it: every run of the two ties
+            scores.insert(rng.randint(1, len(scores)), list(rng.choice(scores)))
         calibration = budget_._calibration()
         want = budget.merge_slots([budget_._worths(row, calibration) for row in scores])
         assert native.load().slots(scores, budget.CALIBRATION_BANDS, *calibration) == want

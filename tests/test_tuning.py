@@ -86,6 +86,17 @@ def test_a_stale_knot_is_overwritten_by_a_faster_step_and_moved_a_bounded_way_by
     assert confirmed.stale_at(8)
 
 
+def test_a_faster_stale_step_holds_only_stale_smaller_knots_to_it():
+    """A stale knot overwritten by its faster step holds the smaller knots that are stale to its figure; a smaller
+    knot a step ran lately keeps its own figure (where it now costs more than the larger one, the two are pooled by
+    the monotone fit, not lowered to the larger's)."""
+    curve = Curve([1, 2, 4], [1.0, 2.0, 3.0], [0.0, 0.0, 0.0])
+    curve.observe(2, 0, 2.0)  # knot 2 run now, as its figure says: fresh
+    assert not curve.stale_at(2) and curve.stale_at(1) and curve.stale_at(4)
+    curve.observe(4, 0, 1.5)  # knot 4's own step, twice as fast as its (stale) figure: overwritten
+    assert curve.base == pytest.approx([1.0, 1.75, 1.75])  # knot 2 pooled with knot 4, never lowered to 1.5
+
+
 def test_a_one_token_step_much_faster_than_the_curve_rescales_it_and_makes_its_sizes_stale():
     """The plain step's time is measured at every step: one `SHIFT` times faster than the curve's t(1) (a batch's:
     its first knot) says the curve was measured on a slower moment; every knot is scaled by it and the others are

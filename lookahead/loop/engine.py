@@ -11,9 +11,9 @@ outputs, commit what each accepted, send each request its new tokens; retire the
   (seed, position) (`sampling.py`). So every request gets what it gets alone, whatever arrives before, beside or after
   it, and whatever step sizes the budget chose.
 - **Chunked prefill.** A prompt enters in chunks that share steps with the decoding rows: while other rows decode, a
-  step carries at most as many prompt tokens as keep its cost within twice the decoding rows' own (by the cost model;
-  `MIN_CHUNK` at least), so a long prompt delays the others by about one step's time per step; alone, a prompt
-  prefills in chunks of the model's `prefill_chunk`.
+  step carries at most as many prompt tokens as keep its cost within twice the decoding rows' own (by the cost model,
+  at the cache lengths involved: a chunk deep into a long prompt costs more per token), so a long prompt delays the
+  others by about one step's time per step; alone, a prompt prefills in chunks of the model's `prefill_chunk`.
 - **Two ways to drive it.** `run(request)` decodes a `Request`'s prompts in the caller's thread, every row joining at
   step 0 (what `decode` and `decode_batch`, so `Llama.generate`, do). `start()` runs steps on a thread of its own;
   `submit(...)` from any thread or asyncio task queues a request and returns a `Handle` (its deltas as they come,

@@ -1,10 +1,10 @@
 """`Scheduler`: what the engine's next step runs. It keeps the waiting requests and the live rows, admits waiting
 requests first come, first served while there are free rows and the model has room for them, and plans every live
 row's part of one packed step: prompt chunks within the step's prefill allowance (beside decoding rows, as many prompt
-tokens as keep the step within about twice their own cost by the cost model, `MIN_CHUNK` at least, and enough to
-prefill the prompts in about `PREFILL_STEPS` steps), then the decoding rows, each self-tuned lookahead row sized by
-the budget of its own kind (one per sampled or greedy, static or not). After the step, `record` tells the budgets what
-it did. It runs nothing and sends nothing: the engine does.
+tokens as keep the step within about twice their own cost by the cost model at the lengths involved, so a long prompt
+never stalls the streams beside it; alone, the model's whole chunk), then the decoding rows, each self-tuned lookahead
+row sized by the budget of its own kind (one per sampled or greedy, static or not). After the step, `record` tells the
+budgets what it did. It runs nothing and sends nothing: the engine does.
 """
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ from .core import step_budget
 from .jobs import Job
 from .rows import RowModel, RowStep
 
-MIN_CHUNK = 16  # prompt tokens a step carries at least for a prefilling row, however busy the step
-# a prompt beside decoding rows is prefilled in about this many steps at most, however cheap their steps: the cost
-# rule alone cut a 420-token prompt beside 4 lookahead rows into 16-token chunks, a 2 s wait on a 2-core CPU (vLLM
-# and SGLang give a step a prefill budget of 2048 tokens or more, so a prompt waits about one step)
-PREFILL_STEPS = 4
+# a step with a prompt chunk beside decoding rows costs at most this many times their step alone, by the cost model
+# at the chunk's own cache length: vLLM and SGLang give a step a budget in tokens (2048 or more), and at 6k tokens of
+# context a 512-token chunk cost seconds on a 2-core CPU, every stream beside it waiting 150 times its usual gap
+CHUNK_COST = 2.0
+MIN_CHUNK = 1  # prompt tokens a step carries at least for a prefilling row, however busy the step
+UNCOSTED_CHUNK = 16  # with no cost model: prompt tokens beside decoding rows, or four per token they feed if more
 
 
 class Scheduler:
@@ -73,9 +74,10 @@ class Scheduler:
         lookahead = [job for job in decoding if job.loop is not None]
         allowance = None
         if len(decoding) < len(self.active):  # a row prefills: its chunk's allowance (costed: not worth it otherwise)
-            prompts = sum(len(job.prompt) for job in self.active if job.prefilling)
-            allowance = self._prefill_allowance(len(plain) + sum(1 + len(job.loop.window.levels) for job in lookahead),
-                                                prompts)
+            fed = {job: 1 if job.loop is None else 1 + len(job.loop.window.levels) for job in decoding}
+            first = next(job for job in self.active if job.prefilling)
+            allowance = self._prefill_allowance(sum(fed.values()),
+                                                sum(n * self._length_of(job) for job, n in fed.items()), first.filled)
         jobs, steps = [], []
         for job in self.active:
             if not job.prefilling or (allowance is not None and allowance <= 0 and (steps or decoding)):
@@ -133,22 +135,29 @@ class Scheduler:
             self.budgets[key] = step_budget(job.loop, self.cost, job.seed is not None, self.model)
         return self.budgets[key]
 
-    def _prefill_allowance(self, decoding_tokens: int, prompts: int) -> int | None:
-        """Prompt tokens the next step may carry (None: no limit) for prefilling rows whose prompts hold `prompts`
-        tokens: the model's chunk alone; beside decoding rows as many as keep the step within about twice their own
-        cost (`MIN_CHUNK` at least), or `prompts` over `PREFILL_STEPS` where that is more, never past the chunk."""
+    def _prefill_allowance(self, decoding_tokens: int, decoding_weight: int, filled: int) -> int | None:
+        """Prompt tokens the next step may carry (None: no limit) beside rows that feed `decoding_tokens` tokens over
+        `decoding_weight` token-positions (tokens times cache length), the first prefilling row having `filled`
+        positions cached: alone, the model's chunk; beside decoding rows, the most whose step the cost model puts at
+        `CHUNK_COST` times their step alone at most (`MIN_CHUNK` at least, never past the chunk); with no cost model,
+        `UNCOSTED_CHUNK` or four per decoding token."""
         chunk = self.model.prefill_chunk
         if decoding_tokens == 0 or chunk is None:
             return chunk
-        spread = -(-prompts // PREFILL_STEPS)
         if self.cost is None or not self.cost.curves:
-            return min(chunk, max(MIN_CHUNK, 4 * decoding_tokens, spread))
+            return min(chunk, max(UNCOSTED_CHUNK, 4 * decoding_tokens))
         kind = next(iter(self.cost.curves))
-        limit = 2 * self.cost.predict(decoding_tokens, 0, kind)
-        size = min(chunk, MIN_CHUNK)
-        while size * 2 <= chunk and self.cost.predict(decoding_tokens + size * 2, 0, kind) <= limit:
-            size *= 2
-        return min(chunk, max(size, spread))
+
+        def cost(size: int) -> float:
+            tokens = decoding_tokens + size
+            return self.cost.predict(tokens, (decoding_weight + size * filled) // tokens, kind)
+
+        limit = CHUNK_COST * cost(0)
+        low, high = 0, chunk  # the largest size within the limit: a step of more tokens never costs less
+        while low < high:
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if cost(middle) <= limit else (low, middle - 1)
+        return max(low, MIN_CHUNK)
 
     def record(self, steps: Sequence[RowStep], seconds: float, accepted: dict[Job, int],
                loop_seconds: float = 0.0) -> None:
