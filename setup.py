@@ -1,9 +1,16 @@
 """Installs the three top-level folders as `lookahead` (with its sub-packages), `lookahead.kernels` and
 `lookahead.models`, and the `lookahead` command."""
 
+import ast
+from pathlib import Path
+
 from setuptools import find_packages, setup
 
-FOLDERS = {"lookahead": "lookahead", "lookahead.kernels": "kernels", "lookahead.models": "models"}
+# the folder of each package, from its one home, lookahead/folders.py (parsed, not imported: the package's
+# dependencies may not be installed yet)
+FOLDERS = next(ast.literal_eval(node.value)
+               for node in ast.parse((Path(__file__).parent / "lookahead" / "folders.py").read_text()).body
+               if isinstance(node, ast.Assign) and node.targets[0].id == "FOLDERS")
 # every package under the three folders, found rather than listed: a listed one left out (lookahead.tuning once)
 # is missing from the wheel, which an editable install never shows
 PACKAGES = [f"{name}.{sub}".rstrip(".") for name, folder in FOLDERS.items() for sub in ["", *find_packages(folder)]]

@@ -43,8 +43,10 @@ def _check_one_checkout() -> None:
     """`lookahead.kernels` and `lookahead.models` come from the top-level `kernels/` and `models/` folders of the same
     checkout (or the same installed package) as this one; an editable install of another checkout that shadows one
     of them would mix two versions silently, so it fails here, at once."""
+    from .folders import FOLDERS
+
     home = Path(__file__).resolve().parent
-    for name in ("kernels", "models"):
+    for name in (package.removeprefix(f"{__name__}.") for package in FOLDERS if package != __name__):
         spec = importlib.util.find_spec(f"{__name__}.{name}")
         if spec is None or spec.origin is None:
             continue  # not installed: its own import fails with a clear error

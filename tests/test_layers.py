@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from lookahead.folders import FOLDERS as FOLDER_NAMES
+
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = {"lookahead": ROOT / "lookahead", "lookahead.kernels": ROOT / "kernels", "lookahead.models": ROOT / "models"}
+FOLDERS = {package: ROOT / folder for package, folder in FOLDER_NAMES.items()}
 
 
 def _modules() -> dict[str, Path]:
