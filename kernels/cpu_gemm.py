@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from lookahead import cpp_build
+import lookahead.cpp_build as cpp_build
 
 COLUMNS = 64  # columns per block: four AVX-512 vectors of float32 per row
 CSRC = Path(__file__).parent / "csrc"

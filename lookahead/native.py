@@ -28,7 +28,7 @@ import threading
 import warnings
 from pathlib import Path
 
-from lookahead import cpp_build
+import lookahead.cpp_build as cpp_build
 from lookahead.paths import cache_root
 
 # plain -O2, no -march=native: one build serves every CPU of an architecture; no fused multiply-adds: the products

@@ -122,3 +122,13 @@ def warm_server(served_dir):
 
 def pytest_unconfigure(config):
     shutil.rmtree(CACHE_ROOT, ignore_errors=True)
+
+
+def pytest_ignore_collect(collection_path, config):
+    """`-m smoke` imports only the test files that mark smoke tests: importing the other ~100 (torch, transformers,
+    the server, LangChain) took most of the tier's time, for tests it would deselect."""
+    if config.getoption("markexpr") != "smoke" or collection_path.suffix != ".py":
+        return None
+    if not collection_path.name.startswith("test_"):
+        return None
+    return "pytest.mark.smoke" not in collection_path.read_text(encoding="utf-8") or None

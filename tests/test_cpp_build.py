@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from lookahead import cpp_build
+import lookahead.cpp_build as cpp_build
 
 TINY = Path(__file__).parent / "csrc" / "tiny_extension.cpp"
 WHAT = "a test extension"
 LOAD = f"""
 from pathlib import Path
-from lookahead import cpp_build
+import lookahead.cpp_build as cpp_build
 ext = cpp_build.Extension("tiny", (Path({str(TINY)!r}),), what={WHAT!r})
 print(cpp_build.load(ext, {{folder!r}}).answer())
 """
