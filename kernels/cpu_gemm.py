@@ -12,9 +12,10 @@ query over its own keys in position order: `block_attention`'s contract as fused
 `decoder_layers(...)` runs a LLaMA model's layers over one packed step in one call (the same ATen ops as the Python
 layers, with these kernels, so the same bits).
 
-The source (`csrc/cpu_kernels.cpp`, then `csrc/quant_gemm.cpp`: GEMMs over GGUF-quantized weights, driven by
-`lookahead.kernels.quant`) is compiled as one extension by torch's C++ extension loader (a C++ compiler and ninja) into
-`build_dir`; where that fails `available` is False and callers use `row_plans` instead.
+The source (`csrc/cpu_kernels_module.cpp`: `csrc/cpu_kernels.cpp`, then `csrc/quant_gemm.cpp`, GEMMs over
+GGUF-quantized weights driven by `lookahead.kernels.quant`, and their bindings) is compiled as one extension by
+`lookahead.cpp_build` (a C++ compiler and ninja) into `build_dir`, once per kind of CPU, compiler and version of the
+source; where that fails `available` is False (`failure` says why) and callers use `row_plans` instead.
 """
 
 from __future__ import annotations
@@ -22,27 +23,20 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
-import sys
 import threading
-import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+import lookahead.cpp_build as cpp_build
+
 COLUMNS = 64  # columns per block: four AVX-512 vectors of float32 per row
 CSRC = Path(__file__).parent / "csrc"
 SOURCE_FILES = ("cpu_kernels.cpp", "quant_gemm.cpp")  # one translation unit, in this order (the second uses the first)
-FUNCTIONS = ["rows_gemm", "chain_attention", "bf16_pairs", "decoder_layers", "norm_rows", "quant_gemm", "quant_vnni",
-             "quant_rows"]
-
-
-def _source() -> str:
-    return "\n".join((CSRC / name).read_text(encoding="utf-8") for name in SOURCE_FILES)
-
-
-_SOURCE = _source()
+# (GCC 12 warns of `__Y` "maybe uninitialized" inside its own AVX-512 intrinsics, hundreds of times: GCC bug 105593)
+WARNINGS = ("-Wall", "-Wextra", "-Wno-maybe-uninitialized")
 _module = None
 _failed: str | None = None
 _lock = threading.Lock()
@@ -92,20 +86,6 @@ def gemm(x: torch.Tensor, packed: Packed) -> torch.Tensor:
     bfloat16 model's rows: float32 ones would be rounded). Call `available` first."""
     dtype = torch.bfloat16 if packed.blocks.dim() == 4 else torch.float32
     return _module.rows_gemm(x.to(dtype).contiguous(), packed.blocks, packed.out_features)
-
-
-STALE_LOCK_S = 600  # a build holds torch's lock file for about a minute; one this old was left by a killed process
-
-
-def _drop_stale_lock(folder: Path) -> None:
-    """torch's loader waits for its build folder's `lock` file forever: a process killed mid-build leaves one behind,
-    and every later load would hang."""
-    lock = folder / "lock"
-    try:
-        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-            lock.unlink()
-    except OSError:  # none there, or gone meanwhile
-        pass
 
 
 def attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, slots: torch.Tensor,
@@ -177,8 +157,22 @@ def bf16_dot_products(cpuinfo: str | None = None) -> str | None:
 
 
 def build_name() -> str:
-    """The build's name: this kind of CPU and the source's version (steps' measured costs are kept per build)."""
-    return f"lookahead_rows_gemm_{cpu_tag()}_{hashlib.sha256(_SOURCE.encode()).hexdigest()[:8]}"
+    """The build's name: a hash of what it is made of (`lookahead.cpp_build`: sources, flags, compiler, this kind of
+    CPU; steps' measured costs are kept per build)."""
+    return cpp_build.build_name(_extension())
+
+
+def failure() -> str | None:
+    """Why the kernels could not be built (one line: "no C++ compiler found (c++: not found)"), or None."""
+    return _failed
+
+
+def _extension() -> cpp_build.Extension:
+    # -march=native: the build is for this kind of CPU alone; no fused multiply-adds but those the kernels write
+    return cpp_build.Extension(
+        "lookahead_cpu_kernels", (CSRC / "cpu_kernels_module.cpp",), tuple(CSRC / n for n in SOURCE_FILES),
+        cflags=("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", *WARNINGS), ldflags=("-fopenmp",),
+        target=cpu_tag(), what="the CPU kernels")
 
 
 def _load(build_dir):
@@ -188,27 +182,16 @@ def _load(build_dir):
     with _lock:
         if _module is None and _failed is None:
             try:
-                from torch.utils.cpp_extension import load_inline
-
-                # one build, in its own folder, per kind of CPU and version of the source: installs of two versions
-                # sharing a cache folder would otherwise rebuild it over each other at every load
-                name = build_name()
-                folder = None
-                if build_dir is not None:
-                    folder = Path(build_dir) / name
-                    folder.mkdir(parents=True, exist_ok=True)
-                    _drop_stale_lock(folder)
-                    if not (folder / f"{name}.so").is_file():  # a long silence otherwise
-                        print(f"lookahead: compiling the batch-invariant CPU GEMM for this machine into {folder} "
-                              "(once; about a minute)", file=sys.stderr, flush=True)
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    _module = load_inline(name, cpp_sources=_SOURCE, functions=FUNCTIONS,
-                                          extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
-                                          extra_ldflags=["-fopenmp"],
-                                          build_directory=None if folder is None else str(folder), verbose=False)
-            except Exception as e:  # no compiler, no ninja, a read-only folder: the slower row plans instead
-                _failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                warnings.warn(f"lookahead: the CPU GEMM kernel could not be compiled ({_failed}); the batch-invariant "
-                              "mode uses torch's GEMMs through verified row counts instead (slower)", stacklevel=3)
+                _module = cpp_build.load(_extension(), build_dir or _default_root())
+            except (cpp_build.BuildError, OSError) as e:  # no compiler, a read-only folder: the slower row plans
+                _failed = str(e) if isinstance(e, cpp_build.BuildError) else f"{type(e).__name__}: {e}"
+                warnings.warn(f"lookahead: the CPU kernels were not built: {_failed}. The batch-invariant mode runs "
+                              "torch's GEMMs through verified row counts instead (slower), and on a CPU with bf16 dot "
+                              "products a model loads in float32, not bfloat16", stacklevel=3)
     return _module
+
+
+def _default_root() -> str:
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return get_default_build_root()

@@ -14,45 +14,32 @@ order and stable sorts, the same entries in the same order, one list object per 
 So the drafts, the steps' sizes and the acceptance are the same either way; tests/test_host_paths.py holds each to
 its Python path and to the older reference.
 
-The source (`csrc/host_loops.cpp`) is compiled at first use by torch's C++ extension loader (a C++ compiler and
-ninja) into the cache folder's `kernels` (torch's default build folder without one), one build per architecture,
-Python version and version of the source (as `lookahead.kernels.cpu_gemm`'s is, per kind of CPU); where that fails
-`load` returns None (with one warning) and every caller runs its Python path. It imports nothing of the package but
-`lookahead.paths`: the drafts and the tuning room both use it.
+The source (`csrc/host_loops.cpp`) is compiled at first use by `lookahead.cpp_build` into the cache folder's `kernels`
+(torch's default build folder without one), one build per architecture, Python version, compiler and version of the
+source (as `lookahead.kernels.cpu_gemm`'s is, per kind of CPU); where that fails `load` returns None (with one warning)
+and every caller runs its Python path. It imports nothing of the package but `lookahead.paths` and
+`lookahead.cpp_build`: the drafts and the tuning room both use it.
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
 import platform
-import sys
 import threading
-import time
 import warnings
 from pathlib import Path
 
+import lookahead.cpp_build as cpp_build
 from lookahead.paths import cache_root
 
-_SOURCE = (Path(__file__).parent / "csrc" / "host_loops.cpp").read_text(encoding="utf-8")
-
-STALE_LOCK_S = 600  # a build holds torch's lock file for seconds; one this old was left by a killed process
+# plain -O2, no -march=native: one build serves every CPU of an architecture; no fused multiply-adds: the products
+# must round as Python's do
+EXTENSION = cpp_build.Extension("lookahead_host_loops", (Path(__file__).parent / "csrc" / "host_loops.cpp",),
+                                cflags=("-O2", "-ffp-contract=off", "-Wall", "-Wextra"), target=platform.machine(),
+                                what="the engine's host loops")
 
 _lock = threading.Lock()
 _module = None
 _failed: str | None = None
-
-
-def _drop_stale_lock(folder: Path) -> None:
-    """torch's loader waits for its build folder's `lock` file forever: a process killed mid-build leaves one behind,
-    and every later load would hang (as `lookahead.kernels.cpu_gemm` guards its own build: the tuning room, which
-    uses this module, may not import the kernels)."""
-    lock = folder / "lock"
-    try:
-        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-            lock.unlink()
-    except OSError:  # none there, or gone meanwhile
-        pass
 
 
 def load():
@@ -63,30 +50,18 @@ def load():
     with _lock:
         if _module is None and _failed is None:
             try:
-                from torch.utils.cpp_extension import get_default_build_root
-                from torch.utils.cpp_extension import load as load_extension
-
-                source = hashlib.sha256(_SOURCE.encode()).hexdigest()[:8]
-                # (plain -O2, no -march=native: one build serves every CPU of an architecture; a CPython extension:
-                # one per Python version)
-                python = f"py{sys.version_info.major}{sys.version_info.minor}"
-                name = f"lookahead_host_{platform.machine()}_{python}_{source}"
-                root = cache_root()
-                folder = (Path(get_default_build_root()) if root is None else root / "kernels") / name
-                folder.mkdir(parents=True, exist_ok=True)
-                _drop_stale_lock(folder)
-                path = folder / "host.cpp"
-                if not path.is_file() or path.read_text() != _SOURCE:  # (a whole file: another process may build)
-                    staged = folder / f"host.cpp.{os.getpid()}"
-                    staged.write_text(_SOURCE)
-                    os.replace(staged, path)
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    # (no fused multiply-adds: the products must round as Python's do)
-                    _module = load_extension(name, [str(path)], extra_cflags=["-O2", "-ffp-contract=off"],
-                                             build_directory=str(folder), verbose=False)
-            except Exception as e:  # no compiler, no ninja, a read-only folder: the Python paths instead
-                _failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                warnings.warn(f"lookahead: the compiled host loops could not be built ({_failed}); the engine runs "
-                              "their Python code instead (the same drafts and steps, slower)", stacklevel=3)
+                _module = cpp_build.load(EXTENSION, _folder())
+            except (cpp_build.BuildError, OSError) as e:  # no compiler, a read-only folder: the Python paths instead
+                _failed = str(e) if isinstance(e, cpp_build.BuildError) else f"{type(e).__name__}: {e}"
+                warnings.warn(f"lookahead: the engine's host loops were not built: {_failed}. The engine runs their "
+                              "Python code instead (the same drafts and steps, slower)", stacklevel=3)
     return _module
+
+
+def _folder() -> Path:
+    root = cache_root()
+    if root is not None:
+        return root / "kernels"
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(get_default_build_root())

@@ -15,7 +15,7 @@ from lookahead.backends import choose_backend, choose_fusion
 from lookahead.config import LookaheadConfig
 from lookahead.drafts import DraftMemory
 from lookahead.kernels import interpreting
-from lookahead.kernels.cpu_gemm import bf16_dot_products
+from lookahead.kernels.cpu_gemm import bf16_dot_products, failure
 from lookahead.loop import GenerationResult
 from lookahead.tuning import CostModel
 from lookahead.tuning.store import Saver
@@ -451,7 +451,7 @@ def default_dtype(device: torch.device, batch_invariant: bool) -> tuple[torch.dt
     if not batch_invariant:
         return torch.float32, "without the batch-invariant mode 16-bit may flip near-ties"
     if not cpu_kernels_built():  # torch's GEMMs through row plans read bf16 weights as float32 copies: no faster
-        return torch.float32, "the package's CPU kernels could not be built here"
+        return torch.float32, f"the package's CPU kernels could not be built here: {failure()}"
     return torch.bfloat16, f"this CPU has bf16 dot products ({feature}), and the batch-invariant mode keeps it exact"
 
 

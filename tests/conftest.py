@@ -3,6 +3,7 @@
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 # Idle OpenMP threads sleep instead of spinning: on a busy 2-core machine spinning slows small ops 100x.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read when torch loads OpenMP, so before `import torch`
@@ -12,6 +13,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read when torch loads Ope
 # module builds an environment for its subprocesses from os.environ.
 CACHE_ROOT = tempfile.mkdtemp(prefix="lookahead-test-cache-")
 os.environ["LOOKAHEAD_CACHE_DIR"] = CACHE_ROOT
+# ... but its compiled extensions are kept per machine: a build is named by what it is made of (lookahead.cpp_build),
+# so sessions share it safely, and a session compiles nothing that an earlier one built. A test that needs a fresh
+# build passes a folder of its own (tmp_path).
+KERNELS = Path(tempfile.gettempdir()) / f"lookahead-test-kernels-{os.getuid()}"
+KERNELS.mkdir(exist_ok=True)
+os.symlink(KERNELS, Path(CACHE_ROOT) / "kernels")
 # float32 where a test names no dtype, in this process and its subprocesses: the exactness reference against
 # transformers, whatever the CPU (the default is bfloat16 on one with bf16 dot products; test_dtype_default.py)
 os.environ["LOOKAHEAD_DTYPE"] = "float32"
@@ -115,3 +122,13 @@ def warm_server(served_dir):
 
 def pytest_unconfigure(config):
     shutil.rmtree(CACHE_ROOT, ignore_errors=True)
+
+
+def pytest_ignore_collect(collection_path, config):
+    """`-m smoke` imports only the test files that mark smoke tests: importing the other ~100 (torch, transformers,
+    the server, LangChain) took most of the tier's time, for tests it would deselect."""
+    if config.getoption("markexpr") != "smoke" or collection_path.suffix != ".py":
+        return None
+    if not collection_path.name.startswith("test_"):
+        return None
+    return "pytest.mark.smoke" not in collection_path.read_text(encoding="utf-8") or None

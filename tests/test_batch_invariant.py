@@ -509,23 +509,6 @@ def test_every_position_is_bitwise_the_plain_steps_with_the_triton_kernel(tiny_c
     assert run_schedule(model, sequence, 7, others=1, reference=reference, chunk_prefix=20) >= 17
 
 
-def test_a_stale_build_lock_is_dropped_and_a_fresh_one_kept(tmp_path):
-    """A process killed while compiling the CPU GEMM leaves torch's lock file, on which every later load would wait."""
-    import os
-    import time
-
-    from lookahead.kernels import cpu_gemm
-
-    lock = tmp_path / "lock"
-    lock.touch()
-    cpu_gemm._drop_stale_lock(tmp_path)
-    assert lock.exists()
-    old = time.time() - cpu_gemm.STALE_LOCK_S - 1
-    os.utime(lock, (old, old))
-    cpu_gemm._drop_stale_lock(tmp_path)
-    assert not lock.exists()
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 def test_the_cpu_kernels_compute_what_torch_computes(dtype):
     """The compiled CPU GEMM and attention against torch to rounding (the invariance tests above hold each only to

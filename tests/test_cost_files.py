@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 import warnings
 from pathlib import Path
@@ -299,7 +300,8 @@ def test_both_adapters_go_through_the_shared_measurement(tiny_checkpoint, cache,
     assert keys[0]["versions"][:3] == keys[1]["versions"][:3]  # torch, triton, lookahead: read one way
 
 
-def test_a_cost_file_belongs_to_the_build_of_the_cpu_kernels_that_ran(tiny_checkpoint, cache, monkeypatch):
+def test_a_cost_file_belongs_to_the_build_of_the_cpu_kernels_that_ran(tiny_checkpoint, cache, monkeypatch,
+                                                                       tmp_path):
     """Costs measured on one version of the compiled CPU kernels are not another's (a faster GEMM makes larger steps
     pay): the key names the build where the batch-invariant mode runs on it, and nothing where the mode is off."""
     from lookahead.kernels import cpu_gemm
@@ -307,7 +309,11 @@ def test_a_cost_file_belongs_to_the_build_of_the_cpu_kernels_that_ran(tiny_check
     model = Llama.from_pretrained(tiny_checkpoint())
     model.generate(PROMPT, max_new_tokens=4, lookahead=LookaheadConfig())
     assert model.batch_invariant and model.cost_model.key["kernels"] == cpu_gemm.build_name()
-    monkeypatch.setattr(cpu_gemm, "_SOURCE", cpu_gemm._SOURCE + "// another version\n")
+    another = tmp_path / "csrc"  # the kernels' sources, one of them changed
+    shutil.copytree(cpu_gemm.CSRC, another)
+    with open(another / cpu_gemm.SOURCE_FILES[-1], "a") as f:
+        f.write("// another version\n")
+    monkeypatch.setattr(cpu_gemm, "CSRC", another)
     assert cpu_gemm.build_name() != model.cost_model.key["kernels"]
     off = Llama.from_pretrained(tiny_checkpoint(), batch_invariant=False)
     off.generate(PROMPT, max_new_tokens=4, lookahead=LookaheadConfig())

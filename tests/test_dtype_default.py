@@ -65,8 +65,9 @@ def test_the_default_follows_the_cpu_and_the_mode(unpinned):
 def test_without_the_cpu_kernels_the_default_stays_float32(unpinned, monkeypatch):
     """Without a compiler the mode runs torch's GEMMs on float32 copies of the weights: bfloat16 gains nothing."""
     monkeypatch.setattr(llama_module, "cpu_kernels_built", lambda: False)
-    assert default_dtype(CPU, batch_invariant=True) == (torch.float32,
-                                                        "the package's CPU kernels could not be built here")
+    monkeypatch.setattr(llama_module, "failure", lambda: "no C++ compiler found (c++: not found)")
+    assert default_dtype(CPU, batch_invariant=True) == (
+        torch.float32, "the package's CPU kernels could not be built here: no C++ compiler found (c++: not found)")
 
 
 def test_the_environment_names_the_default(unpinned, monkeypatch):

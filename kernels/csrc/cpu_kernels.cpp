@@ -42,7 +42,7 @@ class Pool {
     const int threads = std::min<int64_t>(n, at::get_num_threads());
     std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
     const auto start = std::chrono::steady_clock::now();
-    if (threads <= 1 || !busy.owns_lock() || n > ITEMS || start < serial_until_) {
+    if (threads <= 1 || !busy.owns_lock() || n > int64_t(ITEMS) || start < serial_until_) {
       fn(0, n);
       return;
     }

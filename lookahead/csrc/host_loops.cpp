@@ -841,6 +841,7 @@ PyMethodDef methods[] = {
 #define INIT_(name) PyInit_##name
 #define INIT(name) INIT_(name)
 
-static PyModuleDef module_def = {PyModuleDef_HEAD_INIT, STRINGIFY(TORCH_EXTENSION_NAME), nullptr, -1, methods};
+static PyModuleDef module_def = {PyModuleDef_HEAD_INIT, STRINGIFY(TORCH_EXTENSION_NAME), nullptr, -1, methods,
+                                  nullptr, nullptr, nullptr, nullptr};
 
 PyMODINIT_FUNC INIT(TORCH_EXTENSION_NAME)(void) { return PyModule_Create(&module_def); }

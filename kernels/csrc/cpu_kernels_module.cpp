@@ -1,0 +1,17 @@
+// The CPU kernels' extension (lookahead.kernels.cpu_gemm builds this file): one translation unit, since
+// quant_gemm.cpp uses cpu_kernels.cpp's thread pool, and the functions Python calls.
+#include <torch/extension.h>
+
+#include "cpu_kernels.cpp"
+#include "quant_gemm.cpp"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rows_gemm", torch::wrap_pybind_function(rows_gemm), "rows_gemm");
+  m.def("chain_attention", torch::wrap_pybind_function(chain_attention), "chain_attention");
+  m.def("bf16_pairs", torch::wrap_pybind_function(bf16_pairs), "bf16_pairs");
+  m.def("decoder_layers", torch::wrap_pybind_function(decoder_layers), "decoder_layers");
+  m.def("norm_rows", torch::wrap_pybind_function(norm_rows), "norm_rows");
+  m.def("quant_gemm", torch::wrap_pybind_function(quant_gemm), "quant_gemm");
+  m.def("quant_vnni", torch::wrap_pybind_function(quant_vnni), "quant_vnni");
+  m.def("quant_rows", torch::wrap_pybind_function(quant_rows), "quant_rows");
+}
