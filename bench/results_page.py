@@ -64,6 +64,7 @@ RUNS: dict[str, tuple[str, str]] = {
                       "tree"),
     "sampling-s-cpu": ("python bench/sampling_s.py --per-kind 1", CHAINS),
     "peers-cpu": ("python bench/peers.py", "tree"),
+    "stalls-cpu": ("python bench/stalls.py", "tree"),
     "quantized-cpu": ("python bench/quantized.py --build", "tree"),
     "peers-c1-cpu": ("python bench/peers.py --only ours --concurrency 1 --rounds 3 --name peers-c1", "tree"),
     "profile-cpu": ("python bench/profile_step.py", "tree"),
@@ -170,26 +171,16 @@ E2E_HEADERS = ["S", "tokens/s", "vs our greedy", "vs transformers greedy", "exac
 
 
 def summary_table() -> list[str]:
-    """README's tables: the default against plain decoding (the latest end-to-end run), and GGUF files against
-    llama.cpp's own binaries on the same file."""
-    stem = "e2e-tuned-cpu"
-    keep = {"greedy (ours)", "hf greedy", "hf prompt lookup", f"lookahead {DEFAULT}", f"lookahead {DEFAULT}@auto"}
-    rows = [row for row, method in zip(e2e_rows(stem, False), load(stem)["methods"], strict=True) if method in keep]
-    data = load(stem)
-    quantized = []
-    if (RESULTS / "quantized-cpu.json").is_file():
-        q = load("quantized-cpu")
-        rows_q = [[r["file"], f"{r['llama_cpp_tg_tok_s']:.1f}", f"{r['ours_plain_tok_s']:.1f}",
-                   x(r["ours_plain_tok_s"] / r["llama_cpp_tg_tok_s"]), f"{r['ours_lookahead_tok_s']:.1f}",
-                   x(r["ours_lookahead_tok_s"] / r["llama_cpp_tg_tok_s"])] for r in q["results"]]
-        quantized = ["", f"Against llama.cpp's own binaries at their defaults on the same GGUF file, weights kept "
-                     f"quantized, one request, {q['prompts']} held-out prompts, {q['tokens']} new tokens, greedy, "
-                     f"decode tokens/s (no prefill; [step curves, bandwidth, exactness, agreement]({QUANTIZED_LINK})):",
-                     "", *table(["file", "llama.cpp", "ours plain", "vs llama.cpp", "ours lookahead", "vs llama.cpp"],
-                                rows_q), "", *source("quantized-cpu", link="")]
-    return [f"{len(data['records']) // len(data['methods'])} dev prompts, up to {data['max_new_tokens']} new tokens, "
-            "fp32, greedy, default model; S = tokens per forward pass:", "",
-            *table(["method", *E2E_HEADERS], rows), "", *source(stem, link=""), *quantized]
+    """README's one table, from one machine and commit: GGUF files against llama.cpp's own binaries at their defaults
+    on the same file, ours plain and with the default lookahead (the rest is on the results page)."""
+    q = load("quantized-cpu")
+    rows = [[r["file"], f"{r['llama_cpp_tg_tok_s']:.1f}", f"{r['ours_plain_tok_s']:.1f}",
+             x(r["ours_plain_tok_s"] / r["llama_cpp_tg_tok_s"]), f"{r['ours_lookahead_tok_s']:.1f}",
+             x(r["ours_lookahead_tok_s"] / r["llama_cpp_tg_tok_s"])] for r in q["results"]]
+    return [f"One request, {q['prompts']} held-out prompts, {q['tokens']} new tokens, greedy, decode tokens/s (no "
+            f"prefill; [step curves, bandwidth, exactness, agreement]({QUANTIZED_LINK})):", "",
+            *table(["file", "llama.cpp", "ours plain", "vs llama.cpp", "ours lookahead", "vs llama.cpp"], rows), "",
+            *source("quantized-cpu", link="")]
 
 
 def section_index() -> list[str]:
@@ -677,13 +668,37 @@ def section_warm() -> list[str]:
 
 def peers_rows(data: dict, concurrency: set[int] | None = None) -> list[list]:
     return [[s["engine"], s["dtype"], s["concurrency"], f"{s['tok_s']:.1f}", f"{s['request_tok_s']:.1f}",
-             f"{s['ttft_ms']:.0f}", "" if s["vs_llama_cpp"] is None else x(s["vs_llama_cpp"]), f"{s['load']:.1f}"]
+             f"{s['ttft_ms']:.0f}", "" if s["vs_llama_cpp"] is None else x(s["vs_llama_cpp"]),
+             "" if s.get("vs_passive") is None else x(s["vs_passive"]), f"{s['load']:.1f}"]
             for s in sorted(data["summary"], key=lambda s: (s["concurrency"], s["dtype"], s["engine"]))
             if concurrency is None or s["concurrency"] in concurrency]
 
 
 PEERS_HEADERS = ["engine", "dtype", "concurrent", "tokens/s", "per request tokens/s", "TTFT ms", "vs llama.cpp",
-                 "load"]
+                 "vs llama.cpp at PASSIVE", "load"]
+
+
+def prefill_rows(data: dict) -> list[list]:
+    """`bench/peers.py`'s prefill rows (files from before it measured prefill have none)."""
+    return [[p["engine"], p["dtype"], p["prompt_tokens"], f"{p['ttft_s']:.2f}", f"{p['prompt_tok_s']:.0f}",
+             "" if p["vs_llama_cpp"] is None else x(p["vs_llama_cpp"])]
+            for p in sorted(data.get("prefill", []), key=lambda p: (p["prompt_tokens"], p["dtype"], p["engine"]))]
+
+
+def section_stalls() -> list[str]:
+    """A long prompt beside a stream (`bench/stalls.py`)."""
+    if not (RESULTS / "stalls-cpu.json").is_file():
+        return []
+    data = load("stalls-cpu")
+    rows = [[r["prompt_tokens"], f"{r['median_gap']:.3f}", f"{r['max_gap']:.3f}", x(r["ratio"]), f"{r['ttft']:.1f}",
+             f"{r['ttft_alone']:.1f}"] for r in data["rows"]]
+    return ["## A long prompt beside a stream", "",
+            "`bench/stalls.py`: `lookahead serve` (the default model, its defaults); a first request streams, and "
+            f"after its first {data['lead']} chunks a long prompt arrives. The first stream's gaps between chunks "
+            "while the long prompt prefills (the goal: the largest at most 3x the median), and the long prompt's "
+            "time to first token beside the stream and alone (what chunking it around the stream costs it).", "",
+            *table(["prompt tokens", "stream's median gap s", "largest gap s", "largest / median",
+                    "time to first token beside s", "alone s"], rows), "", *source("stalls-cpu")]
 
 
 def section_peers() -> list[str]:
@@ -703,6 +718,9 @@ def section_peers() -> list[str]:
             "token (median); TTFT: to the first chunk with text (median); vs llama.cpp: tokens/s over llama.cpp's in "
             "the same dtype at the same concurrency; load: the 1-minute load average when the run began.", "",
             *table(PEERS_HEADERS, peers_rows(data)), "",
+            *(["Prefill: the time to first token of one long prompt (held-out prompts joined), and prompt tokens/s "
+               "over it:", "", *table(["engine", "dtype", "prompt tokens", "time to first token s", "prompt tokens/s",
+                                        "vs llama.cpp"], prefill_rows(data)), ""] if prefill_rows(data) else []),
             *(["Not measured:", "", *skipped, ""] if skipped else []), *source("peers-cpu"), "",
             *ours_against_plain()]
 
@@ -870,7 +888,8 @@ def section_structured() -> list[str]:
 
 
 def render_page() -> str:
-    sections = [section_index(), section_quantized(), section_peers(), section_profile(), section_cpu_gemm(),
+    sections = [section_index(), section_quantized(), section_peers(), section_stalls(), section_profile(),
+                section_cpu_gemm(),
                 section_e2e(), section_engine(), section_serve(), section_paging(), section_tree(),
                 section_overhead(), section_host_time(), section_sampling(), section_scaling(), section_batch(),
                 section_distributed(), section_tuned(), section_warm(), section_structured(), section_invariant(),
