@@ -37,8 +37,8 @@ done
 # seconds: the whole run, each part's, the least a part starts with, kept back at the end, and a part's grace: it
 # stops itself at its budget (counted from its process's start, imports included) and is killed this much later
 if [ "$dry" = 1 ]; then
-    total=${budget:-90} reserve=2 least=3 grace=4 slug=cpu
-    declare -A want=([a]=25 [b]=15 [c]=20 [d]=10 [e]=$total)  # e: whatever is left
+    total=${budget:-90} reserve=2 least=3 grace=5 slug=cpu
+    declare -A want=([a]=25 [b]=15 [c]=20 [d]=15 [e]=$total)  # e: whatever is left
 else
     total=${budget:-540} reserve=10 least=20 grace=8 slug=cuda
     declare -A want=([a]=150 [b]=90 [c]=90 [d]=75 [e]=$total)
