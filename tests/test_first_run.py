@@ -128,6 +128,16 @@ def test_the_commit_is_read_from_bench_commit_where_there_is_no_git(tmp_path, mo
     assert common.git_commit() == "abc1234+changes"
 
 
+def test_part_d_cuts_its_tests_with_sigint_so_they_say_what_ran(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import first_run
+
+    (tmp_path / "test_s.py").write_text("import time\n\ndef test_a():\n    pass\n\ndef test_b():\n    time.sleep(60)\n")
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", str(tmp_path / "test_s.py")]
+    rc, lines = first_run.run_cut(command, 8.0)
+    assert rc is None and any(line.startswith("PASSED") and "test_a" in line for line in lines), lines
+
+
 def test_the_gpu_suite_writes_its_logs_under_out():
     """Issue 49 item 15: a lent GPU host sends back $OUT only."""
     script = (ROOT / "bench" / "gpu_suite.sh").read_text()
