@@ -27,11 +27,6 @@ def machine() -> dict:
                 break
     except OSError:
         pass
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True, check=False).stdout.strip()
-    except OSError:
-        commit = ""
     versions = {}
     for name in ("triton", "transformers"):  # neither is needed to time a random model (bench/first_run.py)
         try:
@@ -43,9 +38,28 @@ def machine() -> dict:
         "cpu_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         **versions,
-        "commit": commit,
+        "commit": git_commit(),
         "date": time.strftime("%Y-%m-%d %H:%M"),
     }
+
+
+COMMIT_FILE = ROOT / "bench" / "COMMIT"  # written by bench/gpu_first_run.sh where git works (git-ignored)
+
+
+def git_commit() -> str:
+    """The checkout's commit: git's where .git is there; else what bench/COMMIT recorded before the files were copied
+    (a lent GPU host gets the working tree without .git); else a line saying neither was there."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                text=True, check=False).stdout.strip()
+    except OSError:
+        commit = ""
+    if commit:
+        return commit
+    try:
+        return COMMIT_FILE.read_text(encoding="utf-8").strip() or "unknown: bench/COMMIT is empty"
+    except OSError:
+        return "unknown: no .git and no bench/COMMIT (run bash bench/gpu_first_run.sh --dry-run before copying)"
 
 
 def device_slug() -> str:

@@ -9,16 +9,23 @@ short of time writes why and returns.
     on a CPU (bench/data/smollm2-traces.json, from bench/record_traces.py): tokens/s of plain and lookahead
     decoding for the same tokens, with the real model's S, and no model file on the GPU host.
 (c) engine: the engine (`engine_for`) with 1, 8 and 32 requests at once, plain and lookahead rows, the SmolLM2 shape.
-(d) batch_invariant: where `Llama` has `batch_invariant`, its bitwise tests (tests/test_batch_invariant.py) and the
-    time of a plain and a lookahead step with the mode on and off; otherwise a line saying it is absent.
+(d) batch_invariant: where `Llama` has `batch_invariant`, its bitwise tests (tests/test_batch_invariant.py) first, then
+    the time of a plain and a lookahead step with the mode on and off; otherwise a line saying it is absent.
 
     python bench/first_run.py --part a --out first-run.jsonl --budget 150
     python bench/first_run.py --part a --out first-run.jsonl --budget 10 --dry-run   # a CPU: tiny shapes
+
+A part's budget counts from its process's start (bench/gpu_first_run.sh passes the same moment as --deadline, where
+its kill limit starts too): imports take 10-30 s on a loaded machine, and a clock started after them ran past the kill.
 """
 
 from __future__ import annotations
 
-import os
+import time
+
+STARTED = time.monotonic()  # before the imports: a part's budget includes them
+
+import os  # noqa: E402
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle OpenMP threads sleep: the CPU is shared
 
@@ -26,10 +33,10 @@ import argparse  # noqa: E402
 import inspect  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
+import signal  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -52,12 +59,16 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_la
 
 class Out:
     """The JSON lines of one part, each flushed to disk as written (a run cut short keeps every line before the cut),
-    and the part's deadline."""
+    and the part's deadline: `budget` seconds after `start` (a `time.monotonic()`; default now), or `deadline` (epoch
+    seconds, as `time.time()`) where that is sooner."""
 
-    def __init__(self, path: Path, part: str, budget: float, dry: bool) -> None:
+    def __init__(self, path: Path, part: str, budget: float, dry: bool, start: float | None = None,
+                 deadline: float | None = None) -> None:
         self.path, self.part, self.dry = path, part, dry
-        self.start = time.monotonic()
+        self.start = time.monotonic() if start is None else start
         self.deadline = self.start + budget
+        if deadline is not None:
+            self.deadline = min(self.deadline, time.monotonic() + deadline - time.time())
 
     def line(self, kind: str, **fields) -> None:
         record = {"part": self.part, "kind": kind, "t": round(time.monotonic() - self.start, 2), **fields}
@@ -147,13 +158,34 @@ def part_step_time(out: Out) -> None:
             runner = plain if runner_name == "plain" else wide
             where = dict(runner=runner_name, config=name, T=pattern.num_tokens,
                          padded=runner.round_up(pattern.num_tokens), L=length, splits=splits_of(runner, pattern))
-            try:
-                first, median = time_step(sequences[runner_name], pattern, tokens, rows, requests, length, repeats)
-            except Exception as e:  # noqa: BLE001 - an out-of-memory at one size leaves the others to measure
-                out.line("error", **where, error=f"{type(e).__name__}: {e}"[:500])
-                continue
-            out.line("step", **where, ms=round(median * 1e3, 4), first_s=round(first, 3), graphs=runner.cuda_graphs,
-                     repeats=repeats)
+            measured = measure_step(out, runner, where, sequences[runner_name], pattern, tokens, rows, requests,
+                                    length, repeats)
+            if measured is not None:
+                first, median = measured
+                out.line("step", **where, ms=round(median * 1e3, 4), first_s=round(first, 3),
+                         graphs=runner.cuda_graphs, repeats=repeats)
+
+
+def measure_step(out: Out, runner: CachedRunner, where: dict, seq, pattern, tokens, rows, requests, length: int,
+                 repeats: int) -> tuple[float, float] | None:
+    """`time_step`, or None after an error line. Where a graphed step fails (its CUDA graph capture, say), the error is
+    written and the runner measures without graphs from then on, this step again first: eager figures rather than
+    none (the step lines say `graphs`)."""
+    try:
+        return time_step(seq, pattern, tokens, rows, requests, length, repeats)
+    except Exception as e:  # noqa: BLE001 - an out-of-memory at one size leaves the others to measure
+        out.line("error", **where, graphs=runner.cuda_graphs, error=f"{type(e).__name__}: {e}"[:500])
+        if not runner.cuda_graphs:
+            return None
+    runner.cuda_graphs = False
+    if GPU:
+        torch.cuda.synchronize()
+    out.line("graphs_off", **where, reason="the graphed step failed: this runner measures without CUDA graphs")
+    try:
+        return time_step(seq, pattern, tokens, rows, requests, length, repeats)
+    except Exception as e:  # noqa: BLE001
+        out.line("error", **where, graphs=False, error=f"{type(e).__name__}: {e}"[:500])
+        return None
 
 
 def traces(dry: bool) -> tuple[LlamaConfig, list[dict]]:
@@ -192,6 +224,11 @@ def replay(seq, trace: dict, vocab: int, plain: bool) -> tuple[int, float]:
     return committed, seconds
 
 
+# part (b)'s figures are the model's steps alone: the replay drafts, verifies and samples nothing, so its tokens/s is
+# an upper bound on decoding's, not the command's (whose host work, measured on a CPU, is bench/host_time.py's)
+MODEL_TIME_ONLY = "model time only: recorded steps replayed; no drafting, verification or sampling on the host"
+
+
 def part_replay(out: Out) -> None:
     dtype, device = setup(out.dry)
     config, recorded = traces(out.dry)
@@ -223,14 +260,14 @@ def part_replay(out: Out) -> None:
                     total[2] += 1 if method == "plain" else 0
                     out.line("trace", setting=trace["setting"], kind_of_prompt=trace["kind"], method=method,
                              tokens=tokens, steps=tokens if method == "plain" else len(trace["steps"]),
-                             tok_s=round(tokens / seconds, 1))
+                             tok_s=round(tokens / seconds, 1), timed=MODEL_TIME_ONLY)
     for setting in settings:
         look, plain = totals.get((setting, False)), totals.get((setting, True))
         if look and plain:
             steps = sum(len(t["steps"]) for t in recorded if t["setting"] == setting) * (len(rounds) - 1)
             rate, base = look[0] / look[1], plain[0] / plain[1]
             out.line("summary", setting=setting, S=round(look[0] / steps, 3), lookahead_tok_s=round(rate, 1),
-                     plain_tok_s=round(base, 1), speedup=round(rate / base, 3))
+                     plain_tok_s=round(base, 1), speedup=round(rate / base, 3), timed=MODEL_TIME_ONLY)
 
 
 def part_engine(out: Out) -> None:
@@ -270,40 +307,86 @@ MODES = [("default", {}), ("unfused", {"fusion": "none"}), ("invariant", {"fusio
 
 
 def part_batch_invariant(out: Out) -> None:
-    """Where `Llama` has `batch_invariant`: a plain and a 1-4-5 step in each of `MODES` (SmolLM2's shape), the
-    bitwise tests (tests/test_batch_invariant.py) with what is left but the last 25 s, then the 8B shape."""
+    """Where `Llama` has `batch_invariant`: the bitwise tests (tests/test_batch_invariant.py) first, with what is left
+    but `TIMING_S`, then a plain and a 1-4-5 step in each of `MODES`, SmolLM2's shape, then the 8B shape (its mode
+    only where the GPU has room for the mode's fp32 weight copies beside the bf16 ones: about 48 GB in all)."""
     if "batch_invariant" not in inspect.signature(Llama.__init__).parameters:
         out.line("skipped", reason="Llama has no batch_invariant argument in this checkout (the mode is not merged)")
         return
     config, lengths = (LlamaConfig(**TINY), (64,)) if out.dry else (traces(False)[0], (1024, 4096))
-    time_modes(out, "tiny" if out.dry else "SmolLM2-135M", config, lengths)
     tests = ROOT / "tests" / "test_batch_invariant.py"
     if out.dry:
         out.line("tests", ran=False, reason="the dry run does not run the bitwise tests", found=tests.is_file())
     elif not tests.is_file():
         out.line("tests", ran=False, reason=f"{tests.relative_to(ROOT)} is missing")
-    elif out.left() > 40:
-        budget = out.left() - 25
-        try:
-            run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", str(tests)],
-                                 capture_output=True, text=True, timeout=budget, cwd=ROOT)
-            lines = (run.stdout + run.stderr).strip().splitlines()
-            out.line("tests", ran=True, rc=run.returncode, summary=lines[-1] if lines else "", tail=lines[-25:])
-        except subprocess.TimeoutExpired:
-            out.line("tests", ran=True, rc=None, summary=f"cut after {budget:.0f} s")
+    elif out.left() > TIMING_S + 15:
+        budget = out.left() - TIMING_S
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", str(tests)]
+        rc, lines = run_cut(command, budget)
+        summary = lines[-1] if lines else ""
+        if rc is None:
+            summary = f"cut after {budget:.0f} s: {summary}"
+        out.line("tests", ran=True, rc=rc, summary=summary, tail=lines[-40:])
+    else:
+        out.line("tests", ran=False, reason=f"{out.left():.0f} s left: too few for the tests and the timings")
+    time_modes(out, "tiny" if out.dry else "SmolLM2-135M", config, lengths)
     if not out.dry:
         time_modes(out, "8B", LLAMA_8B, lengths)
+
+
+TIMING_S = 25  # part (d)'s seconds kept for the SmolLM2-shaped timings after its tests
+
+
+def run_cut(command: list[str], seconds: float) -> tuple[int | None, list[str]]:
+    """(exit status, or None where it was cut; its output's lines) of `command` (a pytest run) given `seconds`: at the
+    limit it gets SIGINT, so pytest stops and prints what ran (-rA names each test), then a kill 10 s later."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    try:
+        output, _ = proc.communicate(timeout=seconds)
+        return proc.returncode, output.strip().splitlines()
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+    try:
+        output, _ = proc.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        output, _ = proc.communicate()
+    return None, output.strip().splitlines()
+
+
+def weight_bytes(shape) -> int:
+    """Bytes of one copy of a LLaMA's weights at 1 byte a parameter (the embedding and the head counted apart)."""
+    c = shape if isinstance(shape, LlamaConfig) else LlamaConfig(**shape)
+    attention = c.hidden_size * c.head_dim * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
+    mlp = 3 * c.hidden_size * c.intermediate_size
+    return 2 * c.vocab_size * c.hidden_size + c.num_hidden_layers * (attention + mlp)
+
+
+def room_for(options: dict, shape) -> str | None:
+    """None where the GPU's free memory holds a model of `shape` in `options`' mode (bf16, plus the invariant mode's
+    fp32 copies) with a fifth to spare; else why not. Always None on a CPU."""
+    if not GPU:
+        return None
+    need = weight_bytes(shape) * (2 + (4 if options.get("batch_invariant") else 0)) * 1.2
+    free = torch.cuda.mem_get_info()[0]
+    if free >= need:
+        return None
+    return f"needs about {need / 2**30:.0f} GiB of GPU memory, {free / 2**30:.0f} GiB free"
 
 
 def time_modes(out: Out, shape_name: str, shape, lengths: tuple[int, ...]) -> None:
     """A plain and a 1-4-5 step at each L, on a model of each of `MODES`; a mode that fails writes its error."""
     dtype, device = setup(out.dry)
     for mode, options in MODES:
-        if out.late(2.0 if out.dry else 20.0):
+        if out.late(4.0 if out.dry else 20.0):  # a model built and its kernels compiled, at least
             return
         if out.dry and options.get("batch_invariant"):  # a dry run cut mid-compile leaves torch's build lock behind
             out.line("skipped", mode=mode, reason="the dry run does not build the mode: on a CPU its GEMM compiles "
                                                   "once per machine (about a minute)")
+            continue
+        short = room_for(options, shape)
+        if short is not None:  # an out-of-memory midway could leave the device unusable for the parts after
+            out.line("skipped", model=shape_name, mode=mode, reason=short)
             continue
         seq = None
         try:
@@ -334,8 +417,10 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True, help="the JSON lines file to append to")
     parser.add_argument("--budget", type=float, required=True, help="seconds this part may take")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on a CPU")
+    parser.add_argument("--deadline", type=float, help="epoch seconds by which the part ends, if sooner than --budget "
+                                                         "after the process started (the kill limit's start)")
     args = parser.parse_args()
-    out = Out(args.out, args.part, args.budget, args.dry_run)
+    out = Out(args.out, args.part, args.budget, args.dry_run, start=STARTED, deadline=args.deadline)
     if not args.dry_run and not GPU:
         out.line("error", error="no CUDA GPU visible to torch: run with --dry-run on a CPU")
         return 2
@@ -352,4 +437,9 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # every line is on disk (fsync'ed): skip the interpreter's teardown (torch's, the kernels' thread pools), which
+    # took over 2 s on a loaded machine after "done" and ran the part into its kill limit
+    os._exit(code)

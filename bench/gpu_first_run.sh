@@ -13,10 +13,13 @@
 #   b  bench/first_run.py --part b: tokens/s plain vs lookahead, SmolLM2-shaped, replaying steps recorded on a CPU
 #   c  bench/first_run.py --part c: the engine at 1, 8 and 32 rows
 #   d  bench/first_run.py --part d: the batch-invariant mode's tests and cost, where the checkout has it
-#   e  the GPU tests (bench/gpu_tests.txt), last, with what time is left
+#   e  the GPU tests (bench/gpu_tests.txt), last, with what time is left: those that use the GPU first (pytest
+#      --gpu-first; the CPU's run in CI anyway), each test's outcome named (-rA), interrupted (SIGINT) at the budget so
+#      that pytest still prints what ran
 # OUT (default: bench/results/first-run-cuda, or -cpu) receives first-run.jsonl (one JSON object a line, flushed as
 # measured; the script's own lines have "event") and first-run.log (every part's output). Exit 0 when every part
-# that ran ended well, 1 otherwise, 2 when it could not start.
+# that ran ended well, 1 otherwise, 2 when it could not start. The commit measured is git's where .git is there, and
+# is written to bench/COMMIT; where it is not (a lent GPU host gets the files, not .git), bench/COMMIT is read.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -26,17 +29,19 @@ while [ $# -gt 0 ]; do
         --dry-run) dry=1 ;;
         --budget) budget=${2:?--budget needs seconds}; shift ;;
         --parts) parts=${2:?--parts needs a list such as "a b"}; shift ;;
-        -h | --help) sed -n '2,23p' "$0"; exit 0 ;;
+        -h | --help) sed -n '2,22p' "$0"; exit 0 ;;
         *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
     esac
     shift
 done
-if [ "$dry" = 1 ]; then  # seconds: the whole run, each part, the least a part starts with, kept back at the end
-    total=${budget:-90} reserve=2 least=3 slug=cpu
-    declare -A want=([a]=25 [b]=15 [c]=20 [d]=10 [e]=$total)  # e: whatever is left
+# seconds: the whole run, each part's, the least a part starts with, kept back at the end, and a part's grace: it
+# stops itself at its budget (counted from its process's start, imports included) and is killed this much later
+if [ "$dry" = 1 ]; then
+    total=${budget:-90} reserve=2 least=3 grace=5 slug=cpu
+    declare -A want=([a]=25 [b]=15 [c]=20 [d]=15 [e]=$total)  # e: whatever is left
 else
-    total=${budget:-540} reserve=10 least=20 slug=cuda
-    declare -A want=([a]=150 [b]=90 [c]=90 [d]=60 [e]=$total)
+    total=${budget:-540} reserve=10 least=20 grace=8 slug=cuda
+    declare -A want=([a]=150 [b]=90 [c]=90 [d]=75 [e]=$total)
 fi
 OUT=${OUT:-bench/results/first-run-$slug}
 mkdir -p "$OUT" || exit 2
@@ -71,22 +76,25 @@ finished() {  # part, rc, hard limit
 part() {  # a-d: bench/first_run.py --part NAME, which stops itself at its budget; the hard limit is for a hang
     local give limit
     give=$(budget_for "$1") || return 0
-    limit=$((give + reserve / 2 + 1))
+    limit=$((give + grace))
     echo "== part $1: budget $give s, at $SECONDS s of $total s" | tee -a "$LOG"
+    # the part's clock and its kill limit start together: --deadline is absolute (epoch seconds), so the part's
+    # imports (10-30 s on a loaded machine) count against its budget
     PYTHONUNBUFFERED=1 timeout -k 5 "$limit" "$PYTHON" bench/first_run.py --part "$1" --out "$JSONL" \
-        --budget "$give" "${dry_flag[@]}" 2>&1 | tee -a "$LOG"
+        --budget "$give" --deadline "$(($(date +%s) + give))" "${dry_flag[@]}" 2>&1 | tee -a "$LOG"
     finished "$1" "${PIPESTATUS[0]}" "$limit"
 }
 
 tests() {  # e: the GPU tests (in the dry run, their collection) with what time is left, then their summary line
-    local give limit summary
+    local give summary
     give=$(budget_for e) || return 0
-    limit=$((give + reserve / 2 + 1))
-    local args=(-q -p no:cacheprovider -rfEs)
-    [ "$dry" = 1 ] && args=(--collect-only -q -p no:cacheprovider)
+    # the GPU's tests first; -rA names every test's outcome, so a run interrupted at its budget says which ran
+    local args=(-q -p no:cacheprovider -rA --gpu-first)
+    [ "$dry" = 1 ] && args=(--collect-only -q -p no:cacheprovider --gpu-first)
     mapfile -t files < <(grep -v -e '^[[:space:]]*#' -e '^[[:space:]]*$' bench/gpu_tests.txt)
     echo "== part e: pytest ${args[*]} ${files[*]} (budget $give s, at $SECONDS s of $total s)" | tee -a "$LOG"
-    PYTHONUNBUFFERED=1 timeout -k 5 "$give" "$PYTHON" -m pytest "${args[@]}" "${files[@]}" 2>&1 \
+    # SIGINT at the budget: pytest stops after the test in progress and prints its summary (-rA); killed 5 s later
+    PYTHONUNBUFFERED=1 timeout -s INT -k 5 "$give" "$PYTHON" -m pytest "${args[@]}" "${files[@]}" 2>&1 \
         | tee -a "$LOG" | tee "$OUT/tests.tmp"
     local rc=${PIPESTATUS[0]}
     summary=$(grep -E '(passed|failed|error|skipped|collected|no tests ran)' "$OUT/tests.tmp" | tail -n 1)
@@ -122,7 +130,14 @@ case $? in
     fi ;;
     *) event setup error "$PYTHON could not import torch"; exit 2 ;;
 esac
-event setup start "parts: $parts; dry run: $dry; budget $total s; commit $(git rev-parse --short HEAD 2>/dev/null)"
+# the commit: git's, recorded in bench/COMMIT for a copy without .git (bench/common.py reads it there)
+if commit=$(git rev-parse --short HEAD 2>/dev/null); then
+    git diff --quiet HEAD -- 2>/dev/null || commit="$commit+changes"
+    echo "$commit" >bench/COMMIT 2>/dev/null || true
+else
+    commit=$(cat bench/COMMIT 2>/dev/null || echo "unknown: no .git and no bench/COMMIT")
+fi
+event setup start "parts: $parts; dry run: $dry; budget $total s; commit $commit"
 dry_flag=()
 [ "$dry" = 1 ] && dry_flag=(--dry-run)
 for name in $parts; do

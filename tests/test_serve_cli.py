@@ -79,6 +79,8 @@ def test_without_the_serve_extra_the_error_names_it(capsys, monkeypatch, served_
     assert main(["serve", "--model", str(served_dir)]) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "needs the [serve] extra (fastapi not installed)" in err and "torch==2.13.0" in err, err
+    # issue 49: the pin alone takes PyPI's CUDA build; the hint says where the CPU wheel is
+    assert "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in err, err
 
 
 def test_the_model_as_vllm_and_llama_server_take_it(served_dir):

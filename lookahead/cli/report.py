@@ -3,10 +3,12 @@ decoding's rate on this machine beside it, why self-tuned steps stayed plain whe
 slower than plain decoding by how much and why (`why_slower`), and `--compare`'s lines (plain and lookahead timed in
 one process, after one load).
 
-A newcomer's first question is whether lookahead paid here. Plain decoding's rate is read from the model's cost
-model where a self-tuned run measured one, else timed by a short plain continuation of the prompt (`probe_plain`:
-`PROBE_TOKENS` one-token steps, the prompt's prefix cached), so every run shows it: self-tuned, `--fixed-steps`,
-`--no-lookahead` (its own rate) and torchrun's rank 0.
+A newcomer's first question is whether lookahead paid here. Plain decoding's rate beside a lookahead answer is timed
+in the same run by a short plain continuation of the prompt (`probe_plain`: `PROBE_TOKENS` one-token steps, the
+prompt's prefix cached, the loop's own work included), so every run shows it: self-tuned, `--fixed-steps`,
+`--no-lookahead` (its own rate) and torchrun's rank 0. Not the cost model's `plain_rate`: that is the forward pass
+alone, measured once per machine, and was 1.1-2.9x above what `--no-lookahead` measured right after (issue 49;
+`lookahead chat` still shows the cost model's, its item 6).
 """
 
 from __future__ import annotations

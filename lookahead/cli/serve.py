@@ -21,8 +21,10 @@ from .report import dtype_choice, dtype_name
 
 GIB = 2**30
 SERVE_MODULES = ("fastapi", "uvicorn", "prometheus_client")  # what the [serve] extra installs
-INSTALL_SERVE = ('pip install torch==2.13.0 && pip install -e ".[serve]" in the repository (torch pinned first: '
-                 "unpinned, pip takes the 5 GB CUDA build, even on a CPU-only machine)")
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"  # PyTorch's own index of CPU-only wheels (PyPI's are CUDA)
+INSTALL_SERVE = ('pip install torch==2.13.0 && pip install -e ".[serve]" in the repository (torch first; PyPI\'s '
+                 "torch is the 5 GB CUDA build: on a CPU-only machine take PyTorch's CPU wheel, pip install "
+                 f"torch==2.13.0 --index-url {TORCH_CPU_INDEX})")
 
 
 def run(args: argparse.Namespace) -> int:
