@@ -37,7 +37,7 @@ setup(
         "gguf>=0.10",  # reads the embedded default model's GGUF file once, to convert it
         "numpy",
         "tqdm",
-        "ninja",  # builds the batch-invariant mode's CPU GEMM (lookahead.kernels.cpu_gemm)
+        "ninja",  # builds the batch-invariant mode's CPU GEMM (lookahead.kernels.cpu_kernels)
     ],
     extras_require={
         "triton": [TRITON],  # the kernel on a CPU-only torch, under TRITON_INTERPRET=1

@@ -1,4 +1,4 @@
-"""The batch-invariant mode's CPU GEMM (`lookahead.kernels.cpu_gemm`) on this CPU, by row count, at the default
+"""The batch-invariant mode's CPU GEMM (`lookahead.kernels.cpu_kernels`) on this CPU, by row count, at the default
 model's shapes (SmolLM2-135M: q/k/v side by side, gate/up side by side, down, the 49,152-wide logits): bfloat16
 weights through the bf16 dot products (`pairs`, where the CPU has AVX512-BF16) and through the widening path, float32
 weights, and torch's own `F.linear` in bfloat16 (oneDNN; not batch-invariant) as the reference a library reaches.
@@ -17,19 +17,19 @@ import time
 import torch
 
 from common import machine, print_table, save_json
-from lookahead.kernels import cpu_gemm
+from lookahead.kernels import cpu_kernels
 
 SHAPES = {"q/k/v": (576 + 2 * 192, 576), "gate/up": (2 * 1536, 576), "down": (576, 1536), "logits": (49152, 576)}
 
 
 def _implementations(weight: torch.Tensor) -> dict:
     """name -> (call on rows, the rows' dtype)."""
-    pairs = cpu_gemm.pack(weight) if cpu_gemm.pairs() else None
-    widened = cpu_gemm.pack(weight, widen=True)  # the widening path's layout, whatever this CPU has
-    fp32 = cpu_gemm.pack(weight.float())
-    found = {"kernel bf16 (dot products)": (lambda x: cpu_gemm.gemm(x, pairs), torch.bfloat16)} if pairs else {}
-    found["kernel bf16 (widened)"] = (lambda x: cpu_gemm.gemm(x, widened), torch.float32)
-    found["kernel fp32"] = (lambda x: cpu_gemm.gemm(x, fp32), torch.float32)
+    pairs = cpu_kernels.pack(weight) if cpu_kernels.pairs() else None
+    widened = cpu_kernels.pack(weight, widen=True)  # the widening path's layout, whatever this CPU has
+    fp32 = cpu_kernels.pack(weight.float())
+    found = {"kernel bf16 (dot products)": (lambda x: cpu_kernels.gemm(x, pairs), torch.bfloat16)} if pairs else {}
+    found["kernel bf16 (widened)"] = (lambda x: cpu_kernels.gemm(x, widened), torch.float32)
+    found["kernel fp32"] = (lambda x: cpu_kernels.gemm(x, fp32), torch.float32)
     found["torch F.linear bf16"] = (lambda x: torch.nn.functional.linear(x, weight), torch.bfloat16)
     return found
 
@@ -65,7 +65,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.rows, args.calls, args.repeat = [1, 4], 2, 1
-    if not cpu_gemm.available():
+    if not cpu_kernels.available():
         raise SystemExit("the CPU GEMM kernel could not be built here (see the warning above)")
     records = measure(args.rows, args.calls, args.repeat)
     names = list(dict.fromkeys(r["implementation"] for r in records))
@@ -75,8 +75,8 @@ def main() -> None:
     print_table(["shape", "rows", *names], [[shape, m, *(f"{cells[name]:.0f}" for name in names)]
                                             for (shape, m), cells in table.items()])
     if not args.quick:
-        path = save_json("cpu-gemm", {"machine": machine(), "pairs": cpu_gemm.pairs(),
-                                      "bf16_feature": cpu_gemm.bf16_dot_products(), "calls": args.calls,
+        path = save_json("cpu-gemm", {"machine": machine(), "pairs": cpu_kernels.pairs(),
+                                      "bf16_feature": cpu_kernels.bf16_dot_products(), "calls": args.calls,
                                       "repeat": args.repeat, "records": records})
         print(f"saved {path}")
 

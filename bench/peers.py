@@ -51,7 +51,7 @@ from serve import launch, stop_server  # noqa: E402
 
 from common import load_prompts, long_prompt, machine, print_table, save_json  # noqa: E402
 from lookahead.cli.report import PEERS_FILE  # noqa: E402
-from lookahead.kernels import cpu_gemm  # noqa: E402
+from lookahead.kernels import cpu_kernels  # noqa: E402
 from lookahead.paths import cache_root  # noqa: E402
 
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"  # the source package whose vendored llama.cpp converts the weights
@@ -377,7 +377,8 @@ def main() -> None:
     for name, why in skipped.items():
         print(f"skipped {name}: {why}")
     payload = {"machine": machine(), "command": "python bench/peers.py " + " ".join(sys.argv[1:]),
-               "cpu_tag": cpu_gemm.cpu_tag(), "generator": "aiperf" if aiperf else "own", "max_tokens": args.max_tokens,
+               "cpu_tag": cpu_kernels.cpu_tag(), "generator": "aiperf" if aiperf else "own",
+               "max_tokens": args.max_tokens,
                "prompts": [row["id"] for row in rows], "skipped": skipped, "summary": summary, "records": records,
                "prefill": prefill}
     if not args.quick:

@@ -7,7 +7,7 @@ and what is left: Python and the loop's own work between the ops. Milliseconds p
 without the ops it calls), from one generation of `--tokens` tokens after a warm-up. The profile runs the decoder
 layers one by one from Python (the profiler sees ops called from Python only); beside it, each step's time without
 the profiler (best of 3, from the first decoding step's tokens to the last's), the layers one by one and in one
-call of the CPU kernels (`cpu_gemm.decoder_layers`, the default). Lookahead steps draft cold (`warm=False`): a
+call of the CPU kernels (`cpu_kernels.decoder_layers`, the default). Lookahead steps draft cold (`warm=False`): a
 repeated prompt would otherwise be drafted from memory of the last run.
 
     python bench/profile_step.py              # bfloat16 and float32, 48 tokens
@@ -28,7 +28,7 @@ from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E
 
 from common import chat_ids, load_prompts, machine, print_table, save_json  # noqa: E402
 from lookahead import LookaheadConfig  # noqa: E402
-from lookahead.kernels import cpu_gemm  # noqa: E402
+from lookahead.kernels import cpu_kernels  # noqa: E402
 
 CATEGORIES = {  # an aten op's category by its name (the first that matches); the kernels' own are named below
     "norms": ("rms_norm", "pow", "mean", "rsqrt"),
@@ -84,10 +84,10 @@ def main() -> None:
 
     from lookahead.models import Llama
     from lookahead.models.default_model import default_model_dir
-    from lookahead.models.invariant import InvariantLinears
+    from lookahead.models.invariant import InvariantOps
 
-    cpu_gemm.gemm = traced(cpu_gemm.gemm, lambda x, packed: f"GEMM {packed.out_features}")
-    cpu_gemm.attention = traced(cpu_gemm.attention, lambda *a: "attention (kernel)")
+    cpu_kernels.gemm = traced(cpu_kernels.gemm, lambda x, packed: f"GEMM {packed.out_features}")
+    cpu_kernels.attention = traced(cpu_kernels.attention, lambda *a: "attention (kernel)")
     folder = default_model_dir()
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     prompt = chat_ids(tokenizer, load_prompts(per_kind=1, kinds=("chat",))[0]["prompt"])
@@ -102,7 +102,7 @@ def main() -> None:
             # unprofiled, both ways: the layers in one call of the CPU kernels (the default), and one by one
             unprofiled = {}
             for way, whole in (("one call", True), ("one by one", False)):
-                InvariantLinears.whole_layers = whole
+                InvariantOps.whole_layers = whole
                 unprofiled[way] = min(decoding_ms(model, prompt, args.tokens, lookahead) for _ in range(3))
             # the profile, of the layers one by one (run from Python, so the profiler sees each op)
             if model.runner is not None:
@@ -111,7 +111,7 @@ def main() -> None:
                 start = time.perf_counter()
                 result = model.generate(prompt, max_new_tokens=args.tokens, lookahead=lookahead, eos_token_id=[])
                 wall = time.perf_counter() - start
-            InvariantLinears.whole_layers = True
+            InvariantOps.whole_layers = True
             steps = result.steps - 1  # the prefill's pass is not a decoding step; its time is in the first share
             parts = breakdown(prof, wall, max(steps, 1), cfg.vocab_size, widths)
             total = sum(parts.values())

@@ -17,7 +17,7 @@ tail (the rest of its prefix's last block, then its ancestors), gathered per que
 
 `RowKeys` (built by `row_keys`, `path_keys`, `single_keys`) says where a row's queries find their keys; `query_slots`
 turns it into the per-query lists that the kernels of the same contract take (`invariant_triton.invariant_attention`;
-on the CPU `cpu_gemm.attention`, every sum a fused multiply-add chain in position order, without blocks).
+on the CPU `cpu_kernels.attention`, every sum a fused multiply-add chain in position order, without blocks).
 """
 
 from __future__ import annotations

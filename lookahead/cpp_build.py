@@ -1,5 +1,5 @@
-"""The one build of the package's C++ extensions (`lookahead.kernels.cpu_gemm`'s CPU kernels, `lookahead.native`'s
-host loops): their cache key, lock, progress, validation and loading.
+"""The one build of the package's C++ extensions (the CPU kernels of `lookahead.kernels.cpu_kernels`, the host loops of
+`lookahead.host_loops`): their cache key, lock, progress, validation and loading.
 
 A build is keyed by what it is made of: the sources' text (and the files they include), the flags, the compiler
 (`$CXX`, else `c++`, as torch's loader picks it, and its `--version`), the target (a kind of CPU for `-march=native`),

@@ -71,7 +71,7 @@ class KeyLists:
 
     def __init__(self, kind: str, queries: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor) -> None:
         if kind == "cpu":
-            from lookahead.kernels.cpu_gemm import attention as kernel
+            from lookahead.kernels.cpu_kernels import attention as kernel
         else:
             from lookahead.kernels.invariant_triton import invariant_attention as kernel
         self.kind, self.kernel, self.queries, self.slots, self.counts = kind, kernel, queries, slots, counts
@@ -239,7 +239,7 @@ class InvariantBackend:
     beside it, how its prompt was chunked or whether its prefix came from the cache. The rows' key slots are laid out
     on the host once per step. Three reductions, each bitwise the same with itself: `kernel="triton"`
     (`lookahead.kernels.invariant_attention`, the Triton backend's), `"cpu"` (the compiled CPU kernel,
-    `lookahead.kernels.cpu_gemm.attention`) and `"torch"` (`block_attention`, torch ops: elsewhere)."""
+    `lookahead.kernels.cpu_kernels.attention`) and `"torch"` (`block_attention`, torch ops: elsewhere)."""
 
     name, graphable = "invariant", False
 

@@ -19,7 +19,7 @@ Linear = Callable[[nn.Linear, torch.Tensor], torch.Tensor]  # how a block runs o
 
 
 def _call(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """The linear as torch runs it (the batch-invariant mode passes `models.invariant.InvariantLinears` instead)."""
+    """The linear as torch runs it (the batch-invariant mode passes `models.invariant.InvariantOps` instead)."""
     return module(x)
 
 

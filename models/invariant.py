@@ -1,9 +1,9 @@
 """The batch-invariant mode's GEMMs (`Llama(batch_invariant=True)`): every linear computes each row alike, whatever
 rows come with it, and in float32.
 
-On the CPU: `lookahead.kernels.cpu_gemm`, the package's own kernel, compiled once per machine into the cache folder
+On the CPU: `lookahead.kernels.cpu_kernels`, the package's own kernel, compiled once per machine into the cache folder
 (each output a fused multiply-add chain over K in order; bfloat16 weights read as 16 bits, and multiplied by the CPU's
-bf16 dot products where it has them: `cpu_gemm.pairs`); a GGUF model's quantized linears (`models.quantized`) by
+bf16 dot products where it has them: `cpu_kernels.pairs`); a GGUF model's quantized linears (`models.quantized`) by
 `lookahead.kernels.quant`, each row quantized on its own and multiplied with integer dot products. Where it cannot be
 built, and on other devices: `lookahead.kernels.invariant_linear`, torch's GEMMs through row counts verified to compute
 every row alike, in float32 from float32 copies of 16-bit weights (a 16-bit output hides most differences of reduction
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lookahead.kernels import cpu_gemm, quant
+from lookahead.kernels import cpu_kernels, quant
 from lookahead.kernels.row_plans import invariant_linear
 from lookahead.paths import cache_root
 
@@ -25,7 +25,7 @@ from .attention import KeyLists, Paged
 from .quantized import QuantLinear
 
 
-class InvariantLinears:
+class InvariantOps:
     """`linear(module, x)`: the module's `F.linear`, batch-invariant, accumulated in float32; and with the CPU
     kernels, a packed step's decoder layers all in one call (`decoder_layers`)."""
 
@@ -34,7 +34,7 @@ class InvariantLinears:
     def __init__(self) -> None:
         # (ids, kind) -> (versions, addresses, copy): one copy per weight, or per group of weights run side by side
         self._copies: dict[tuple[tuple[int, ...], str], tuple[tuple, tuple, object]] = {}
-        self._cpu_kernel: bool | None = None  # whether cpu_gemm is built (found out at the first CPU call)
+        self._cpu_kernel: bool | None = None  # whether the CPU kernels are built (found out at the first CPU call)
         self._layers: dict[tuple[int, ...], list | None] = {}  # layers' ids -> [modules, stamp, weights]
 
     def __call__(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -52,8 +52,8 @@ class InvariantLinears:
             return [self.side_by_side((m,), x)[0] for m in modules]
         if all(quantized):  # a GGUF model's (`models.quantized`): their blobs side by side in one call
             outs = quant.gemm(rows, [m.weight for m in modules]).split([m.out_features for m in modules], dim=1)
-        elif x.device.type == "cpu" and self.cpu_gemm():  # the rows in their dtype: bf16 dot products take bf16 ones
-            outs = [cpu_gemm.gemm(rows, self._packed(modules))]
+        elif x.device.type == "cpu" and self.uses_cpu_kernels():  # rows in their dtype: bf16 dot products take bf16
+            outs = [cpu_kernels.gemm(rows, self._packed(modules))]
             if len(modules) > 1:
                 outs = outs[0].split([m.out_features for m in modules], dim=1)
         else:
@@ -64,32 +64,32 @@ class InvariantLinears:
                 for m, out in zip(modules, outs, strict=True)]
 
     def norm(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """The module's RMSNorm as the mode runs it: with the CPU kernels, `cpu_gemm.rms_norm` (what
+        """The module's RMSNorm as the mode runs it: with the CPU kernels, `cpu_kernels.rms_norm` (what
         `decoder_layers` runs, so the layers one by one give its bits); elsewhere the module's own."""
-        if x.device.type == "cpu" and self.cpu_gemm():
-            return cpu_gemm.rms_norm(x, module.weight, module.eps)
+        if x.device.type == "cpu" and self.uses_cpu_kernels():
+            return cpu_kernels.rms_norm(x, module.weight, module.eps)
         return module(x)
 
     def decoder_layers(self, layers, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        attend) -> torch.Tensor | None:
-        """x after every decoder layer of `layers` in one call of the CPU kernels (`cpu_gemm.decoder_layers`: the
+        """x after every decoder layer of `layers` in one call of the CPU kernels (`cpu_kernels.decoder_layers`: the
         ops of the layers' own forward, so the same bits, without Python between them), where it applies: the CPU
         kernel built, `whole_layers`, a packed step's attention over the pool through the kernel's key lists, LLaMA
         layers without biases or q/k norms. None elsewhere: the caller runs the layers one by one."""
         if not (self.whole_layers and x.device.type == "cpu" and isinstance(attend, Paged)
-                and isinstance(attend.attend, KeyLists) and attend.attend.kind == "cpu" and self.cpu_gemm()):
+                and isinstance(attend.attend, KeyLists) and attend.attend.kind == "cpu" and self.uses_cpu_kernels()):
             return None
         weights = self._layer_weights(layers)
         if weights is None:
             return None
         attention, mlp = layers[0].self_attn, layers[0].mlp
         keys, pool = attend.attend, attend.pool
-        return cpu_gemm.decoder_layers(x, cos, sin, weights, pool.k, pool.v, attend.slots, keys.queries, keys.slots,
+        return cpu_kernels.decoder_layers(x, cos, sin, weights, pool.k, pool.v, attend.slots, keys.queries, keys.slots,
                                        keys.counts, attention.heads, attention.kv_heads,
                                        mlp.gate_proj.out_features, layers[0].input_layernorm.eps)
 
     def _layer_weights(self, layers) -> list[torch.Tensor] | None:
-        """Six tensors per layer for `cpu_gemm.decoder_layers` (norm weight, q/k/v packed, o packed, norm weight,
+        """Six tensors per layer for `cpu_kernels.decoder_layers` (norm weight, q/k/v packed, o packed, norm weight,
         gate/up packed, down packed), or None for layers with biases or q/k norms. Kept between steps and checked at
         each by the weights' identities, versions and addresses: gathering them through the modules' attributes
         costs a step about half a millisecond."""
@@ -123,18 +123,18 @@ class InvariantLinears:
         return weights
 
     def _side_by_side_weight(self, modules: tuple[nn.Module, ...]) -> list[torch.Tensor] | None:
-        """What `cpu_gemm.decoder_layers` takes for linears side by side: [their packed weight], or their quantized
+        """What `cpu_kernels.decoder_layers` takes for linears side by side: [their packed weight], or their quantized
         blobs; None for a mix of the two (the layers then run one by one)."""
         kinds = {isinstance(m, QuantLinear) for m in modules}
         if kinds == {True}:
             return [m.weight for m in modules]
         return None if len(kinds) > 1 else [self._packed(modules).blocks]
 
-    def _packed(self, modules: tuple[nn.Linear, ...]) -> cpu_gemm.Packed:
+    def _packed(self, modules: tuple[nn.Linear, ...]) -> cpu_kernels.Packed:
         """The modules' weights side by side, packed for the CPU kernel (the copy `side_by_side` uses)."""
-        return self._copy(tuple(m.weight for m in modules), "packed", lambda ws: cpu_gemm.pack(torch.cat(ws)))
+        return self._copy(tuple(m.weight for m in modules), "packed", lambda ws: cpu_kernels.pack(torch.cat(ws)))
 
-    def cpu_gemm(self) -> bool:
+    def uses_cpu_kernels(self) -> bool:
         """Whether the CPU GEMM is built (building it into the cache folder on the first call)."""
         if self._cpu_kernel is None:
             self._cpu_kernel = cpu_kernels_built()
@@ -155,4 +155,4 @@ def cpu_kernels_built() -> bool:
     """Whether the package's CPU kernels are built here (building them into the cache folder's `kernels` on the first
     call: about a minute, once per machine)."""
     root = cache_root()
-    return cpu_gemm.available(None if root is None else root / "kernels")
+    return cpu_kernels.available(None if root is None else root / "kernels")

@@ -15,7 +15,7 @@ from lookahead.backends import choose_backend, choose_fusion
 from lookahead.config import LookaheadConfig
 from lookahead.drafts import DraftMemory
 from lookahead.kernels import interpreting
-from lookahead.kernels.cpu_gemm import bf16_dot_products, failure
+from lookahead.kernels.cpu_kernels import bf16_dot_products, failure
 from lookahead.loop import GenerationResult
 from lookahead.tuning import CostModel
 from lookahead.tuning.store import Saver
@@ -27,7 +27,7 @@ from .fusion import MergedLinears, TorchOps, TritonOps
 from .generation import generate, warmup
 from .gguf import gguf_file
 from .gguf import load as load_gguf
-from .invariant import InvariantLinears, cpu_kernels_built
+from .invariant import InvariantOps, cpu_kernels_built
 from .loading import check_layer_count, check_shapes, load_weights, tensor_names
 from .rope import inverse_frequencies, rotary_cos_sin
 from .runner import CachedRunner
@@ -59,7 +59,7 @@ class Llama(nn.Module):
         self.fusion = fusion
         self.dtype_reason: str | None = None  # why from_pretrained chose the dtype it loaded in (`default_dtype`)
         self._batch_invariant = batch_invariant
-        self._invariant_linears = InvariantLinears()  # the mode's float32 GEMMs (and 16-bit weights' fp32 copies)
+        self._invariant_ops = InvariantOps()  # the mode's float32 GEMMs (and 16-bit weights' fp32 copies)
         self._compiled_forward = None  # fusion "compile": the step's forward, compiled on its first step
         self.runner: CachedRunner | None = None  # the KV cache, plans and graphs generations reuse (`generate`)
         self.lock = threading.RLock()  # generations on one model share its runner: they take turns
@@ -228,10 +228,11 @@ class Llama(nn.Module):
                 self.runner = None
 
     @property
-    def cpu_gemm(self) -> bool:
-        """Whether the batch-invariant mode runs on the package's compiled CPU GEMM here (`lookahead.kernels.cpu_gemm`;
-        compiled on the first call, once per machine), its attention too; else on torch's GEMMs through row plans."""
-        return self.device.type == "cpu" and self._invariant_linears.cpu_gemm()
+    def uses_cpu_kernels(self) -> bool:
+        """Whether the batch-invariant mode runs on the package's compiled CPU kernels here
+        (`lookahead.kernels.cpu_kernels`; compiled on the first call, once per machine): its GEMMs, attention and whole
+        decoder layers; else on torch's GEMMs through row plans."""
+        return self.device.type == "cpu" and self._invariant_ops.uses_cpu_kernels()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -273,8 +274,8 @@ class Llama(nn.Module):
 
     def _invariant_forward(self, x: torch.Tensor, positions: torch.Tensor, attend: Attend,
                            rows: torch.Tensor | None) -> torch.Tensor:
-        """The batch-invariant mode: every linear by `InvariantLinears`; norms, RoPE and SiLU are per row already."""
-        linear = self._invariant_linears
+        """The batch-invariant mode: every linear by `InvariantOps`; norms, RoPE and SiLU are per row already."""
+        linear = self._invariant_ops
         cos, sin = (c.to(x.dtype).unsqueeze(-2) for c in rotary_cos_sin(self.rope_inv_freq, positions))
         whole = linear.decoder_layers(self.model.layers, x, cos, sin, attend)  # all in one call, where it applies
         if whole is not None:
@@ -434,7 +435,7 @@ def default_batch_invariant(device: torch.device, fusion: str, attn_backend: str
 def default_dtype(device: torch.device, batch_invariant: bool) -> tuple[torch.dtype, str]:
     """The dtype a model loads in where none is given, and why (the CLI says it): $LOOKAHEAD_DTYPE where it is set;
     else bfloat16 on CUDA (the serving type); on a CPU, bfloat16 where the CPU has bf16 dot products
-    (`cpu_gemm.bf16_dot_products`), the batch-invariant mode keeps 16-bit exact and its kernels are built (they read
+    (`cpu_kernels.bf16_dot_products`), the batch-invariant mode keeps 16-bit exact and its kernels are built (they read
     half the bytes a step reads in float32 and use those dot products: faster), else float32 (the exactness
     reference)."""
     named = os.environ.get(DTYPE_VARIABLE, "")

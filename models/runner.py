@@ -71,7 +71,7 @@ class CachedRunner:
         self.pool = KVPool(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, num_blocks, block_size,
                            model.dtype, model.device)
         if backend_name(model) == "invariant":
-            kernel = "triton" if model.attn_backend == "triton" else "cpu" if model.cpu_gemm else "torch"
+            kernel = "triton" if model.attn_backend == "triton" else "cpu" if model.uses_cpu_kernels else "torch"
             self.backend = InvariantBackend(model.device, kernel)
         elif model.attn_backend == "triton":
             self.backend = TritonBackend(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, model.dtype,

@@ -11,7 +11,7 @@ and the saving are `lookahead.tuning.store`'s.
 
 from __future__ import annotations
 
-from lookahead.kernels import cpu_gemm, interpreting
+from lookahead.kernels import cpu_kernels, interpreting
 from lookahead.loop import RowStep, path_step, static_steps
 from lookahead.loop.sampling import SampleRequest
 from lookahead.request import Request
@@ -80,6 +80,7 @@ def cost_key(model, runner: CachedRunner) -> dict:
     cfg = model.config
     shape = [cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
              cfg.intermediate_size, cfg.vocab_size]
-    kernels = cpu_gemm.build_name() if model.batch_invariant and model.cpu_gemm else None  # another build, other costs
+    # another build of the CPU kernels, other costs
+    kernels = cpu_kernels.build_name() if model.batch_invariant and model.uses_cpu_kernels else None
     return shared.cost_key(model.device, model.dtype, backend_name(model), shape, interpreting(), fusion=model.fusion,
                            cuda_graphs=runner.cuda_graphs, kernels=kernels)

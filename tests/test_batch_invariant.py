@@ -240,34 +240,34 @@ def test_16bit_greedy_and_seeded_sampling_lookahead_equal_plain(models, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_without_the_cpu_kernel_torch_gemms_through_row_plans_are_invariant_too(tiny_checkpoint, monkeypatch, dtype):
     """Where the CPU GEMM cannot be compiled, the mode falls back to torch's GEMMs through verified row plans."""
-    from lookahead.kernels import cpu_gemm
+    from lookahead.kernels import cpu_kernels
 
-    monkeypatch.setattr(cpu_gemm, "available", lambda build_dir=None: False)
+    monkeypatch.setattr(cpu_kernels, "available", lambda build_dir=None: False)
     model = Llama.from_pretrained(tiny_checkpoint("gqa"), dtype=dtype, batch_invariant=True)
     rng = random.Random(9)
     sequence = [rng.randrange(VOCAB) for _ in range(60)]
     reference = plain_logits(model, sequence)
     assert run_schedule(model, sequence, 9, others=2, reference=reference, chunk_prefix=33) >= 30
-    assert model._invariant_linears._cpu_kernel is False
+    assert model._invariant_ops._cpu_kernel is False
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 def test_a_steps_layers_in_one_call_give_the_bits_of_the_layers_one_by_one(models, monkeypatch, dtype):
-    """With the CPU kernels a packed step's decoder layers run in one call (`cpu_gemm.decoder_layers`): every
+    """With the CPU kernels a packed step's decoder layers run in one call (`cpu_kernels.decoder_layers`): every
     position's logits, over random schedules (chunks, trees, padding, rows beside), are bitwise what the layers give
     run one by one from Python."""
-    from lookahead.kernels import cpu_gemm
-    from lookahead.models.invariant import InvariantLinears
+    from lookahead.kernels import cpu_kernels
+    from lookahead.models.invariant import InvariantOps
 
     model = models[dtype]
-    assert model.cpu_gemm, "the CPU kernels did not build here"
+    assert model.uses_cpu_kernels, "the CPU kernels did not build here"
     rng = random.Random(21)
     sequence = [rng.randrange(VOCAB) for _ in range(70)]
-    monkeypatch.setattr(InvariantLinears, "whole_layers", False)
+    monkeypatch.setattr(InvariantOps, "whole_layers", False)
     reference = plain_logits(model, sequence)
-    calls, real = [], cpu_gemm.decoder_layers
-    monkeypatch.setattr(InvariantLinears, "whole_layers", True)
-    monkeypatch.setattr(cpu_gemm, "decoder_layers", lambda *args: calls.append(args[0].shape) or real(*args))
+    calls, real = [], cpu_kernels.decoder_layers
+    monkeypatch.setattr(InvariantOps, "whole_layers", True)
+    monkeypatch.setattr(cpu_kernels, "decoder_layers", lambda *args: calls.append(args[0].shape) or real(*args))
     assert run_schedule(model, sequence, 21, others=2, reference=reference, chunk_prefix=20) >= 35
     assert len(calls) > 20 and len({shape[1] for shape in calls}) > 5  # it ran, over many step sizes
 
@@ -275,15 +275,15 @@ def test_a_steps_layers_in_one_call_give_the_bits_of_the_layers_one_by_one(model
 def test_the_layers_in_one_call_see_weights_written_or_replaced(tiny_checkpoint, monkeypatch):
     """The one call keeps its weights between steps: a weight written in place, or a parameter replaced, reaches its
     next step as it reaches the layers run one by one."""
-    from lookahead.models.invariant import InvariantLinears
+    from lookahead.models.invariant import InvariantOps
 
     model = Llama.from_pretrained(tiny_checkpoint("gqa"), batch_invariant=True)
     prompt, tokens = list(range(1, 14)), []
 
     def generate_both_ways():
-        monkeypatch.setattr(InvariantLinears, "whole_layers", False)
+        monkeypatch.setattr(InvariantOps, "whole_layers", False)
         one_by_one = model.generate(prompt, max_new_tokens=16, eos_token_id=[]).tokens
-        monkeypatch.setattr(InvariantLinears, "whole_layers", True)
+        monkeypatch.setattr(InvariantOps, "whole_layers", True)
         tokens.append(model.generate(prompt, max_new_tokens=16, eos_token_id=[]).tokens)
         assert tokens[-1] == one_by_one
 
@@ -312,7 +312,7 @@ def test_layers_with_biases_or_qk_norms_run_one_by_one(tiny_checkpoint, family, 
     one = torch.zeros(1, dtype=torch.int64)  # one token at slot 0, seeing itself
     attend = Paged(pool, one, KeyLists("cpu", one, one[None], one + 1))
     x, cos = torch.zeros(1, 1, cfg.hidden_size), torch.zeros(1, 1, 1, cfg.head_dim)
-    out = model._invariant_linears.decoder_layers(model.model.layers, x, cos, cos, attend)
+    out = model._invariant_ops.decoder_layers(model.model.layers, x, cos, cos, attend)
     assert (out is not None) == whole
 
 
@@ -513,12 +513,12 @@ def test_every_position_is_bitwise_the_plain_steps_with_the_triton_kernel(tiny_c
 def test_the_cpu_kernels_compute_what_torch_computes(dtype):
     """The compiled CPU GEMM and attention against torch to rounding (the invariance tests above hold each only to
     itself), and a query's attention bitwise the same alone and among others."""
-    from lookahead.kernels import cpu_gemm
+    from lookahead.kernels import cpu_kernels
 
-    assert cpu_gemm.available()
+    assert cpu_kernels.available()
     torch.manual_seed(4)
     weight, x = torch.randn(100, 70).to(dtype), torch.randn(9, 70).to(dtype)  # a model's rows are in its dtype
-    torch.testing.assert_close(cpu_gemm.gemm(x, cpu_gemm.pack(weight)), x.float() @ weight.float().T, rtol=1e-5,
+    torch.testing.assert_close(cpu_kernels.gemm(x, cpu_kernels.pack(weight)), x.float() @ weight.float().T, rtol=1e-5,
                                atol=1e-4)
     # query i sees keys 0..i: consecutive queries share their first keys, so the kernel gathers those once for a run
     # of queries; heads per KV head 2, 3 and 6 (its vector path takes four at a time), head sizes in and out of 16s
@@ -526,13 +526,13 @@ def test_the_cpu_kernels_compute_what_torch_computes(dtype):
         k, v = torch.randn(kv_heads, n + 5, dim).to(dtype), torch.randn(kv_heads, n + 5, dim).to(dtype)
         q = torch.randn(n, heads, dim)
         slots, counts = query_slots(path_keys(0, n, lambda p: p, "cpu"), n)
-        out = cpu_gemm.attention(q, k, v, slots, counts)
+        out = cpu_kernels.attention(q, k, v, slots, counts)
         mask = torch.ones(n, n, dtype=torch.bool).tril()
         sdpa = torch.nn.functional.scaled_dot_product_attention(
             q.transpose(0, 1), k[:, :n].float(), v[:, :n].float(), attn_mask=mask, enable_gqa=True).transpose(0, 1)
         torch.testing.assert_close(out, sdpa.to(out.dtype), rtol=1e-5, atol=1e-5)
         for i in range(n):
-            assert torch.equal(cpu_gemm.attention(q[i : i + 1], k, v, slots[i : i + 1], counts[i : i + 1]),
+            assert torch.equal(cpu_kernels.attention(q[i : i + 1], k, v, slots[i : i + 1], counts[i : i + 1]),
                                out[i : i + 1]), (heads, kv_heads, dim, i)
 
 
@@ -541,16 +541,16 @@ def test_bf16_dot_products_compute_each_output_as_a_chain_over_pairs_of_k():
     is exactly the chain the kernel documents: over pairs of k in order, from zero, the odd k's product added before
     the even one's, each addition rounded (the products of two bfloat16 are exact in float32). Emulated in torch,
     bitwise, for an odd K (its last pair padded with zeros) and every row count a tile takes."""
-    from lookahead.kernels import cpu_gemm
+    from lookahead.kernels import cpu_kernels
 
-    assert cpu_gemm.available()
-    assert cpu_gemm.pairs() == (cpu_gemm.bf16_dot_products() in ("amx_bf16", "avx512_bf16"))
-    if not cpu_gemm.pairs():
+    assert cpu_kernels.available()
+    assert cpu_kernels.pairs() == (cpu_kernels.bf16_dot_products() in ("amx_bf16", "avx512_bf16"))
+    if not cpu_kernels.pairs():
         pytest.skip("this CPU has no AVX512-BF16: its bfloat16 GEMM widens to float32 (the test above covers it)")
     torch.manual_seed(6)
     k = 71
     weight, x = torch.randn(130, k).to(torch.bfloat16), torch.randn(13, k).to(torch.bfloat16)
-    out = cpu_gemm.gemm(x, cpu_gemm.pack(weight))
+    out = cpu_kernels.gemm(x, cpu_kernels.pack(weight))
     xs, ws = torch.nn.functional.pad(x.float(), (0, 1)), torch.nn.functional.pad(weight.float(), (0, 1))
     chain = torch.zeros(13, 130)
     for even in range(0, k + 1, 2):
@@ -558,10 +558,10 @@ def test_bf16_dot_products_compute_each_output_as_a_chain_over_pairs_of_k():
         chain = chain + xs[:, even, None] * ws[None, :, even]
     assert torch.equal(out, chain)
     for rows in range(1, 8):  # one row to a tile and more: the same bits
-        assert torch.equal(cpu_gemm.gemm(x[:rows], cpu_gemm.pack(weight)), out[:rows])
-    widened = cpu_gemm.pack(weight, widen=True)  # the widening path's layout, on this CPU too (bench/cpu_gemm.py)
+        assert torch.equal(cpu_kernels.gemm(x[:rows], cpu_kernels.pack(weight)), out[:rows])
+    widened = cpu_kernels.pack(weight, widen=True)  # the widening path's layout, on this CPU too (bench/cpu_gemm.py)
     assert widened.blocks.dim() == 3
-    torch.testing.assert_close(cpu_gemm.gemm(x, widened), x.float() @ weight.float().T, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(cpu_kernels.gemm(x, widened), x.float() @ weight.float().T, rtol=1e-5, atol=1e-4)
 
 
 def test_the_cpu_gemm_benchmark_runs_quick():
@@ -569,22 +569,22 @@ def test_the_cpu_gemm_benchmark_runs_quick():
     import subprocess
     import sys
 
-    from lookahead.kernels import cpu_gemm
+    from lookahead.kernels import cpu_kernels
 
-    assert cpu_gemm.available()
+    assert cpu_kernels.available()
     bench = Path(__file__).resolve().parents[1] / "bench" / "cpu_gemm.py"
     done = subprocess.run([sys.executable, str(bench), "--quick"], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     header, *rows = [line for line in done.stdout.splitlines() if "|" in line and not line.startswith("-")]
-    assert ("kernel bf16 (dot products)" in header) == cpu_gemm.pairs()
+    assert ("kernel bf16 (dot products)" in header) == cpu_kernels.pairs()
     assert "kernel fp32" in header and "torch F.linear bf16" in header
     assert len(rows) == 8 and {row.split("|")[0].strip() for row in rows} == {"q/k/v", "gate/up", "down", "logits"}
 
 
 def _kernel_outputs(x, packed, q, k, v, slots, counts) -> tuple[torch.Tensor, torch.Tensor]:
-    from lookahead.kernels import cpu_gemm
+    from lookahead.kernels import cpu_kernels
 
-    return cpu_gemm.gemm(x, packed), cpu_gemm.attention(q, k, v, slots, counts)
+    return cpu_kernels.gemm(x, packed), cpu_kernels.attention(q, k, v, slots, counts)
 
 
 def test_the_cpu_kernels_give_the_same_bits_on_any_threads_and_after_a_fork():
@@ -594,11 +594,11 @@ def test_the_cpu_kernels_give_the_same_bits_on_any_threads_and_after_a_fork():
     import concurrent.futures
     import signal
 
-    from lookahead.kernels import cpu_gemm
+    from lookahead.kernels import cpu_kernels
 
-    assert cpu_gemm.available()
+    assert cpu_kernels.available()
     torch.manual_seed(5)
-    x, packed = torch.randn(7, 96), cpu_gemm.pack(torch.randn(2000, 96).to(torch.bfloat16))  # 32 column blocks
+    x, packed = torch.randn(7, 96), cpu_kernels.pack(torch.randn(2000, 96).to(torch.bfloat16))  # 32 column blocks
     n = 50
     q, k, v = torch.randn(n, 4, 16), torch.randn(2, n, 16), torch.randn(2, n, 16)
     slots, counts = query_slots(path_keys(0, n, lambda p: p, "cpu"), n)

@@ -174,7 +174,7 @@ def test_the_summary_names_the_peers_figures_measured_on_this_cpu(tiny_cli, caps
     import json
 
     from lookahead.cli.report import PEERS_FILE
-    from lookahead.kernels.cpu_gemm import cpu_tag
+    from lookahead.kernels.cpu_kernels import cpu_tag
     from lookahead.paths import cache_root
 
     path = cache_root() / PEERS_FILE

@@ -32,9 +32,9 @@ PROMPT = [5, 6, 7, 5, 6, 7, 5, 6]
 def cache(tmp_path, monkeypatch):
     """A fresh cache root for the test (LOOKAHEAD_CACHE_DIR), and warnings said afresh. The CPU kernels' build is
     loaded first, from the suite's cache: one that fails in a damaged root would stay failed for the process."""
-    from lookahead.kernels import cpu_gemm
+    from lookahead.kernels import cpu_kernels
 
-    cpu_gemm.available(Path(CACHE_ROOT) / "kernels")
+    cpu_kernels.available(Path(CACHE_ROOT) / "kernels")
     root = tmp_path / "cache"
     monkeypatch.setenv("LOOKAHEAD_CACHE_DIR", str(root))
     monkeypatch.setattr(store, "_WARNED", set(), raising=False)
@@ -289,12 +289,12 @@ def test_both_adapters_go_through_the_shared_measurement(tiny_checkpoint, cache,
     calls = []
     real = shared.time_steps
     monkeypatch.setattr(shared, "time_steps", lambda run, sizes, *a: calls.append(sizes) or real(run, sizes, *a))
-    native = Llama.from_pretrained(tiny_checkpoint())
-    native.generate(PROMPT, max_new_tokens=4, lookahead=LookaheadConfig())
+    ours = Llama.from_pretrained(tiny_checkpoint())
+    ours.generate(PROMPT, max_new_tokens=4, lookahead=LookaheadConfig())
     hf_model = LlamaForCausalLM.from_pretrained(tiny_checkpoint(), dtype=torch.float32).eval()
     lh.generate(hf_model, PROMPT, 4, LookaheadConfig(), eos_token_id=[])
     assert len(calls) == 2
-    keys = native.cost_model.key, lh.model_state(hf_model).cost_model.key
+    keys = ours.cost_model.key, lh.model_state(hf_model).cost_model.key
     common = {"device", "dtype", "backend", "threads", "interpreted", "model", "versions"}
     assert all(common <= set(key) for key in keys)
     assert keys[0]["versions"][:3] == keys[1]["versions"][:3]  # torch, triton, lookahead: read one way
@@ -304,17 +304,17 @@ def test_a_cost_file_belongs_to_the_build_of_the_cpu_kernels_that_ran(tiny_check
                                                                        tmp_path):
     """Costs measured on one version of the compiled CPU kernels are not another's (a faster GEMM makes larger steps
     pay): the key names the build where the batch-invariant mode runs on it, and nothing where the mode is off."""
-    from lookahead.kernels import cpu_gemm
+    from lookahead.kernels import cpu_kernels
 
     model = Llama.from_pretrained(tiny_checkpoint())
     model.generate(PROMPT, max_new_tokens=4, lookahead=LookaheadConfig())
-    assert model.batch_invariant and model.cost_model.key["kernels"] == cpu_gemm.build_name()
+    assert model.batch_invariant and model.cost_model.key["kernels"] == cpu_kernels.build_name()
     another = tmp_path / "csrc"  # the kernels' sources, one of them changed
-    shutil.copytree(cpu_gemm.CSRC, another)
-    with open(another / cpu_gemm.SOURCE_FILES[-1], "a") as f:
+    shutil.copytree(cpu_kernels.CSRC, another)
+    with open(another / cpu_kernels.SOURCE_FILES[-1], "a") as f:
         f.write("// another version\n")
-    monkeypatch.setattr(cpu_gemm, "CSRC", another)
-    assert cpu_gemm.build_name() != model.cost_model.key["kernels"]
+    monkeypatch.setattr(cpu_kernels, "CSRC", another)
+    assert cpu_kernels.build_name() != model.cost_model.key["kernels"]
     off = Llama.from_pretrained(tiny_checkpoint(), batch_invariant=False)
     off.generate(PROMPT, max_new_tokens=4, lookahead=LookaheadConfig())
     assert off.cost_model.key["kernels"] is None

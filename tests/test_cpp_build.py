@@ -149,9 +149,9 @@ NO_COMPILER = """
 import warnings
 warnings.simplefilter("always")
 import torch
-from lookahead.kernels import cpu_gemm
+from lookahead.kernels import cpu_kernels
 from lookahead.models import llama
-print(cpu_gemm.available({folder!r}))
+print(cpu_kernels.available({folder!r}))
 llama.bf16_dot_products = lambda: "avx512_bf16"  # the CPU where the default dtype depends on the kernels
 print(llama.default_dtype(torch.device("cpu"), True))
 """

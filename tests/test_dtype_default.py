@@ -11,7 +11,7 @@ import lookahead.models.llama as llama_module
 from lookahead import LookaheadConfig
 from lookahead.cli import main
 from lookahead.cli.report import dtype_choice, summary
-from lookahead.kernels.cpu_gemm import bf16_dot_products
+from lookahead.kernels.cpu_kernels import bf16_dot_products
 from lookahead.loop import GenerationResult
 from lookahead.models import Llama
 from lookahead.models.llama import default_dtype

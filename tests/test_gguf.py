@@ -20,7 +20,7 @@ from test_batch_invariant import plain_logits, run_schedule
 
 from helpers import RandomCost, fixed
 from lookahead import LookaheadConfig
-from lookahead.kernels import cpu_gemm, quant
+from lookahead.kernels import cpu_kernels, quant
 from lookahead.models import Llama
 from lookahead.models.quantized import QuantEmbedding, QuantLinear
 
@@ -35,7 +35,7 @@ MIXED = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q
 def kernels(tmp_path_factory):
     from lookahead.models.invariant import cpu_kernels_built
 
-    assert cpu_kernels_built(), f"the CPU kernels did not build here: {cpu_gemm._failed}"
+    assert cpu_kernels_built(), f"the CPU kernels did not build here: {cpu_kernels._failed}"
 
 
 def random_blocks(type_name: str, n: int, k: int, seed: int) -> np.ndarray:
@@ -213,18 +213,18 @@ def test_lookahead_and_batches_on_quantized_weights_give_plain_greedy(files, typ
 
 def test_the_layers_in_one_call_run_quantized_weights(files, monkeypatch):
     """A step's layers run in one call of the CPU kernels with quantized weights too, bitwise the layers one by one."""
-    from lookahead.models.invariant import InvariantLinears
+    from lookahead.models.invariant import InvariantOps
 
     model = Llama.from_pretrained(files(MIXED)[0])
-    calls, real = [], cpu_gemm.decoder_layers
-    monkeypatch.setattr(cpu_gemm, "decoder_layers", lambda *args: calls.append(1) or real(*args))
+    calls, real = [], cpu_kernels.decoder_layers
+    monkeypatch.setattr(cpu_kernels, "decoder_layers", lambda *args: calls.append(1) or real(*args))
     ids = list(range(10, 40))
     whole = model.generate(ids, max_new_tokens=12, eos_token_id=[], lookahead=fixed(3, 3, 3))
     assert calls
-    monkeypatch.setattr(InvariantLinears, "whole_layers", False)
+    monkeypatch.setattr(InvariantOps, "whole_layers", False)
     model.release()
     one_by_one = plain_logits(model, ids + whole.tokens[:4])
-    monkeypatch.setattr(InvariantLinears, "whole_layers", True)
+    monkeypatch.setattr(InvariantOps, "whole_layers", True)
     model.release()
     assert all(torch.equal(a, b) for a, b in zip(plain_logits(model, ids + whole.tokens[:4]), one_by_one,
                                                   strict=True))

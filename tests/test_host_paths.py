@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from helpers import MockStepModel, decode_one
-from lookahead import LookaheadConfig, native
+from lookahead import LookaheadConfig, host_loops
 from lookahead.drafts import (
     ROOT,
     DraftBuilder,
@@ -176,7 +176,7 @@ def budgets(rng: random.Random, static: bool):
 @pytest.mark.parametrize("seed", range(40))
 def test_the_budget_chooses_what_the_heap_scan_chose(seed, static, compiled, monkeypatch):
     if compiled:
-        assert native.load() is not None, "the compiled host loops did not build"
+        assert host_loops.load() is not None, "the compiled host loops did not build"
     rng = random.Random(seed)
     new, old = budgets(rng, static)
     new.compiled = compiled
@@ -210,10 +210,10 @@ def test_merged_slots_are_the_heap_order():
 
 
 def test_compiled_slots_are_the_merged_worths_bit_for_bit():
-    """`native.slots` (what the budget takes its slots from) against `merge_slots` of each row's `_worths`, on scores
-    with ties within a row and between rows (two rows alike: the lower row first), zeros, sums on the calibration
-    bands' bounds, empty rows and no rows."""
-    assert native.load() is not None, "the compiled host loops did not build"
+    """`host_loops.slots` (what the budget takes its slots from) against `merge_slots` of each row's `_worths`, on
+    scores with ties within a row and between rows (two rows alike: the lower row first), zeros, sums on the
+    calibration bands' bounds, empty rows and no rows."""
+    assert host_loops.load() is not None, "the compiled host loops did not build"
     rng = random.Random(6)
     budget_ = budgets(rng, False)[0]
     for i in range(300):
@@ -223,7 +223,7 @@ def test_compiled_slots_are_the_merged_worths_bit_for_bit():
             scores.insert(rng.randint(1, len(scores)), list(rng.choice(scores)))
         calibration = budget_._calibration()
         want = budget.merge_slots([budget_._worths(row, calibration) for row in scores])
-        assert native.load().slots(scores, budget.CALIBRATION_BANDS, *calibration) == want
+        assert host_loops.load().slots(scores, budget.CALIBRATION_BANDS, *calibration) == want
 
 
 def test_predict_many_is_predict_bit_for_bit():
@@ -416,7 +416,7 @@ def test_suffix_continuations_are_what_they_were(seed, compiled):
     """The look-up (the compiled loop, and the Python one it replaces where it cannot be built) against the reference,
     on texts joined by separators, the first forgotten in some (positions then start past 0)."""
     if compiled:
-        assert native.load() is not None, "the compiled host loops did not build"
+        assert host_loops.load() is not None, "the compiled host loops did not build"
     rng = random.Random(seed)
     vocab = rng.choice([3, 8, 50])
     texts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 300))] for _ in range(3)]
@@ -610,7 +610,7 @@ def test_the_draft_tree_grows_as_it_did(seed, compiled, wide):
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
 def test_grown_trees_are_numbered_as_the_pre_order_walk_numbers_them(compiled):
     if compiled:
-        assert native.load() is not None, "the compiled host loops did not build"
+        assert host_loops.load() is not None, "the compiled host loops did not build"
     rng = random.Random(5)
     for _ in range(300):
         n = rng.randint(0, 60)
@@ -667,7 +667,7 @@ def table_state(tables: RecycleTables) -> list:
 @pytest.mark.parametrize("seed", range(10))
 def test_a_step_updates_the_recycled_tables_as_it_did(seed, compiled, wide):
     if compiled:
-        assert native.load() is not None, "the compiled host loops did not build"
+        assert host_loops.load() is not None, "the compiled host loops did not build"
     rng = random.Random(seed)
     ids = Ids(rng, wide)
     new, old = RecycleTables(), RecycleTables()
@@ -741,7 +741,7 @@ def test_generations_draft_the_same_without_the_compiled_loops(monkeypatch):
     """End to end on the mock model, warm: every step's tree, the tokens each step fed and accepted, and what the
     drafting memory ends up holding are the same whether the compiled loops run or the Python paths do (as where the
     build fails)."""
-    assert native.load() is not None, "the compiled host loops did not build"
+    assert host_loops.load() is not None, "the compiled host loops did not build"
     cfg = LookaheadConfig(2, 4, 6, budget="fixed")
     prompts = [[(5 * i + j * j) % 16 for j in range(14)] + [3, 4, 5, 3, 4, 5] for i in range(4)]
 
@@ -757,7 +757,7 @@ def test_generations_draft_the_same_without_the_compiled_loops(monkeypatch):
 
     compiled = run()
     assert any(len(set(p[2])) > 1 for p in compiled[0][-1][3] if p[2])  # trees with branches were drafted
-    monkeypatch.setattr(native, "load", lambda: None)
+    monkeypatch.setattr(host_loops, "load", lambda: None)
     assert run() == compiled
 
 

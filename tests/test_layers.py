@@ -77,7 +77,7 @@ RULES = {
     "lookahead.cpp_build": ("lookahead.",),  # the one build of the C++ extensions: a leaf below the kernels
     "lookahead.config": ("lookahead.",),
     # all but lookahead.paths (where its build goes) and lookahead.cpp_build (how)
-    "lookahead.native": ("lookahead.kernels", "lookahead.config", "lookahead.backends", "lookahead.request",
+    "lookahead.host_loops": ("lookahead.kernels", "lookahead.config", "lookahead.backends", "lookahead.request",
                          "lookahead.tuning", "lookahead.drafts", "lookahead.loop", "lookahead.parallel", "lookahead.hf",
                          "lookahead.cli", "lookahead.models", "lookahead.serve", "lookahead.structured"),
     "lookahead.paths": ("lookahead.",),

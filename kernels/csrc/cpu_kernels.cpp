@@ -1,4 +1,4 @@
-// The batch-invariant CPU kernels (lookahead.kernels.cpu_gemm builds this file with quant_gemm.cpp after it).
+// The batch-invariant CPU kernels (lookahead.kernels.cpu_kernels builds this file with quant_gemm.cpp after it).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <unistd.h>
@@ -528,7 +528,7 @@ static torch::Tensor linear_rows(const torch::Tensor& x, const std::vector<torch
   return gemm_rows(x.to(packed.dim() == 4 ? torch::kBFloat16 : torch::kFloat32).contiguous(), packed, n);
 }
 
-// The mode's RMSNorm (models.invariant.InvariantLinears.norm runs it for the layers run from Python): per row, the
+// The mode's RMSNorm (models.invariant.InvariantOps.norm runs it for the layers run from Python): per row, the
 // squares summed in float32 in 16 lanes (lane l takes k = l, l + 16, ... in order), the lanes added in order, then
 // x * (1 / sqrt(sum / H + eps)) rounded to the dtype, times the weight (a product rounded to the dtype). A row's bits
 // are its own. One loop over the row where ATen's rms_norm runs a dozen ops of ~5 us each.
@@ -653,7 +653,7 @@ static torch::Tensor attention_block(const torch::Tensor& q, const torch::Tensor
 // a list: [weight] for a norm, [packed] for a packed weight, one quantized blob per linear for quantized ones);
 // k_cache, v_cache [layers, Hkv, S, D]; write_slots [T] int64, where each token's key and value go; queries [R] int64,
 // the tokens that attend (the rest are padding: their attention output is zero), key_slots [R, W] and counts [R]
-// int64, each query's key slots in position order (`cpu_gemm.attention`'s). Returns x after the last layer.
+// int64, each query's key slots in position order (`cpu_kernels.attention`'s). Returns x after the last layer.
 torch::Tensor decoder_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
                              std::vector<std::vector<torch::Tensor>> weights,
                              torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor write_slots,

@@ -1,4 +1,4 @@
-// The CPU kernels' extension (lookahead.kernels.cpu_gemm builds this file): one translation unit, since
+// The CPU kernels' extension (lookahead.kernels.cpu_kernels builds this file): one translation unit, since
 // quant_gemm.cpp uses cpu_kernels.cpp's thread pool, and the functions Python calls.
 #include <torch/extension.h>
 

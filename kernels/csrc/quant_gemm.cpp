@@ -1,7 +1,7 @@
 // GEMMs over GGUF-quantized weights that keep the batch-invariant contract: each output row's bits depend on its own
 // input row and the weight alone, whatever rows are computed beside it and whichever thread computes it.
 //
-// Built after cpu_kernels.cpp in one translation unit (lookahead.kernels.cpu_gemm): it uses that file's thread pool.
+// Built after cpu_kernels.cpp in one translation unit (lookahead.kernels.cpu_kernels): it uses that file's thread pool.
 //
 // The arithmetic (lookahead.kernels.quant holds the same definition in numpy; the tests hold the two bitwise equal):
 // - each input row is quantized on its own, in blocks of 32 along K: d = max|x| / 127, q = rint(x / d) (as

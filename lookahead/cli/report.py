@@ -64,7 +64,7 @@ def dtype_choice(model) -> str | None:
 def peer_rates(dtype: str) -> str | None:
     """What llama.cpp (and vLLM) decode one request at here, by `bench/peers.py`'s last run on this kind of CPU
     (`peers.json` in the cache folder; None where it has not run here): the same dtype's figures first."""
-    from lookahead.kernels.cpu_gemm import cpu_tag
+    from lookahead.kernels.cpu_kernels import cpu_tag
     from lookahead.paths import cache_root
 
     root = cache_root()

@@ -1,4 +1,4 @@
-// The engine's host loops compiled (lookahead.native builds this file; its docstring says what each does).
+// The engine's host loops compiled (lookahead.host_loops builds this file; its docstring says what each does).
 #include <Python.h>
 #include <algorithm>
 #include <cstdint>

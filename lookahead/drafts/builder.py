@@ -23,7 +23,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-import lookahead.native as native
+import lookahead.host_loops as host_loops
 
 from .edges import (
     _S,
@@ -52,7 +52,7 @@ SUFFIX_LIMIT = 4  # continuations taken from the suffix index per step
 class DraftBuilder:
     """The tree form's draft policy: the draft sources of one generation, and the best-first tree builder."""
 
-    compiled = True  # grow with the compiled loop where it builds (`native`); False: the Python loop (tests)
+    compiled = True  # grow with the compiled loop where it builds (`host_loops`); False: the Python loop (tests)
 
     def __init__(self, sequence: Sequence[int], pool: bool = True, suffix: bool = True, recycle: bool = True,
                  pool_limit: int = 0, memory: DraftMemory | None = None) -> None:
@@ -214,7 +214,7 @@ _configured = False
 def _compiled():
     """The compiled loop with this module's edge tables (None where it does not build)."""
     global _configured
-    module = native.load()
+    module = host_loops.load()
     if module is not None and not _configured:
         module.configure(EDGE_PROBABILITY, _RANKED, _MISSING, NO_RECYCLE, SUFFIX_WEIGHTS, POOL_WEIGHTS, _S)
         _configured = True

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-import lookahead.native as native
+import lookahead.host_loops as host_loops
 
 _BITS = 21  # a context key packs token ids + 1 (ids from -1, "none", to 2**21 - 2) into one int
 
@@ -54,9 +54,9 @@ class RecycleTables:
         """Rows of one step, each keyed by its own context in the step: `rows`, step indices (a later one wins);
         `parents`, each step token's predecessor in its context (-1: the input token's, the sequence's token before
         it); `tokens`, the step's tokens; `before`, the sequence's two tokens before the input token (-1: none);
-        `topk` [T, k] int64 on the host, every step token's top-k. By the compiled loop (`native.learn`) where it builds
-        (compiled=False: the Python one, for tests); the same entries in the same order either way."""
-        module = native.load() if compiled and topk.dtype == torch.int64 and topk.device.type == "cpu" else None
+        `topk` [T, k] int64 on the host, every step token's top-k. By the compiled loop (`host_loops.learn`) where it
+        builds (compiled=False: the Python one, for tests); the same entries in the same order either way."""
+        module = host_loops.load() if compiled and topk.dtype == torch.int64 and topk.device.type == "cpu" else None
         if module is None:
             self.update_step_python(rows, parents, tokens, before, topk)
         else:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Sequence
 
-import lookahead.native as native
+import lookahead.host_loops as host_loops
 
 _SCAN = 4  # occurrences looked at per continuation wanted, per match length
 SEPARATOR = -1  # not a token id: starts a text of its own
@@ -23,7 +23,7 @@ class SuffixIndex:
     """End positions of every m-gram of a growing sequence, m = 1..max_match (positions count forgotten tokens:
     `tokens[0]` is at position `start`)."""
 
-    compiled = True  # extend and look up with the compiled loops where they build (`native`); False: Python's (tests)
+    compiled = True  # extend and look up with the compiled loops where they build (`host_loops`); False: Python's
 
     def __init__(self, max_match: int = 4, reach: int = 0) -> None:
         """max_match: the longest m-gram indexed; reach: the longest match measured (at least max_match)."""
@@ -39,7 +39,7 @@ class SuffixIndex:
     def extend(self, tokens: Sequence[int]) -> None:
         """Append tokens, indexing the m-grams that end at each of them (none across a `SEPARATOR`). By the compiled
         loop where it builds, else `extend_python`: the same list and keys, in the same order."""
-        module = native.load() if self.compiled else None
+        module = host_loops.load() if self.compiled else None
         if module is None:
             self.extend_python(tokens)
         else:
@@ -70,7 +70,7 @@ class SuffixIndex:
         sequence's suffix (or of `tail`'s, looked up in this index), with the suffix length matched (up to
         `reach`): longest match first, then most recent first. By the compiled loop where it builds (the drafts
         ask twice a step per row), else `continuations_python`: the same list."""
-        module = native.load() if self.compiled else None
+        module = host_loops.load() if self.compiled else None
         if module is None:
             return self.continuations_python(limit, length, tail)
         return module.continuations(self.tokens, self._ends, self.start, self.max_match, self.reach, limit, length,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-import lookahead.native as native
+import lookahead.host_loops as host_loops
 
 ROOT = -1  # the parent of the input token's children
 
@@ -52,7 +52,7 @@ class DraftTree:
         """A tree from nodes numbered in any order in which a parent comes before its children (ROOT: the input
         token); renumbered in pre-order, siblings in the order of their numbers. By the compiled loop where it builds
         (this runs for every row of every step), else `grown_python` (compiled=False: that one, for tests)."""
-        module = native.load() if compiled else None
+        module = host_loops.load() if compiled else None
         if module is None:
             return cls.grown_python(tokens, parents)
         return cls(*module.grown(tokens, parents))

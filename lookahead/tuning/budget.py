@@ -44,7 +44,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-import lookahead.native as native
+import lookahead.host_loops as host_loops
 from lookahead.config import LookaheadConfig
 
 from .cost import CostModel
@@ -121,7 +121,7 @@ class StepBudget:
     are rounded up to captured shapes (CUDA graphs): every lookahead row carries its lookahead branch (a few more
     tokens cost a GPU about nothing), and a step's cost is that of `round_up(tokens)` tokens."""
 
-    compiled = True  # merge the rows' slots with the compiled loop where it builds (`lookahead.native`); False: Python
+    compiled = True  # merge the rows' slots with the compiled loop where it builds (`host_loops`); False: Python's
 
     def __init__(self, cfg: LookaheadConfig, cost: CostModel, kind: str = "greedy", static: bool = False,
                  round_up: Callable[[int], int] | None = None) -> None:
@@ -239,7 +239,7 @@ class StepBudget:
         """`merge_slots` of every row's `_worths`: by the compiled loop where it builds (every node of every row, each
         step), else in Python (compiled=False: that one, for tests); the same numbers either way."""
         calibration = self._calibration()
-        module = native.load() if self.compiled else None
+        module = host_loops.load() if self.compiled else None
         if module is None:
             return merge_slots([self._worths(row, calibration) for row in scores])
         return module.slots(scores, CALIBRATION_BANDS, *calibration)

@@ -16,8 +16,8 @@ its Python path and to the older reference.
 
 The source (`csrc/host_loops.cpp`) is compiled at first use by `lookahead.cpp_build` into the cache folder's `kernels`
 (torch's default build folder without one), one build per architecture, Python version, compiler and version of the
-source (as `lookahead.kernels.cpu_gemm`'s is, per kind of CPU); where that fails `load` returns None (with one warning)
-and every caller runs its Python path. It imports nothing of the package but `lookahead.paths` and
+source (as `lookahead.kernels.cpu_kernels`'s is, per kind of CPU); where that fails `load` returns None (with one
+warning) and every caller runs its Python path. It imports nothing of the package but `lookahead.paths` and
 `lookahead.cpp_build`: the drafts and the tuning room both use it.
 """
 
