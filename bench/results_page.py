@@ -364,7 +364,7 @@ def host_profile(data: dict) -> list[str]:
     rows = [[f"`{p['function']}`", f"{p['calls_per_step']:.1f}", f"{p['own_us'] / n:.1f}",
              f"{p['cumulative_us'] / n:.1f}"] for p in top[:PROFILED]]
     return [f"Where it goes at {n} rows: the profiled run's top functions by own time (cProfile, whose own cost per "
-            "call inflates the Python functions' figures), per row a step. The compiled loops (`lookahead.native`: "
+            "call inflates the Python functions' figures), per row a step. The compiled loops (`lookahead.host_loops`: "
             f"`grow`, `learn`, `continuations`, `extend`, `grown`, `slots`) take {compiled / n:.0f} us a row of it "
             f"(of those in the top {len(top)}); the rest is spread over about "
             f"{sum(p['calls_per_step'] for p in python) / n:.0f} Python calls a row, none above "
@@ -832,7 +832,7 @@ def unprofiled_table(records: list[dict]) -> list[str]:
              f"{r['unprofiled_ms']['one by one'] / r['unprofiled_ms']['one call']:.2f}x"] for r in timed]
     return ["The profile runs the decoder layers one by one from Python (the profiler sees only ops called from "
             "Python). The same steps without the profiler, best of 3, milliseconds per decoding step, with the layers "
-            "one by one and in one call of the CPU kernels (`cpu_gemm.decoder_layers`, the default):", "",
+            "one by one and in one call of the CPU kernels (`cpu_kernels.decoder_layers`, the default):", "",
             *table(["dtype", "step", "layers one by one", "in one call", "speed-up"], rows), ""]
 
 
