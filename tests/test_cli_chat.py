@@ -37,6 +37,8 @@ def test_chat_through_standard_input(default_model_dir):
     assert cached2 >= (prompt1 + answer1 - 1) // 16 * 16 > 0  # ... and prefilled only what it added (whole blocks)
     assert prompt3 == prompt1  # after /reset: the first message again, alone
     assert run.stdout.count("\n") >= 3 and "Traceback" not in run.stderr
+    # no plain-decoding estimate: the cost model's forward pass alone read 42 tok/s beside turns that gave 7
+    assert "plain ~" not in run.stderr and "the rate includes prefilling the rest" in run.stderr
 
 
 def _read_until_prompts(master: int, seen: bytearray, prompts: int, seconds: float = 300) -> None:

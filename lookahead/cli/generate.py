@@ -28,7 +28,6 @@ from .report import (
     dtype_name,
     pass_cost,
     peer_rates,
-    plain_rate,  # noqa: F401 - chat's, imported from here
     probe_plain,
     summary,
     why_plain,

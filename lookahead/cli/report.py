@@ -6,9 +6,9 @@ one process, after one load).
 A newcomer's first question is whether lookahead paid here. Plain decoding's rate beside a lookahead answer is timed
 in the same run by a short plain continuation of the prompt (`probe_plain`: `PROBE_TOKENS` one-token steps, the
 prompt's prefix cached, the loop's own work included), so every run shows it: self-tuned, `--fixed-steps`,
-`--no-lookahead` (its own rate) and torchrun's rank 0. Not the cost model's `plain_rate`: that is the forward pass
-alone, measured once per machine, and was 1.1-2.9x above what `--no-lookahead` measured right after (issue 49;
-`lookahead chat` still shows the cost model's, its item 6).
+`--no-lookahead` (its own rate) and torchrun's rank 0. Not the cost model's rate: that is the forward pass alone,
+measured once per machine, and was 1.1-2.9x above what `--no-lookahead` measured right after (issue 49); `lookahead
+chat` shows no plain figure (a probe every turn would cost each turn its time).
 """
 
 from __future__ import annotations
@@ -77,15 +77,6 @@ def peer_rates(dtype: str) -> str | None:
     figures = sorted(saved["figures"].items(), key=lambda item: not item[0].endswith(dtype))
     rates = ", ".join(f"{name} ~{rate:.0f}" for name, rate in figures[:2])
     return f"{rates} tok/s here by bench/peers.py on {saved.get('date', '?')[:10]}"
-
-
-def plain_rate(model, result, prompt_length: int) -> float | None:
-    """Tokens per second plain decoding would give here, by the model's cost model at the answer's middle (None
-    without one)."""
-    cost = getattr(model, "cost_model", None)
-    if cost is None or "greedy" not in cost.curves:
-        return None
-    return cost.plain_rate(prompt_length + len(result.tokens) // 2)
 
 
 def probe_plain(model, prompt_ids: list[int], tokens: int = PROBE_TOKENS) -> float:
