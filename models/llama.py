@@ -67,6 +67,7 @@ class Llama(nn.Module):
         # measured before the first generation that needs it (`models.tuning`); set one to fix the costs
         self.cost_model: CostModel | None = None
         self.cost_saver = Saver()  # writes it back to its cache file as the steps keep it current
+        self.measuring_seconds = 0.0  # time this model has spent measuring step costs (none where a file had them)
         # what drafting learned, kept across generations with LookaheadConfig(warm=True): `draft_memory.clear()`
         self.draft_memory = DraftMemory()
 

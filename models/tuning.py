@@ -11,6 +11,8 @@ and the saving are `lookahead.tuning.store`'s.
 
 from __future__ import annotations
 
+import time
+
 from lookahead.kernels import cpu_kernels, interpreting
 from lookahead.loop import RowStep, path_step, static_steps
 from lookahead.loop.sampling import SampleRequest
@@ -28,9 +30,17 @@ def cost_model_for(model, runner: CachedRunner, request: Request):
     if not shared.self_tuned(cfg):
         return None
     sizes = buckets(cfg) if request.static_step else knots_up_to(cfg.step_tokens)
+
+    def measured() -> Curve:
+        start = time.perf_counter()
+        try:
+            return measure(runner, request, sizes)
+        finally:
+            model.measuring_seconds += time.perf_counter() - start
+
     model.cost_model = shared.cost_model_for(model.cost_model, cfg, request.sampling.greedy,
                                              len(request.prompts) * sizes[-1], lambda: cost_key(model, runner),
-                                             lambda: measure(runner, request, sizes), model.cost_saver)
+                                             measured, model.cost_saver)
     return model.cost_model
 
 

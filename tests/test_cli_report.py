@@ -190,3 +190,17 @@ def test_the_summary_names_the_peers_figures_measured_on_this_cpu(tiny_cli, caps
             assert code == 0 and "peers" not in err[-1]
     finally:
         path.unlink(missing_ok=True)
+
+
+def test_step_costs_are_said_measured_only_when_they_were(tiny_checkpoint, capsys, monkeypatch, tmp_path):
+    """The first run on a machine measures the step costs and says so; the next process (a fresh model, the cost file
+    read) measured nothing and says nothing (every warm run said "measured ... (once per machine and model)")."""
+    from lookahead.paths import cache_root
+
+    (tmp_path / "kernels").symlink_to(cache_root() / "kernels")  # an empty cache folder but the built kernels
+    monkeypatch.setenv("LOOKAHEAD_CACHE_DIR", str(tmp_path))
+    models = [Llama.from_pretrained(tiny_checkpoint()) for _ in range(2)]
+    monkeypatch.setattr(cli_generate, "load", lambda args, parallel, say: (models.pop(0), CharTokenizer(),
+                                                                          LookaheadConfig()))
+    said = [[line for line in run(capsys)[1] if "measured this machine's step costs" in line] for _ in range(2)]
+    assert len(said[0]) == 1 and said[1] == []

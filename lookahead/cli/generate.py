@@ -209,10 +209,10 @@ def _stamped(stream, stamps: list[float]):
 def _prepare(model, lookahead, positions: int, sampling: bool, say) -> None:
     """Before a self-tuned answer is timed: its KV cache, and the machine's step costs measured if no cost file has
     them yet (a few seconds, once), so the summary's tokens/s is the answer's, not the measurement's."""
-    start = time.perf_counter()
+    before = model.measuring_seconds
     model.warmup(lookahead, max_tokens=max(2, min(positions, model.config.max_position_embeddings)), sampling=sampling)
-    seconds = time.perf_counter() - start
-    if seconds >= 1.0:
+    seconds = model.measuring_seconds - before  # only what was measured now: a cost file read is no measurement
+    if seconds > 0:
         say(f"measured this machine's step costs in {seconds:.1f} s (once per machine and model)")
 
 
