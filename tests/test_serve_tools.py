@@ -1,13 +1,22 @@
 """Tool calls that end (issue 49, item 2): one call unless `parallel_tool_calls` is true, then a bounded list with an
 identical call kept once; an answer cut by the token limit gives the calls complete before the cut, never the
 server's JSON wrapper; a plain answer with tools present streams as it comes; a tool's result reaches a chat template
-that has no tool role as a user message that says what it is."""
+that has no tool role as a user message that says what it is; an answer that only repeats a call answered already
+(SmolLM2 calls again after every result) is answered in text, so an agent loop ends."""
 
 from __future__ import annotations
 
 import pytest
 
-from lookahead.serve.tools import MAX_CALLS, AnswerReader, ToolMode, fold_tool_results, parse_answer
+from lookahead.serve.tools import (
+    MAX_CALLS,
+    AnswerReader,
+    ToolMode,
+    answered_calls,
+    call_key,
+    fold_tool_results,
+    parse_answer,
+)
 
 # for the tiny model (512 positions of single bytes): a short tool
 TOOL = {"type": "function", "function": {"name": "w", "parameters": {
@@ -137,3 +146,47 @@ def test_a_plain_answer_with_tools_present_streams(server):
     pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
     assert "".join(pieces) == whole.message.content and len(pieces) >= 2, pieces
     assert not any(p.startswith('{"response"') for p in pieces)
+
+
+def test_a_call_answered_already_is_a_repeat():
+    from lookahead.serve.protocol import ChatCompletionRequest
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "w", "arguments": '{"c":"P"}'}}
+    messages = [*ASK, {"role": "assistant", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "18"}]
+    answered = answered_calls(ChatCompletionRequest.model_validate({"model": "t", "messages": messages}).messages)
+    assert answered == {call_key("w", '{"c": "P"}')}  # (spacing does not count)
+    mode = ToolMode.of(CHECKED, "auto", None, answered)
+    assert mode.repeats(parse_answer('{"tool_calls": [{"name": "w", "arguments": {"c": "P"}}]}')[1])
+    assert not mode.repeats(parse_answer('{"tool_calls": [{"name": "w", "arguments": {"c": "Q"}}]}')[1])
+    assert not ToolMode.of(CHECKED, "required", None, answered).repeats(parse_answer(
+        '{"tool_calls": [{"name": "w", "arguments": {"c": "P"}}]}')[1])  # (a call is what the client asked for)
+    assert mode.text_only().schema()["required"] == ["response"]
+
+
+@pytest.mark.slow
+def test_the_default_models_agent_loop_ends(default_model_dir):
+    """SmolLM2 given the tool's result calls the same tool again, for ever (issue 49): the repeat is answered in
+    text, streamed or not."""
+    from served import Running
+
+    weather = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    running = Running(default_model_dir, "smol", max_batch=2, max_queue=4)
+    try:
+        client = running.client()
+        messages = [{"role": "user", "content": "What is the weather in Tokyo?"}]
+        answer = client.chat.completions.create(model="smol", messages=messages, tools=[weather], temperature=0)
+        (call,) = answer.choices[0].message.tool_calls
+        messages += [answer.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": "18 degrees and sunny"}]
+        final = client.chat.completions.create(model="smol", messages=messages, tools=[weather], temperature=0)
+        choice = final.choices[0]
+        assert choice.finish_reason == "stop" and choice.message.tool_calls is None and choice.message.content
+        chunks = list(client.chat.completions.create(model="smol", messages=messages, tools=[weather], temperature=0,
+                                                     stream=True))
+        assert not any(c.choices[0].delta.tool_calls for c in chunks if c.choices)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == choice.message.content
+        assert chunks[-1].choices[0].finish_reason == "stop"
+    finally:
+        running.stop()

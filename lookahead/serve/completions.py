@@ -26,7 +26,7 @@ from lookahead.structured import GrammarError
 from .errors import CLIENT_CLOSED, APIError, bad_request, overloaded
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .submission import Submission
-from .tools import AnswerReader, ToolMode, fold_tool_results
+from .tools import AnswerReader, ToolMode, answered_calls, fold_tool_results
 
 # the engine's finish reasons (but "error", which is an error response) as the API shows them: a request the server
 # ended (it is shutting down) is "abort", vLLM's name for it; the openai client takes any string here
@@ -36,11 +36,16 @@ assert set(API_FINISH_REASONS) == set(FINISH_REASONS) - {"error"}
 
 async def chat(served, request: Request, body: ChatCompletionRequest) -> Response:
     _refuse_what_cannot_fit(served, sum(len(message.content or "") for message in body.messages), "messages")
-    tools = ToolMode.of(body.tools, body.tool_choice, body.parallel_tool_calls)
+    tools = ToolMode.of(body.tools, body.tool_choice, body.parallel_tool_calls, answered_calls(body.messages))
     prompt = await served.tokenize(_chat_prompt, body, tools)
     param = "tools" if tools else "response_format"
     grammar = await _grammar(served, tools.schema() if tools else body.json_schema, param)
-    return await _generate(served, request, body, prompt, ChatFormat(served, body, tools), "messages", grammar, param)
+    text_grammar = None
+    if tools is not None and tools.answered and tools.choice == "auto":  # (for an answer that repeats a call)
+        async def text_grammar():
+            return await _grammar(served, tools.text_only().schema(), param)
+    return await _generate(served, request, body, prompt, ChatFormat(served, body, tools), "messages", grammar, param,
+                           text_grammar)
 
 
 async def complete(served, request: Request, body: CompletionRequest) -> Response:
@@ -105,28 +110,41 @@ def _check_ids(ids: list[int], vocab_size: int, param: str) -> None:
 
 
 async def _generate(served, request: Request, body, prompt: list[int], fmt, prompt_param: str,
-                    grammar=None, grammar_param: str | None = None) -> Response:
+                    grammar=None, grammar_param: str | None = None, text_grammar=None) -> Response:
+    """text_grammar: with tools, what makes the grammar of a plain answer, asked for when the answer only repeats
+    calls answered already (`ToolMode.repeats`): the request is then answered again under it, in text."""
     arrival = time.perf_counter()
     limit = _limit(served, body, len(prompt), prompt_param)
     stop_ids = () if body.ignore_eos else served.eos_token_ids
     if body.stop_token_ids:
         _check_ids(body.stop_token_ids, served.vocab_size, "stop_token_ids")
         stop_ids = (*stop_ids, *body.stop_token_ids)
-    try:
-        # the same Request that Engine.run and Llama.generate take: one prompt, with the engine's configuration
-        generation = EngineRequest([prompt], limit, body.sampling(served.sampling_defaults), served.engine.lookahead,
-                                   frozenset(stop_ids), body.engine_seed())
-        submission = Submission(served.engine, served.engine_tokenizer, served.metrics, generation, stop=body.stop,
-                                logprobs=body.engine_logprobs, arrival=arrival, grammar=grammar)
-    except QueueFull as e:
-        if not served.serving:
-            raise overloaded("the server is shutting down; send the request again once it is back") from None
-        raise overloaded(f"the server is busy ({e}); try again later") from None
-    except ValueError as e:  # the engine's own checks (the request is checked before: a backstop)
-        raise bad_request(str(e)) from None
+
+    def submit(grammar) -> Submission:
+        try:
+            # the same Request that Engine.run and Llama.generate take: one prompt, with the engine's configuration
+            generation = EngineRequest([prompt], limit, body.sampling(served.sampling_defaults),
+                                       served.engine.lookahead, frozenset(stop_ids), body.engine_seed())
+            return Submission(served.engine, served.engine_tokenizer, served.metrics, generation, stop=body.stop,
+                              logprobs=body.engine_logprobs, arrival=arrival, grammar=grammar)
+        except QueueFull as e:
+            if not served.serving:
+                raise overloaded("the server is shutting down; send the request again once it is back") from None
+            raise overloaded(f"the server is busy ({e}); try again later") from None
+        except ValueError as e:  # the engine's own checks (the request is checked before: a backstop)
+            raise bad_request(str(e)) from None
+
+    async def again() -> Submission:
+        return submit(await text_grammar())
+
+    submission = submit(grammar)
     if body.stream:
-        return _Stream(_sse(submission, fmt, body.include_usage, len(prompt), grammar_param), submission)
+        return _Stream(_sse(submission, fmt, body.include_usage, len(prompt), grammar_param,
+                            again if text_grammar else None), submission)
     final = await _until_done(submission, request)
+    if final is not None and text_grammar is not None and final[2].finish_reason == "stop" and fmt.repeats(final[0]):
+        submission = await again()
+        final = await _until_done(submission, request)
     if final is None:  # the client has gone: nobody reads this
         return Response(status_code=CLIENT_CLOSED)
     text, logprobs, last = final
@@ -213,26 +231,40 @@ def _failed(submission: Submission, last, grammar_param: str | None) -> APIError
 
 
 async def _sse(submission: Submission, fmt, include_usage: bool, prompt_tokens: int,
-               grammar_param: str | None = None) -> AsyncIterator[str]:
+               grammar_param: str | None = None, again=None) -> AsyncIterator[str]:
+    """again: where set, an answer that only repeats calls answered already is answered again, in text, by the
+    submission it makes (calls are held to the end: none has gone out)."""
     try:
         # the role chunk goes out with the first token, not before the prefill: clients time the first token from
         # the first chunk
         opening = fmt.start()
-        async for event in submission.events():
-            for chunk in opening:
-                yield _data(chunk, include_usage)
-            opening = []
-            if event.finish_reason == "error":
-                yield _data(_failed(submission, event, grammar_param).body(), False)
-                break
-            if event.text or event.logprobs:
-                chunk = fmt.chunk(event.text, event.logprobs or [], None)
-                if chunk is not None:  # (tool calls go out whole, with the finish)
+        while True:
+            again_now = False
+            async for event in submission.events():
+                for chunk in opening:
                     yield _data(chunk, include_usage)
-            if event.finish_reason is not None:
-                yield _data(fmt.chunk("", [], API_FINISH_REASONS[event.finish_reason]), include_usage)
-                if include_usage:
-                    yield _data(fmt.usage_chunk(usage(event.result, prompt_tokens)), False)
+                opening = []
+                if event.finish_reason == "error":
+                    yield _data(_failed(submission, event, grammar_param).body(), False)
+                    break
+                if event.text or event.logprobs:
+                    chunk = fmt.chunk(event.text, event.logprobs or [], None)
+                    if chunk is not None:  # (tool calls go out whole, with the finish)
+                        yield _data(chunk, include_usage)
+                if event.finish_reason == "stop" and again is not None and fmt.repeats():
+                    try:
+                        submission, again, again_now = await again(), None, True
+                    except APIError as e:  # (the queue is full, the server stopping)
+                        yield _data(e.body(), False)
+                        break
+                    fmt.restart()
+                    break
+                if event.finish_reason is not None:
+                    yield _data(fmt.chunk("", [], API_FINISH_REASONS[event.finish_reason]), include_usage)
+                    if include_usage:
+                        yield _data(fmt.usage_chunk(usage(event.result, prompt_tokens)), False)
+            if not again_now:
+                break
         yield "data: [DONE]\n\n"
     finally:
         submission.cancel()  # ended early (the client went): the row leaves at the next step boundary
@@ -260,6 +292,7 @@ class ChatFormat:
     def __init__(self, served, body: ChatCompletionRequest, tools: ToolMode | None = None) -> None:
         self.id, self.created, self.model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), served.model_name
         self.token_text = served.token_text
+        self.tools = tools
         self.reader = AnswerReader() if tools is not None else None  # with tools: reads the answer as it comes
 
     def _object(self, kind: str, choices: list) -> dict:
@@ -290,6 +323,20 @@ class ChatFormat:
 
     def usage_chunk(self, usage: dict) -> dict:
         return {**self._object("chat.completion.chunk", []), "usage": usage}
+
+    def repeats(self, text: str | None = None) -> bool:
+        """Whether the answer (`text`; None: the one streamed so far, whole) only repeats calls answered already."""
+        if self.reader is None:
+            return False
+        reader = self.reader
+        if text is not None:
+            reader = AnswerReader()
+            reader.feed(text)
+        return self.tools.repeats(reader.calls())
+
+    def restart(self) -> None:
+        """Read a new answer (the request is answered again)."""
+        self.reader = AnswerReader()
 
     def response(self, text: str, logprobs: list[TokenLogprob] | None, finish: str, usage: dict) -> dict:
         message = {"role": "assistant", "content": text}

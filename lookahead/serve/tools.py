@@ -96,21 +96,34 @@ def _check_choice(choice: Any, names: list[str]) -> None:
 
 @dataclass(frozen=True)
 class ToolMode:
-    """How a request may use its tools: `tools` (checked), the choice ("auto", "required" or a function's name) and
-    whether several calls may come at once."""
+    """How a request may use its tools: `tools` (checked), the choice ("auto", "required", a function's name, or
+    "text": a plain answer only), whether several calls may come at once, and the calls the conversation made and
+    had answered already (`call_key`s): with "auto", an answer that only repeats them is a loop, answered in text
+    instead (`repeats`, `text_only`)."""
 
     tools: list[dict]
     choice: str
     parallel: bool
+    answered: frozenset[str] = frozenset()
 
     @classmethod
-    def of(cls, tools: list[dict] | None, tool_choice: Any, parallel: bool | None) -> ToolMode | None:
+    def of(cls, tools: list[dict] | None, tool_choice: Any, parallel: bool | None,
+           answered: frozenset[str] = frozenset()) -> ToolMode | None:
         """None where the request has no tools or tool_choice is "none". Several calls only where the request asks
         for them (`parallel_tool_calls` true), as llama.cpp's server has it."""
         if not tools or tool_choice == "none":
             return None
         choice = tool_choice["function"]["name"] if isinstance(tool_choice, dict) else tool_choice or "auto"
-        return cls(tools, choice, parallel is True and choice in ("auto", "required"))
+        return cls(tools, choice, parallel is True and choice in ("auto", "required"), answered)
+
+    def repeats(self, calls: list[dict] | None) -> bool:
+        """Whether an answer's `calls` (OpenAI's shape) only repeat calls answered already, where a plain answer was
+        allowed: the model loops (a small one calls again after every result)."""
+        return (self.choice == "auto" and bool(calls)
+                and all(call_key(c["function"]["name"], c["function"]["arguments"]) in self.answered for c in calls))
+
+    def text_only(self) -> ToolMode:
+        return ToolMode(self.tools, "text", False, self.answered)
 
     def schema(self) -> dict:
         """The JSON schema the answer follows: a list of calls that ends (one, or at most MAX_CALLS). Each tool's
@@ -124,10 +137,12 @@ class ToolMode:
                 "additionalProperties": False}
         defs = {f"tool_{t['name']}": _rooted({"additionalProperties": False, **t["parameters"]},
                                              f"#/$defs/tool_{t['name']}") for t in tools}
-        if self.choice != "auto":
-            return {**call, "$defs": defs}
         answer = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
                   "additionalProperties": False}
+        if self.choice == "text":
+            return answer
+        if self.choice != "auto":
+            return {**call, "$defs": defs}
         return {"anyOf": [call, answer], "$defs": defs}
 
     def instructions(self) -> str:
@@ -165,6 +180,22 @@ def _rooted(schema: Any, base: str) -> Any:
     if isinstance(ref, str) and ref.startswith("#"):
         out["$ref"] = base + ref[1:]
     return out
+
+
+def call_key(name: str, arguments: str) -> str:
+    """A call as compared for repeats: its name and its arguments parsed (so spacing does not count)."""
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        parsed = arguments
+    return json.dumps([name, parsed], sort_keys=True, ensure_ascii=False)
+
+
+def answered_calls(messages: list) -> frozenset[str]:
+    """The `call_key`s of a conversation's tool calls (`protocol.ChatMessage`s) that a tool message answers."""
+    answers = {m.tool_call_id for m in messages if m.role == "tool"}
+    return frozenset(call_key(c.function.name, c.function.arguments) for m in messages for c in m.tool_calls or ()
+                     if c.id in answers)
 
 
 def calls_text(calls: list[tuple[str, str]]) -> str:
@@ -220,6 +251,10 @@ class AnswerReader:
             return ""
         self._sent = end
         return out
+
+    def calls(self) -> list[dict] | None:
+        """The answer's calls so far, complete ones (OpenAI's shape); None for a plain answer or none."""
+        return None if self.text.startswith(RESPONSE_OPEN) else self.finish()[1]
 
     def finish(self) -> tuple[str | None, list[dict] | None]:
         """(content not handed out yet, tool_calls): OpenAI's tool_calls with fresh ids, an identical call once."""
