@@ -3,7 +3,10 @@
 
 `Grammars(tokenizer, vocab_size, stop_ids)` reads the tokenizer once (about 3 s for a 49k vocabulary); then
 `json_schema(schema)` / `json_object()` compile a request's grammar in about a millisecond and return a fresh
-`LLGuidanceGrammar` for one request. A schema the engine cannot compile raises `GrammarError` naming the problem.
+`LLGuidanceGrammar` for one request. A schema the engine cannot compile raises `GrammarError` naming the problem, and
+so does one that no text can follow: the compile probes the first mask past the tokens the schema forces (`{"$ref":
+"#"}`, a property that is itself, are "unsatisfiable"). A grammar that fails later (llguidance's matcher in its error
+state) allows only the stop tokens from then on, so its row ends at once, and says why in `error`.
 JSON comes out compact, as `json.dumps` writes it (", " and ": ", no other whitespace), so most of a schema's
 punctuation and keys are forced tokens. Work is bounded: each mask's and the compile's lexer work by llguidance's
 fuel (`LIMITS`: about 15 ms and 20 ms at its measured speed), and the loop counts every grammar second in the step's
@@ -32,6 +35,7 @@ import torch
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 LIMITS = llguidance.LLParserLimits(step_lexer_fuel=200_000, initial_lexer_fuel=1_000_000)
 MAX_FORCED = 32  # forced tokens drafted per step at most
+PROBE_TOKENS = 256  # forced tokens the compile's probe follows at most before it asks for a mask
 
 
 class GrammarError(ValueError):
@@ -40,23 +44,36 @@ class GrammarError(ValueError):
 
 class LLGuidanceGrammar:
     """One request's `TokenGrammar` over an llguidance matcher. forced_drafts False: `forced` is always empty (the
-    benchmark's baseline)."""
+    benchmark's baseline). `error`: why the matcher failed (None while it has not); once it has, the mask allows the
+    stop tokens only (llguidance's own mask in its error state), so the row ends at its next token."""
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, forced_drafts: bool = True) -> None:
         self.matcher, self.forced_drafts = matcher, forced_drafts
         self.seconds = 0.0
+        self.error: str | None = None
+        self.tokens = 0  # tokens accepted
         self._bitmask = llguidance.torch.allocate_token_bitmask(1, vocab_size)
 
     def mask(self) -> torch.Tensor:
         start = time.perf_counter()
         llguidance.torch.fill_next_token_bitmask(self.matcher, self._bitmask, 0)
+        self._check()
         self.seconds += time.perf_counter() - start
         return self._bitmask[0]
 
     def accept(self, token: int) -> None:
         start = time.perf_counter()
-        self.matcher.consume_token(token)
+        if self.error is None:
+            self.matcher.consume_token(token)
+            self.tokens += 1
+            self._check()
         self.seconds += time.perf_counter() - start
+
+    def _check(self) -> None:
+        if self.error is None and self.matcher.is_error():
+            self.error = (f"the grammar failed after {self.tokens} tokens of the answer (llguidance: "
+                          f"{_first_line(self.matcher.get_error(), lines=1)}); does the schema refer to itself "
+                          "without end?")
 
     def valid(self, tokens: Sequence[int]) -> int:
         start = time.perf_counter()
@@ -108,11 +125,28 @@ class Grammars:
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, limits=LIMITS)
         if matcher.is_error():
             raise GrammarError(_first_line(matcher.get_error()))
+        self._probe(matcher)
         return LLGuidanceGrammar(matcher, self.vocab_size, forced_drafts)
 
+    def _probe(self, matcher: llguidance.LLMatcher) -> None:
+        """GrammarError "unsatisfiable" for a grammar that fails before the model has any choice: its first mask, past
+        the tokens it forces (`{"a": ` of a property that is itself), on a copy. Also builds the first mask's lexer
+        state here, on the compiling thread, not on the engine's."""
+        probe = matcher.deep_copy()
+        bitmask = llguidance.torch.allocate_token_bitmask(1, self.vocab_size)
+        for _ in range(PROBE_TOKENS):
+            forced = probe.compute_ff_tokens()
+            if not forced or probe.is_error() or not probe.consume_tokens(forced) or probe.is_error():
+                break
+        if not probe.is_error():
+            llguidance.torch.fill_next_token_bitmask(probe, bitmask, 0)
+        if probe.is_error():
+            raise GrammarError(f"unsatisfiable schema: no JSON value follows it (llguidance: "
+                               f"{_first_line(probe.get_error(), lines=1)}); does it refer to itself without end?")
 
-def _first_line(error: str) -> str:
-    text = " ".join(line.strip() for line in error.strip().splitlines() if line.strip())
+
+def _first_line(error: str, lines: int | None = None) -> str:
+    text = " ".join([line.strip() for line in error.strip().splitlines() if line.strip()][:lines])
     return text if len(text) <= 300 else text[:297] + "..."
 
 

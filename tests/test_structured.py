@@ -14,7 +14,7 @@ import pytest
 from helpers import fixed
 from lookahead import Request, SamplingParams
 from lookahead.drafts import ROOT, BestFirst
-from lookahead.loop.grammar import constrain_draft
+from lookahead.loop.grammar import allowed, constrain_draft
 
 ROOT_DIR = Path(__file__).resolve().parents[1]
 CASES = json.loads((ROOT_DIR / "bench" / "data" / "structured.json").read_text(encoding="utf-8"))["prompts"]
@@ -189,7 +189,7 @@ def test_tool_calls_round_trip_with_the_openai_client(server):
     final = client.chat.completions.create(model="tiny", messages=messages, tools=[TOOL], tool_choice="none",
                                            max_tokens=8, temperature=0)
     assert final.choices[0].message.tool_calls is None and final.choices[0].finish_reason in ("stop", "length")
-    auto = client.chat.completions.create(model="tiny", messages=messages, tools=[TOOL], max_tokens=120,
+    auto = client.chat.completions.create(model="tiny", messages=messages, tools=[TOOL], max_tokens=90,
                                           temperature=0)
     message = auto.choices[0].message
     assert (message.tool_calls is None) != (message.content is None) or auto.choices[0].finish_reason == "length"
@@ -247,6 +247,58 @@ def test_malformed_schemas_and_tools_get_400_naming_the_field(server, body, para
     assert status == 400 and answer["error"]["param"] == param, answer
     if param in ("response_format", "tools") and "type" in json.dumps(body):
         assert "compile" in answer["error"]["message"] or param == "response_format"
+
+
+SELF = {"type": "object", "properties": {"a": {"$ref": "#/properties/a"}}, "required": ["a"]}  # {"a": {"a": ...
+# either of two objects, each of which must hold itself: the first mask is fine ({"), the model's key ("a" or "b")
+# then leads the grammar into its error state whatever the model chooses
+LOOPS = {"$defs": {name: {"type": "object", "properties": {name: {"$ref": f"#/$defs/{name}"}}, "required": [name],
+                          "additionalProperties": False} for name in "ab"},
+         "anyOf": [{"$ref": "#/$defs/a"}, {"$ref": "#/$defs/b"}]}
+
+
+def schema_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+
+@pytest.mark.parametrize("schema", [{"$ref": "#"}, SELF], ids=["root", "property"])
+def test_an_unsatisfiable_schema_is_a_400_when_compiled(server, schema):
+    """(It was a 200 with an empty answer, finish_reason "stop": llguidance's matcher fails at its first mask.)"""
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    status, _, answer = server.post("/v1/chat/completions", {**chat, "response_format": schema_format(schema)})
+    assert status == 400 and answer["error"]["param"] == "response_format", answer
+    assert "unsatisfiable schema" in answer["error"]["message"]
+    tool = {"type": "function", "function": {"name": "f", "parameters": SELF}}
+    status, _, answer = server.post("/v1/chat/completions", {**chat, "tools": [tool], "tool_choice": "required"})
+    assert status == 400 and answer["error"]["param"] == "tools" and "unsatisfiable" in answer["error"]["message"]
+
+
+def test_a_grammar_that_fails_while_decoding_ends_its_row_with_an_error(tiny, server):
+    from served import open_stream, read_event
+
+    _, tokenizer, grammars, _ = tiny
+    grammar = grammars.json_schema({"type": "object", "properties": {"a": {"$ref": "#/properties/a"}}})
+    for token in tokenizer('{"a": ')["input_ids"]:
+        assert grammar.error is None
+        grammar.mask()
+        grammar.accept(token)
+    assert allowed(grammar.mask(), 260).nonzero().flatten().tolist() == [257]  # only EOS: the row ends
+    assert "failed after 6 tokens" in grammar.error
+    # the server: an error that names the schema, not a 200 with "stop"; streamed, an error event; the engine goes on
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 30,
+            "response_format": schema_format(LOOPS)}
+    status, _, answer = server.post("/v1/chat/completions", body)
+    assert status == 400 and answer["error"]["code"] == "unsatisfiable_schema", answer
+    assert "cannot be followed" in answer["error"]["message"] and answer["error"]["param"] == "response_format"
+    conn, response = open_stream(server.port, "/v1/chat/completions", {**body, "stream": True})
+    events = []
+    while (event := read_event(response)) is not None:
+        events.append(event)
+    conn.close()
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "unsatisfiable_schema", events
+    answer = server.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                     response_format=schema_format(SHORT), max_tokens=120, seed=1)
+    assert follows(json.loads(answer.choices[0].message.content), SHORT)
 
 
 def test_tools_on_completions_get_400(server):

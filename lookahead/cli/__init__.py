@@ -287,7 +287,7 @@ def _check_checkpoint_files(model: str, folder: Path) -> None:
     if not folder.is_dir() and not folder.exists() and _HUB_ID.fullmatch(model):
         raise UsageError(f"--model {model!r} is not a local folder; it looks like a Hugging Face hub id, and this "
                          "command does not download (no hub access is assumed): download it first, e.g. "
-                         f"'huggingface-cli download {model} --local-dir DIR', then give --model DIR")
+                         f"'hf download {model} --local-dir DIR' (huggingface-hub's command), then give --model DIR")
     gguf = folder if folder.is_file() else next(iter(folder.glob("*.gguf")), None) if folder.is_dir() else None
     if gguf is not None and gguf.suffix.lower() == ".gguf" and not (folder / "config.json").is_file():
         with open(gguf, "rb"):  # a GGUF file holds its config and tokenizer: readable is all it needs here

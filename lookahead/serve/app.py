@@ -40,6 +40,10 @@ from .text import TokenText
 log = logging.getLogger("lookahead.serve")
 
 MAX_BODY_BYTES = 4 * 1024 * 1024  # a request body's default limit (413 beyond)
+MAX_JSON_DEPTH = 200  # levels of nesting a JSON body may have: pydantic-core's parser's recursion limit
+# what a browser client may send (CORS): the openai JS SDK adds its x-stainless-* headers (os, arch, runtime, retry
+# count, timeout, ...), more with each release, so any header is allowed, as vLLM allows them by default
+CORS_HEADERS = ["*"]
 STOP_TIMEOUT_S = 10.0  # how long the app waits for the engine's thread to end when it stops
 
 
@@ -75,23 +79,29 @@ class Served:
         # prompts are tokenized and templated here, one at a time, never on the event loop: a 4 MB prompt takes
         # seconds, and every stream would stop meanwhile
         self._prompts = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lookahead-prompts")
+        # grammars are compiled on a thread of their own, with a tokenizer of their own: the first reads the whole
+        # vocabulary (seconds), which must not hold up the prompts of plain requests behind it
+        self._grammars = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lookahead-grammars")
+        self._grammar_tokenizer = copy.deepcopy(self.tokenizer)
 
     async def tokenize(self, function, *args):
         """`function(self.tokenizer, *args)` on the prompts' thread."""
         return await asyncio.get_running_loop().run_in_executor(self._prompts, function, self.tokenizer, *args)
 
     async def grammar(self, schema: dict):
-        """A fresh grammar of the JSON valid under `schema`, for one request, compiled on the prompts' thread (the
-        first one reads the tokenizer's vocabulary for the grammar engine, a few seconds). Raises GrammarError."""
-        return await asyncio.get_running_loop().run_in_executor(self._prompts, self._compile, schema)
+        """A fresh grammar of the JSON valid under `schema`, for one request, compiled (and its first mask probed) on
+        the grammars' thread, off the engine's and the prompts' (the first one reads the tokenizer's vocabulary for the
+        grammar engine, a few seconds). Raises GrammarError."""
+        return await asyncio.get_running_loop().run_in_executor(self._grammars, self._compile, schema)
 
     def _compile(self, schema: dict):
         if self.grammars is None:
-            self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            self.grammars = Grammars(self._grammar_tokenizer, self.vocab_size, self.eos_token_ids)
         return self.grammars.json_schema(schema)
 
     def close(self) -> None:
         self._prompts.shutdown(wait=False, cancel_futures=True)
+        self._grammars.shutdown(wait=False, cancel_futures=True)
 
     def refuse_new(self) -> None:
         """Refuse new requests from now on (503 "shutting down"), the moment a signal arrives: uvicorn accepts
@@ -153,11 +163,11 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, api_key: str | Non
     app = FastAPI(title="lookahead", summary="OpenAI-compatible serving with exact lookahead decoding",
                   lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)  # ours, behind the key
     app.state.served = served
-    install(app, served.metrics.reject, lambda request: _check_key(served, request) if _under_v1(request) else None)
+    install(app, served.metrics.reject, lambda request: _check_key(served, request) if _keyed(request) else None)
     app.include_router(_routes(served))
     if allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"])
+                           allow_headers=CORS_HEADERS)
     return app
 
 
@@ -210,6 +220,13 @@ def _routes(served: Served) -> APIRouter:
     async def completions(request: Request) -> Response:
         return await complete(served, request, await _parse(request, served, CompletionRequest))
 
+    @v1.api_route("/responses", methods=["GET", "POST"], include_in_schema=False)
+    @v1.api_route("/responses/{rest:path}", methods=["GET", "POST", "DELETE"], include_in_schema=False)
+    async def responses() -> Response:
+        raise APIError(404, "the Responses API (/v1/responses) is not served here: send the conversation as messages "
+                       "to POST /v1/chat/completions (the Chat Completions API), which every OpenAI client and agent "
+                       "SDK can use", code="not_found")
+
     router.include_router(v1)
 
     @router.get("/openapi.json", dependencies=keyed, include_in_schema=False)
@@ -252,9 +269,13 @@ def _authorizer(served: Served):
     return authorize
 
 
-def _under_v1(request: Request) -> bool:
+KEYED_PAGES = ("/openapi.json", "/docs")  # beside /v1/*: what the API key guards
+
+
+def _keyed(request: Request) -> bool:
+    """Whether the API key guards the request's path (whatever its method: a HEAD, an unknown route under /v1)."""
     path = request.url.path
-    return path == "/v1" or path.startswith("/v1/")
+    return path == "/v1" or path.startswith("/v1/") or path in KEYED_PAGES
 
 
 def _check_key(served: Served, request: Request) -> None:
@@ -314,6 +335,9 @@ def _validation_error(error: ValidationError, raw: bytes) -> APIError:
     first = error.errors(include_url=False)[0]
     param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"]).lstrip(".") or None
     kind, message = first["type"], first["msg"].removeprefix("Value error, ")
+    if kind == "json_invalid" and "recursion limit" in message:  # valid JSON, maybe: deeper than the parser goes
+        return bad_request(f"the body is nested too deeply: JSON of at most {MAX_JSON_DEPTH} levels of nesting is "
+                           "read (a JSON schema takes two levels per level of its own)", code="json_too_deep")
     if kind == "json_invalid":
         return bad_request(f"the body is not valid JSON ({message}); send a JSON object",
                            code="invalid_json" if raw.strip() else "empty_body")

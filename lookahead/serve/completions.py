@@ -26,7 +26,7 @@ from lookahead.structured import GrammarError
 from .errors import CLIENT_CLOSED, APIError, bad_request, overloaded
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .submission import Submission
-from .tools import ToolMode, parse_answer
+from .tools import AnswerReader, ToolMode, answered_calls, fold_tool_results
 
 # the engine's finish reasons (but "error", which is an error response) as the API shows them: a request the server
 # ended (it is shutting down) is "abort", vLLM's name for it; the openai client takes any string here
@@ -36,11 +36,16 @@ assert set(API_FINISH_REASONS) == set(FINISH_REASONS) - {"error"}
 
 async def chat(served, request: Request, body: ChatCompletionRequest) -> Response:
     _refuse_what_cannot_fit(served, sum(len(message.content or "") for message in body.messages), "messages")
-    tools = ToolMode.of(body.tools, body.tool_choice, body.parallel_tool_calls)
+    tools = ToolMode.of(body.tools, body.tool_choice, body.parallel_tool_calls, answered_calls(body.messages))
     prompt = await served.tokenize(_chat_prompt, body, tools)
-    grammar = await _grammar(served, tools.schema() if tools else body.json_schema, "tools" if tools else
-                             "response_format")
-    return await _generate(served, request, body, prompt, ChatFormat(served, body, tools), "messages", grammar)
+    param = "tools" if tools else "response_format"
+    grammar = await _grammar(served, tools.schema() if tools else body.json_schema, param)
+    text_grammar = None
+    if tools is not None and tools.answered and tools.choice == "auto":  # (for an answer that repeats a call)
+        async def text_grammar():
+            return await _grammar(served, tools.text_only().schema(), param)
+    return await _generate(served, request, body, prompt, ChatFormat(served, body, tools), "messages", grammar, param,
+                           text_grammar)
 
 
 async def complete(served, request: Request, body: CompletionRequest) -> Response:
@@ -53,7 +58,8 @@ async def complete(served, request: Request, body: CompletionRequest) -> Respons
         prompt = body.prompt
         _check_ids(prompt, served.vocab_size, "prompt")
     grammar = await _grammar(served, body.json_schema, "response_format")
-    return await _generate(served, request, body, prompt, CompletionFormat(served, body), "prompt", grammar)
+    return await _generate(served, request, body, prompt, CompletionFormat(served, body), "prompt", grammar,
+                           "response_format")
 
 
 async def _grammar(served, schema, param: str):
@@ -84,7 +90,9 @@ def _encode(tokenizer, text: str) -> list[int]:
 def _chat_prompt(tokenizer, body: ChatCompletionRequest, tools: ToolMode | None) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
         raise bad_request("messages: this model's tokenizer has no chat template; use /v1/completions", "messages")
-    messages = [message.for_template() for message in body.messages]
+    names = {call.id: call.function.name for message in body.messages for call in message.tool_calls or ()}
+    messages = [message.for_template(names) for message in body.messages]
+    messages = fold_tool_results(messages, tokenizer.chat_template)
     if tools is not None:
         messages = tools.messages(messages)
     try:
@@ -102,33 +110,46 @@ def _check_ids(ids: list[int], vocab_size: int, param: str) -> None:
 
 
 async def _generate(served, request: Request, body, prompt: list[int], fmt, prompt_param: str,
-                    grammar=None) -> Response:
+                    grammar=None, grammar_param: str | None = None, text_grammar=None) -> Response:
+    """text_grammar: with tools, what makes the grammar of a plain answer, asked for when the answer only repeats
+    calls answered already (`ToolMode.repeats`): the request is then answered again under it, in text."""
     arrival = time.perf_counter()
     limit = _limit(served, body, len(prompt), prompt_param)
     stop_ids = () if body.ignore_eos else served.eos_token_ids
     if body.stop_token_ids:
         _check_ids(body.stop_token_ids, served.vocab_size, "stop_token_ids")
         stop_ids = (*stop_ids, *body.stop_token_ids)
-    try:
-        # the same Request that Engine.run and Llama.generate take: one prompt, with the engine's configuration
-        generation = EngineRequest([prompt], limit, body.sampling(served.sampling_defaults), served.engine.lookahead,
-                                   frozenset(stop_ids), body.engine_seed())
-        submission = Submission(served.engine, served.engine_tokenizer, served.metrics, generation, stop=body.stop,
-                                logprobs=body.engine_logprobs, arrival=arrival, grammar=grammar)
-    except QueueFull as e:
-        if not served.serving:
-            raise overloaded("the server is shutting down; send the request again once it is back") from None
-        raise overloaded(f"the server is busy ({e}); try again later") from None
-    except ValueError as e:  # the engine's own checks (the request is checked before: a backstop)
-        raise bad_request(str(e)) from None
+
+    def submit(grammar) -> Submission:
+        try:
+            # the same Request that Engine.run and Llama.generate take: one prompt, with the engine's configuration
+            generation = EngineRequest([prompt], limit, body.sampling(served.sampling_defaults),
+                                       served.engine.lookahead, frozenset(stop_ids), body.engine_seed())
+            return Submission(served.engine, served.engine_tokenizer, served.metrics, generation, stop=body.stop,
+                              logprobs=body.engine_logprobs, arrival=arrival, grammar=grammar)
+        except QueueFull as e:
+            if not served.serving:
+                raise overloaded("the server is shutting down; send the request again once it is back") from None
+            raise overloaded(f"the server is busy ({e}); try again later") from None
+        except ValueError as e:  # the engine's own checks (the request is checked before: a backstop)
+            raise bad_request(str(e)) from None
+
+    async def again() -> Submission:
+        return submit(await text_grammar())
+
+    submission = submit(grammar)
     if body.stream:
-        return _Stream(_sse(submission, fmt, body.include_usage, len(prompt)), submission)
+        return _Stream(_sse(submission, fmt, body.include_usage, len(prompt), grammar_param,
+                            again if text_grammar else None), submission)
     final = await _until_done(submission, request)
+    if final is not None and text_grammar is not None and final[2].finish_reason == "stop" and fmt.repeats(final[0]):
+        submission = await again()
+        final = await _until_done(submission, request)
     if final is None:  # the client has gone: nobody reads this
         return Response(status_code=CLIENT_CLOSED)
     text, logprobs, last = final
     if last.finish_reason == "error":
-        raise APIError(500, f"generation failed: {last.error}")
+        raise _failed(submission, last, grammar_param)
     if last.finish_reason == "cancelled":  # the server is stopping (a client that left gets nothing): a cut answer
         # is an error, so that a client that ignores finish_reason does not take it for the whole answer
         raise overloaded(f"the server is shutting down: the answer was cut after {len(last.result.tokens)} tokens; "
@@ -200,26 +221,50 @@ class _Stream(StreamingResponse):
             self.submission.cancel()
 
 
-async def _sse(submission: Submission, fmt, include_usage: bool, prompt_tokens: int) -> AsyncIterator[str]:
+def _failed(submission: Submission, last, grammar_param: str | None) -> APIError:
+    """The error a failed request answers: a grammar that failed is the schema's fault (400 naming it), anything
+    else the server's (500)."""
+    if submission.grammar_failed:
+        return bad_request(f"{grammar_param}: the JSON schema cannot be followed: {last.error}", grammar_param,
+                           code="unsatisfiable_schema")
+    return APIError(500, f"generation failed: {last.error}")
+
+
+async def _sse(submission: Submission, fmt, include_usage: bool, prompt_tokens: int,
+               grammar_param: str | None = None, again=None) -> AsyncIterator[str]:
+    """again: where set, an answer that only repeats calls answered already is answered again, in text, by the
+    submission it makes (calls are held to the end: none has gone out)."""
     try:
         # the role chunk goes out with the first token, not before the prefill: clients time the first token from
         # the first chunk
         opening = fmt.start()
-        async for event in submission.events():
-            for chunk in opening:
-                yield _data(chunk, include_usage)
-            opening = []
-            if event.finish_reason == "error":
-                yield _data(APIError(500, f"generation failed: {event.error}").body(), False)
-                break
-            if event.text or event.logprobs:
-                chunk = fmt.chunk(event.text, event.logprobs or [], None)
-                if chunk is not None:  # (a tool call's answer goes out whole, with the finish)
+        while True:
+            again_now = False
+            async for event in submission.events():
+                for chunk in opening:
                     yield _data(chunk, include_usage)
-            if event.finish_reason is not None:
-                yield _data(fmt.chunk("", [], API_FINISH_REASONS[event.finish_reason]), include_usage)
-                if include_usage:
-                    yield _data(fmt.usage_chunk(usage(event.result, prompt_tokens)), False)
+                opening = []
+                if event.finish_reason == "error":
+                    yield _data(_failed(submission, event, grammar_param).body(), False)
+                    break
+                if event.text or event.logprobs:
+                    chunk = fmt.chunk(event.text, event.logprobs or [], None)
+                    if chunk is not None:  # (tool calls go out whole, with the finish)
+                        yield _data(chunk, include_usage)
+                if event.finish_reason == "stop" and again is not None and fmt.repeats():
+                    try:
+                        submission, again, again_now = await again(), None, True
+                    except APIError as e:  # (the queue is full, the server stopping)
+                        yield _data(e.body(), False)
+                        break
+                    fmt.restart()
+                    break
+                if event.finish_reason is not None:
+                    yield _data(fmt.chunk("", [], API_FINISH_REASONS[event.finish_reason]), include_usage)
+                    if include_usage:
+                        yield _data(fmt.usage_chunk(usage(event.result, prompt_tokens)), False)
+            if not again_now:
+                break
         yield "data: [DONE]\n\n"
     finally:
         submission.cancel()  # ended early (the client went): the row leaves at the next step boundary
@@ -241,12 +286,14 @@ def usage(result, prompt_tokens: int) -> dict:
 
 class ChatFormat:
     """`chat.completion` and `chat.completion.chunk` objects. With tools, the answer (`lookahead.serve.tools`) becomes
-    `tool_calls` (finish_reason "tool_calls") or content; streamed, it goes out whole in the last chunk."""
+    `tool_calls` (finish_reason "tool_calls"; on "length" the calls complete before the cut) or content; streamed, a
+    plain answer's text goes out as it comes, the calls whole in the last chunk."""
 
     def __init__(self, served, body: ChatCompletionRequest, tools: ToolMode | None = None) -> None:
         self.id, self.created, self.model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), served.model_name
         self.token_text = served.token_text
-        self.tools, self.held = tools, []  # with tools: the answer's text so far
+        self.tools = tools
+        self.reader = AnswerReader() if tools is not None else None  # with tools: reads the answer as it comes
 
     def _object(self, kind: str, choices: list) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
@@ -257,16 +304,18 @@ class ChatFormat:
 
     def chunk(self, text: str, logprobs: list[TokenLogprob], finish: str | None) -> dict | None:
         delta = {"content": text} if text or not finish else {}
-        if self.tools is not None:
-            self.held.append(text)
-            if finish is None:
-                return None
-            content, calls = parse_answer("".join(self.held))
+        if self.reader is not None:
+            content, calls = self.reader.feed(text), None
+            if finish is not None:
+                rest, calls = self.reader.finish()
+                content += rest or ""
             if calls:
                 delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
                 finish = "tool_calls" if finish == "stop" else finish
-            else:
+            elif content or finish is not None:
                 delta = {"content": content} if content else {}
+            else:
+                return None
             logprobs = []
         return self._object("chat.completion.chunk", [
             {"index": 0, "delta": delta, "logprobs": self._logprobs(logprobs) if logprobs else None,
@@ -275,11 +324,26 @@ class ChatFormat:
     def usage_chunk(self, usage: dict) -> dict:
         return {**self._object("chat.completion.chunk", []), "usage": usage}
 
+    def repeats(self, text: str | None = None) -> bool:
+        """Whether the answer (`text`; None: the one streamed so far, whole) only repeats calls answered already."""
+        if self.reader is None:
+            return False
+        reader = self.reader
+        if text is not None:
+            reader = AnswerReader()
+            reader.feed(text)
+        return self.tools.repeats(reader.calls())
+
+    def restart(self) -> None:
+        """Read a new answer (the request is answered again)."""
+        self.reader = AnswerReader()
+
     def response(self, text: str, logprobs: list[TokenLogprob] | None, finish: str, usage: dict) -> dict:
         message = {"role": "assistant", "content": text}
-        if self.tools is not None:
-            content, calls = parse_answer(text)
-            message = {"role": "assistant", "content": content}
+        if self.reader is not None:
+            content = self.reader.feed(text)
+            rest, calls = self.reader.finish()
+            message = {"role": "assistant", "content": None if calls else content + (rest or "")}
             if calls:
                 message["tool_calls"] = calls
                 finish = "tool_calls" if finish == "stop" else finish

@@ -308,15 +308,20 @@ class ChatMessage(_Body):
             raise ValueError("tool_call_id: a tool message must name the tool call it answers")
         return self
 
-    def for_template(self) -> dict:
+    def for_template(self, call_names: Mapping[str, str] | None = None) -> dict:
         """The message as chat templates read it ("developer" is OpenAI's newer name for "system"); an assistant's
-        tool calls are written as the answer that made them (`lookahead.serve.tools`)."""
+        tool calls are written as the answer that made them (`lookahead.serve.tools`); a tool message keeps its
+        `tool_call_id`, and the called function's name from `call_names` (call id -> name) where it has none."""
         content = self.content
         if self.tool_calls:
             content = calls_text([(call.function.name, call.function.arguments) for call in self.tool_calls])
         message = {"role": "system" if self.role == "developer" else self.role, "content": content}
-        if self.name is not None:
-            message["name"] = self.name
+        name = self.name
+        if self.role == "tool":
+            message["tool_call_id"] = self.tool_call_id
+            name = name if name is not None else (call_names or {}).get(self.tool_call_id)
+        if name is not None:
+            message["name"] = name
         return message
 
 

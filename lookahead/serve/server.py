@@ -8,14 +8,18 @@ success: the process goes on to exit with status 0 (uvicorn would raise the sign
 process with the signal's status).
 
 Slow clients: uvicorn never times out a request that is still arriving, so clients that dribble their requests could
-hold every connection (and file descriptor) for as long as they like; here a request must arrive whole within
+hold every connection (and file descriptor) for as long as they like; here a request's head (its request line and
+headers, a few hundred bytes from any real client) must arrive within `header_timeout_s` and the whole request within
 `receive_timeout_s` (else 408 and the connection closes), and past `max_connections` connections a request gets 503.
+So a flood of dribbling connections holds the server for `header_timeout_s`, not `receive_timeout_s`. A head that h11
+refuses (malformed, or past its 16 KiB) gets a 400 in OpenAI's error shape, as every other error.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import signal
 import threading
 import time
@@ -28,26 +32,33 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 GRACEFUL_S = 10.0  # the most a shutdown waits for requests in flight to end
 RECEIVE_TIMEOUT_S = 30.0  # the most a request (its head and body) may take to arrive once it begins
+HEADER_TIMEOUT_S = 10.0  # the most its head (request line and headers) may take
 MAX_CONNECTIONS = 1000  # open connections (or requests in flight) past which a request gets 503
+HEAD_BYTES = 16 * 1024  # the largest request head h11 takes (uvicorn's default: h11's own)
 
 
 class Server:
     """uvicorn serving an app of `create_app` on host:port (port 0: a free one, read from `port` once started).
 
     receive_timeout_s: the most a request may take to arrive whole (from its connection's opening, or its first byte
-    after a previous answer); a slower one gets 408 and its connection closes. max_connections: open connections past
-    which a request gets 503 (keep it below the process's file limit)."""
+    after a previous answer); header_timeout_s: the most its head may take (from the same moment); a slower one gets
+    408 and its connection closes. max_connections: open connections past which a request gets 503 (keep it below
+    the process's file limit)."""
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info",
                  graceful_s: float = GRACEFUL_S, on_started: Callable[[Server], None] | None = None,
-                 receive_timeout_s: float = RECEIVE_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS) -> None:
+                 receive_timeout_s: float = RECEIVE_TIMEOUT_S, header_timeout_s: float = HEADER_TIMEOUT_S,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
         if not receive_timeout_s > 0:
             raise ValueError(f"receive_timeout_s must be > 0 seconds, got {receive_timeout_s!r}")
+        if not header_timeout_s > 0:
+            raise ValueError(f"header_timeout_s must be > 0 seconds, got {header_timeout_s!r}")
         if isinstance(max_connections, bool) or not isinstance(max_connections, int) or max_connections < 1:
             raise ValueError(f"max_connections must be an int >= 1, got {max_connections!r}")
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                                 timeout_graceful_shutdown=graceful_s, timeout_keep_alive=5,
-                                http=functools.partial(_DeadlineH11, receive_timeout_s=receive_timeout_s),
+                                http=functools.partial(_DeadlineH11, receive_timeout_s=receive_timeout_s,
+                                                       header_timeout_s=header_timeout_s),
                                 limit_concurrency=max_connections)
         self.app, self.host = app, host
         self._thread: threading.Thread | None = None
@@ -99,14 +110,18 @@ def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, **options) ->
 
 
 class _DeadlineH11(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol with a deadline for receiving a request: from the connection's opening (or the
-    first byte of its next request) to the request's last byte. Past it the client gets 408 and the connection closes,
-    whatever the handler was waiting for (a body read then ends as a disconnect)."""
+    """uvicorn's HTTP/1.1 protocol with deadlines for receiving a request, from the connection's opening (or the
+    first byte of its next request): to the head's last byte (header_timeout_s) and to the request's
+    (receive_timeout_s). Past one the client gets 408 and the connection closes, whatever the handler was waiting for
+    (a body read then ends as a disconnect). A head h11 refuses gets a 400 in OpenAI's error shape."""
 
-    def __init__(self, *args, receive_timeout_s: float, **kwargs) -> None:
+    def __init__(self, *args, receive_timeout_s: float, header_timeout_s: float = HEADER_TIMEOUT_S,
+                 **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.receive_timeout_s = receive_timeout_s
+        self.receive_timeout_s, self.header_timeout_s = receive_timeout_s, header_timeout_s
         self._deadline: object | None = None  # the timer while a request is arriving
+        self._began = 0.0  # when the request arriving now began
+        self._head = False  # the timer is the head's
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -126,11 +141,31 @@ class _DeadlineH11(H11Protocol):
         return self.conn.their_state in (h11.IDLE, h11.SEND_BODY)
 
     def _watch(self) -> None:
-        if self._arriving() and self._deadline is None:
-            self._deadline = self.loop.call_later(self.receive_timeout_s, self._too_slow)
-        elif not self._arriving() and self._deadline is not None:
+        arriving = self._arriving()
+        if arriving and self._deadline is None:
+            self._began, self._head = self.loop.time(), self.conn.their_state is h11.IDLE
+            limit = min(self.header_timeout_s, self.receive_timeout_s) if self._head else self.receive_timeout_s
+            self._deadline = self.loop.call_later(limit, self._too_slow)
+        elif arriving and self._head and self.conn.their_state is not h11.IDLE:  # the head is in: the body's turn
+            self._deadline.cancel()
+            self._head = False
+            self._deadline = self.loop.call_at(self._began + self.receive_timeout_s, self._too_slow)
+        elif not arriving and self._deadline is not None:
             self._deadline.cancel()
             self._deadline = None
+
+    def send_400_response(self, msg: str) -> None:
+        """h11 refused the request's head: a 400 in OpenAI's error shape (uvicorn's is plain text)."""
+        limit = self.config.h11_max_incomplete_event_size or HEAD_BYTES
+        if len(self.conn.trailing_data[0]) > limit:
+            message = f"the request's head (request line and headers) is larger than the limit of {limit} bytes"
+        else:
+            message = "invalid HTTP request: a malformed request line or header"
+        body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                     "code": "invalid_http_request"}}).encode()
+        self.transport.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                             b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        self.transport.close()
 
     def _too_slow(self) -> None:
         self._deadline = None

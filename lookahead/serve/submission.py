@@ -49,6 +49,7 @@ class Submission:
         self.received = 0  # tokens the sink has had
         self.first_token_s: float | None = None
         self.failure: str | None = None
+        self.grammar, self.grammar_failed = grammar, False  # the grammar failed (its `error`): the schema's fault
         self.finished = False
         self.handle = None
         self.handle = engine.submit(request, stops_at=self._stops_at if stop else None, logprobs=logprobs,
@@ -87,6 +88,9 @@ class Submission:
             return  # failed: only the last delta goes on, as an error
         if final:
             self.finished = True
+            grammar_error = getattr(self.grammar, "error", None)
+            if self.failure is None and grammar_error is not None:  # (its mask let only a stop token follow)
+                self.grammar_failed, self.failure = True, grammar_error
             if self.failure is not None:
                 event = Event(event.text, event.logprobs, "error", delta.result, self.failure)
             try:

@@ -7,8 +7,15 @@ tools' parameter schemas, as llama.cpp's server does for such templates ("generi
     {"response": "Hello!"}                                                        a plain answer (tool_choice "auto")
 
 `tool_choice` "required" allows the first form only, a named function the first form with that function once, "auto"
-either, "none" no tools at all (the request is answered as if it had none). `parse_answer` turns the answer back into
-OpenAI's `tool_calls` (ids `call_...`, arguments as a JSON string) or content.
+either, "none" no tools at all (the request is answered as if it had none). One call unless the request sets
+`parallel_tool_calls` true (llama.cpp's server's default: a small model asked for a list repeats its call until the
+token limit), then at most `MAX_CALLS`, an identical call kept once (a repeat is a loop, not a parallel call): the
+grammar ends the answer either way. `AnswerReader` turns the answer back into OpenAI's `tool_calls` (ids `call_...`,
+arguments as a JSON string) or content, as it arrives: a plain answer's text streams, and an answer cut by the token
+limit gives the calls complete before the cut (never the wrapper as content).
+
+`fold_tool_results`: for a chat template with no tool role of its own (SmolLM2's, ChatML's plain loop), a `role: tool`
+message becomes a user message that says it is a tool's result, which the model was trained to read.
 """
 
 from __future__ import annotations
@@ -24,6 +31,10 @@ from .errors import FieldError
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's (and a json_schema's) name
 TOOL_CHOICES = ("none", "auto", "required")
 CALL_FORM = '{"tool_calls": [{"name": ..., "arguments": {...}}]}'
+MAX_CALLS = 8  # calls in one answer at most with parallel_tool_calls true
+CALLS_OPEN = '{"tool_calls": ['  # how an answer of calls begins (the grammar writes compact JSON: `structured.py`)
+RESPONSE_OPEN = '{"response": "'  # how a plain answer begins
+_TEMPLATE_TOOL_ROLE = re.compile(r"""['"](tool|ipython)['"]""")  # a template that tests for the tool role
 
 
 def check_tools(tools: Any, tool_choice: Any) -> list[dict] | None:
@@ -85,34 +96,54 @@ def _check_choice(choice: Any, names: list[str]) -> None:
 
 @dataclass(frozen=True)
 class ToolMode:
-    """How a request may use its tools: `tools` (checked), the choice ("auto", "required" or a function's name) and
-    whether several calls may come at once."""
+    """How a request may use its tools: `tools` (checked), the choice ("auto", "required", a function's name, or
+    "text": a plain answer only), whether several calls may come at once, and the calls the conversation made and
+    had answered already (`call_key`s): with "auto", an answer that only repeats them is a loop, answered in text
+    instead (`repeats`, `text_only`)."""
 
     tools: list[dict]
     choice: str
     parallel: bool
+    answered: frozenset[str] = frozenset()
 
     @classmethod
-    def of(cls, tools: list[dict] | None, tool_choice: Any, parallel: bool | None) -> ToolMode | None:
-        """None where the request has no tools or tool_choice is "none"."""
+    def of(cls, tools: list[dict] | None, tool_choice: Any, parallel: bool | None,
+           answered: frozenset[str] = frozenset()) -> ToolMode | None:
+        """None where the request has no tools or tool_choice is "none". Several calls only where the request asks
+        for them (`parallel_tool_calls` true), as llama.cpp's server has it."""
         if not tools or tool_choice == "none":
             return None
         choice = tool_choice["function"]["name"] if isinstance(tool_choice, dict) else tool_choice or "auto"
-        return cls(tools, choice, parallel is not False and choice in ("auto", "required"))
+        return cls(tools, choice, parallel is True and choice in ("auto", "required"), answered)
+
+    def repeats(self, calls: list[dict] | None) -> bool:
+        """Whether an answer's `calls` (OpenAI's shape) only repeat calls answered already, where a plain answer was
+        allowed: the model loops (a small one calls again after every result)."""
+        return (self.choice == "auto" and bool(calls)
+                and all(call_key(c["function"]["name"], c["function"]["arguments"]) in self.answered for c in calls))
+
+    def text_only(self) -> ToolMode:
+        return ToolMode(self.tools, "text", False, self.answered)
 
     def schema(self) -> dict:
-        """The JSON schema the answer follows."""
+        """The JSON schema the answer follows: a list of calls that ends (one, or at most MAX_CALLS). Each tool's
+        parameters are a definition of their own (`$defs`), their own `$ref`s ("#/$defs/...", "#") pointed at it;
+        the arguments hold the parameters' properties only, unless the parameters say otherwise
+        (`additionalProperties`): a small model let add keys adds them until the token limit."""
         tools = [t for t in self.tools if self.choice in ("auto", "required", t["name"])]
-        calls = {"type": "array", "minItems": 1, "items": {"anyOf": [_call_schema(t) for t in tools]}}
-        if not self.parallel:
-            calls["maxItems"] = 1
+        calls = {"type": "array", "minItems": 1, "maxItems": MAX_CALLS if self.parallel else 1,
+                 "items": {"anyOf": [_call_schema(t) for t in tools]}}
         call = {"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"],
                 "additionalProperties": False}
-        if self.choice != "auto":
-            return call
+        defs = {f"tool_{t['name']}": _rooted({"additionalProperties": False, **t["parameters"]},
+                                             f"#/$defs/tool_{t['name']}") for t in tools}
         answer = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
                   "additionalProperties": False}
-        return {"anyOf": [call, answer]}
+        if self.choice == "text":
+            return answer
+        if self.choice != "auto":
+            return {**call, "$defs": defs}
+        return {"anyOf": [call, answer], "$defs": defs}
 
     def instructions(self) -> str:
         """The system message's part that tells the model its tools and how to answer."""
@@ -133,8 +164,38 @@ class ToolMode:
 
 
 def _call_schema(tool: dict) -> dict:
-    return {"type": "object", "properties": {"name": {"const": tool["name"]}, "arguments": tool["parameters"]},
+    arguments = {"$ref": f"#/$defs/tool_{tool['name']}"}
+    return {"type": "object", "properties": {"name": {"const": tool["name"]}, "arguments": arguments},
             "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def _rooted(schema: Any, base: str) -> Any:
+    """`schema` with its local `$ref`s ("#...", relative to its own root) made relative to `base`."""
+    if isinstance(schema, list):
+        return [_rooted(item, base) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: _rooted(value, base) for key, value in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        out["$ref"] = base + ref[1:]
+    return out
+
+
+def call_key(name: str, arguments: str) -> str:
+    """A call as compared for repeats: its name and its arguments parsed (so spacing does not count)."""
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        parsed = arguments
+    return json.dumps([name, parsed], sort_keys=True, ensure_ascii=False)
+
+
+def answered_calls(messages: list) -> frozenset[str]:
+    """The `call_key`s of a conversation's tool calls (`protocol.ChatMessage`s) that a tool message answers."""
+    answers = {m.tool_call_id for m in messages if m.role == "tool"}
+    return frozenset(call_key(c.function.name, c.function.arguments) for m in messages for c in m.tool_calls or ()
+                     if c.id in answers)
 
 
 def calls_text(calls: list[tuple[str, str]]) -> str:
@@ -149,21 +210,119 @@ def calls_text(calls: list[tuple[str, str]]) -> str:
     return json.dumps({"tool_calls": out}, ensure_ascii=False)
 
 
+def fold_tool_results(messages: list[dict], template: Any) -> list[dict]:
+    """`messages` (as templates read them; a tool message with its `tool_call_id` and the call's `name`) for a chat
+    template: unchanged where the template knows a tool role, else each run of tool messages becomes one user message
+    (the templates that insist on turns alternate), each result on a line "Tool result of NAME: ..."."""
+    if _TEMPLATE_TOOL_ROLE.search(str(template or "")):
+        return messages
+    out: list[dict] = []
+    for message in messages:
+        if message["role"] != "tool":
+            out.append(message)
+            continue
+        text = f"Tool result{' of ' + message['name'] if message.get('name') else ''}: {message['content']}"
+        if out and out[-1].get("tool_results"):
+            out[-1] = {**out[-1], "content": f"{out[-1]['content']}\n{text}"}
+        else:
+            out.append({"role": "user", "content": text, "tool_results": True})
+    return [{k: v for k, v in m.items() if k != "tool_results"} for m in out]
+
+
+class AnswerReader:
+    """An answer in the format above, read as its text arrives (`feed`, then `finish`): a plain answer's text is
+    handed out as it comes; calls when the answer ends, those complete before a cut on "length". Text not in the
+    format (none should come: the grammar holds the model to it) is content."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self._sent = 0  # characters of a plain answer's JSON string handed out (decoded)
+
+    def feed(self, piece: str) -> str:
+        """The answer's next text; returns the plain answer's text that may go out now ("" for calls)."""
+        self.text += piece
+        if not self.text.startswith(RESPONSE_OPEN):
+            return ""
+        raw = self.text[len(RESPONSE_OPEN):]
+        end = _string_end(raw, self._sent)
+        try:
+            out = json.loads(f'"{raw[self._sent : end]}"')
+        except ValueError:  # (not JSON as the grammar writes it: left to `finish`)
+            return ""
+        self._sent = end
+        return out
+
+    def calls(self) -> list[dict] | None:
+        """The answer's calls so far, complete ones (OpenAI's shape); None for a plain answer or none."""
+        return None if self.text.startswith(RESPONSE_OPEN) else self.finish()[1]
+
+    def finish(self) -> tuple[str | None, list[dict] | None]:
+        """(content not handed out yet, tool_calls): OpenAI's tool_calls with fresh ids, an identical call once."""
+        if self.text.startswith(RESPONSE_OPEN):
+            return self.feed(""), None
+        if self.text.startswith(CALLS_OPEN[:2]) and CALLS_OPEN.startswith(self.text[: len(CALLS_OPEN)]):
+            calls, seen = [], set()
+            for call in _complete_calls(self.text):
+                key = json.dumps(call, sort_keys=True)
+                if key not in seen:
+                    seen.add(key)
+                    calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {
+                        "name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)}})
+            return (None, calls) if calls else ("", None)
+        if self.text.startswith(RESPONSE_OPEN[: len(self.text)]):  # cut before either form showed
+            return "", None
+        return self.text, None
+
+
 def parse_answer(text: str) -> tuple[str | None, list[dict] | None]:
-    """(content, tool_calls) of an answer in the format above: OpenAI's tool_calls with fresh ids, or the response's
-    text; an answer that is not one (cut by the token limit) is returned as content."""
-    try:
-        answer = json.loads(text)
-    except ValueError:
-        return text, None
-    if isinstance(answer, dict) and isinstance(answer.get("tool_calls"), list):
-        calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                  "function": {"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)}}
-                 for call in answer["tool_calls"]]
-        return None, calls
-    if isinstance(answer, dict) and isinstance(answer.get("response"), str):
-        return answer["response"], None
-    return text, None
+    """(content, tool_calls) of a whole answer (`AnswerReader`)."""
+    reader = AnswerReader()
+    content = reader.feed(text)
+    rest, calls = reader.finish()
+    return (None, calls) if calls else (content + (rest or ""), None)
+
+
+def _complete_calls(text: str) -> list[dict]:
+    """The calls of an answer of calls that are complete (all of them; before the cut, where it was cut)."""
+    decoder, calls, at = json.JSONDecoder(), [], len(CALLS_OPEN)
+    while at < len(text):
+        try:
+            call, at = decoder.raw_decode(text, at)
+        except ValueError:
+            break
+        if isinstance(call, dict) and isinstance(call.get("name"), str) and "arguments" in call:
+            calls.append(call)
+        if not text.startswith(", ", at):
+            break
+        at += 2
+    return calls
+
+
+def _string_end(raw: str, start: int) -> int:
+    """Where the part of a JSON string's text `raw` (from `start`) that decodes on its own ends: before its closing
+    quote, or before an escape not yet whole (a high surrogate waits for its pair)."""
+    i = start
+    while i < len(raw):
+        char = raw[i]
+        if char == '"':
+            return i
+        if char != "\\":
+            i += 1
+            continue
+        if i + 1 >= len(raw):
+            return i
+        if raw[i + 1] != "u":
+            i += 2
+            continue
+        if i + 6 > len(raw):
+            return i
+        if raw[i + 2 : i + 4].lower() in ("d8", "d9", "da", "db"):  # a pair's first half: decoded with its second
+            if len(raw) < i + 8 or (raw.startswith("\\u", i + 6) and len(raw) < i + 12):
+                return i
+            i += 12 if raw.startswith("\\u", i + 6) else 6
+            continue
+        i += 6
+    return i
 
 
 def _short(value: Any, limit: int = 60) -> str:
