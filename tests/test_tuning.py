@@ -273,8 +273,8 @@ def test_the_scheduler_sizes_a_step_beside_prompt_chunks_against_the_step_withou
     assert first.result().tokens and plain_row.result().tokens
     with_chunks = [(fixed, steady) for fixed, steady in seen if steady is not None]
     assert with_chunks and any(steady.tokens for _, steady in with_chunks)  # the plain row, once decoding
-    for fixed, steady in with_chunks:  # the chunks: the model's 8 prompt tokens a step, which give no token now
-        assert fixed.tokens - steady.tokens == 8 and fixed.expected == steady.expected
+    for fixed, steady in with_chunks:  # the chunks (up to the model's 8 prompt tokens a step) give no token now
+        assert 1 <= fixed.tokens - steady.tokens <= 8 and fixed.expected == steady.expected
     assert any(steady is None for _, steady in seen[1:])  # steps without chunks, after them
 
 
