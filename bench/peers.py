@@ -83,17 +83,24 @@ def our_engines(folder: Path, dtypes: list[str]) -> list[Engine]:
             for dtype in dtypes for method, flags in (("plain", ["--no-lookahead"]), ("lookahead", []))]
 
 
+def gguf_files(folder: Path, converter: Path | None, engine: str, skipped: dict[str, str]) -> list[tuple[str, Path]]:
+    """(dtype, GGUF file) of the checkpoint in float32 and bfloat16, converted by llama.cpp's converter; a dtype that
+    fails to convert is noted in `skipped` under `engine`'s name."""
+    files = []
+    for dtype, outtype in (("float32", "f32"), ("bfloat16", "bf16")):
+        try:
+            files.append((dtype, convert(folder, outtype, converter)))
+        except RuntimeError as e:
+            skipped[f"{engine} {dtype}"] = str(e)
+    return files
+
+
 def llama_server_engines(folder: Path, bin_dir: Path, converter: Path | None, threads: int, parallel: int,
                          spec_types: list[str], passive: bool, skipped: dict[str, str]) -> list[Engine]:
     """llama.cpp's own server on F32 and BF16 GGUF files of the checkpoint, at its defaults (`parallel` slots over
     one shared KV pool), with each of `spec_types` n-gram drafting, and at PASSIVE (`passive`)."""
     engines = []
-    for dtype, outtype in (("float32", "f32"), ("bfloat16", "bf16")):
-        try:
-            gguf = convert(folder, outtype, converter)
-        except RuntimeError as e:
-            skipped[f"llama-server {dtype}"] = str(e)
-            continue
+    for dtype, gguf in gguf_files(folder, converter, "llama-server", skipped):
         base = [str(bin_dir / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", "{port}", "-a",
                 "model", "-t", str(threads), "-np", str(parallel), "-kvu", "-c", str(SLOT_CONTEXT * parallel)]
         engines.append(Engine("llama-server", dtype, base, drop=PEER_ENV_DROP, prefill=True))
@@ -111,12 +118,7 @@ def llama_cpp_engines(folder: Path, python: str, converter: Path | None, threads
         skipped["llama.cpp"] = f"`import llama_cpp.server` failed in {python}: pip install 'llama-cpp-python[server]'"
         return []
     engines = []
-    for dtype, outtype in (("float32", "f32"), ("bfloat16", "bf16")):
-        try:
-            gguf = convert(folder, outtype, converter)
-        except RuntimeError as e:
-            skipped[f"llama.cpp {dtype}"] = str(e)
-            continue
+    for dtype, gguf in gguf_files(folder, converter, "llama.cpp", skipped):
         engines.append(Engine("llama.cpp", dtype, [
             python, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port", "{port}",
             "--model_alias", "model", "--n_ctx", "8192", "--n_threads", str(threads), "--n_threads_batch",

@@ -23,8 +23,6 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
-import threading
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,9 +35,8 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCE_FILES = ("cpu_kernels.cpp", "quant_gemm.cpp")  # one translation unit, in this order (the second uses the first)
 # (GCC 12 warns of `__Y` "maybe uninitialized" inside its own AVX-512 intrinsics, hundreds of times: GCC bug 105593)
 WARNINGS = ("-Wall", "-Wextra", "-Wno-maybe-uninitialized")
-_module = None
-_failed: str | None = None
-_lock = threading.Lock()
+_built = cpp_build.Once("The batch-invariant mode runs torch's GEMMs through verified row counts instead (slower), "
+                        "and on a CPU with bf16 dot products a model loads in float32, not bfloat16")
 
 
 @dataclass(frozen=True)
@@ -72,7 +69,7 @@ def pairs() -> bool:
     """Whether this machine's build multiplies bfloat16 weights with the CPU's bf16 dot products (AVX512-BF16): then
     `gemm` takes bfloat16 rows for them, and each output is a chain over pairs of k (each pair's two products added
     by the instruction) instead of one over k. Call `available` first."""
-    return _module is not None and _module.bf16_pairs()
+    return _built.module is not None and _built.module.bf16_pairs()
 
 
 def available(build_dir: str | os.PathLike | None = None) -> bool:
@@ -85,7 +82,7 @@ def gemm(x: torch.Tensor, packed: Packed) -> torch.Tensor:
     bfloat16 weight packed in pairs (`pairs`); rows of another dtype are converted (to bfloat16 for pairs, so give a
     bfloat16 model's rows: float32 ones would be rounded). Call `available` first."""
     dtype = torch.bfloat16 if packed.blocks.dim() == 4 else torch.float32
-    return _module.rows_gemm(x.to(dtype).contiguous(), packed.blocks, packed.out_features)
+    return _built.module.rows_gemm(x.to(dtype).contiguous(), packed.blocks, packed.out_features)
 
 
 def attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, slots: torch.Tensor,
@@ -97,7 +94,7 @@ def attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, slots: 
     alone. Returns [R, Hq, D] in q's dtype. Call `available` first."""
     dim = q.shape[-1]
     q32 = (q.float() * (dim ** -0.5 if scale is None else scale)).contiguous()
-    out = _module.chain_attention(q32, k_all.contiguous(), v_all.contiguous(), slots.to(torch.int64).contiguous(),
+    out = _built.module.chain_attention(q32, k_all.contiguous(), v_all.contiguous(), slots.to(torch.int64).contiguous(),
                                   counts.to(torch.int64).contiguous())
     return out.to(q.dtype)
 
@@ -106,7 +103,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The batch-invariant mode's RMSNorm of x [..., H] (any float dtype; weight [H]): per row, the squares summed in
     float32 in 16 lanes, then x / rms rounded to x's dtype, times the weight; each row's bits its own, in one call
     (`decoder_layers` runs the same). Call `available` first."""
-    return _module.norm_rows(x, weight, eps)
+    return _built.module.norm_rows(x, weight, eps)
 
 
 def decoder_layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weights: list[list[torch.Tensor]],
@@ -122,7 +119,7 @@ def decoder_layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight
     Hkv, S, D], written at `write_slots` [T]; queries [R], the tokens that attend, each over its key slots [R, W] in
     position order (the first counts[r]; all three int64, as `attention` takes them). Returns x after the last layer.
     Call `available` first."""
-    return _module.decoder_layers(x, cos, sin, weights, k_cache, v_cache, write_slots, queries, key_slots, counts,
+    return _built.module.decoder_layers(x, cos, sin, weights, k_cache, v_cache, write_slots, queries, key_slots, counts,
                                   heads, kv_heads, intermediate, eps)
 
 
@@ -164,7 +161,7 @@ def build_name() -> str:
 
 def failure() -> str | None:
     """Why the kernels could not be built (one line: "no C++ compiler found (c++: not found)"), or None."""
-    return _failed
+    return _built.failure
 
 
 def _extension() -> cpp_build.Extension:
@@ -176,19 +173,7 @@ def _extension() -> cpp_build.Extension:
 
 
 def _load(build_dir):
-    global _module, _failed
-    if _module is not None or _failed is not None:
-        return _module
-    with _lock:
-        if _module is None and _failed is None:
-            try:
-                _module = cpp_build.load(_extension(), build_dir or _default_root())
-            except (cpp_build.BuildError, OSError) as e:  # no compiler, a read-only folder: the slower row plans
-                _failed = str(e) if isinstance(e, cpp_build.BuildError) else f"{type(e).__name__}: {e}"
-                warnings.warn(f"lookahead: the CPU kernels were not built: {_failed}. The batch-invariant mode runs "
-                              "torch's GEMMs through verified row counts instead (slower), and on a CPU with bf16 dot "
-                              "products a model loads in float32, not bfloat16", stacklevel=3)
-    return _module
+    return _built.get(_extension, lambda: build_dir or _default_root())
 
 
 def _default_root() -> str:

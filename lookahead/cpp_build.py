@@ -31,6 +31,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +67,32 @@ class Extension:
 
 
 _thread_lock = threading.Lock()
+
+
+class Once:
+    """An extension loaded at most once per process: `get` gives its module, or None where it cannot be built, after
+    one warning naming the cause (`failure`) and what runs `instead`."""
+
+    def __init__(self, instead: str) -> None:
+        self.instead = instead
+        self.module: ModuleType | None = None
+        self.failure: str | None = None
+        self._lock = threading.Lock()
+
+    def get(self, extension: Callable[[], Extension], folder: Callable[[], str | os.PathLike]) -> ModuleType | None:
+        """The module, building `extension()` into `folder()` on the first call (both asked for only then)."""
+        if self.module is None and self.failure is None:
+            with self._lock:
+                if self.module is None and self.failure is None:
+                    self._load(extension(), folder)
+        return self.module
+
+    def _load(self, ext: Extension, folder: Callable[[], str | os.PathLike]) -> None:
+        try:
+            self.module = load(ext, folder())
+        except (BuildError, OSError) as e:  # no compiler, a read-only folder: the caller's slower path instead
+            self.failure = str(e) if isinstance(e, BuildError) else f"{type(e).__name__}: {e}"
+            warnings.warn(f"lookahead: {ext.what} were not built: {self.failure}. {self.instead}", stacklevel=5)
 
 
 def compiler() -> tuple[str, str]:

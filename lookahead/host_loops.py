@@ -24,8 +24,6 @@ warning) and every caller runs its Python path. It imports nothing of the packag
 from __future__ import annotations
 
 import platform
-import threading
-import warnings
 from pathlib import Path
 
 import lookahead.cpp_build as cpp_build
@@ -37,25 +35,12 @@ EXTENSION = cpp_build.Extension("lookahead_host_loops", (Path(__file__).parent /
                                 cflags=("-O2", "-ffp-contract=off", "-Wall", "-Wextra"), target=platform.machine(),
                                 what="the engine's host loops")
 
-_lock = threading.Lock()
-_module = None
-_failed: str | None = None
+_built = cpp_build.Once("The engine runs their Python code instead (the same drafts and steps, slower)")
 
 
 def load():
     """The compiled module (building it on the first call), or None where it cannot be built (one warning)."""
-    global _module, _failed
-    if _module is not None or _failed is not None:
-        return _module
-    with _lock:
-        if _module is None and _failed is None:
-            try:
-                _module = cpp_build.load(EXTENSION, _folder())
-            except (cpp_build.BuildError, OSError) as e:  # no compiler, a read-only folder: the Python paths instead
-                _failed = str(e) if isinstance(e, cpp_build.BuildError) else f"{type(e).__name__}: {e}"
-                warnings.warn(f"lookahead: the engine's host loops were not built: {_failed}. The engine runs their "
-                              "Python code instead (the same drafts and steps, slower)", stacklevel=3)
-    return _module
+    return _built.get(lambda: EXTENSION, _folder)
 
 
 def _folder() -> Path:

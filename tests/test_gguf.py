@@ -35,7 +35,7 @@ MIXED = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q
 def kernels(tmp_path_factory):
     from lookahead.models.invariant import cpu_kernels_built
 
-    assert cpu_kernels_built(), f"the CPU kernels did not build here: {cpu_kernels._failed}"
+    assert cpu_kernels_built(), f"the CPU kernels did not build here: {cpu_kernels.failure()}"
 
 
 def random_blocks(type_name: str, n: int, k: int, seed: int) -> np.ndarray:
