@@ -117,6 +117,15 @@ class Grammars:
             raise GrammarError(str(e)) from None
         return self._matcher(grammar, forced_drafts)
 
+    def lark(self, grammar: str, forced_drafts: bool = True) -> LLGuidanceGrammar:
+        """A grammar in llguidance's Lark syntax (a chat template's tool-call format: `lookahead.serve.tool_formats`);
+        raises `GrammarError` when it cannot be compiled."""
+        try:
+            text = llguidance.LLMatcher.grammar_from_lark(grammar)
+        except (ValueError, TypeError) as e:
+            raise GrammarError(str(e)) from None
+        return self._matcher(text, forced_drafts)
+
     def json_object(self, forced_drafts: bool = True) -> LLGuidanceGrammar:
         """Any JSON object (OpenAI's `response_format` "json_object")."""
         return self.json_schema({"type": "object"}, forced_drafts)

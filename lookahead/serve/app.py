@@ -88,16 +88,16 @@ class Served:
         """`function(self.tokenizer, *args)` on the prompts' thread."""
         return await asyncio.get_running_loop().run_in_executor(self._prompts, function, self.tokenizer, *args)
 
-    async def grammar(self, schema: dict):
-        """A fresh grammar of the JSON valid under `schema`, for one request, compiled (and its first mask probed) on
-        the grammars' thread, off the engine's and the prompts' (the first one reads the tokenizer's vocabulary for the
-        grammar engine, a few seconds). Raises GrammarError."""
+    async def grammar(self, schema: dict | str):
+        """A fresh grammar of the JSON valid under `schema` (or of a Lark grammar's text), for one request, compiled
+        (and its first mask probed) on the grammars' thread, off the engine's and the prompts' (the first one reads
+        the tokenizer's vocabulary for the grammar engine, a few seconds). Raises GrammarError."""
         return await asyncio.get_running_loop().run_in_executor(self._grammars, self._compile, schema)
 
-    def _compile(self, schema: dict):
+    def _compile(self, schema: dict | str):
         if self.grammars is None:
             self.grammars = Grammars(self._grammar_tokenizer, self.vocab_size, self.eos_token_ids)
-        return self.grammars.json_schema(schema)
+        return self.grammars.lark(schema) if isinstance(schema, str) else self.grammars.json_schema(schema)
 
     def close(self) -> None:
         self._prompts.shutdown(wait=False, cancel_futures=True)

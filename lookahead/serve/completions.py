@@ -26,7 +26,8 @@ from lookahead.structured import GrammarError
 from .errors import CLIENT_CLOSED, APIError, bad_request, overloaded
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .submission import Submission
-from .tools import AnswerReader, ToolMode, answered_calls, fold_tool_results
+from .tool_formats import detect, template_input
+from .tools import ToolMode, answered_calls
 
 # the engine's finish reasons (but "error", which is an error response) as the API shows them: a request the server
 # ended (it is shutting down) is "abort", vLLM's name for it; the openai client takes any string here
@@ -36,7 +37,8 @@ assert set(API_FINISH_REASONS) == set(FINISH_REASONS) - {"error"}
 
 async def chat(served, request: Request, body: ChatCompletionRequest) -> Response:
     _refuse_what_cannot_fit(served, sum(len(message.content or "") for message in body.messages), "messages")
-    tools = ToolMode.of(body.tools, body.tool_choice, body.parallel_tool_calls, answered_calls(body.messages))
+    tools = ToolMode.of(body.tools, body.tool_choice, body.parallel_tool_calls, answered_calls(body.messages),
+                        detect(getattr(served.tokenizer, "chat_template", None)))
     prompt = await served.tokenize(_chat_prompt, body, tools)
     param = "tools" if tools else "response_format"
     grammar = await _grammar(served, tools.schema() if tools else body.json_schema, param)
@@ -90,14 +92,10 @@ def _encode(tokenizer, text: str) -> list[int]:
 def _chat_prompt(tokenizer, body: ChatCompletionRequest, tools: ToolMode | None) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
         raise bad_request("messages: this model's tokenizer has no chat template; use /v1/completions", "messages")
-    names = {call.id: call.function.name for message in body.messages for call in message.tool_calls or ()}
-    messages = [message.for_template(names) for message in body.messages]
-    messages = fold_tool_results(messages, tokenizer.chat_template)
-    if tools is not None:
-        messages = tools.messages(messages)
+    messages, own = template_input(tokenizer.chat_template, body.messages, tools)  # (own: the template's tools=)
     try:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt, tokenize=True,
-                                            return_dict=False, **(body.chat_template_kwargs or {}))
+                                            return_dict=False, **(body.chat_template_kwargs or {}), **own)
     except (TemplateError, ValueError, TypeError, KeyError, IndexError) as e:  # the template refused the messages
         raise bad_request(f"messages: the chat template refused them: {e}", "messages") from None
     return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)  # some versions return an encoding anyway
@@ -293,7 +291,7 @@ class ChatFormat:
         self.id, self.created, self.model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), served.model_name
         self.token_text = served.token_text
         self.tools = tools
-        self.reader = AnswerReader() if tools is not None else None  # with tools: reads the answer as it comes
+        self.reader = tools.reader() if tools is not None else None  # with tools: reads the answer as it comes
 
     def _object(self, kind: str, choices: list) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
@@ -330,13 +328,13 @@ class ChatFormat:
             return False
         reader = self.reader
         if text is not None:
-            reader = AnswerReader()
+            reader = self.tools.reader()
             reader.feed(text)
         return self.tools.repeats(reader.calls())
 
     def restart(self) -> None:
         """Read a new answer (the request is answered again)."""
-        self.reader = AnswerReader()
+        self.reader = self.tools.reader()
 
     def response(self, text: str, logprobs: list[TokenLogprob] | None, finish: str, usage: dict) -> dict:
         message = {"role": "assistant", "content": text}

@@ -1,4 +1,5 @@
-"""Tool calls for models whose chat template has no tool format of its own (SmolLM2's, the tiny test model's): the
+"""Tool calls for models whose chat template has no tool format of its own (SmolLM2's, the tiny test model's; a
+template with one, Qwen2.5's `<tool_call>` or Llama 3.1's JSON, is `tool_formats`' and reuses `ToolMode`): the
 tools are described in a system message and the answer is one JSON object, constrained by a grammar built from the
 tools' parameter schemas, as llama.cpp's server does for such templates ("generic" format) and vLLM does for
 `tool_choice` "required" or a named function:
@@ -105,16 +106,17 @@ class ToolMode:
     choice: str
     parallel: bool
     answered: frozenset[str] = frozenset()
+    format: Any = None  # the chat template's own tool format (`tool_formats.TemplateFormat`); None: this module's
 
     @classmethod
     def of(cls, tools: list[dict] | None, tool_choice: Any, parallel: bool | None,
-           answered: frozenset[str] = frozenset()) -> ToolMode | None:
+           answered: frozenset[str] = frozenset(), format: Any = None) -> ToolMode | None:
         """None where the request has no tools or tool_choice is "none". Several calls only where the request asks
         for them (`parallel_tool_calls` true), as llama.cpp's server has it."""
         if not tools or tool_choice == "none":
             return None
         choice = tool_choice["function"]["name"] if isinstance(tool_choice, dict) else tool_choice or "auto"
-        return cls(tools, choice, parallel is True and choice in ("auto", "required"), answered)
+        return cls(tools, choice, parallel is True and choice in ("auto", "required"), answered, format)
 
     def repeats(self, calls: list[dict] | None) -> bool:
         """Whether an answer's `calls` (OpenAI's shape) only repeat calls answered already, where a plain answer was
@@ -123,20 +125,30 @@ class ToolMode:
                 and all(call_key(c["function"]["name"], c["function"]["arguments"]) in self.answered for c in calls))
 
     def text_only(self) -> ToolMode:
-        return ToolMode(self.tools, "text", False, self.answered)
+        return ToolMode(self.tools, "text", False, self.answered, self.format)
 
-    def schema(self) -> dict:
+    def offered(self) -> list[dict]:
+        """The tools the answer may call (all, or the one tool_choice names)."""
+        return [t for t in self.tools if self.choice in ("auto", "required", t["name"])]
+
+    def reader(self):
+        """A reader of one answer (`AnswerReader`, or the template format's)."""
+        return AnswerReader() if self.format is None else self.format.reader()
+
+    def schema(self) -> dict | str:
         """The JSON schema the answer follows: a list of calls that ends (one, or at most MAX_CALLS). Each tool's
         parameters are a definition of their own (`$defs`), their own `$ref`s ("#/$defs/...", "#") pointed at it;
         the arguments hold the parameters' properties only, unless the parameters say otherwise
-        (`additionalProperties`): a small model let add keys adds them until the token limit."""
-        tools = [t for t in self.tools if self.choice in ("auto", "required", t["name"])]
+        (`additionalProperties`): a small model let add keys adds them until the token limit. With a template's own
+        format, its grammar (Lark text, `tool_formats`)."""
+        if self.format is not None:
+            return self.format.grammar(self)
+        tools = self.offered()
         calls = {"type": "array", "minItems": 1, "maxItems": MAX_CALLS if self.parallel else 1,
                  "items": {"anyOf": [_call_schema(t) for t in tools]}}
         call = {"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"],
                 "additionalProperties": False}
-        defs = {f"tool_{t['name']}": _rooted({"additionalProperties": False, **t["parameters"]},
-                                             f"#/$defs/tool_{t['name']}") for t in tools}
+        defs = {f"tool_{t['name']}": arguments_schema(t, f"#/$defs/tool_{t['name']}") for t in tools}
         answer = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
                   "additionalProperties": False}
         if self.choice == "text":
@@ -167,6 +179,12 @@ def _call_schema(tool: dict) -> dict:
     arguments = {"$ref": f"#/$defs/tool_{tool['name']}"}
     return {"type": "object", "properties": {"name": {"const": tool["name"]}, "arguments": arguments},
             "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def arguments_schema(tool: dict, base: str) -> dict:
+    """A tool's arguments' schema placed at `base` (its `$ref`s pointed there), no keys beyond its properties unless
+    its parameters say otherwise."""
+    return _rooted({"additionalProperties": False, **tool["parameters"]}, base)
 
 
 def _rooted(schema: Any, base: str) -> Any:
@@ -261,17 +279,23 @@ class AnswerReader:
         if self.text.startswith(RESPONSE_OPEN):
             return self.feed(""), None
         if self.text.startswith(CALLS_OPEN[:2]) and CALLS_OPEN.startswith(self.text[: len(CALLS_OPEN)]):
-            calls, seen = [], set()
-            for call in _complete_calls(self.text):
-                key = json.dumps(call, sort_keys=True)
-                if key not in seen:
-                    seen.add(key)
-                    calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {
-                        "name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)}})
+            calls = openai_calls(_complete_calls(self.text))
             return (None, calls) if calls else ("", None)
         if self.text.startswith(RESPONSE_OPEN[: len(self.text)]):  # cut before either form showed
             return "", None
         return self.text, None
+
+
+def openai_calls(calls: list[dict]) -> list[dict]:
+    """Calls as read ({"name", "arguments": a JSON value}) in OpenAI's shape, fresh ids, an identical call once."""
+    out, seen = [], set()
+    for call in calls:
+        key = json.dumps(call, sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            out.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {
+                "name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)}})
+    return out
 
 
 def parse_answer(text: str) -> tuple[str | None, list[dict] | None]:
