@@ -263,7 +263,7 @@ def test_the_scheduler_sizes_a_step_beside_prompt_chunks_against_the_step_withou
 
     monkeypatch.setattr(StepBudget, "choose", spy)
     engine = Engine(MockRowModel(VOCAB, prefill_chunk=8), cost=linear_cost(0.01, base=0.02))
-    first = engine.submit(Request([PROMPT], 12, GREEDY, LookaheadConfig(), frozenset()))
+    first = engine.submit(Request([PROMPT], 60, GREEDY, LookaheadConfig(), frozenset()))  # decoding throughout
     while not seen:
         engine.step()
     plain_row = engine.submit(Request([[5, 4] * 10], 12, GREEDY, None, frozenset()))  # a plain row beside the chunks
