@@ -159,6 +159,12 @@ def build_name() -> str:
     return cpp_build.build_name(_extension())
 
 
+def extension():
+    """The built extension module (None before `available` built it, or where it could not be built): for the other
+    kernels compiled into it (`quant`)."""
+    return _built.module
+
+
 def failure() -> str | None:
     """Why the kernels could not be built (one line: "no C++ compiler found (c++: not found)"), or None."""
     return _built.failure

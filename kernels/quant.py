@@ -190,19 +190,19 @@ def gemm(x: torch.Tensor, blobs: list[torch.Tensor], portable: bool = False) -> 
     """x [M, K] (converted to float32) times the packed weights side by side: [M, sum of their N] float32, each
     row's bits its own (`csrc/quant_gemm.cpp`). portable: the portable loops even where AVX512-VNNI is built (the
     same bits: the tests compare). Call `cpu_kernels.available` first."""
-    return cpu_kernels._module.quant_gemm(x.float().contiguous(), list(blobs), portable)
+    return cpu_kernels.extension().quant_gemm(x.float().contiguous(), list(blobs), portable)
 
 
 def rows(blob: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of a packed weight, dequantized to float32 as ggml (and gguf's `dequantize`) does: [*ids.shape, K].
     Call `cpu_kernels.available` first."""
-    flat = cpu_kernels._module.quant_rows(blob, ids.reshape(-1))
+    flat = cpu_kernels.extension().quant_rows(blob, ids.reshape(-1))
     return flat.reshape(*ids.shape, flat.shape[-1])
 
 
 def vnni() -> bool:
     """Whether this machine's build multiplies with AVX512-VNNI (else the portable loops). Call `available` first."""
-    return cpu_kernels._module is not None and cpu_kernels._module.quant_vnni()
+    return cpu_kernels.extension() is not None and cpu_kernels.extension().quant_vnni()
 
 
 def dequantize(fields: Fields, type_name: str) -> np.ndarray:
