@@ -12,7 +12,7 @@ import pytest
 
 from helpers import MockRowModel, MockStepModel, RandomCost, context_logits, decode_one, needs_interpreter, one
 from lookahead import LookaheadConfig
-from lookahead.loop import Engine, QueueFull
+from lookahead.loop import Engine, QueueFull, RowStep, path_step
 from lookahead.models import Llama, engine_for
 from lookahead.request import Request, SamplingParams
 from lookahead.tuning import CostModel, Curve
@@ -445,6 +445,26 @@ def test_a_long_prompt_beside_decoding_rows_never_stalls_them(lookahead):
     model = ChunkRecorder(VOCAB, logits_fn, prefill_chunk=512)
     Engine(model, cost=cost).run(Request([prompt], 2))
     assert [chunk[0] for chunk, _ in model.steps if chunk is not None] == [512] * 5 + [440]
+
+
+def test_a_chunk_may_add_to_the_step_what_decoding_steps_took_lately():
+    """The chunk's allowance is priced against the larger of the cost model's figure for the decoding rows and what
+    steps without a chunk took lately (`decode_seconds`): a lookahead row's real step is larger than the smallest
+    step the scheduler counts it at, and pricing the chunk against that smallest step starved a long prompt."""
+    from lookahead.loop.scheduler import CHUNK_COST, Scheduler
+
+    cost = LengthCost()
+    scheduler = Scheduler(MockRowModel(VOCAB, logits_fn, prefill_chunk=512), None, cost)
+    small = scheduler._prefill_allowance(5, 5 * 100, 3000)
+    assert cost.predict(5 + small, (500 + small * 3000) // (5 + small)) <= CHUNK_COST * cost.predict(5, 100) + 1e-12
+    scheduler._lengths = [100]
+    scheduler.record([RowStep.chunk(0, [1])], 0.5, {})  # a prompt chunk's step: not a decoding step's time
+    assert scheduler.decode_seconds is None
+    scheduler.record([RowStep(0, [1], path_step(1), [0])], 0.5, {})  # decoding steps took 0.5 s lately
+    assert scheduler.decode_seconds == 0.5
+    large = scheduler._prefill_allowance(5, 5 * 100, 3000)
+    added = cost.predict(5 + large, (500 + large * 3000) // (5 + large)) - cost.predict(5, 100)
+    assert large > 4 * small and added <= (CHUNK_COST - 1) * 0.5 + 1e-12
 
 
 def test_the_engine_benchmark_accounts_for_every_step_and_token(tiny_checkpoint):

@@ -22,6 +22,7 @@ from .rows import RowModel, RowStep
 # at the chunk's own cache length: vLLM and SGLang give a step a budget in tokens (2048 or more), and at 6k tokens of
 # context a 512-token chunk cost seconds on a 2-core CPU, every stream beside it waiting 150 times its usual gap
 CHUNK_COST = 2.0
+DECODE_RATE = 0.3  # how far one step without a chunk moves `Scheduler.decode_seconds` towards its own time
 MIN_CHUNK = 1  # prompt tokens a step carries at least for a prefilling row, however busy the step
 UNCOSTED_CHUNK = 16  # with no cost model: prompt tokens beside decoding rows, or four per token they feed if more
 
@@ -39,6 +40,10 @@ class Scheduler:
         self.budgets: dict[tuple[bool, bool], StepBudget | None] = {}
         self._sized: list[tuple[StepBudget, dict[Job, float]]] = []  # the step's budgets, their rows' expected nodes
         self._lengths: list[int] = []
+        # what the latest steps without a prompt chunk took (model time, a moving average; None: none yet): a chunk's
+        # allowance is priced against it as well as against the cost model's figure for the decoding rows, which
+        # counts a lookahead row at its smallest step
+        self.decode_seconds: float | None = None
 
     def admit(self, fail: Callable[[list[Job], str], None]) -> None:
         """Admit waiting requests, first come first served, while there are free rows and the model has room; `fail`
@@ -138,8 +143,9 @@ class Scheduler:
     def _prefill_allowance(self, decoding_tokens: int, decoding_weight: int, filled: int) -> int | None:
         """Prompt tokens the next step may carry (None: no limit) beside rows that feed `decoding_tokens` tokens over
         `decoding_weight` token-positions (tokens times cache length), the first prefilling row having `filled`
-        positions cached: alone, the model's chunk; beside decoding rows, the most whose step the cost model puts at
-        `CHUNK_COST` times their step alone at most (`MIN_CHUNK` at least, never past the chunk); with no cost model,
+        positions cached: alone, the model's chunk; beside decoding rows, the most that the cost model says add to
+        their step at most `CHUNK_COST` - 1 times its cost (the larger of the model's figure and what such steps
+        took lately, `decode_seconds`) (`MIN_CHUNK` at least, never past the chunk); with no cost model,
         `UNCOSTED_CHUNK` or four per decoding token."""
         chunk = self.model.prefill_chunk
         if decoding_tokens == 0 or chunk is None:
@@ -152,11 +158,12 @@ class Scheduler:
             tokens = decoding_tokens + size
             return self.cost.predict(tokens, (decoding_weight + size * filled) // tokens, kind)
 
-        limit = CHUNK_COST * cost(0)
-        low, high = 0, chunk  # the largest size within the limit: a step of more tokens never costs less
+        alone = cost(0)
+        room = (CHUNK_COST - 1) * max(alone, self.decode_seconds or 0.0)  # what the chunk may add to the step
+        low, high = 0, chunk  # the largest size within it: a step of more tokens never costs less
         while low < high:
             middle = (low + high + 1) // 2
-            low, high = (middle, high) if cost(middle) <= limit else (low, middle - 1)
+            low, high = (middle, high) if cost(middle) - alone <= room else (low, middle - 1)
         return max(low, MIN_CHUNK)
 
     def record(self, steps: Sequence[RowStep], seconds: float, accepted: dict[Job, int],
@@ -165,6 +172,9 @@ class Scheduler:
         for the step, `loop_seconds` (from planning it to sending its tokens), and each sized row's accepted nodes."""
         tokens = sum(len(s.tokens) for s in steps)
         weight = sum(len(s.tokens) * length for s, length in zip(steps, self._lengths, strict=True))
+        if steps and not any(s.prefill for s in steps):
+            last = self.decode_seconds
+            self.decode_seconds = seconds if last is None else last + DECODE_RATE * (seconds - last)
         for i, (budget, expected) in enumerate(self._sized):  # the cost model learns the step's time once
             budget.record(tokens, weight // max(tokens, 1), seconds, list(expected.values()),
                           [accepted[job] for job in expected], loop_seconds, observe=i == 0)
