@@ -144,6 +144,11 @@ def converter_script(given: Path | None) -> Path:
     fetched once into the cache folder."""
     if given is not None:
         return given
+    from quantized import LLAMA_CPP_SOURCE, work_dir
+
+    built = work_dir().parent / "llama.cpp-src" / LLAMA_CPP_SOURCE / "convert_hf_to_gguf.py"
+    if built.is_file():  # the llama.cpp source bench/quantized.py (or --build) unpacked
+        return built
     root = (cache_root() or Path(tempfile.gettempdir())) / "peers" / "llama.cpp"
     script = root / "convert_hf_to_gguf.py"
     if script.is_file():

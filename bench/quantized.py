@@ -68,10 +68,12 @@ def work_dir() -> Path:
     return root / "gguf-bench"
 
 
+LLAMA_CPP_SOURCE = f"llama_cpp_python-{LLAMA_CPP_PYTHON.split('==')[1]}/vendor/llama.cpp"  # in its source package
+
+
 def llama_cpp_source(folder: Path) -> Path:
     """llama.cpp's source, from LLAMA_CPP_PYTHON's source package (downloaded once into `folder`)."""
-    version = LLAMA_CPP_PYTHON.split("==")[1]
-    source = folder / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
+    source = folder / LLAMA_CPP_SOURCE
     if not source.is_dir():
         folder.mkdir(parents=True, exist_ok=True)
         print(f"fetching {LLAMA_CPP_PYTHON}'s source ...", flush=True)
