@@ -706,17 +706,23 @@ def section_peers() -> list[str]:
         return []
     data = load("peers-cpu")
     skipped = [f"- {name}: {why}" for name, why in data["skipped"].items()]
+    own_server = any(row["engine"].startswith("llama-server") for row in data["summary"])
+    llama = ("llama.cpp's own `llama-server` at its defaults (its threads spin; `OMP_WAIT_POLICY` never passed to it), "
+             "with its n-gram drafting (`--spec-type`) and, as a shared machine's row, at PASSIVE" if own_server else
+             "llama-cpp-python's server, which takes one request at a time (its throughput falls at 4 and 8) and, in "
+             "this file, inherited the benchmark's OMP_WAIT_POLICY=PASSIVE, which halves llama.cpp")
     return ["## Against the engines people already run", "",
             f"`bench/peers.py`: the default model's weights in every engine (llama.cpp: GGUF files converted from our "
-            f"checkpoint by llama.cpp's converter), held-out dev prompts (the first 3 one at a time, the first 2c at "
-            f"c concurrent), up to {data['max_tokens']} new tokens, greedy, streamed through each server's OpenAI "
-            "chat endpoint (llama-cpp-python's server takes one request at a time: its throughput falls at 4 and 8); "
-            "every "
-            "engine alone on the machine, in rounds whose order alternates (medians over rounds), load generator: "
-            f"{'AIPerf' if data['generator'] == 'aiperf' else 'the script' + chr(39) + 's own closed loop'}. "
+            f"checkpoint by llama.cpp's converter; {llama}), held-out dev prompts (the first 3 one at a time, the "
+            f"first 2c at c concurrent), up to {data['max_tokens']} new tokens, greedy, streamed through each "
+            "server's OpenAI chat endpoint; every engine alone on the machine, in rounds whose order alternates "
+            "(medians over rounds), load generator: "
+            f"{'AIPerf' if data['generator'] == 'aiperf' else 'the script' + chr(39) + 's own closed loop'}. Ours run "
+            "at their own default (`lookahead` sets OMP_WAIT_POLICY=PASSIVE for itself). "
             "tokens/s: all answers' tokens over the run's wall time; per request: each answer's rate after its first "
             "token (median); TTFT: to the first chunk with text (median); vs llama.cpp: tokens/s over llama.cpp's in "
-            "the same dtype at the same concurrency; load: the 1-minute load average when the run began.", "",
+            "the same dtype at the same concurrency (at its defaults; then at PASSIVE); load: the 1-minute load "
+            "average when the run began.", "",
             *table(PEERS_HEADERS, peers_rows(data)), "",
             *(["Prefill: the time to first token of one long prompt (held-out prompts joined), and prompt tokens/s "
                "over it:", "", *table(["engine", "dtype", "prompt tokens", "time to first token s", "prompt tokens/s",
