@@ -179,3 +179,14 @@ def ask(client, model: str, endpoint: str, prompt: str, stream: bool, **options)
 
 def prompt_ids(tokenizer, endpoint: str, prompt: str) -> list[int]:
     return chat_ids(tokenizer, prompt) if endpoint == "chat" else tokenizer(prompt)["input_ids"]
+
+
+def tool_answer(client, stream: bool, **options) -> tuple[str | None, list, str]:
+    """A chat completion with tools, streamed or not: (its text, its tool calls, its finish reason)."""
+    if stream:
+        chunks = list(client.chat.completions.create(**options, stream=True))
+        content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        calls = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or ()]
+        return content, calls, chunks[-1].choices[0].finish_reason
+    choice = client.chat.completions.create(**options).choices[0]
+    return choice.message.content, choice.message.tool_calls or [], choice.finish_reason

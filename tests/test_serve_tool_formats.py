@@ -11,6 +11,7 @@ import pytest
 
 from lookahead.serve.tool_formats import HERMES, LLAMA3_JSON, detect, template_input
 from lookahead.serve.tools import ToolMode
+from served import tool_answer
 
 TOOL = {"type": "function", "function": {"name": "w", "description": "Weather.", "parameters": {
     "type": "object", "properties": {"c": {"type": "string", "maxLength": 2}}, "required": ["c"]}}}
@@ -189,14 +190,7 @@ def test_hermes_parallel_calls_end_and_a_cut_keeps_complete_calls(hermes):
         assert _generated(choice).count("<tool_call>\n") <= 8
     for stream in (False, True):
         options = dict(model="tiny", messages=ASK, tools=[TOOL], tool_choice="required", max_tokens=20)
-        if stream:
-            chunks = list(client.chat.completions.create(**options, stream=True))
-            content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-            calls = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or ()]
-            finish = chunks[-1].choices[0].finish_reason
-        else:
-            choice = client.chat.completions.create(**options).choices[0]
-            content, calls, finish = choice.message.content, choice.message.tool_calls, choice.finish_reason
+        content, calls, finish = tool_answer(client, stream, **options)
         assert finish == "length" and not calls and not content, (stream, content)
 
 

@@ -17,6 +17,7 @@ from lookahead.serve.tools import (
     fold_tool_results,
     parse_answer,
 )
+from served import tool_answer
 
 # for the tiny model (512 positions of single bytes): a short tool
 TOOL = {"type": "function", "function": {"name": "w", "parameters": {
@@ -120,14 +121,7 @@ def test_a_cut_answer_is_never_the_wrapper(server):
     for stream in (False, True):
         options = dict(model="tiny", messages=ASK, tools=[TOOL], tool_choice="required", max_tokens=12,
                        temperature=0)
-        if stream:
-            chunks = list(client.chat.completions.create(**options, stream=True))
-            content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-            calls = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or ()]
-            finish = chunks[-1].choices[0].finish_reason
-        else:
-            choice = client.chat.completions.create(**options).choices[0]
-            content, calls, finish = choice.message.content, choice.message.tool_calls, choice.finish_reason
+        content, calls, finish = tool_answer(client, stream, **options)
         assert finish == "length" and not calls and not content, (stream, content)
 
 
