@@ -190,3 +190,20 @@ def tool_answer(client, stream: bool, **options) -> tuple[str | None, list, str]
         return content, calls, chunks[-1].choices[0].finish_reason
     choice = client.chat.completions.create(**options).choices[0]
     return choice.message.content, choice.message.tool_calls or [], choice.finish_reason
+
+
+def streamed_plain_answer(client, **options) -> tuple[str, list[str]]:
+    """A plain (text) answer with tools present, found by trying seeds 0-19 at temperature 1 until the model answers
+    in text (4 characters at least), then the same request streamed: (the whole answer's text, the stream's text
+    pieces). Fails the test where every seed called a tool."""
+    import pytest
+
+    for seed in range(20):
+        whole = client.chat.completions.create(**options, temperature=1, seed=seed).choices[0]
+        if whole.message.tool_calls is None and len(whole.message.content) >= 4:
+            break
+    else:
+        pytest.fail("the tiny model called the tool for 20 seeds: no plain answer to stream")
+    chunks = list(client.chat.completions.create(**options, temperature=1, seed=seed, stream=True))
+    return whole.message.content, [c.choices[0].delta.content for c in chunks
+                                   if c.choices and c.choices[0].delta.content]
