@@ -4,7 +4,8 @@
 # and torch + triton with CUDA (no model file, no network). From the repository root:
 #
 #     bash bench/gpu_first_run.sh                 # a CUDA host: parts a-e, about 9 minutes at most
-#     bash bench/gpu_first_run.sh --dry-run       # a CPU: the same parts at tiny shapes, about half a minute
+#     bash bench/gpu_first_run.sh --dry-run       # a CPU: the same parts at tiny shapes, about half a minute (its
+#                                                 # budgets stretch with the CPU's load)
 #     bash bench/gpu_first_run.sh --budget 300 --parts "a b"
 #
 # Parts, in order of value, each in its own process (a CUDA error in one does not poison the next) under its own
@@ -29,7 +30,7 @@ while [ $# -gt 0 ]; do
         --dry-run) dry=1 ;;
         --budget) budget=${2:?--budget needs seconds}; shift ;;
         --parts) parts=${2:?--parts needs a list such as "a b"}; shift ;;
-        -h | --help) sed -n '2,22p' "$0"; exit 0 ;;
+        -h | --help) sed -n '2,23p' "$0"; exit 0 ;;
         *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
     esac
     shift
@@ -37,8 +38,13 @@ done
 # seconds: the whole run, each part's, the least a part starts with, kept back at the end, and a part's grace: it
 # stops itself at its budget (counted from its process's start, imports included) and is killed this much later
 if [ "$dry" = 1 ]; then
-    total=${budget:-90} reserve=2 least=3 grace=5 slug=cpu
-    declare -A want=([a]=25 [b]=15 [c]=20 [d]=15 [e]=$total)  # e: whatever is left
+    # a CPU's seconds stretch with its load: beside 8 busy processes on 2 cores a part's imports alone took 27 s of its
+    # 25, so every figure is multiplied by the 1-minute load average per core, rounded up (DRY_RUN_STRETCH sets it)
+    stretch=${DRY_RUN_STRETCH:-$(awk -v cores="$(nproc)" '{s = $1 / cores; print (s > int(s)) ? int(s) + 1 : int(s)}' \
+        /proc/loadavg 2>/dev/null)}
+    [ "${stretch:-0}" -ge 1 ] 2>/dev/null || stretch=1
+    total=${budget:-$((90 * stretch))} reserve=2 least=$((3 * stretch)) grace=$((5 * stretch)) slug=cpu
+    declare -A want=([a]=$((25 * stretch)) [b]=$((15 * stretch)) [c]=$((20 * stretch)) [d]=$((15 * stretch)) [e]=$total)
 else
     total=${budget:-540} reserve=10 least=20 grace=8 slug=cuda
     declare -A want=([a]=150 [b]=90 [c]=90 [d]=75 [e]=$total)
@@ -141,7 +147,7 @@ if commit=$(git rev-parse --short HEAD 2>/dev/null); then
 else
     commit=$(cat bench/COMMIT 2>/dev/null || echo "unknown: no .git and no bench/COMMIT")
 fi
-event setup start "parts: $parts; dry run: $dry; budget $total s; commit $commit"
+event setup start "parts: $parts; dry run: $dry${stretch:+ (seconds x$stretch for the load)}; budget $total s; commit $commit"
 dry_flag=()
 [ "$dry" = 1 ] && dry_flag=(--dry-run)
 for name in $parts; do

@@ -95,10 +95,14 @@ def default_gguf():
 
 @pytest.fixture(scope="session")
 def default_model_dir(tmp_path_factory, default_gguf):
-    """The converted default checkpoint (converted once per session into a temporary cache)."""
+    """The converted default checkpoint (converted once per session into a temporary cache). Subprocesses given that
+    cache (`--cache-dir`, a HOME whose cache it is) find the session's compiled extensions in it: each would build
+    them again there, a minute each, otherwise."""
     from lookahead.models.default_model import default_model_dir as convert
 
-    return convert(tmp_path_factory.mktemp("cache"), progress=False)
+    cache = tmp_path_factory.mktemp("cache")
+    (cache / "kernels").symlink_to(KERNELS, target_is_directory=True)
+    return convert(cache, progress=False)
 
 
 @pytest.fixture(scope="session")

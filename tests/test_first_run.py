@@ -19,8 +19,9 @@ SCRIPT = ROOT / "bench" / "gpu_first_run.sh"
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is the CPU's stand-in for a GPU run")
 
 
-def dry_run(out: Path, *args: str) -> tuple[subprocess.CompletedProcess, list[dict], float]:
-    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "OMP_WAIT_POLICY": "PASSIVE"}
+def dry_run(out: Path, *args: str,
+            python: str = sys.executable) -> tuple[subprocess.CompletedProcess, list[dict], float]:
+    env = {**os.environ, "OUT": str(out), "PYTHON": python, "OMP_WAIT_POLICY": "PASSIVE"}
     start = time.monotonic()
     run = subprocess.run(["bash", str(SCRIPT), "--dry-run", *args], capture_output=True, text=True, env=env,
                          cwd=ROOT, timeout=240)
@@ -31,8 +32,15 @@ def dry_run(out: Path, *args: str) -> tuple[subprocess.CompletedProcess, list[di
 
 def test_the_tests_part_cut_at_its_budget_is_its_plan_not_a_failure(tmp_path):
     """Part e takes what time the run has left; cut there (SIGINT), it says so and the run still succeeds (beside 8
-    busy processes the dry run left it 7 s, and its cut failed the run)."""
-    run, lines, _ = dry_run(tmp_path, "--budget", "20", "--parts", "e")  # e: a few s after setup: too few
+    busy processes the dry run left it 7 s, and its cut failed the run). Its pytest here outlasts any budget (on a
+    fast machine the real collection finished inside one), so the cut is certain."""
+    python = tmp_path / "python"
+    python.write_text(f"""#!/usr/bin/env bash
+if [ "$1" = -m ] && [ "$2" = pytest ]; then exec {sys.executable} -c "import time; time.sleep(120)"; fi
+exec {sys.executable} "$@"
+""")
+    python.chmod(0o755)
+    run, lines, _ = dry_run(tmp_path, "--budget", "12", "--parts", "e", python=str(python))  # e: about 6 s
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     events = {(x["part"], x["event"]) for x in lines if "event" in x}
     assert ("e", "killed") not in events
@@ -42,7 +50,7 @@ def test_the_tests_part_cut_at_its_budget_is_its_plan_not_a_failure(tmp_path):
 def test_dry_run_measures_every_part_and_ends_within_its_budget(tmp_path):
     run, lines, seconds = dry_run(tmp_path)  # about 30 s on 2 idle cores; its budget, 90 s, leaves room for load
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert seconds < 90 + 5, seconds
+    assert seconds < budget_of(lines) + 5, seconds
     events = {(x["part"], x["event"]) for x in lines if "event" in x}
     assert {("a", "done"), ("b", "done"), ("c", "done"), ("d", "done"), ("e", "done"), ("setup", "end")} <= events
     kinds = {(x["part"], x["kind"]) for x in lines if "kind" in x}
@@ -63,6 +71,20 @@ def test_dry_run_measures_every_part_and_ends_within_its_budget(tmp_path):
     assert collected[0].startswith("tests/test_static_step.py::test_cuda_graphs"), collected[:3]
     start = next(x for x in lines if x.get("kind") == "start")
     assert start["machine"]["commit"] and not start["machine"]["commit"].startswith("unknown")
+
+
+def budget_of(lines: list[dict]) -> int:
+    """The whole run's seconds, as its first line says them."""
+    return int(lines[0]["detail"].split("budget ")[1].split(" s")[0])
+
+
+def test_a_loaded_cpu_stretches_the_dry_runs_seconds(tmp_path, monkeypatch):
+    """Issue 49: beside 8 busy processes on 2 cores the dry run failed, its parts killed while still importing. Its
+    seconds stretch with the load (here said, not measured: a stretch of 3)."""
+    monkeypatch.setenv("DRY_RUN_STRETCH", "3")
+    run, lines, _ = dry_run(tmp_path, "--parts", "none")  # no part: the setup says its budget
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert budget_of(lines) == 270 and "seconds x3 for the load" in lines[0]["detail"], lines
 
 
 def test_a_run_out_of_time_skips_the_parts_it_cannot_start(tmp_path):

@@ -116,11 +116,18 @@ def emulate(runner: CachedRunner, kinds: list[str], seed: int = 0, positions: in
     return graph
 
 
-@pytest.fixture(scope="module", params=["none", "triton"], ids=lambda f: f"fusion-{f}")
-def runner(tiny_checkpoint, request):
-    model = Llama.from_pretrained(tiny_checkpoint("gqa"), attn_backend="triton", fusion=request.param)
-    runner = CachedRunner(model, BLOCKS, max_step_tokens=16, block_size=BLOCK, max_rows=4)
-    runner.static = True
+@pytest.fixture(scope="module")
+def runners(tiny_checkpoint):
+    """fusion ("none", "triton") -> a static runner over the tiny model, made at its first use in the module."""
+    made = {}
+
+    def runner(fusion: str) -> CachedRunner:
+        if fusion not in made:
+            model = Llama.from_pretrained(tiny_checkpoint("gqa"), attn_backend="triton", fusion=fusion)
+            made[fusion] = CachedRunner(model, BLOCKS, max_step_tokens=16, block_size=BLOCK, max_rows=4)
+            made[fusion].static = True
+        return made[fusion]
+
     return runner
 
 
@@ -133,11 +140,16 @@ SHAPES = {
     "batch-padded-rows": ["tree", "plain", "tree-topk"],
     "chunk-and-steps": ["chunk", "tree", "plain"],
 }
+# the fused kernels run alike in every row kind: a step of one plain row, the sampling row, and the two steps that
+# hold every other kind, padded rows and a prompt chunk (the interpreter makes each case 5-30 s)
+FUSED_SHAPES = ["plain", "sampling", "batch-padded-rows", "chunk-and-steps"]
 
 
 @needs_interpreter
-@pytest.mark.parametrize("name", list(SHAPES))
-def test_step_region_is_capturable_and_replays_as_eager(runner, monkeypatch, name):
+@pytest.mark.parametrize("fusion, name", [("none", name) for name in SHAPES] + [("triton", n) for n in FUSED_SHAPES],
+                         ids=lambda x: x)
+def test_step_region_is_capturable_and_replays_as_eager(runners, monkeypatch, fusion, name):
+    runner = runners(fusion)
     triton_launches(monkeypatch)
     graph = emulate(runner, SHAPES[name])
     layers = runner.model.config.num_hidden_layers

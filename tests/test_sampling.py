@@ -129,8 +129,14 @@ CONFIGS = [LookaheadConfig(3, 3, 3, form=form) for form in ("chains", "tree")]
 CONFIGS += [LookaheadConfig(2, 4, 6, form=form) for form in ("chains", "tree")]
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"W{c.window}-N{c.ngram}-G{c.guesses}-{c.form}")
-@pytest.mark.parametrize("params", PARAMS, ids=["T1", "T0.7", "T1-topk3", "T0.7-topp0.9"])
+# each sampling setting with both forms (chains at one shape, the tree at the other) and each configuration with two
+# settings: 8 of the 16 pairings, each 2,000 generations (about 8 s)
+PAIRS = [pytest.param(params, cfg, id=f"{name}-W{cfg.window}-N{cfg.ngram}-G{cfg.guesses}-{cfg.form}")
+         for i, (name, params) in enumerate(zip(["T1", "T0.7", "T1-topk3", "T0.7-topp0.9"], PARAMS, strict=True))
+         for form in (0, 1) for cfg in [CONFIGS[2 * ((i + form) % 2) + form]]]
+
+
+@pytest.mark.parametrize("params, cfg", PAIRS)
 def test_lookahead_sampling_matches_exact_distribution(params, cfg):
     fn = lambda ctx: context_logits(ctx, VOCAB)  # noqa: E731
     joint = exact_joint(fn, PROMPT, params)
