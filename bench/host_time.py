@@ -49,8 +49,7 @@ from lookahead.loop import Engine  # noqa: E402
 from lookahead.models import runner as runner_module  # noqa: E402
 from lookahead.models.runner import CachedRunner  # noqa: E402
 from lookahead.request import Request  # noqa: E402
-from lookahead.tuning import CostModel  # noqa: E402
-from lookahead.tuning.cost import Curve  # noqa: E402
+from lookahead.tuning import CostModel, Curve  # noqa: E402
 
 STREAMS = ROOT / "bench" / "data" / "host-time-streams.json.gz"
 TOPK = 8  # the top-k recorded per position (the recycling source's RECYCLE_K)

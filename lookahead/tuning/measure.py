@@ -10,7 +10,7 @@ otherwise the model's own, else the cached file's, measured now for what it lack
 How it is measured: one untimed pass per step size (it prepares the shape: a kernel compile, a graph capture), then
 a timed pass of each at cache length 0 and one at a longer length (the cost per cached position), then up to
 `REPEATS - 1` more at length 0 while `MEASURE_BUDGET_S` lasts (a first start on a slow CPU took a minute before the
-bound), fitted by `cost.fit` (medians, made monotone); the steps keep the curve current after. The longer length is
+bound), fitted by `curve.fit` (medians, made monotone); the steps keep the curve current after. The longer length is
 what the adapter can hold (`MIN_SPAN` at least, else the cost per position is left to the steps to learn:
 `Curve.observe`). Each round is logged (`lookahead.tuning`, INFO: the command shows it as a progress line).
 """
@@ -23,7 +23,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 from lookahead.config import LookaheadConfig
 
-from .cost import CostModel, Curve, fit
+from .cost import CostModel
+from .curve import Curve, fit
 from .store import Saver, device_label, prepared, versions
 
 REPEATS = 3  # timed passes per step size at the shortest cache length (one at the longest): a median

@@ -23,7 +23,8 @@ from pathlib import Path
 
 from lookahead.paths import ENV_CACHE_DIR, cache_root
 
-from .cost import CostModel, Curve
+from .cost import CostModel
+from .curve import Curve
 
 SAVE_EVERY = 60.0  # seconds between writes of the curves the steps keep current
 
