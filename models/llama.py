@@ -22,7 +22,7 @@ from .attention import Attend, causal, invariant_causal
 from .blocks import Backbone
 from .config import LlamaConfig
 from .fusion import MergedLinears, TorchOps, TritonOps
-from .generation import generate, warmup
+from .generation import Expected, generate, warmup
 from .gguf import gguf_file
 from .gguf import load as load_gguf
 from .invariant import InvariantOps
@@ -379,7 +379,7 @@ class Llama(nn.Module):
         pays for them midway. Steps that carry a prompt chunk run eagerly. Without it each shape is prepared on its
         first use. `sampling` measures the sampled steps' cost curve too; with `process_group` (lookahead
         parallelism, called on every rank) it prepares the runner only."""
-        warmup(self, lookahead, max_tokens, cuda_graph, batch, sampling, process_group, static_step)
+        warmup(self, Expected(lookahead, max_tokens, batch, sampling, static_step), cuda_graph, process_group)
 
     def release(self) -> None:
         """Free the KV cache, kernel plans and CUDA graphs kept between generations (`runner`); the next generation

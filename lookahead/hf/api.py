@@ -11,7 +11,7 @@ import torch
 
 from lookahead.config import LookaheadConfig
 from lookahead.loop import GenerationResult, decode
-from lookahead.request import Request, SamplingParams, check_stream, parse_request
+from lookahead.request import GenerateArgs, Request, SamplingParams, Target, check_stream, parse_request
 
 from .step_model import HFStepModel, cache_keyword, check_model, max_positions, require_transformers
 from .tuning import cost_model_for, save_if_due
@@ -38,11 +38,10 @@ def generate(hf_model, input_ids, max_new_tokens: int = 256, lookahead: Lookahea
     """
     step_model = HFStepModel(hf_model, attn_backend=attn_backend)
     check_stream(stream)
-    request = parse_request(input_ids, vocab_size=hf_model.config.vocab_size, max_positions=max_positions(hf_model),
-                            max_new_tokens=max_new_tokens, lookahead=lookahead, temperature=temperature, top_k=top_k,
-                            top_p=top_p, seed=seed, eos_token_id=eos_token_id,
-                            default_eos=_eos(hf_model.generation_config.eos_token_id), static_step=static_step,
-                            device_type=step_model.device.type, allow_batch=False, prompt_name="input_ids")
+    args = GenerateArgs(max_new_tokens, lookahead, temperature, top_k, top_p, seed, eos_token_id, static_step)
+    target = Target(hf_model.config.vocab_size, max_positions(hf_model), _eos(hf_model.generation_config.eos_token_id),
+                    step_model.device.type)
+    request = parse_request(input_ids, args, target, allow_batch=False, prompt_name="input_ids")
     with torch.no_grad():
         return _decode(step_model, request, stream)
 
