@@ -3,8 +3,9 @@ function of its own and as `hf_model.generate(custom_generate=...)`."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -84,43 +85,43 @@ def custom_generate(model, input_ids: torch.Tensor, logits_processor=None, stopp
     """
     if streamer is None:
         streamer = _generate_streamer(sys._getframe(1))
+    with _ending(streamer):  # after an error too, so that a reader of the streamer is not left waiting
+        transformers = require_transformers()
+        check_model(model)
+        _check_generation_config(generation_config, input_ids)
+        sampling = _sampling_params(generation_config, logits_processor or [], transformers)
+        max_length, eos = _stopping(stopping_criteria or [], transformers)
+        cache = model_kwargs.pop(cache_keyword(model), None)
+        _check_model_kwargs(model_kwargs, input_ids)
+        if seed is None and not sampling.greedy:
+            seed = int(torch.randint(2**62, (), generator=torch.default_generator))
+        step_model = HFStepModel(model, cache, attn_backend)
+        prompt = tuple(input_ids[0].tolist())
+        if max_length > max_positions(model):
+            raise ValueError(f"max_length ({max_length}, prompt + max_new_tokens) exceeds the model's "
+                             f"max_position_embeddings ({max_positions(model)}); lower max_new_tokens")
+        new = max_length - len(prompt)
+        tokens: list[int] = []
+        if new > 0:
+            static = step_model.device.type == "cuda" if static_step is None else static_step
+            request = Request((prompt,), new, sampling, lookahead, frozenset(eos), (seed,), static)
+            stream = None if streamer is None else lambda accepted: streamer.put(torch.tensor(accepted))
+            tokens = _decode(step_model, request, stream).tokens
+            step_model.trim(len(prompt) + len(tokens) - 1)  # what plain generate leaves: all but the last token
+        sequences = torch.cat([input_ids, torch.tensor([tokens], dtype=input_ids.dtype, device=input_ids.device)], -1)
+        if generation_config.return_dict_in_generate:
+            return transformers.generation.GenerateDecoderOnlyOutput(sequences=sequences,
+                                                                     **{step_model.cache_keyword: step_model.cache})
+        return sequences
+
+
+@contextlib.contextmanager
+def _ending(streamer) -> Iterator[None]:
     try:
-        return _custom_generate(model, input_ids, logits_processor, stopping_criteria, generation_config, lookahead,
-                                seed, static_step, attn_backend, streamer, model_kwargs)
+        yield
     finally:
         if streamer is not None:
-            streamer.end()  # after an error too, so that a reader of the streamer is not left waiting
-
-
-def _custom_generate(model, input_ids, logits_processor, stopping_criteria, generation_config, lookahead, seed,
-                     static_step, attn_backend, streamer, model_kwargs):
-    transformers = require_transformers()
-    check_model(model)
-    _check_generation_config(generation_config, input_ids)
-    sampling = _sampling_params(generation_config, logits_processor or [], transformers)
-    max_length, eos = _stopping(stopping_criteria or [], transformers)
-    cache = model_kwargs.pop(cache_keyword(model), None)
-    _check_model_kwargs(model_kwargs, input_ids)
-    if seed is None and not sampling.greedy:
-        seed = int(torch.randint(2**62, (), generator=torch.default_generator))
-    step_model = HFStepModel(model, cache, attn_backend)
-    prompt = tuple(input_ids[0].tolist())
-    if max_length > max_positions(model):
-        raise ValueError(f"max_length ({max_length}, prompt + max_new_tokens) exceeds the model's "
-                         f"max_position_embeddings ({max_positions(model)}); lower max_new_tokens")
-    new = max_length - len(prompt)
-    tokens: list[int] = []
-    if new > 0:
-        static = step_model.device.type == "cuda" if static_step is None else static_step
-        request = Request((prompt,), new, sampling, lookahead, frozenset(eos), (seed,), static)
-        stream = None if streamer is None else lambda accepted: streamer.put(torch.tensor(accepted))
-        tokens = _decode(step_model, request, stream).tokens
-        step_model.trim(len(prompt) + len(tokens) - 1)  # what plain generate leaves: all but the last token
-    sequences = torch.cat([input_ids, torch.tensor([tokens], dtype=input_ids.dtype, device=input_ids.device)], -1)
-    if generation_config.return_dict_in_generate:
-        return transformers.generation.GenerateDecoderOnlyOutput(sequences=sequences,
-                                                                 **{step_model.cache_keyword: step_model.cache})
-    return sequences
+            streamer.end()
 
 
 def _generate_streamer(frame) -> Any:
