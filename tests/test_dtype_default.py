@@ -10,7 +10,7 @@ import torch
 import lookahead.models.placement as placement
 from lookahead import LookaheadConfig
 from lookahead.cli import main
-from lookahead.cli.report import dtype_choice, summary
+from lookahead.cli.report import Notes, Timed, dtype_choice, summary
 from lookahead.kernels.cpu_kernels import bf16_dot_products
 from lookahead.loop import GenerationResult
 from lookahead.models import Llama
@@ -100,7 +100,7 @@ def test_the_command_says_the_default_and_how_to_change_it(unpinned, tiny_checkp
     assert dtype_choice(Llama.from_pretrained(tiny_checkpoint("gqa"))).startswith(
         "float32 by default here: this CPU has no bf16 dot products (--dtype bfloat16 for bfloat16)")
     result = GenerationResult(tokens=[1, 2, 3, 4], steps=2)
-    line = summary(result, 1.0, LookaheadConfig(), plain_rate=2.0, dtype="bfloat16")
+    line = summary(Timed(result, 1.0), LookaheadConfig(), notes=Notes("bfloat16", plain_rate=2.0))
     assert line.endswith("4.0 tok/s (bfloat16; plain ~2 tok/s here)")
 
 

@@ -726,13 +726,14 @@ def test_auto_is_the_device_maxima_with_self_tuned_steps():
 
 
 def test_the_summary_compares_with_plain_decoding_here():
-    from lookahead.cli.generate import summary
+    from lookahead.cli.report import Notes, Timed, summary
     from lookahead.loop import GenerationResult
 
     result = GenerationResult(tokens=list(range(24)), steps=10, step_tokens=[], step_sizes=[18] * 9)
-    line = summary(result, 1.0, LookaheadConfig(), plain_rate=16.0)
+    run = Timed(result, 1.0)
+    line = summary(run, LookaheadConfig(), notes=Notes(plain_rate=16.0))
     assert line.endswith("S=2.40, 24.0 tok/s (plain ~16 tok/s here)") and "self-tuned" in line
-    assert "here" not in summary(result, 1.0, LookaheadConfig(budget="fixed")) and "self-tuned" not in line.replace(
+    assert "here" not in summary(run, LookaheadConfig(budget="fixed")) and "self-tuned" not in line.replace(
         "self-tuned", "", 1)
 
 
