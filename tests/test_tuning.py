@@ -323,7 +323,8 @@ def run_on_a_fake_clock(chooser: StepBudget, seconds_of, scores: list[float], st
         seconds = seconds_of(choice.tokens)
         now[0] += seconds
         promised = [sum(scores[: choice.nodes])] if choice.nodes else []
-        chooser.record(choice.tokens, length, seconds, promised, promised)
+        chooser.record_cost(choice.tokens, length, seconds)
+        chooser.record_drafts(promised, promised)
         choices.append(choice)
         gave += 1 + sum(promised)
     return choices, gave
@@ -507,7 +508,8 @@ def test_static_steps_explore_a_stale_bucket_at_its_fullest():
         seconds = quiet(choice.tokens)
         now[0] += seconds
         promised = [sum(scores[: choice.nodes])] if choice.nodes else []
-        chooser.record(choice.tokens, 100, seconds, promised, promised)
+        chooser.record_cost(choice.tokens, 100, seconds)
+        chooser.record_drafts(promised, promised)
         sizes.append(choice.tokens)
     first = next(i for i, t in enumerate(sizes) if t > 1)
     assert first < budget.EXPLORE_EVERY + 1 and sizes[first] == 32  # the first bucket, full: 16 + 16 nodes
@@ -547,7 +549,8 @@ def test_the_chooser_learns_a_machine_that_gets_busier_on_a_fake_clock():
         now[0] += seconds
         expected = sum(scores[: choice.nodes])
         promised = [expected] if choice.nodes else []
-        chooser.record(choice.tokens, 100, seconds, promised, promised)  # the scores as good as promised
+        chooser.record_cost(choice.tokens, 100, seconds)
+        chooser.record_drafts(promised, promised)  # the scores as good as promised
         if busy and choice.plain and plain_at is None:
             plain_at = step
     assert plain_at is not None and plain_at <= 16
@@ -558,12 +561,14 @@ def test_calibration_follows_what_the_steps_accepted_in_each_band():
     (choice,) = chooser.choose([[0.9] * 15], 3, [10])
     assert not choice.plain
     for _ in range(30):  # the scores promised 13.5 nodes a step; none was accepted
-        chooser.record(choice.tokens, 10, 0.1, [13.5], [0])
+        chooser.record_cost(choice.tokens, 10, 0.1)
+        chooser.record_drafts([13.5], [0])
     assert chooser.calibrated(13.5) < 0.02 * 13.5
     assert chooser.choose([[0.9] * 15], 3, [10])[0].nodes < 5  # prefixes of the band that failed no longer pay
     assert chooser.calibrated(0.6) == 0.6  # another band: its own evidence (none yet)
     for _ in range(30):  # rows expected to accept 0.6 nodes accepted 1.2
-        chooser.record(choice.tokens, 10, 0.1, [0.6, 0.6], [1, 2])
+        chooser.record_cost(choice.tokens, 10, 0.1)
+        chooser.record_drafts([0.6, 0.6], [1, 2])
     prior = budget.CALIBRATION_PRIOR
     assert chooser.calibrated(0.6) == pytest.approx(0.6 * (90 + prior) / (36 + prior))
 
