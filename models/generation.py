@@ -117,7 +117,7 @@ def warmup(model: Llama, expected: Expected, cuda_graph: bool, process_group=Non
             if runner.static:  # every decoding step's shape, captured now (a CUDA graph each on CUDA)
                 topk = static_steps(request.lookahead)[-1][2]
                 if process_group is not None:  # a rank's sub-steps, of every padded size: every token a logits row
-                    runner.capture([StepShape.of(sub.num_tokens, 1, sub.num_tokens, topk, False, True)
+                    runner.capture([StepShape(sub.num_tokens, 1, sub.num_tokens, topk).padded()
                                     for sub in sub_step_patterns(request.lookahead)])
                 else:
                     step = full_pattern(request.lookahead).num_tokens if request.lookahead is not None else 1

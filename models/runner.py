@@ -251,7 +251,7 @@ class CachedRunner:
 
     def round_up(self, tokens: int) -> int:
         """The tokens a step of `tokens` tokens feeds (padded to its static shape): what it costs."""
-        return StepShape.of(tokens, 1, 1, 0, False, self.static).tokens
+        return StepShape(tokens, 1, 1).padded().tokens if self.static else tokens
 
     @property
     def step_shapes(self) -> list[StepShape]:
@@ -266,7 +266,7 @@ class CachedRunner:
         for real in range(1, rows + 1):
             for tokens in range(real, real * step_tokens + 1):
                 heads = tokens if topk else real
-                shapes.add(StepShape.of(tokens, real, heads, topk, False, True))
+                shapes.add(StepShape(tokens, real, heads, topk).padded())
         return sorted(shapes)
 
     def capture(self, shapes: Sequence[StepShape]) -> None:
