@@ -35,7 +35,7 @@ from .placement import (
     resolve_device,
     resolve_dtype,
 )
-from .rope import inverse_frequencies, rotary_cos_sin
+from .rope import Angles, inverse_frequencies
 from .runner import CachedRunner
 
 COMPILED_SHAPES = 256  # step shapes fusion="compile" compiles for one model (torch._dynamo's default limit is 8)
@@ -243,23 +243,22 @@ class Llama(nn.Module):
             return self._invariant_forward(x, positions, attend, rows)
         if self.fusion != "none":
             return self._merged_forward(x, positions, attend, rows)
-        # fp32 angles, cast once to the model dtype as transformers does; [(B,) T, 1, D] broadcasts over heads
-        cos, sin = (c.to(x.dtype).unsqueeze(-2) for c in rotary_cos_sin(self.rope_inv_freq, positions))
+        angles = Angles.at(self.rope_inv_freq, positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, i, attend)
+            x = layer(x, angles, i, attend)
         return self.lm_head(self.model.norm(_take_rows(x, rows)))
 
     def _invariant_forward(self, x: torch.Tensor, positions: torch.Tensor, attend: Attend,
                            rows: torch.Tensor | None) -> torch.Tensor:
         """The batch-invariant mode: every linear by `InvariantOps`; norms, RoPE and SiLU are per row already."""
         linear = self._invariant_ops
-        cos, sin = (c.to(x.dtype).unsqueeze(-2) for c in rotary_cos_sin(self.rope_inv_freq, positions))
-        whole = linear.decoder_layers(self.model.layers, x, cos, sin, attend)  # all in one call, where it applies
+        angles = Angles.at(self.rope_inv_freq, positions, x.dtype)
+        whole = linear.decoder_layers(self.model.layers, x, *angles, attend)  # all in one call, where it applies
         if whole is not None:
             x = whole
         else:
             for i, layer in enumerate(self.model.layers):
-                x = layer(x, cos, sin, i, attend, linear)
+                x = layer(x, angles, i, attend, linear)
         return linear(self.lm_head, linear.norm(self.model.norm, _take_rows(x, rows)))
 
     def _merged_forward(self, x: torch.Tensor, positions: torch.Tensor, attend: Attend,
