@@ -13,7 +13,7 @@ import torch
 
 from lookahead.config import LookaheadConfig
 from lookahead.drafts import DraftMemory
-from lookahead.loop import PLAIN_STEP, Engine, full_pattern
+from lookahead.loop import PLAIN_STEP, Capacity, Engine, full_pattern
 from lookahead.request import Request
 
 from .generation import Llama
@@ -85,6 +85,5 @@ def engine_for(model: Llama, *, max_batch: int = 8, lookahead: LookaheadConfig |
             cost = cost_model_for(model, runner, Request([[0]] * min(max_batch, 4), 1, lookahead=lookahead))
         else:
             cost = model.cost_model
-    return Engine(runner, max_rows=max_batch, max_queue=max_queue, cost=cost,
-                  memory=DraftMemory() if warm else None, max_positions=max_model_len, vocab_size=cfg.vocab_size,
-                  lookahead=lookahead)
+    capacity = Capacity(max_batch, max_queue, max_model_len, cfg.vocab_size, lookahead)
+    return Engine(runner, capacity=capacity, cost=cost, memory=DraftMemory() if warm else None)
