@@ -45,12 +45,11 @@ import torch  # noqa: E402
 from common import ROOT, machine, print_table, save_json  # noqa: E402
 from lookahead import LookaheadConfig  # noqa: E402
 from lookahead.drafts import DraftMemory  # noqa: E402
-from lookahead.loop import Engine  # noqa: E402
+from lookahead.loop import Capacity, Engine  # noqa: E402
 from lookahead.models import runner as runner_module  # noqa: E402
 from lookahead.models.runner import CachedRunner  # noqa: E402
 from lookahead.request import Request  # noqa: E402
-from lookahead.tuning import CostModel  # noqa: E402
-from lookahead.tuning.cost import Curve  # noqa: E402
+from lookahead.tuning import CostModel, Curve  # noqa: E402
 
 STREAMS = ROOT / "bench" / "data" / "host-time-streams.json.gz"
 TOPK = 8  # the top-k recorded per position (the recycling source's RECYCLE_K)
@@ -213,8 +212,8 @@ def make_engine(oracle: Oracle, cfg: LookaheadConfig, max_rows: int, static: boo
     model = _stub_model()
     runner = OracleRunner(model, 64 * max_rows * 4, cfg.step_tokens, cuda_graphs=False, max_rows=max_rows)
     runner.oracle, runner.static = oracle, static
-    return Engine(runner, max_rows=max_rows, cost=oracle.cost, memory=DraftMemory(), lookahead=cfg,
-                  clock=oracle.clock, vocab_size=model.config.vocab_size)
+    capacity = Capacity(max_rows, vocab_size=model.config.vocab_size, lookahead=cfg)
+    return Engine(runner, capacity=capacity, cost=oracle.cost, memory=DraftMemory(), clock=oracle.clock)
 
 
 def _stub_model():

@@ -29,7 +29,7 @@ import time  # noqa: E402
 from common import ROOT, chat_ids, load_model, load_prompts, machine, print_table, save_json  # noqa: E402
 from lookahead import Request  # noqa: E402
 from lookahead.models import engine_for  # noqa: E402
-from lookahead.models.kv_cache import pool_bytes  # noqa: E402
+from lookahead.models.kv_cache import KVShape  # noqa: E402
 from lookahead.models.runner import BLOCK_SIZE  # noqa: E402
 
 TURNS = ROOT / "bench" / "data" / "dev-turn2.jsonl"
@@ -73,7 +73,7 @@ def memory(model, tokenizer, prompts, max_new: int) -> dict:
     """Dense bytes for the requests held at once against the paged pool's blocks at the peak of a real run."""
     cfg = model.config
     lengths = [len(ids) + max_new + 1 for ids in prompts]
-    per_position = pool_bytes(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, model.dtype, 1)
+    per_position = KVShape.of(cfg).bytes(model.dtype, 1)
     capacity = 1 << (max(lengths) - 1).bit_length()
     dense = len(prompts) * capacity * per_position
     blocks = sum(-(-n // BLOCK_SIZE) for n in lengths) + 8

@@ -17,9 +17,10 @@ from .pattern import StepPattern, lookahead_mask
 from .reference import masked_attention, paged_reference_attention, reference_attention
 
 try:
+    from .dense_attention import StepAttentionPlan, lookahead_attention
     from .fused import add_rms_norm, rotary_, silu_mul
     from .paged_attention import paged_attention
-    from .triton_attention import PagedAttentionPlan, StepAttentionPlan, interpreting, lookahead_attention
+    from .triton_attention import PagedAttentionPlan, interpreting
 except ImportError as _triton_missing:  # platforms without Triton keep the torch reference
     _reason = str(_triton_missing)
 

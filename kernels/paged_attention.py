@@ -12,6 +12,7 @@ from .pattern import check_tree_end
 from .triton_attention import (
     _MAX_HEAD_DIM,
     PagedAttentionPlan,
+    Rows,
     _check_dtype,
     _check_integer_tensor,
     _check_runnable,
@@ -57,8 +58,8 @@ def paged_attention(
     Returns:
         [ΣT, Hq, D] contiguous, in q's dtype (float16, bfloat16 or float32).
     """
-    lengths, tokens = _check_paged_inputs(q, k_cache, v_cache, block_table, cu_seqlens, prefix_len, window, ngram,
-                                          tree_end, sm_scale)
+    given = Rows(block_table, cu_seqlens, prefix_len, window, ngram, tree_end)
+    lengths, tokens = _check_paged_inputs(q, k_cache, v_cache, given, sm_scale)
     if q.shape[0] == 0:
         return torch.empty_like(q, memory_format=torch.contiguous_format)
     plan = PagedAttentionPlan(heads_q=q.shape[1], heads_kv=k_cache.shape[1], head_dim=q.shape[2], dtype=q.dtype,
@@ -68,9 +69,9 @@ def paged_attention(
     return plan(q, k_cache, v_cache, block_table, rows[0], *rows[1:], tree_end)
 
 
-def _check_paged_inputs(q, k_cache, v_cache, block_table, cu_seqlens, prefix_len, window, ngram, tree_end,
-                        sm_scale) -> tuple[list[int], list[int]]:
+def _check_paged_inputs(q, k_cache, v_cache, rows: Rows, sm_scale) -> tuple[list[int], list[int]]:
     """Every check of `paged_attention`; returns the rows' prefix lengths and token counts."""
+    block_table, cu_seqlens, prefix_len, window, ngram, tree_end = rows
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")

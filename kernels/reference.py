@@ -7,6 +7,8 @@ backend of the model, where a dense mask of a few hundred rows costs nothing nex
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -39,28 +41,23 @@ def reference_attention(
         pattern = _pattern(window, ngram, guesses, None if tree_end is None else tree_end.tolist())
         mask = pattern.materialize(prefix_len, device=q.device)
         return masked_attention(q, k, v, prefix_len, mask, sm_scale, upcast)
-    mask = batched_mask(q.shape[0], prefix_len, window, ngram, guesses, tree_end).to(q.device)
+    batch = q.shape[0]
+    lengths = prefix_len.tolist() if isinstance(prefix_len, torch.Tensor) else [prefix_len] * batch
+    trees = [None] * batch if tree_end is None else tree_end.tolist() if per_row_tree else [tree_end.tolist()] * batch
+    mask = batched_mask(lengths, [_pattern(window, ngram, guesses, tree) for tree in trees]).to(q.device)
     width = mask.shape[-1] - q.shape[2]
     return masked_attention(q, k, v, width, mask, sm_scale, upcast)
 
 
-def batched_mask(batch: int, prefix_len: int | torch.Tensor, window: int, ngram: int, guesses: int,
-                 tree_end: torch.Tensor | None = None) -> torch.Tensor:
-    """Bool [B, 1, T, max(L) + T] mask (True = attend) for per-row prefix lengths and/or per-row trees.
-
-    Row b sees positions < L_b, then its step keys at L_b .. L_b + T - 1 by the pattern; nothing beyond.
+def batched_mask(lengths: Sequence[int], patterns: Sequence[StepPattern]) -> torch.Tensor:
+    """Bool [B, 1, T, max(L) + T] mask (True = attend) for rows of per-row prefix lengths and step patterns (of T
+    tokens each). Row b sees positions < L_b, then its step keys at L_b .. L_b + T - 1 by its pattern; nothing beyond.
     """
-    lengths = prefix_len.tolist() if isinstance(prefix_len, torch.Tensor) else [prefix_len] * batch
-    if tree_end is None:
-        trees = [None] * batch
-    else:
-        rows = tree_end.tolist()
-        trees = rows if tree_end.ndim == 2 else [rows] * batch
-    t = _pattern(window, ngram, guesses, trees[0]).num_tokens
+    t = patterns[0].num_tokens
     width = max(lengths, default=0) + t
-    mask = torch.zeros(batch, 1, t, width, dtype=torch.bool)
-    for b, (length, tree) in enumerate(zip(lengths, trees, strict=True)):
-        mask[b, 0, :, : length + t] = _pattern(window, ngram, guesses, tree).materialize(length)
+    mask = torch.zeros(len(lengths), 1, t, width, dtype=torch.bool)
+    for b, (length, pattern) in enumerate(zip(lengths, patterns, strict=True)):
+        mask[b, 0, :, : length + t] = pattern.materialize(length)
     return mask
 
 

@@ -58,11 +58,12 @@ def _aligned(x: torch.Tensor) -> bool:
     return x.is_contiguous() and x.data_ptr() % 64 == 0
 
 
-def plan_for(key: tuple, probe: Callable[[], Callable[[torch.Tensor], torch.Tensor]], k: int, dtype: torch.dtype,
-             device: torch.device, plans: tuple[RowPlan, ...] = ROW_PLANS) -> RowPlan:
+def plan_for(key: tuple, probe: Callable[[], Callable[[torch.Tensor], torch.Tensor]], rows: torch.Tensor,
+             plans: tuple[RowPlan, ...] = ROW_PLANS) -> RowPlan:
     """The cheapest plan under which `probe()` (a function of rows [..., M, k] -> [..., M, N]) computes every row
-    alike, found once per `key` (with the dtype, device and thread count: the library's split among threads may
-    change with it) and remembered."""
+    alike, for rows like `rows` (their k, dtype and device), found once per `key` (with the dtype, device and thread
+    count: the library's split among threads may change with it) and remembered."""
+    k, dtype, device = rows.shape[-1], rows.dtype, rows.device
     full_key = (*key, dtype, str(device), torch.get_num_threads())
     plan = _plans.get(full_key)
     if plan is None:
@@ -93,7 +94,7 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     def gemm(chunk: torch.Tensor) -> torch.Tensor:
         return F.linear(chunk, weight)
 
-    plan = plan_for(("linear", tuple(weight.shape), weight.stride()), lambda: gemm, shape[-1], x.dtype, x.device)
+    plan = plan_for(("linear", tuple(weight.shape), weight.stride()), lambda: gemm, x)
     out = plan.apply(gemm, x.reshape(-1, shape[-1]))
     if bias is not None:
         out = out + bias
@@ -114,5 +115,5 @@ def invariant_matmul(a: torch.Tensor, b: torch.Tensor, key: str, plans: tuple[Ro
             other = other.transpose(-1, -2).contiguous().transpose(-1, -2)
         return lambda chunk: torch.matmul(chunk, other)
 
-    plan = plan_for(("matmul", key, tuple(b.shape[-2:]), plans), probe, a.shape[-1], a.dtype, a.device, plans)
+    plan = plan_for(("matmul", key, tuple(b.shape[-2:]), plans), probe, a, plans)
     return plan.apply(lambda chunk: torch.matmul(chunk, b), a)

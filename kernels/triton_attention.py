@@ -1,15 +1,13 @@
 """Launching the lookahead attention kernels of `attention_kernels.py`: `PagedAttentionPlan` (packed steps over a paged
-KV cache, the one launch path), and the classic dense contract on top of it: `StepAttentionPlan` (the model's
-pre-checked launch of one step shape) and `lookahead_attention` (public, checked).
+KV cache, the one launch path; the classic dense contract on top of it is `dense_attention.py`'s), its tiling, and the
+input checks both public entries share.
 
 A plan fixes the tiles and the compile-time arguments once; calling it only allocates the output and the partials and
 launches two kernels: no validation, no host read of a device value, nothing recompiled after the first call whatever
 the rows' T, L, W, N, trees and tables, so it can run inside a CUDA graph. The split count of the prefix is chosen per
 call from the call's rows and tokens (tensor shapes, known on the host: a graph captures one), so a short step or a
-lone row over a long cache keeps the SMs busy. The dense layout is the
-paged one with one block of S positions per row (block_table[b] = [b]) and every row the same step; chains are their
-tree. The kernels are looked up through this module's globals at each launch and every compile-time argument is passed
-by keyword, so a test can wrap a global and record the constexprs used.
+lone row over a long cache keeps the SMs busy. The kernels are looked up through this module's globals at each launch
+and every compile-time argument is passed by keyword, so a test can wrap a global and record the constexprs used.
 """
 
 from __future__ import annotations
@@ -17,16 +15,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
 
 from .attention_kernels import _lookahead_attn_merge, _lookahead_attn_split, interpreting
 from .device import device_binding
-from .pattern import StepPattern, check_tree_end
+from .pattern import StepPattern
 
-__all__ = ["PagedAttentionPlan", "StepAttentionPlan", "TilePlan", "interpreting", "launch_config",
-           "lookahead_attention", "num_splits_for", "tile_plan"]
+__all__ = ["PagedAttentionPlan", "Rows", "TilePlan", "interpreting", "launch_config", "num_splits_for", "tile_plan"]
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_HEAD_DIM = 256
@@ -97,6 +95,19 @@ def tile_plan(pattern: StepPattern, *, heads_q: int, heads_kv: int, head_dim: in
     passes = triton.cdiv(rows, config["BLOCK_M"])
     splits = num_splits_for(passes * batch * heads_kv, rows, max_len, config["BLOCK_N"], sm_count)
     return TilePlan(rows, config["BLOCK_M"], passes, splits)
+
+
+class Rows(NamedTuple):
+    """The rows of a packed step as the kernel reads them, integer tensors on the device (`paged_attention`'s
+    arguments of the same names): block_table [B, max_blocks], cu_seqlens [B + 1], prefix_len, window, ngram [B],
+    tree_end [ΣT]."""
+
+    block_table: torch.Tensor
+    cu_seqlens: torch.Tensor
+    prefix_len: torch.Tensor
+    window: torch.Tensor
+    ngram: torch.Tensor
+    tree_end: torch.Tensor
 
 
 def _check_int(name: str, value, low: int) -> None:
@@ -177,13 +188,13 @@ class PagedAttentionPlan:
         all integer tensors on the device (int32 or int64), as `paged_attention` documents them (unchecked here).
         Returns [ΣT, Hq, D] contiguous in q's dtype; tokens past cu_seqlens[B] (padding of no row) get zeros."""
         stride = tree_end.stride(0)
-        return self._launch(q, k_cache, v_cache, block_table, cu_seqlens, prefix_len, window, ngram, tree_end,
-                            (0, stride, stride))
+        rows = Rows(block_table, cu_seqlens, prefix_len, window, ngram, tree_end)
+        return self._launch(q, k_cache, v_cache, rows, (0, stride, stride))
 
-    def _launch(self, q, k, v, block_table, cu_seqlens, prefix_len, window, ngram, tree_end, tree_strides):
+    def _launch(self, q, k, v, rows: Rows, tree_strides: tuple[int, int, int]) -> torch.Tensor:
         """tree_strides: node j of row b's tree is at b * [0] + (cu_b + LA_b) * [1] + j * [2] (so a dense [B, V] or
         [V] tree is read in place)."""
-        tokens, batch = q.shape[0], block_table.shape[0]
+        tokens, batch = q.shape[0], rows.block_table.shape[0]
         splits = self.splits(batch, tokens)
         out = torch.empty(tokens, self.heads_q, self.head_dim, dtype=q.dtype, device=q.device)
         parts = (splits + 1) * tokens * self.heads_q
@@ -193,70 +204,17 @@ class PagedAttentionPlan:
         with device_binding(self.device):  # Triton launches on the current device and stream: make them the plan's
             if row_tiles and batch:
                 _lookahead_attn_split[(row_tiles, batch * self.heads_kv, splits + 1)](
-                    q, k, v, block_table, cu_seqlens, prefix_len, window, ngram, tree_end, partial_out, partial_lse,
-                    *q.stride(), *k.stride(), *v.stride(), *block_table.stride(), *tree_strides,
+                    q, k, v, *rows, partial_out, partial_lse,
+                    *q.stride(), *k.stride(), *v.stride(), *rows.block_table.stride(), *tree_strides,
                     k.shape[2], tokens, self.qk_scale, self.heads_kv,
                     **self.constexprs, **self.options,
                 )  # fmt: skip
             if tokens:
                 _lookahead_attn_merge[(triton.cdiv(tokens * self.heads_q, _MERGE_ROWS),)](
-                    partial_out, partial_lse, out, cu_seqlens, *out.stride(), tokens, batch, self.heads_q,
+                    partial_out, partial_lse, out, rows.cu_seqlens, *out.stride(), tokens, batch, self.heads_q,
                     splits, **self.merge_constexprs, num_warps=4, num_stages=1,
                 )  # fmt: skip
         return out
-
-
-class StepAttentionPlan:
-    """Launches of one step's attention over a dense cache for fixed shapes: checked once, then called per layer with
-    no checks. A thin layer over `PagedAttentionPlan`: row b's cache is block b of S positions, its tokens rows
-    b T .. b T + T - 1 of q viewed as [B T, Hq, D], every row the pattern's (W, N); chains are their tree."""
-
-    def __init__(self, pattern: StepPattern, *, batch: int, heads_q: int, heads_kv: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, max_len: int, sm_scale: float | None = None,
-                 num_splits: int | None = None) -> None:
-        """max_len: the most prefix positions any call will have (the cache capacity); the split count is chosen
-        from it (fixed for a CUDA graph) unless num_splits is given."""
-        if not isinstance(pattern, StepPattern):
-            raise TypeError(f"pattern must be a StepPattern, got {type(pattern).__name__}")
-        _check_int("batch", batch, 1)
-        self.pattern, self.batch, self.tokens = pattern, batch, pattern.num_tokens
-        self.plan = PagedAttentionPlan(heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype,
-                                       device=device, max_rows=batch, max_row_tokens=max(1, self.tokens),
-                                       max_len=max_len, sm_scale=sm_scale, num_splits=num_splits)
-        self.num_splits = self.plan.num_splits
-        tree = pattern.node_ends
-        self._tree = tree or (0,)
-        self._constants: tuple[torch.Tensor, ...] = ()
-
-    def _device_constants(self, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """cu_seqlens, block table, W, N and the pattern's own tree on q's device, made on the first call (a warm-up
-        run before any graph capture; a plan is called on one device): a dense batch is B rows of T tokens, row b's
-        cache in block b."""
-        if not self._constants or self._constants[0].device != device:
-            batch, tokens, p = self.batch, self.tokens, self.pattern
-            ints = dict(dtype=torch.int32, device=device)
-            self._constants = (torch.arange(batch + 1, **ints) * tokens, torch.arange(batch, **ints)[:, None],
-                               torch.full((batch,), p.window, **ints), torch.full((batch,), p.ngram, **ints),
-                               torch.tensor(self._tree, dtype=torch.int64, device=device))
-        return self._constants
-
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: torch.Tensor,
-                 tree_end: torch.Tensor | None = None) -> torch.Tensor:
-        """q [B, Hq, T, D] any strides (free when it is a transposed view of a contiguous [B, T, Hq, D]); k, v
-        [B, Hkv, S, D] any strides, S >= max_len + T; prefix_len int64 [B] on the device; tree_end (tree plans) [V]
-        or [B, V] on the device, default the pattern's. Returns [B, Hq, T, D], a transposed view of a contiguous
-        [B, T, Hq, D]."""
-        batch, tokens = self.batch, self.tokens
-        cu_seqlens, table, window, ngram, own_tree = self._device_constants(q.device)
-        if tree_end is None or not self.pattern.is_tree:
-            tree_end, strides = own_tree, (0, 0, own_tree.stride(0))
-        elif tree_end.ndim == 2:
-            strides = (tree_end.stride(0), 0, tree_end.stride(1))
-        else:
-            strides = (0, 0, tree_end.stride(0))
-        packed = q.transpose(1, 2).reshape(batch * tokens, q.shape[1], q.shape[3])
-        out = self.plan._launch(packed, k, v, table, cu_seqlens, prefix_len, window, ngram, tree_end, strides)
-        return out.view(batch, tokens, q.shape[1], q.shape[3]).transpose(1, 2)
 
 
 def _check_dtype(dtype: torch.dtype) -> None:
@@ -289,103 +247,3 @@ def _check_runnable(device: torch.device, name: str, reference: str) -> None:
         raise ValueError(f"{name} got CPU tensors, but Triton runs on CPU only in its interpreter "
                          f"(set TRITON_INTERPRET=1 before importing triton); on CPU use {reference} "
                          "(the model's attn_backend='torch')")
-
-
-def _check_inputs(q, k, v, prefix_len, window, ngram, guesses, sm_scale, tree_end) -> tuple[StepPattern, list[int]]:
-    """Every check of the public entry; returns the step's pattern and the per-row prefix lengths."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
-        raise ValueError(f"q, k, v must be 4-D [B, H, T, D] / [B, Hkv, S, D] with k.shape == v.shape; "
-                         f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    batch, heads_q, tokens, head_dim = q.shape
-    if k.shape[0] != batch or k.shape[3] != head_dim:
-        raise ValueError(f"k/v batch and head dim must match q's ({batch}, {head_dim}); got k {tuple(k.shape)}")
-    if head_dim == 0:
-        raise ValueError(f"head dim must be >= 1, got q {tuple(q.shape)}")
-    if heads_q == 0 or k.shape[1] == 0:
-        raise ValueError(f"q and k/v need at least one head; got q {tuple(q.shape)}, k {tuple(k.shape)}")
-    if heads_q % k.shape[1] != 0:
-        raise ValueError(f"query heads ({heads_q}) must be a multiple of KV heads ({k.shape[1]})")
-    if tree_end is None:
-        pattern = StepPattern(window, ngram, guesses)  # checks W >= 1, N >= 2, g >= 0 and their types
-        trees = None
-    else:
-        if not isinstance(tree_end, torch.Tensor):
-            raise TypeError(f"tree_end must be an integer tensor [V] or [B, V] or None, got {type(tree_end).__name__}")
-        width = tree_end.shape[-1] if tree_end.ndim else -1
-        _check_integer_tensor("tree_end", tree_end, q.device, [(width,), (batch, width)])
-        trees = tree_end.reshape(-1, width).tolist() if width else [[]] * (batch if tree_end.ndim == 2 else 1)
-        for row, ends in enumerate(trees):
-            check_tree_end(ends, "tree_end" if tree_end.ndim == 1 else f"tree_end[{row}]")
-        pattern = StepPattern(window, ngram, 0, tuple(trees[0]) if trees else ())
-    form = (f"W={window}, N={ngram}, V={pattern.verify_len} needs W(N - 1) + V" if trees is not None
-            else f"W={window}, N={ngram}, g={guesses} needs (W + g) * (N - 1)")
-    if tokens != pattern.num_tokens:
-        raise ValueError(f"q has {tokens} tokens; {form} = {pattern.num_tokens}")
-    if isinstance(prefix_len, torch.Tensor):
-        _check_integer_tensor("prefix_len", prefix_len, q.device, [(batch,)])
-        lengths = prefix_len.tolist()
-    elif isinstance(prefix_len, bool) or not isinstance(prefix_len, int):
-        raise ValueError(f"prefix_len must be an int >= 0 or an integer tensor [B], got {prefix_len!r}")
-    else:
-        lengths = [prefix_len] * batch
-    if any(n < 0 for n in lengths):
-        raise ValueError(f"prefix_len must be an int >= 0 (per row), got {lengths if len(lengths) > 1 else lengths[0]}")
-    if lengths and max(lengths) + tokens > k.shape[2]:
-        raise ValueError(f"k/v hold {k.shape[2]} positions but prefix_len + T = {max(lengths)} + {tokens} = "
-                         f"{max(lengths) + tokens}")
-    _check_dtype(q.dtype)
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
-    if head_dim > _MAX_HEAD_DIM:
-        raise ValueError(f"head dim {head_dim} is larger than the kernel's maximum {_MAX_HEAD_DIM}")
-    _check_runnable(q.device, "lookahead_attention", "reference_attention")
-    _check_sm_scale(sm_scale)
-    return pattern, lengths
-
-
-def lookahead_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    prefix_len: int | torch.Tensor,
-    window: int,
-    ngram: int,
-    guesses: int,
-    sm_scale: float | None = None,
-    *,
-    tree_end: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Attention of one lookahead decoding step, its pattern computed in the kernel (no mask tensor).
-
-    Args:
-        q: [B, Hq, T, D] the step's queries in docs/DESIGN.md's layout, any strides.
-        k, v: [B, Hkv, S, D]: row b holds its cache prefix (positions < prefix_len[b]) followed by the step's T
-            keys/values; only those are read, so a preallocated cache buffer can be passed as it is. Hq % Hkv == 0.
-        prefix_len: L, an int (every row) or an integer tensor [B] on q's device (per-row lengths).
-        window, ngram: W >= 1 and N >= 2.
-        guesses: chains form: g >= 0, the candidates present; T = (W + g)(N - 1). Ignored in tree form.
-        sm_scale: softmax scale, default 1 / sqrt(D).
-        tree_end: None (chains) or an integer tensor [V] or [B, V] on q's device: node j's subtree ends before
-            tree_end[j] (docs/DESIGN.md's tree form); T = W(N - 1) + V.
-
-    Returns:
-        [B, Hq, T, D] in q's dtype (float16, bfloat16 or float32): a transposed view of a contiguous [B, T, Hq, D].
-    """
-    pattern, lengths = _check_inputs(q, k, v, prefix_len, window, ngram, guesses, sm_scale, tree_end)
-    batch, heads_q, tokens, head_dim = q.shape
-    if batch == 0 or tokens == 0:
-        return torch.empty(batch, tokens, heads_q, head_dim, dtype=q.dtype, device=q.device).transpose(1, 2)
-    if isinstance(prefix_len, torch.Tensor):
-        prefix_len = prefix_len.to(torch.int64).contiguous()
-    else:
-        prefix_len = torch.full((batch,), prefix_len, dtype=torch.int64, device=q.device)
-    if tree_end is not None:
-        tree_end = tree_end.to(torch.int64).contiguous()
-    plan = StepAttentionPlan(pattern, batch=batch, heads_q=heads_q, heads_kv=k.shape[1], head_dim=head_dim,
-                             dtype=q.dtype, device=q.device, max_len=max(lengths), sm_scale=sm_scale)
-    return plan(q, k, v, prefix_len, tree_end)

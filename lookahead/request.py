@@ -2,11 +2,11 @@
 taken as it is by every driver (one prompt, a batch, several processes, the transformers adapter).
 
 `Request(...)` checks and normalises what the drivers read; `parse_request` turns what a user hands to
-`Llama.generate` or `lookahead.hf.generate` into one, with messages that name the user's arguments. A prompt may
-come as transformers hands it over: a list of ints, a 1-D or [1, T] integer tensor (what
-`apply_chat_template(..., return_tensors="pt")` gives), or a `BatchEncoding` / dict holding `input_ids` (and,
-optionally, an all-ones `attention_mask`). A batch is a list or tuple of prompts, each a list of ints or a 1-D
-(or [1, T]) integer tensor; a flat list of ints is one prompt. Nothing here imports transformers.
+`Llama.generate` or `lookahead.hf.generate` (its `GenerateArgs`, for a `Target`: the model, its device, the ranks) into
+one, with messages that name the user's arguments. A prompt may come as transformers hands it over: a list of ints, a
+1-D or [1, T] integer tensor (what `apply_chat_template(..., return_tensors="pt")` gives), or a `BatchEncoding` / dict
+holding `input_ids` (and, optionally, an all-ones `attention_mask`). A batch is a list or tuple of prompts, each a
+list of ints or a 1-D (or [1, T]) integer tensor; a flat list of ints is one prompt. Nothing here imports transformers.
 
 A request is frozen and hashable, so the ranks of lookahead parallelism agree on it by hashing its `repr`.
 """
@@ -14,7 +14,7 @@ A request is frozen and hashable, so the ranks of lookahead parallelism agree on
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,17 +101,45 @@ class Request:
         return max(map(len, self.prompts)) + self.max_new_tokens
 
 
-def parse_request(prompt_ids: Any, *, vocab_size: int, max_positions: int, max_new_tokens: Any,
-                  lookahead: Any, temperature: Any = 0.0, top_k: Any = 0, top_p: Any = 1.0, seed: Any = None,
-                  eos_token_id: Any = None, default_eos: Iterable[int] = (), static_step: Any = None,
-                  device_type: str = "cpu", ranks: int | None = None, allow_batch: bool = True,
+@dataclass(frozen=True)
+class GenerateArgs:
+    """A `generate` call's request arguments as its caller gave them, unchecked: `parse_request` checks them, each
+    error naming the argument (see `Llama.generate` for what each may be)."""
+
+    max_new_tokens: Any
+    lookahead: Any = None
+    temperature: Any = 0.0
+    top_k: Any = 0
+    top_p: Any = 1.0
+    seed: Any = None
+    eos_token_id: Any = None
+    static_step: Any = None
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a request is checked against and resolved for: the model's vocabulary and positions, its stop tokens where
+    the caller gives none, its device type ("auto" lookahead; static steps on CUDA), and the ranks of lookahead
+    parallelism (None: one process)."""
+
+    vocab_size: int
+    max_positions: int
+    default_eos: tuple[int, ...] = ()
+    device_type: str = "cpu"
+    ranks: int | None = None
+
+
+def parse_request(prompt_ids: Any, args: GenerateArgs, target: Target, *, allow_batch: bool = True,
                   prompt_name: str = "prompt_ids") -> Request:
     """A user's `generate` arguments as a `Request`, every error naming the argument.
 
-    lookahead: None, a LookaheadConfig or "auto" (`LookaheadConfig.auto` for `device_type`; with `ranks` (lookahead
-    parallelism over that many processes) the default scaled by them, full-size steps).
-    static_step None: on CUDA only (where steps are captured as CUDA graphs). eos_token_id None: `default_eos`.
+    args.lookahead: None, a LookaheadConfig or "auto" (`LookaheadConfig.auto` for the target's device type; with
+    `target.ranks` (lookahead parallelism over that many processes) the default scaled by them, full-size steps).
+    args.static_step None: on CUDA only (where steps are captured as CUDA graphs). args.eos_token_id None: the
+    target's `default_eos`. allow_batch: whether `prompt_ids` may be a batch; prompt_name: what errors call it.
     """
+    vocab_size, max_positions, ranks = target.vocab_size, target.max_positions, target.ranks
+    max_new_tokens, lookahead, seed, static_step = args.max_new_tokens, args.lookahead, args.seed, args.static_step
     prompts = prompt_batch(prompt_ids, vocab_size, prompt_name) if allow_batch else None
     batch = prompts is not None
     if prompts is None:
@@ -137,7 +165,7 @@ def parse_request(prompt_ids: Any, *, vocab_size: int, max_positions: int, max_n
                              f"rank, got W={lookahead.window}; use W >= {ranks} (LookaheadConfig.scaled(K) scales "
                              "W and G with K)")
     if isinstance(lookahead, str) and lookahead == "auto":
-        lookahead = LookaheadConfig.auto(device_type)
+        lookahead = LookaheadConfig.auto(target.device_type)
     elif lookahead is not None and not isinstance(lookahead, LookaheadConfig):
         raise TypeError(f"lookahead must be None, 'auto' or a LookaheadConfig, got {lookahead!r}")
     if lookahead is not None and lookahead.tree_nodes > max_positions:  # its deepest draft is past every position
@@ -148,10 +176,11 @@ def parse_request(prompt_ids: Any, *, vocab_size: int, max_positions: int, max_n
         raise TypeError(f"seed must be an int or None for one prompt (a list of seeds is for a batch), got {seed!r}")
     if static_step is not None and not isinstance(static_step, bool):
         raise TypeError(f"static_step must be a bool or None, got {static_step!r}")
-    static = device_type == "cuda" if static_step is None else static_step
-    stop = tuple(default_eos) if eos_token_id is None else token_ids(eos_token_id, "eos_token_id")
-    return Request(tuple(map(tuple, prompts)), max_new_tokens, SamplingParams(temperature, top_k, top_p), lookahead,
-                   frozenset(stop), seed, static, batch)
+    static = target.device_type == "cuda" if static_step is None else static_step
+    eos = args.eos_token_id
+    stop = tuple(target.default_eos) if eos is None else token_ids(eos, "eos_token_id")
+    return Request(tuple(map(tuple, prompts)), max_new_tokens, SamplingParams(args.temperature, args.top_k, args.top_p),
+                   lookahead, frozenset(stop), seed, static, batch)
 
 
 def check_stream(stream: Any) -> None:

@@ -13,7 +13,7 @@ from torch import nn
 from .attention import Attend
 from .config import LlamaConfig
 from .fusion import MergedLinears, TorchOps, TritonOps
-from .rope import apply_rotary_qk
+from .rope import Angles, apply_rotary_qk
 
 Linear = Callable[[nn.Linear, torch.Tensor], torch.Tensor]  # how a block runs one of its linears on an input
 
@@ -63,8 +63,8 @@ class Attention(MergedLinears):
         self.qk_norm = cfg.qk_norm
         self.merge()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
-                attend: Attend, linear: Linear = _call) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, angles: Angles, layer: int, attend: Attend,
+                linear: Linear = _call) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = _side_by_side(linear, (self.q_proj, self.k_proj, self.v_proj), x)
         q = q.view(b, t, self.heads, self.head_dim)
@@ -72,7 +72,7 @@ class Attention(MergedLinears):
         v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         if self.qk_norm:
             q, k = _norm(linear, self.q_norm, q), _norm(linear, self.k_norm, k)
-        q, k = apply_rotary_qk(q, k, cos, sin)
+        q, k = apply_rotary_qk(q, k, *angles)
         # [B, Hq, T, D]; the kernel's is a view of [B, T, Hq, D], so the reshape below copies nothing
         out = attend(layer, q.transpose(1, 2), k.transpose(1, 2), v)
         return linear(self.o_proj, out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
@@ -116,8 +116,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, layer: int, attend: Attend, linear: Linear = _call) -> torch.Tensor:
-        x = x + self.self_attn(_norm(linear, self.input_layernorm, x), cos, sin, layer, attend, linear)
+    def forward(self, x: torch.Tensor, angles: Angles, layer: int, attend: Attend,
+                linear: Linear = _call) -> torch.Tensor:
+        x = x + self.self_attn(_norm(linear, self.input_layernorm, x), angles, layer, attend, linear)
         return x + self.mlp(_norm(linear, self.post_attention_layernorm, x), linear)
 
     def merged_forward(self, x: torch.Tensor, residual: torch.Tensor | None, ops: TritonOps | TorchOps, layer: int,

@@ -34,14 +34,11 @@ import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
-import torch
-from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from lookahead.paths import ENV_CACHE_DIR, cache_root
 
-from .gguf import hf_name, unpermute
+from .gguf_checkpoint import write as write_checkpoint
 
 try:
     import fcntl
@@ -63,7 +60,6 @@ CONVERTED_BYTES = 560 * 2**20  # the converted folder (542 MB) with some room: w
 LOCK_FILE = f".{MODEL_NAME}.lock"  # in the cache folder: held while a conversion checks, discards or writes the model
 _OWNER = "owner.json"  # in a scratch folder: which process is converting into it
 _STALE_AFTER_S = 3600  # a scratch folder untouched this long is abandoned whoever made it
-
 
 
 def default_cache_dir() -> Path:
@@ -359,91 +355,8 @@ def _alive(pid: int) -> bool:
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> None:
-    """Write a Hugging Face LLaMA checkpoint for a llama.cpp GGUF file into `out_dir`. With `progress`, one bar on
-    stderr from the first moment to the last, naming the stage (reading the GGUF, each weight, saving, the tokenizer):
-    a first conversion takes 10-40 s, and no stage of it passes silently."""
+    """Write a Hugging Face LLaMA checkpoint for a llama.cpp GGUF file into `out_dir` (`gguf_checkpoint.write`). With
+    `progress`, one bar on stderr from the first moment to the last, naming the stage (reading the GGUF, each weight,
+    saving, the tokenizer): a first conversion takes 10-40 s, and no stage of it passes silently."""
     with tqdm(desc=f"converting {MODEL_NAME}", unit="step", disable=not progress) as bar:
-        bar.set_postfix_str("reading the GGUF", refresh=True)
-        from gguf import GGUFReader
-        from gguf.quants import dequantize
-
-        try:
-            reader = GGUFReader(str(gguf_path))
-        except (ValueError, IndexError, KeyError, OSError) as e:
-            raise ValueError(f"cannot read {gguf_path} ({type(e).__name__}: {e}); is it truncated or damaged? "
-                             f"{DAMAGED_HINT}") from None
-        bar.total = 1 + len(reader.tensors) + 1 + len(_TOKENIZER_STAGES)
-        bar.update()
-        big = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores")
-        meta = {name: field.contents() for name, field in reader.fields.items() if name not in big}
-        if meta.get("general.architecture") != "llama":
-            raise ValueError(f"{gguf_path} holds a {meta.get('general.architecture')!r} model, not 'llama'")
-        config = _hf_config(meta, reader)
-        tensors = {}
-        bar.set_postfix_str("weights")
-        for t in reader.tensors:
-            try:
-                array = dequantize(t.data, t.tensor_type).astype(np.float32)
-                array = array.reshape([int(n) for n in reversed(t.shape)])
-            except (ValueError, IndexError) as e:
-                raise ValueError(f"cannot read tensor {t.name!r} of {gguf_path} ({e}); is the file truncated? "
-                                 f"{DAMAGED_HINT}") from None
-            name = hf_name(t.name, gguf_path)
-            # llama.cpp stores q/k rows permuted for its RoPE layout; undo it for HF's rotate-half layout
-            if name.endswith("q_proj.weight"):
-                array = unpermute(array, config["num_attention_heads"])
-            elif name.endswith("k_proj.weight"):
-                array = unpermute(array, config["num_key_value_heads"])
-            tensors[name] = torch.from_numpy(np.ascontiguousarray(array))
-            bar.update()
-        bar.set_postfix_str("saving the weights", refresh=True)
-        save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-        bar.update()
-        (out_dir / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
-        generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
-        (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2), encoding="utf-8")
-        _write_tokenizer(gguf_path, out_dir, bar)
-
-
-_TOKENIZER_STAGES = ("loading transformers", "reading the tokenizer", "saving the tokenizer")
-
-
-def _hf_config(meta: dict, reader) -> dict:
-    names = {t.name for t in reader.tensors}
-    heads = int(meta["llama.attention.head_count"])
-    hidden = int(meta["llama.embedding_length"])
-    vocab = int(meta.get("llama.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data))
-    bos = meta.get("tokenizer.ggml.bos_token_id")
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": vocab,
-        "hidden_size": hidden,
-        "intermediate_size": int(meta["llama.feed_forward_length"]),
-        "num_hidden_layers": int(meta["llama.block_count"]),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(meta.get("llama.attention.head_count_kv", heads)),
-        "head_dim": int(meta.get("llama.rope.dimension_count", hidden // heads)),
-        "max_position_embeddings": int(meta["llama.context_length"]),
-        "rms_norm_eps": float(meta["llama.attention.layer_norm_rms_epsilon"]),
-        "rope_theta": float(meta.get("llama.rope.freq_base", 10000.0)),
-        "hidden_act": "silu",
-        "tie_word_embeddings": "output.weight" not in names,
-        "bos_token_id": int(bos) if bos is not None else None,
-        "eos_token_id": int(meta["tokenizer.ggml.eos_token_id"]),
-        "torch_dtype": "float32",
-    }
-
-
-def _write_tokenizer(gguf_path: Path, out_dir: Path, bar) -> None:
-    """The tokenizer files with the chat template, each stage (`_TOKENIZER_STAGES`) named on `bar` as it starts."""
-    bar.set_postfix_str(_TOKENIZER_STAGES[0], refresh=True)
-    from transformers import AutoTokenizer
-
-    bar.update()
-    bar.set_postfix_str(_TOKENIZER_STAGES[1], refresh=True)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    bar.update()
-    bar.set_postfix_str(_TOKENIZER_STAGES[2], refresh=True)
-    tokenizer.save_pretrained(str(out_dir))
-    bar.update()
+        write_checkpoint(gguf_path, out_dir, bar, DAMAGED_HINT)

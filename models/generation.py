@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -22,7 +23,7 @@ from lookahead.config import LookaheadConfig
 from lookahead.drafts import DraftMemory
 from lookahead.loop import PLAIN_STEP, GenerationResult, decode_batch, full_pattern, static_steps
 from lookahead.parallel import agree, decode_parallel, sub_step_patterns
-from lookahead.request import Request, check_stream, parse_request
+from lookahead.request import GenerateArgs, Request, Target, check_stream, parse_request
 from lookahead.tuning import CostModel
 from lookahead.tuning.store import Saver
 
@@ -58,10 +59,7 @@ def generate(model: Llama, prompt_ids: Any, *, stream: Callable | None = None, c
         raise TypeError(f"cuda_graph must be a bool, got {cuda_graph!r}")
 
     def build(ranks: int | None = None) -> Request:
-        return parse_request(prompt_ids, vocab_size=model.config.vocab_size,
-                             max_positions=model.config.max_position_embeddings,
-                             default_eos=model.config.eos_token_id, device_type=model.device.type, ranks=ranks,
-                             **options)
+        return parse_request(prompt_ids, GenerateArgs(**options), _target(model, ranks))
 
     with model.lock, torch.inference_mode():
         if process_group is not None:
@@ -83,31 +81,43 @@ def generate(model: Llama, prompt_ids: Any, *, stream: Callable | None = None, c
         return results if request.batch else results[0]
 
 
-def warmup(model: Llama, lookahead: LookaheadConfig | str | None, max_tokens: int, cuda_graph: bool, batch: int,
-           sampling: bool, process_group=None, static_step: bool | None = None) -> None:
+@dataclass(frozen=True)
+class Expected:
+    """The generations a warm-up prepares for (`Llama.warmup`): their lookahead, the most tokens of one (prompt and
+    output), the most prompts at once, whether they sample, static steps (None: on CUDA); checked on construction."""
+
+    lookahead: LookaheadConfig | str | None
+    max_tokens: int
+    batch: int = 1
+    sampling: bool = False
+    static_step: bool | None = None
+
+    def __post_init__(self) -> None:
+        for name, value, low in (("max_tokens", self.max_tokens, 2), ("batch", self.batch, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        if not isinstance(self.sampling, bool):
+            raise TypeError(f"sampling must be a bool, got {self.sampling!r}")
+
+
+def warmup(model: Llama, expected: Expected, cuda_graph: bool, process_group=None) -> None:
     """See `Llama.warmup`: the runner for the largest request, every static shape its decoding steps can have (each
     a CUDA graph on CUDA), its cost model, then one short generation that warms the prefill and a step."""
-    for name, value, low in (("max_tokens", max_tokens, 2), ("batch", batch, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    if not isinstance(sampling, bool):
-        raise TypeError(f"sampling must be a bool, got {sampling!r}")
-    limit = model.config.max_position_embeddings
-    if max_tokens > limit:
-        raise ValueError(f"max_tokens ({max_tokens}) exceeds the model's max_position_embeddings ({limit})")
+    limit, batch = model.config.max_position_embeddings, expected.batch
+    if expected.max_tokens > limit:
+        raise ValueError(f"max_tokens ({expected.max_tokens}) exceeds the model's max_position_embeddings ({limit})")
     # the request a generation of that size makes: "auto" and the parallel checks resolved as generate does
-    request = parse_request([[0]] * batch if batch > 1 else [0], vocab_size=model.config.vocab_size,
-                            max_positions=limit, max_new_tokens=max_tokens - 1, lookahead=lookahead,
-                            device_type=model.device.type, static_step=static_step,
-                            temperature=1.0 if sampling else 0.0,
-                            ranks=None if process_group is None else _world_size(process_group))
+    args = GenerateArgs(expected.max_tokens - 1, expected.lookahead, temperature=1.0 if expected.sampling else 0.0,
+                        static_step=expected.static_step)
+    ranks = None if process_group is None else _world_size(process_group)
+    request = parse_request([[0]] * batch if batch > 1 else [0], args, _target(model, ranks))
     with model.lock:
         with torch.inference_mode():
             runner = runner_for(model, request, cuda_graph)
             if runner.static:  # every decoding step's shape, captured now (a CUDA graph each on CUDA)
                 topk = static_steps(request.lookahead)[-1][2]
                 if process_group is not None:  # a rank's sub-steps, of every padded size: every token a logits row
-                    runner.capture([StepShape.of(sub.num_tokens, 1, sub.num_tokens, topk, False, True)
+                    runner.capture([StepShape(sub.num_tokens, 1, sub.num_tokens, topk).padded()
                                     for sub in sub_step_patterns(request.lookahead)])
                 else:
                     step = full_pattern(request.lookahead).num_tokens if request.lookahead is not None else 1
@@ -118,6 +128,11 @@ def warmup(model: Llama, lookahead: LookaheadConfig | str | None, max_tokens: in
             cold = request.lookahead and dataclasses.replace(request.lookahead, warm=False)  # nothing to remember
             generate(model, [0], max_new_tokens=2, lookahead=cold, eos_token_id=[], static_step=request.static_step,
                      cuda_graph=cuda_graph)
+
+
+def _target(model: Llama, ranks: int | None) -> Target:
+    cfg = model.config
+    return Target(cfg.vocab_size, cfg.max_position_embeddings, cfg.eos_token_id, model.device.type, ranks)
 
 
 def _positions(request: Request) -> list[int]:

@@ -4,6 +4,7 @@ non-persistent buffers. Which block belongs to whom is `paging.BlockPool`'s busi
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,9 +30,22 @@ def _bytes(count: int) -> str:
     return f"{count / 2**30:.2f} GiB" if count >= 2**30 else f"{count / 2**20:.2f} MiB"
 
 
-def pool_bytes(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, positions: int) -> int:
-    """Bytes of keys and values for `positions` positions of every layer."""
-    return 2 * layers * kv_heads * head_dim * positions * torch.empty((), dtype=dtype).element_size()
+@dataclass(frozen=True)
+class KVShape:
+    """What one position holds in the cache: in each of `layers` layers, `kv_heads` keys and values of `head_dim`."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, config) -> KVShape:
+        """A model's (its config's `num_hidden_layers`, `num_key_value_heads`, `head_dim`)."""
+        return cls(config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
+
+    def bytes(self, dtype: torch.dtype, positions: int) -> int:
+        """Bytes of keys and values for `positions` positions of every layer."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * positions * torch.empty((), dtype=dtype).element_size()
 
 
 class KVPool(nn.Module):
@@ -44,22 +58,22 @@ class KVPool(nn.Module):
     entries in all of them.
     """
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, shape: KVShape, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
         super().__init__()
         self.block_size, self.num_blocks = block_size, num_blocks + 1  # the rows' blocks, then the scratch one
         self.scratch_slot = num_blocks * block_size
-        need = pool_bytes(layers, kv_heads, head_dim, dtype, self.num_blocks * block_size)
+        need = shape.bytes(dtype, self.num_blocks * block_size)
         free = free_bytes(torch.device(device))
         if free is not None and need > free:
             raise ValueError(f"the KV cache of {num_blocks} blocks of {block_size} positions needs "
                              f"{_bytes(need)} on {device}, where {_bytes(free)} are free: give fewer "
                              "prompts at once, a shorter prompt or fewer max_new_tokens (or call release() on models "
                              "you no longer use)")
-        shape = (layers, kv_heads, self.num_blocks * block_size, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        assert math.prod(shape) == self.k.numel()
+        size = (shape.layers, shape.kv_heads, self.num_blocks * block_size, shape.head_dim)
+        self.register_buffer("k", torch.zeros(size, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(size, dtype=dtype, device=device), persistent=False)
+        assert math.prod(size) == self.k.numel()
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:

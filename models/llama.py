@@ -1,21 +1,19 @@
-"""A minimal LLaMA (`Llama`, its blocks in `blocks.py`): Hugging Face parameter names, safetensors loading."""
+"""A minimal LLaMA (`Llama`, its blocks in `blocks.py`): Hugging Face parameter names; loaded from a checkpoint folder
+(`loading.py`) or a GGUF file (`gguf.py`) on the device and in the dtype `placement.py` chooses."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import threading
-import warnings
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from lookahead.backends import choose_backend, choose_fusion
+from lookahead.backends import choose_fusion
 from lookahead.config import LookaheadConfig
 from lookahead.drafts import DraftMemory
 from lookahead.kernels import interpreting
-from lookahead.kernels.cpu_kernels import bf16_dot_products, failure
 from lookahead.loop import GenerationResult
 from lookahead.tuning import CostModel
 from lookahead.tuning.store import Saver
@@ -24,16 +22,22 @@ from .attention import Attend, causal, invariant_causal
 from .blocks import Backbone
 from .config import LlamaConfig
 from .fusion import MergedLinears, TorchOps, TritonOps
-from .generation import generate, warmup
+from .generation import Expected, generate, warmup
 from .gguf import gguf_file
 from .gguf import load as load_gguf
-from .invariant import InvariantOps, cpu_kernels_built
-from .loading import check_layer_count, check_shapes, load_weights, tensor_names
-from .rope import inverse_frequencies, rotary_cos_sin
+from .invariant import InvariantOps
+from .loading import load_folder
+from .placement import (
+    check_invariant,
+    default_batch_invariant,
+    default_dtype,
+    resolve_backend,
+    resolve_device,
+    resolve_dtype,
+)
+from .rope import Angles, inverse_frequencies
 from .runner import CachedRunner
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-DTYPE_VARIABLE = "LOOKAHEAD_DTYPE"  # the environment's default dtype, where from_pretrained is given none
 COMPILED_SHAPES = 256  # step shapes fusion="compile" compiles for one model (torch._dynamo's default limit is 8)
 
 
@@ -49,7 +53,7 @@ class Llama(nn.Module):
         if fusion not in ("none", "triton", "compile"):
             raise ValueError(f"fusion must be 'none', 'triton' or 'compile' here, got {fusion!r} ('auto' is resolved "
                              "by from_pretrained, or by lookahead.backends.choose_fusion for a device)")
-        _check_invariant(batch_invariant, fusion)
+        check_invariant(batch_invariant, fusion)
         self.config = config
         self.model = Backbone(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -135,41 +139,13 @@ class Llama(nn.Module):
         dtype, dtype_reason = (dtype, "asked for") if dtype is not None else default_dtype(device, batch_invariant)
         fusion = "none" if batch_invariant and fusion == "auto" else choose_fusion(fusion, device.type, backend,
                                                                                   interpreting())
-        _check_invariant(batch_invariant, fusion)
+        check_invariant(batch_invariant, fusion)
+        options = dict(attn_backend=backend, fusion=fusion, batch_invariant=batch_invariant)
         if gguf is not None:
-            model = load_gguf(cls, gguf, dtype, device, attn_backend=backend, fusion=fusion,
-                              batch_invariant=batch_invariant)
-            model.dtype_reason = dtype_reason
-            return model.eval().requires_grad_(False)
-        config = LlamaConfig.from_file(path)
-        names = tensor_names(path)
-        check_layer_count(names, config.num_hidden_layers, path)  # before building: a damaged count takes hours
-        head, embed = "lm_head.weight", "model.embed_tokens.weight"
-        both_in_file = config.tie_word_embeddings and head in names and embed in names
-        if both_in_file:  # load both; tied again below only if they are equal (transformers' rule)
-            config = dataclasses.replace(config, tie_word_embeddings=False)
-        with torch.device("meta"):
-            model = cls(config, attn_backend=backend, fusion=fusion, batch_invariant=batch_invariant)
-        check_shapes(model, path)  # before allocating: a config.json's absurd size is refused, not allocated
-        # the dtype first, on meta (free), then memory at that dtype: ~2 bytes per parameter in 16-bit, where
-        # materialising fp32 and casting peaks at 4 + 2 (out of memory for a 34B model on an 80 GB GPU)
-        # (`to_empty` would do it through torch.empty_like on meta tensors, which imports sympy and torch's symbolic
-        # shapes: ~50 MB resident for nothing, so each tensor is made by torch.empty)
-        model.to(dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
-        model._tie_weights()  # the conversion gives each module its own new tensor
+            model = load_gguf(cls, gguf, dtype, device, **options)
+        else:
+            model = load_folder(cls, path, dtype, device, **options)
         model.dtype_reason = dtype_reason
-        model.rope_inv_freq = inverse_frequencies(config.head_dim, config.rope).to(device)  # fp32 always
-        # tied: the one shared tensor may come from either name (transformers swaps them if only the head is there)
-        optional = frozenset({embed if head in names else head}) if config.tie_word_embeddings else frozenset()
-        load_weights(model, path, optional=optional)
-        if both_in_file:
-            if torch.equal(model.lm_head.weight, model.model.embed_tokens.weight):
-                model.config = dataclasses.replace(config, tie_word_embeddings=True)
-                model._tie_weights()
-            else:
-                warnings.warn(f"{path / 'config.json'} sets tie_word_embeddings, but the checkpoint holds an "
-                              f"lm_head.weight that differs from embed_tokens: keeping both, untied, as transformers "
-                              "does (set tie_word_embeddings to false to silence this)", stacklevel=2)
         return model.eval().requires_grad_(False)
 
     def _apply(self, fn, recurse=True):
@@ -222,7 +198,7 @@ class Llama(nn.Module):
     def batch_invariant(self, value: bool) -> None:
         if value is not True and value is not False:
             raise TypeError(f"batch_invariant must be True or False, got {value!r}")
-        _check_invariant(value, self.fusion)
+        check_invariant(value, self.fusion)
         if value != self._batch_invariant:
             with self.lock:
                 self._batch_invariant = value
@@ -267,23 +243,22 @@ class Llama(nn.Module):
             return self._invariant_forward(x, positions, attend, rows)
         if self.fusion != "none":
             return self._merged_forward(x, positions, attend, rows)
-        # fp32 angles, cast once to the model dtype as transformers does; [(B,) T, 1, D] broadcasts over heads
-        cos, sin = (c.to(x.dtype).unsqueeze(-2) for c in rotary_cos_sin(self.rope_inv_freq, positions))
+        angles = Angles.at(self.rope_inv_freq, positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, i, attend)
+            x = layer(x, angles, i, attend)
         return self.lm_head(self.model.norm(_take_rows(x, rows)))
 
     def _invariant_forward(self, x: torch.Tensor, positions: torch.Tensor, attend: Attend,
                            rows: torch.Tensor | None) -> torch.Tensor:
         """The batch-invariant mode: every linear by `InvariantOps`; norms, RoPE and SiLU are per row already."""
         linear = self._invariant_ops
-        cos, sin = (c.to(x.dtype).unsqueeze(-2) for c in rotary_cos_sin(self.rope_inv_freq, positions))
-        whole = linear.decoder_layers(self.model.layers, x, cos, sin, attend)  # all in one call, where it applies
+        angles = Angles.at(self.rope_inv_freq, positions, x.dtype)
+        whole = linear.decoder_layers(self.model.layers, x, *angles, attend)  # all in one call, where it applies
         if whole is not None:
             x = whole
         else:
             for i, layer in enumerate(self.model.layers):
-                x = layer(x, cos, sin, i, attend, linear)
+                x = layer(x, angles, i, attend, linear)
         return linear(self.lm_head, linear.norm(self.model.norm, _take_rows(x, rows)))
 
     def _merged_forward(self, x: torch.Tensor, positions: torch.Tensor, attend: Attend,
@@ -403,7 +378,7 @@ class Llama(nn.Module):
         pays for them midway. Steps that carry a prompt chunk run eagerly. Without it each shape is prepared on its
         first use. `sampling` measures the sampled steps' cost curve too; with `process_group` (lookahead
         parallelism, called on every rank) it prepares the runner only."""
-        warmup(self, lookahead, max_tokens, cuda_graph, batch, sampling, process_group, static_step)
+        warmup(self, Expected(lookahead, max_tokens, batch, sampling, static_step), cuda_graph, process_group)
 
     def release(self) -> None:
         """Free the KV cache, kernel plans and CUDA graphs kept between generations (`runner`); the next generation
@@ -414,78 +389,8 @@ class Llama(nn.Module):
             self.runner = None
 
 
-def _check_invariant(batch_invariant: bool, fusion: str) -> None:
-    if batch_invariant and fusion != "none":
-        raise ValueError(f"batch_invariant=True runs the unfused forward (fusion='none'), got fusion={fusion!r}")
-
-
 def _take_rows(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     """x [B, T, C] at `rows`: [R] for every row or [B, R] per row (None: all of them)."""
     if rows is None:
         return x
     return x[:, rows] if rows.ndim == 1 else x.gather(1, rows[..., None].expand(-1, -1, x.shape[-1]))
-
-
-def default_batch_invariant(device: torch.device, fusion: str, attn_backend: str) -> bool:
-    """The batch-invariant mode where it is the default: a CPU running the torch path (the torch attention backend,
-    fusion "auto" or "none"), where the mode's compiled kernels are faster than torch's; not on CUDA, where it is
-    unmeasured, nor for Triton under its interpreter (a kernel test's setting)."""
-    return device.type == "cpu" and fusion in ("auto", "none") and attn_backend == "torch"
-
-
-def default_dtype(device: torch.device, batch_invariant: bool) -> tuple[torch.dtype, str]:
-    """The dtype a model loads in where none is given, and why (the CLI says it): $LOOKAHEAD_DTYPE where it is set;
-    else bfloat16 on CUDA (the serving type); on a CPU, bfloat16 where the CPU has bf16 dot products
-    (`cpu_kernels.bf16_dot_products`), the batch-invariant mode keeps 16-bit exact and its kernels are built (they read
-    half the bytes a step reads in float32 and use those dot products: faster), else float32 (the exactness
-    reference)."""
-    named = os.environ.get(DTYPE_VARIABLE, "")
-    if named:
-        if named not in DTYPES:
-            raise ValueError(f"{DTYPE_VARIABLE}={named!r} is not a dtype; set it to one of {', '.join(DTYPES)}, or "
-                             "unset it for the default")
-        return DTYPES[named], f"${DTYPE_VARIABLE}"
-    if device.type == "cuda":
-        return torch.bfloat16, "CUDA's default"
-    feature = bf16_dot_products()
-    if feature is None:
-        return torch.float32, "this CPU has no bf16 dot products"
-    if not batch_invariant:
-        return torch.float32, "without the batch-invariant mode 16-bit may flip near-ties"
-    if not cpu_kernels_built():  # torch's GEMMs through row plans read bf16 weights as float32 copies: no faster
-        return torch.float32, f"the package's CPU kernels could not be built here: {failure()}"
-    return torch.bfloat16, f"this CPU has bf16 dot products ({feature}), and the batch-invariant mode keeps it exact"
-
-
-def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    """torch.float32/float16/bfloat16 or their names; anything else is refused."""
-    if isinstance(dtype, str) and dtype in DTYPES:
-        return DTYPES[dtype]
-    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
-        return dtype
-    raise ValueError(f"unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}")
-
-
-def resolve_device(device: torch.device | str) -> torch.device:
-    """A CPU or CUDA torch device that exists here; "cuda" without a usable CUDA build or GPU is refused, and so
-    is any other device type ("meta", "mps", ...)."""
-    try:
-        resolved = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"device {device!r} is not a torch device ({e})") from None
-    if resolved.type not in ("cpu", "cuda"):  # meta holds no weights; mps, xpu, ... are not run here
-        raise ValueError(f"device {str(device)!r} is not supported: the model runs on 'cpu' or 'cuda'")
-    if resolved.type == "cuda":
-        if not torch.cuda.is_available():
-            why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
-            raise ValueError(f"device {str(device)!r} is not available: {why} (torch {torch.__version__}); "
-                             "use device='cpu'")
-        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
-            raise ValueError(f"device {str(device)!r} is not available: {torch.cuda.device_count()} CUDA GPU(s) "
-                             "visible")
-    return resolved
-
-
-def resolve_backend(attn_backend: str, device: torch.device) -> str:
-    """"auto" -> "triton" on CUDA, "torch" elsewhere; "triton" on CPU needs the Triton interpreter."""
-    return choose_backend(attn_backend, device.type, interpreting())

@@ -1,9 +1,12 @@
-"""Loading Hugging Face-named safetensors weights (single file or sharded) into a module, checked."""
+"""Loading Hugging Face-named safetensors weights (single file or sharded) into a module, checked; and a model from a
+checkpoint folder (`load_folder`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
+import warnings
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
@@ -11,9 +14,47 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from .config import LlamaConfig
+from .rope import inverse_frequencies
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def load_folder(cls, folder: Path, dtype: torch.dtype, device: torch.device, **options) -> nn.Module:
+    """A `cls` (Llama, built with `options`) with a Hugging Face checkpoint folder's weights, in `dtype` on `device`.
+    With tie_word_embeddings and both embed_tokens and lm_head in the file, does what transformers does: ties them if
+    they are equal, else keeps the file's lm_head and warns."""
+    config = LlamaConfig.from_file(folder)
+    names = tensor_names(folder)
+    check_layer_count(names, config.num_hidden_layers, folder)  # before building: a damaged count takes hours
+    head, embed = "lm_head.weight", "model.embed_tokens.weight"
+    both_in_file = config.tie_word_embeddings and head in names and embed in names
+    if both_in_file:  # load both; tied again below only if they are equal (transformers' rule)
+        config = dataclasses.replace(config, tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = cls(config, **options)
+    check_shapes(model, folder)  # before allocating: a config.json's absurd size is refused, not allocated
+    # the dtype first, on meta (free), then memory at that dtype: ~2 bytes per parameter in 16-bit, where
+    # materialising fp32 and casting peaks at 4 + 2 (out of memory for a 34B model on an 80 GB GPU)
+    # (`to_empty` would do it through torch.empty_like on meta tensors, which imports sympy and torch's symbolic
+    # shapes: ~50 MB resident for nothing, so each tensor is made by torch.empty)
+    model.to(dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+    model._tie_weights()  # the conversion gives each module its own new tensor
+    model.rope_inv_freq = inverse_frequencies(config.head_dim, config.rope).to(device)  # fp32 always
+    # tied: the one shared tensor may come from either name (transformers swaps them if only the head is there)
+    optional = frozenset({embed if head in names else head}) if config.tie_word_embeddings else frozenset()
+    load_weights(model, folder, optional=optional)
+    if both_in_file:
+        if torch.equal(model.lm_head.weight, model.model.embed_tokens.weight):
+            model.config = dataclasses.replace(config, tie_word_embeddings=True)
+            model._tie_weights()
+        else:
+            warnings.warn(f"{folder / 'config.json'} sets tie_word_embeddings, but the checkpoint holds an "
+                          f"lm_head.weight that differs from embed_tokens: keeping both, untied, as transformers "
+                          "does (set tie_word_embeddings to false to silence this)", stacklevel=3)
+    return model
 
 
 class CheckpointError(ValueError):

@@ -40,14 +40,12 @@ class StepShape(NamedTuple):
     topk: int = 0
     chunk: bool = False
 
-    @staticmethod
-    def of(tokens: int, rows: int, heads: int, topk: int, chunk: bool, static: bool) -> StepShape:
-        """The shape of a step of these exact sizes; when static, its tokens rounded up to their bucket
-        (`padded_tokens`), its rows and logits rows to powers of two."""
-        if not static:
-            return StepShape(tokens, rows, heads, topk, chunk)
-        padded = padded_tokens(tokens)
-        return StepShape(padded, _power_of_two(rows), min(padded, max(MIN_TOKENS, _power_of_two(heads))), topk, chunk)
+    def padded(self) -> StepShape:
+        """The shape a static step of these exact sizes runs: its tokens rounded up to their bucket (`padded_tokens`),
+        its rows and logits rows to powers of two."""
+        padded = padded_tokens(self.tokens)
+        return StepShape(padded, _power_of_two(self.rows), min(padded, max(MIN_TOKENS, _power_of_two(self.heads))),
+                         self.topk, self.chunk)
 
 
 def padded_tokens(tokens: int) -> int:
@@ -121,7 +119,8 @@ class Packing:
         self.chunk = any(s.prefill for s in steps) and max(len(s.tokens) for s in steps) > runner.max_step_tokens
 
     def shape(self, static: bool) -> StepShape:
-        return StepShape.of(len(self.tokens), len(self.steps), len(self.head), self.topk, self.chunk, static)
+        exact = StepShape(len(self.tokens), len(self.steps), len(self.head), self.topk, self.chunk)
+        return exact.padded() if static else exact
 
     def outputs(self, logits: torch.Tensor, host: np.ndarray, topk: int) -> list[StepOutput]:
         """One `StepOutput` per step from the logits rows [H, V] (H padded) and the fetched int64 array: argmax [H],

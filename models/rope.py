@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -39,6 +40,18 @@ def _llama3_scaling(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
     medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return torch.where(medium, smoothed, scaled)
+
+
+class Angles(NamedTuple):
+    """A step's rotary angles, cos and sin [(B,) T, 1, D] in the model's dtype: they broadcast over heads."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @classmethod
+    def at(cls, inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> Angles:
+        """The angles of `positions` ([T], or [B, T] per row): fp32, cast once to `dtype` as transformers does."""
+        return cls(*(c.to(dtype).unsqueeze(-2) for c in rotary_cos_sin(inv_freq, positions)))
 
 
 def rotary_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,7 +28,7 @@ from lookahead.loop.sampling import SampleRequest, sample_positions
 
 from .attention import Attend, InvariantBackend, TorchBackend, TritonBackend
 from .config import LlamaConfig
-from .kv_cache import KVPool
+from .kv_cache import KVPool, KVShape
 from .paging import BlockPool, Row, RowTables
 from .programs import MIN_TOKENS, Packing, StepProgram, StepShape, program_buffers, program_size, table_width
 
@@ -68,8 +68,7 @@ class CachedRunner:
         self.model, self.device, self.fusion = model, model.device, model.fusion
         self.max_step_tokens, self.max_rows = max_step_tokens, max_rows
         self.tables = RowTables(BlockPool(num_blocks, block_size))
-        self.pool = KVPool(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, num_blocks, block_size,
-                           model.dtype, model.device)
+        self.pool = KVPool(KVShape.of(cfg), num_blocks, block_size, model.dtype, model.device)
         if backend_name(model) == "invariant":
             kernel = "triton" if model.attn_backend == "triton" else "cpu" if model.uses_cpu_kernels else "torch"
             self.backend = InvariantBackend(model.device, kernel)
@@ -120,8 +119,8 @@ class CachedRunner:
         every row and cached prefix (the pool's contents are copied into the larger one)."""
         if num_blocks > self.blocks.num_blocks:
             cfg, old = self.model.config, self.pool
-            new = KVPool(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, num_blocks, self.block_size,
-                         old.k.dtype, old.k.device)  # refused before anything changes if it cannot fit
+            # refused before anything changes if it cannot fit
+            new = KVPool(KVShape.of(cfg), num_blocks, self.block_size, old.k.dtype, old.k.device)
             new.k[:, :, : old.k.shape[2]] = old.k
             new.v[:, :, : old.v.shape[2]] = old.v
             self.pool = new
@@ -252,7 +251,7 @@ class CachedRunner:
 
     def round_up(self, tokens: int) -> int:
         """The tokens a step of `tokens` tokens feeds (padded to its static shape): what it costs."""
-        return StepShape.of(tokens, 1, 1, 0, False, self.static).tokens
+        return StepShape(tokens, 1, 1).padded().tokens if self.static else tokens
 
     @property
     def step_shapes(self) -> list[StepShape]:
@@ -267,7 +266,7 @@ class CachedRunner:
         for real in range(1, rows + 1):
             for tokens in range(real, real * step_tokens + 1):
                 heads = tokens if topk else real
-                shapes.add(StepShape.of(tokens, real, heads, topk, False, True))
+                shapes.add(StepShape(tokens, real, heads, topk).padded())
         return sorted(shapes)
 
     def capture(self, shapes: Sequence[StepShape]) -> None:

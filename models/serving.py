@@ -13,11 +13,11 @@ import torch
 
 from lookahead.config import LookaheadConfig
 from lookahead.drafts import DraftMemory
-from lookahead.loop import PLAIN_STEP, Engine, full_pattern
+from lookahead.loop import PLAIN_STEP, Capacity, Engine, full_pattern
 from lookahead.request import Request
 
 from .generation import Llama
-from .kv_cache import free_bytes, pool_bytes
+from .kv_cache import KVShape, free_bytes
 from .runner import BLOCK_SIZE, CachedRunner
 from .tuning import cost_model_for
 
@@ -65,7 +65,7 @@ def engine_for(model: Llama, *, max_batch: int = 8, lookahead: LookaheadConfig |
                          f"({cfg.max_position_embeddings}); give at most that")
     step = full_pattern(lookahead).num_tokens if lookahead is not None else PLAIN_STEP.num_tokens
     row_blocks = -(-(max_model_len + step) // BLOCK_SIZE)
-    per_block = pool_bytes(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, model.dtype, BLOCK_SIZE)
+    per_block = KVShape.of(cfg).bytes(model.dtype, BLOCK_SIZE)
     if kv_cache_bytes is None:
         free = free_bytes(model.device)
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -85,6 +85,5 @@ def engine_for(model: Llama, *, max_batch: int = 8, lookahead: LookaheadConfig |
             cost = cost_model_for(model, runner, Request([[0]] * min(max_batch, 4), 1, lookahead=lookahead))
         else:
             cost = model.cost_model
-    return Engine(runner, max_rows=max_batch, max_queue=max_queue, cost=cost,
-                  memory=DraftMemory() if warm else None, max_positions=max_model_len, vocab_size=cfg.vocab_size,
-                  lookahead=lookahead)
+    capacity = Capacity(max_batch, max_queue, max_model_len, cfg.vocab_size, lookahead)
+    return Engine(runner, capacity=capacity, cost=cost, memory=DraftMemory() if warm else None)

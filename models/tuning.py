@@ -38,9 +38,9 @@ def cost_model_for(model, runner: CachedRunner, request: Request):
         finally:
             model.measuring_seconds += time.perf_counter() - start
 
-    model.cost_model = shared.cost_model_for(model.cost_model, cfg, request.sampling.greedy,
-                                             len(request.prompts) * sizes[-1], lambda: cost_key(model, runner),
-                                             measured, model.cost_saver)
+    wanted = shared.Wanted(request.sampling.greedy, len(request.prompts) * sizes[-1])
+    source = shared.Source(lambda: cost_key(model, runner), measured)
+    model.cost_model = shared.cost_model_for(model.cost_model, cfg, wanted, source, model.cost_saver)
     return model.cost_model
 
 
@@ -78,8 +78,8 @@ def measure(runner: CachedRunner, request: Request, sizes: list[int]) -> Curve:
     try:
         for row in rows:
             runner.rows[row].tokens = None  # placeholders: never keyed
-        return shared.time_steps(run, [pattern.num_tokens for pattern, _, _ in shapes], batch, span - largest - 1,
-                                 interpreting())
+        sizes = [pattern.num_tokens for pattern, _, _ in shapes]
+        return shared.time_steps(run, shared.Passes(sizes, batch, span - largest - 1, interpreting()))
     finally:
         for row in rows:
             runner.release(row)

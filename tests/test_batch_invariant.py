@@ -303,12 +303,12 @@ def test_layers_with_biases_or_qk_norms_run_one_by_one(tiny_checkpoint, family, 
     """`decoder_layers` computes LLaMA's layers only: a model with q/k/v biases (Qwen2) or q/k norms (Qwen3) runs its
     own, one by one."""
     from lookahead.models.attention import KeyLists, Paged
-    from lookahead.models.kv_cache import KVPool
+    from lookahead.models.kv_cache import KVPool, KVShape
 
     extra = {"head_dim": 32} if family == "qwen3" else {}
     model = Llama.from_pretrained(tiny_checkpoint(family, family=family, **extra), batch_invariant=True)
     cfg = model.config
-    pool = KVPool(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 1, 16, model.dtype, "cpu")
+    pool = KVPool(KVShape.of(cfg), 1, 16, model.dtype, "cpu")
     one = torch.zeros(1, dtype=torch.int64)  # one token at slot 0, seeing itself
     attend = Paged(pool, one, KeyLists("cpu", one, one[None], one + 1))
     x, cos = torch.zeros(1, 1, cfg.hidden_size), torch.zeros(1, 1, 1, cfg.head_dim)

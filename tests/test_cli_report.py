@@ -11,7 +11,7 @@ import lookahead.cli.generate as cli_generate
 from helpers import CharTokenizer
 from lookahead import LookaheadConfig
 from lookahead.cli import main
-from lookahead.cli.report import comparison, why_slower
+from lookahead.cli.report import Timed, comparison, why_slower
 from lookahead.loop import GenerationResult
 from lookahead.models import Llama
 from lookahead.tuning import CostModel, Curve
@@ -125,10 +125,10 @@ def test_why_slower_names_the_cause():
 def test_compare_says_why_lookahead_lost():
     plain = result_of([1] * 10, [])
     weak = result_of([1, 2, 1, 1, 1, 1, 1, 1, 1], [18] * 9)
-    assert comparison(plain, 1.0, weak, 2.0, True) == (
+    assert comparison(Timed(plain, 1.0), Timed(weak, 2.0), True) == (
         "lookahead / plain: 0.50x (5.5 against 11.0 tok/s, the same tokens); lookahead was 0.50x plain here: the "
         "drafts were seldom right on this text (a step gave 1.11 tokens and took 2.22 plain steps' time)")
-    assert comparison(plain, 2.0, weak, 1.0, False) == "lookahead / plain: 2.00x (11.0 against 5.5 tok/s)"
+    assert comparison(Timed(plain, 2.0), Timed(weak, 1.0), False) == "lookahead / plain: 2.00x (11.0 against 5.5 tok/s)"
 
 
 def test_compare_times_plain_and_lookahead_after_one_load(tiny_cli, capsys):

@@ -341,12 +341,13 @@ def test_measuring_shows_its_rounds_and_stops_repeating_past_its_budget(capsys):
         now[0] += 4.0
 
     _show_progress()
-    curve = shared.time_steps(run, [1, 2, 4], 1, 1000, False, clock=lambda: now[0])
+    curve = shared.time_steps(run, shared.Passes([1, 2, 4], 1, 1000, False), clock=lambda: now[0])
     assert calls == [(0, 0), (1, 0), (2, 0)] + [(i, 0) for i in range(3)] + [(i, 1000) for i in range(3)]
     assert curve.knots == [1, 2, 4]
     err = capsys.readouterr().err
     assert "lookahead: measuring what a step costs on this machine" in err and "round 3 of 5" in err
     assert "36 s spent; the rest is learned from the steps" in err
     now[0], calls[:] = 0.0, []
-    shared.time_steps(lambda i, length: calls.append((i, length)), [1, 2], 1, 1000, False, clock=lambda: now[0])
+    shared.time_steps(lambda i, length: calls.append((i, length)), shared.Passes([1, 2], 1, 1000, False),
+                      clock=lambda: now[0])
     assert len(calls) == 2 * (1 + shared.REPEATS + 1)  # a fast machine: every repeat

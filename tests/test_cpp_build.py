@@ -150,10 +150,10 @@ import warnings
 warnings.simplefilter("always")
 import torch
 from lookahead.kernels import cpu_kernels
-from lookahead.models import llama
+from lookahead.models import placement
 print(cpu_kernels.available({folder!r}))
-llama.bf16_dot_products = lambda: "avx512_bf16"  # the CPU where the default dtype depends on the kernels
-print(llama.default_dtype(torch.device("cpu"), True))
+placement.bf16_dot_products = lambda: "avx512_bf16"  # the CPU where the default dtype depends on the kernels
+print(placement.default_dtype(torch.device("cpu"), True))
 """
 
 

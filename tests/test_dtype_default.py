@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-import lookahead.models.llama as llama_module
+import lookahead.models.placement as placement
 from lookahead import LookaheadConfig
 from lookahead.cli import main
-from lookahead.cli.report import dtype_choice, summary
+from lookahead.cli.report import Notes, Timed, dtype_choice, summary
 from lookahead.kernels.cpu_kernels import bf16_dot_products
 from lookahead.loop import GenerationResult
 from lookahead.models import Llama
-from lookahead.models.llama import default_dtype
+from lookahead.models.placement import default_dtype
 
 X86_FLAGS = "processor\t: 0\nflags\t\t: fpu sse2 avx2 fma avx512f avx512bw {extra}\nmodel name\t: Some CPU\n"
 ARM_FEATURES = "processor\t: 0\nFeatures\t: fp asimd evtstrm aes crc32 {extra}\n"
@@ -45,7 +45,7 @@ def unpinned(monkeypatch):
             self.feature = feature
 
     cpu = Cpu()
-    monkeypatch.setattr(llama_module, "bf16_dot_products", lambda: cpu.feature)
+    monkeypatch.setattr(placement, "bf16_dot_products", lambda: cpu.feature)
     return cpu
 
 
@@ -64,8 +64,8 @@ def test_the_default_follows_the_cpu_and_the_mode(unpinned):
 
 def test_without_the_cpu_kernels_the_default_stays_float32(unpinned, monkeypatch):
     """Without a compiler the mode runs torch's GEMMs on float32 copies of the weights: bfloat16 gains nothing."""
-    monkeypatch.setattr(llama_module, "cpu_kernels_built", lambda: False)
-    monkeypatch.setattr(llama_module, "failure", lambda: "no C++ compiler found (c++: not found)")
+    monkeypatch.setattr(placement, "cpu_kernels_built", lambda: False)
+    monkeypatch.setattr(placement, "failure", lambda: "no C++ compiler found (c++: not found)")
     assert default_dtype(CPU, batch_invariant=True) == (
         torch.float32, "the package's CPU kernels could not be built here: no C++ compiler found (c++: not found)")
 
@@ -100,7 +100,7 @@ def test_the_command_says_the_default_and_how_to_change_it(unpinned, tiny_checkp
     assert dtype_choice(Llama.from_pretrained(tiny_checkpoint("gqa"))).startswith(
         "float32 by default here: this CPU has no bf16 dot products (--dtype bfloat16 for bfloat16)")
     result = GenerationResult(tokens=[1, 2, 3, 4], steps=2)
-    line = summary(result, 1.0, LookaheadConfig(), plain_rate=2.0, dtype="bfloat16")
+    line = summary(Timed(result, 1.0), LookaheadConfig(), notes=Notes("bfloat16", plain_rate=2.0))
     assert line.endswith("4.0 tok/s (bfloat16; plain ~2 tok/s here)")
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from helpers import MockRowModel, MockStepModel, RandomCost, context_logits, decode_one, needs_interpreter, one
 from lookahead import LookaheadConfig
-from lookahead.loop import Engine, QueueFull, RowStep, path_step
+from lookahead.loop import Capacity, Engine, QueueFull, RowStep, path_step
 from lookahead.models import Llama, engine_for
 from lookahead.request import Request, SamplingParams
 from lookahead.tuning import CostModel, Curve
@@ -175,7 +175,7 @@ def test_stop_cancels_what_is_left_and_refuses_new_requests():
 
 
 def test_the_queue_limit_and_bad_requests_are_refused_at_submit():
-    engine = Engine(MockRowModel(VOCAB, logits_fn), max_queue=2, max_positions=20)
+    engine = Engine(MockRowModel(VOCAB, logits_fn), capacity=Capacity(max_queue=2, max_positions=20))
     engine.submit(one([1], 2))
     engine.submit(one([1], 2))
     with pytest.raises(QueueFull, match="2 requests are waiting"):

@@ -24,6 +24,7 @@ from lookahead.drafts import (
     DraftTree,
     NGramPool,
     RecycleTables,
+    Sources,
     SuffixIndex,
     preorder,
 )
@@ -587,10 +588,10 @@ def test_the_draft_tree_grows_as_it_did(seed, compiled, wide):
     rng = random.Random(seed)
     ids = Ids(rng, wide)
     sequence, memory = random_builder_inputs(rng, ids)
-    flags = dict(pool=rng.random() < 0.8, suffix=rng.random() < 0.8, recycle=rng.random() < 0.8)
-    new = DraftBuilder(sequence, **flags, pool_limit=5, memory=memory)
+    sources = Sources(pool=rng.random() < 0.8, suffix=rng.random() < 0.8, recycle=rng.random() < 0.8)
+    new = DraftBuilder(sequence, sources, pool_limit=5, memory=memory)
     new.compiled = compiled
-    old = OldDraftBuilder(sequence, **flags, pool_limit=5, memory=memory)
+    old = OldDraftBuilder(sequence, sources, pool_limit=5, memory=memory)
     pool = NGramPool(4, 5)
     pool.add_sequence(sequence)
     for _ in range(15):

@@ -39,9 +39,7 @@ def test_the_cli_refuses_them_before_torch_loads(capsys):
 
 def block_bytes(model: Llama, blocks: int) -> int:
     """What a pool of `blocks` blocks (plus its scratch block) takes."""
-    cfg = model.config
-    return kv_cache.pool_bytes(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, model.dtype,
-                               (blocks + 1) * 16)
+    return kv_cache.KVShape.of(model.config).bytes(model.dtype, (blocks + 1) * 16)
 
 
 def test_the_cache_is_checked_against_what_a_request_needs_not_its_rounding(tiny_checkpoint, monkeypatch):

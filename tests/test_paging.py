@@ -200,12 +200,12 @@ def test_the_torch_backend_equals_the_paged_reference(case):
     builds each row's mask independently with `StepPattern.materialize`."""
     from lookahead.kernels import paged_reference_attention
     from lookahead.models.attention import PackedStep, TorchBackend
-    from lookahead.models.kv_cache import KVPool
+    from lookahead.models.kv_cache import KVPool, KVShape
 
     rng = random.Random(case)
     gen = torch.Generator().manual_seed(case)
     heads_q, heads_kv, dim, size = rng.choice([(4, 4, 8), (4, 2, 16), (6, 2, 8)]) + (rng.choice([4, 16]),)
-    pool = KVPool(1, heads_kv, dim, 64, size, torch.float32, "cpu")
+    pool = KVPool(KVShape(1, heads_kv, dim), 64, size, torch.float32, "cpu")
     pool.k.normal_(generator=gen)
     pool.v.normal_(generator=gen)
     shared = rng.sample(range(64), 2)  # a prefix two rows share

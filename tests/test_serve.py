@@ -300,7 +300,7 @@ def test_the_role_chunk_waits_for_the_first_token():
     import asyncio
     from types import SimpleNamespace
 
-    from lookahead.serve.completions import _sse
+    from lookahead.serve.completions import _Asked, _sse
 
     class Submission:
         def __init__(self) -> None:
@@ -323,7 +323,7 @@ def test_the_role_chunk_waits_for_the_first_token():
 
     async def run() -> list[str]:
         submission = Submission()
-        stream = _sse(submission, Format(), False, 3)
+        stream = _sse(submission, _Asked(SimpleNamespace(include_usage=False), [1, 2, 3], "prompt", Format()))
         first = asyncio.ensure_future(stream.__anext__())
         await asyncio.sleep(0.05)
         assert not first.done(), "a chunk went out before the first token"

@@ -11,6 +11,7 @@ from test_pattern import TREES
 from helpers import MockStepModel, context_logits, decode_one, grow_from, needs_interpreter
 from lookahead import LookaheadConfig
 from lookahead.drafts import EMPTY, ROOT, DraftBuilder, DraftMemory, DraftTree, NGramPool, RecycleTables, SuffixIndex
+from lookahead.drafts.builder import Sources
 from lookahead.drafts.edges import suffix_state
 from lookahead.drafts.suffix import SEPARATOR
 from lookahead.kernels import StepPattern
@@ -91,7 +92,7 @@ def suffix_chain_depth(matched: int, budget: int = 15, remembered: bool = False)
         memory = DraftMemory()
         memory.add(text, RecycleTables(), None)
     sequence = copy if remembered else [*text, *copy]
-    builder = DraftBuilder(sequence, pool=False, memory=memory)
+    builder = DraftBuilder(sequence, Sources(pool=False), memory=memory)
     known = sorted(set(sequence) | set(text))
     builder.recycle.update([-1] * len(known), [-1] * len(known), known, np.array([list(range(500, 508))] * len(known)))
     tree = builder.build(sequence, NGramPool(4, 5), budget)

@@ -14,7 +14,7 @@ from lookahead.models import Llama
 from lookahead.models import tuning as model_tuning
 from lookahead.request import GREEDY, SamplingParams
 from lookahead.tuning import CostModel, Curve, StepBudget, budget, fit, knots_up_to, store
-from lookahead.tuning import cost as cost_module
+from lookahead.tuning import curve as curve_module
 
 VOCAB = 40
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
@@ -55,7 +55,7 @@ def test_observations_move_the_knots_around_a_step_towards_its_time():
         assert 1.05 * was < curve.predict(t, 0) < curve.predict(8, 0) / before[3] * was
     one = fit([(t, 0, 1.0) for t in (1, 8)])
     one.observe(8, 0, 100.0)  # a stray pause moves a knot by a bounded factor, not to 100 s
-    assert one.predict(8, 0) == pytest.approx(1 + cost_module.UPDATE_RATE * (cost_module.MAX_RATIO - 1))
+    assert one.predict(8, 0) == pytest.approx(1 + curve_module.UPDATE_RATE * (curve_module.MAX_RATIO - 1))
 
 
 def test_a_stale_knot_is_overwritten_by_a_faster_step_and_moved_a_bounded_way_by_a_slower_one():
@@ -69,17 +69,17 @@ def test_a_stale_knot_is_overwritten_by_a_faster_step_and_moved_a_bounded_way_by
     assert curve.predict(2, 0) == pytest.approx(0.2) and curve.stale_at(2)  # a smaller stale size: held to it
     assert curve.floor(9, 0) == pytest.approx(0.2) and curve.floor(7, 0) == 0.0
     curve.observe(8, 0, 0.1)  # run lately: a bounded move (the knots pooled where they cross)
-    assert 0.2 * (1 - cost_module.UPDATE_RATE / 2) <= curve.predict(8, 0) < 0.19
+    assert 0.2 * (1 - curve_module.UPDATE_RATE / 2) <= curve.predict(8, 0) < 0.19
     apart = Curve([1, 4, 8, 16], [0.1, 2.0, 3.0, 4.0], [0.0] * 4)
     apart.observe(16, 0, 4.0)  # knot 16 run now, as its figure says
     apart.observe(8, 0, 0.2)  # a stale figure's miss is its own: knot 16 is not moved by it, knot 4 held to it
     assert apart.base == pytest.approx([0.1, 0.2, 0.2, 4.0])
     fresh = Curve([1, 8], [0.1, 0.2], [0.0, 0.0])
     fresh.observe(8, 0, 20.0)  # stale but slower: a pause, moved the bounded way
-    assert fresh.predict(8, 0) == pytest.approx(0.2 * (1 + cost_module.UPDATE_RATE * (cost_module.MAX_RATIO - 1)))
+    assert fresh.predict(8, 0) == pytest.approx(0.2 * (1 + curve_module.UPDATE_RATE * (curve_module.MAX_RATIO - 1)))
     confirmed = Curve([1, 8], [0.1, 0.2], [0.0, 0.0])
     confirmed.observe(8, 0, 0.2)
-    for _ in range(2 * cost_module.STALE_AFTER - 1):
+    for _ in range(2 * curve_module.STALE_AFTER - 1):
         confirmed.observe(1, 0, 0.1)
     assert not confirmed.stale_at(8)
     confirmed.observe(1, 0, 0.1)
@@ -109,7 +109,7 @@ def test_a_one_token_step_much_faster_than_the_curve_rescales_it_and_makes_its_s
     assert curve.base == pytest.approx([0.05, 0.1, 0.2]) and curve.per_position == pytest.approx([1e-5, 2e-5, 4e-5])
     assert curve.stale_at(4) and curve.stale_at(8) and not curve.stale_at(1)
     slower = Curve([1, 4], [0.1, 0.2], [0.0, 0.0])
-    slower.observe(1, 0, 0.1 / cost_module.SHIFT * 1.01)  # not SHIFT times faster: its own knot only
+    slower.observe(1, 0, 0.1 / curve_module.SHIFT * 1.01)  # not SHIFT times faster: its own knot only
     assert slower.base[1] == 0.2
     batch = Curve([4, 8, 16], [0.4, 0.8, 1.6], [0.0, 0.0, 0.0])  # measured for a batch of 4: its plain step is 4
     batch.observe(4, 0, 0.1)
@@ -323,7 +323,8 @@ def run_on_a_fake_clock(chooser: StepBudget, seconds_of, scores: list[float], st
         seconds = seconds_of(choice.tokens)
         now[0] += seconds
         promised = [sum(scores[: choice.nodes])] if choice.nodes else []
-        chooser.record(choice.tokens, length, seconds, promised, promised)
+        chooser.record_cost(choice.tokens, length, seconds)
+        chooser.record_drafts(promised, promised)
         choices.append(choice)
         gave += 1 + sum(promised)
     return choices, gave
@@ -507,7 +508,8 @@ def test_static_steps_explore_a_stale_bucket_at_its_fullest():
         seconds = quiet(choice.tokens)
         now[0] += seconds
         promised = [sum(scores[: choice.nodes])] if choice.nodes else []
-        chooser.record(choice.tokens, 100, seconds, promised, promised)
+        chooser.record_cost(choice.tokens, 100, seconds)
+        chooser.record_drafts(promised, promised)
         sizes.append(choice.tokens)
     first = next(i for i, t in enumerate(sizes) if t > 1)
     assert first < budget.EXPLORE_EVERY + 1 and sizes[first] == 32  # the first bucket, full: 16 + 16 nodes
@@ -547,7 +549,8 @@ def test_the_chooser_learns_a_machine_that_gets_busier_on_a_fake_clock():
         now[0] += seconds
         expected = sum(scores[: choice.nodes])
         promised = [expected] if choice.nodes else []
-        chooser.record(choice.tokens, 100, seconds, promised, promised)  # the scores as good as promised
+        chooser.record_cost(choice.tokens, 100, seconds)
+        chooser.record_drafts(promised, promised)  # the scores as good as promised
         if busy and choice.plain and plain_at is None:
             plain_at = step
     assert plain_at is not None and plain_at <= 16
@@ -558,12 +561,14 @@ def test_calibration_follows_what_the_steps_accepted_in_each_band():
     (choice,) = chooser.choose([[0.9] * 15], 3, [10])
     assert not choice.plain
     for _ in range(30):  # the scores promised 13.5 nodes a step; none was accepted
-        chooser.record(choice.tokens, 10, 0.1, [13.5], [0])
+        chooser.record_cost(choice.tokens, 10, 0.1)
+        chooser.record_drafts([13.5], [0])
     assert chooser.calibrated(13.5) < 0.02 * 13.5
     assert chooser.choose([[0.9] * 15], 3, [10])[0].nodes < 5  # prefixes of the band that failed no longer pay
     assert chooser.calibrated(0.6) == 0.6  # another band: its own evidence (none yet)
     for _ in range(30):  # rows expected to accept 0.6 nodes accepted 1.2
-        chooser.record(choice.tokens, 10, 0.1, [0.6, 0.6], [1, 2])
+        chooser.record_cost(choice.tokens, 10, 0.1)
+        chooser.record_drafts([0.6, 0.6], [1, 2])
     prior = budget.CALIBRATION_PRIOR
     assert chooser.calibrated(0.6) == pytest.approx(0.6 * (90 + prior) / (36 + prior))
 
@@ -726,13 +731,14 @@ def test_auto_is_the_device_maxima_with_self_tuned_steps():
 
 
 def test_the_summary_compares_with_plain_decoding_here():
-    from lookahead.cli.generate import summary
+    from lookahead.cli.report import Notes, Timed, summary
     from lookahead.loop import GenerationResult
 
     result = GenerationResult(tokens=list(range(24)), steps=10, step_tokens=[], step_sizes=[18] * 9)
-    line = summary(result, 1.0, LookaheadConfig(), plain_rate=16.0)
+    run = Timed(result, 1.0)
+    line = summary(run, LookaheadConfig(), notes=Notes(plain_rate=16.0))
     assert line.endswith("S=2.40, 24.0 tok/s (plain ~16 tok/s here)") and "self-tuned" in line
-    assert "here" not in summary(result, 1.0, LookaheadConfig(budget="fixed")) and "self-tuned" not in line.replace(
+    assert "here" not in summary(run, LookaheadConfig(budget="fixed")) and "self-tuned" not in line.replace(
         "self-tuned", "", 1)
 
 
@@ -764,7 +770,7 @@ def test_a_noisy_curve_is_fitted_monotone_and_one_stray_pass_does_not_move_it():
 
 
 def test_nondecreasing_is_the_least_squares_fit():
-    from lookahead.tuning.cost import nondecreasing
+    from lookahead.tuning.curve import nondecreasing
 
     assert nondecreasing([1, 3, 2, 4]) == [1, 2.5, 2.5, 4]
     assert nondecreasing([5, 4, 3]) == [4, 4, 4]

@@ -24,6 +24,7 @@ from typing import TextIO
 
 from .generate import StreamPrinter, encode, generate_kwargs, load, summary
 from .launch import world_size
+from .report import Timed
 from .text import check_text
 
 RESET = "/reset"
@@ -80,12 +81,12 @@ def run(args: argparse.Namespace, stdin: TextIO | None = None) -> int:
                                                                               skip_special_tokens=True)})
             _say("stopped; the answer so far stays in the conversation")
             continue
-        seconds = time.perf_counter() - start
+        run = Timed(result, time.perf_counter() - start)
         messages.append({"role": "assistant", "content": tokenizer.decode(result.tokens, skip_special_tokens=True)})
         print(flush=True)
         # no plain-decoding figure beside it: timing one would cost every turn a probe, and the cost model's (the
         # forward pass alone) read 42 tok/s beside a turn that gave 7 (its rate includes the prompt's prefill)
-        print(f"{summary(result, seconds, lookahead)}; prompt {len(prompt)} tokens, {result.cached_tokens} of them "
+        print(f"{summary(run, lookahead)}; prompt {len(prompt)} tokens, {result.cached_tokens} of them "
               "from the cache (the rate includes prefilling the rest)", file=sys.stderr, flush=True)
     return 0
 

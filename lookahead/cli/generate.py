@@ -22,6 +22,8 @@ from lookahead.config import LookaheadConfig
 
 from .launch import remove_empty_log_dir, world_size
 from .report import (
+    Notes,
+    Timed,
     comparison,
     decoding_rate,
     dtype_choice,
@@ -173,7 +175,7 @@ def _run(args: argparse.Namespace, parallel, say) -> int:
     model, tokenizer, lookahead = load(args, parallel, say)
     prompt_ids = encode(tokenizer, [{"role": "user", "content": args.prompt}], raw=args.raw)
     if args.compare:
-        return _compare(args, model, tokenizer, lookahead, prompt_ids, say)
+        return _compare(args, model, tokenizer, lookahead, prompt_ids)
     printing = parallel is None or parallel[2] == 0
     if parallel is None and lookahead is not None and lookahead.budget == "auto":
         _prepare(model, lookahead, len(prompt_ids) + args.max_new_tokens, args.temperature > 0, say)
@@ -183,17 +185,17 @@ def _run(args: argparse.Namespace, parallel, say) -> int:
     result = model.generate(prompt_ids, **generate_kwargs(args, lookahead),
                             stream=_stamped(printer, stamps) if printing else None,
                             process_group=None if parallel is None else parallel[0])
-    elapsed = time.perf_counter() - start
+    run = Timed(result, time.perf_counter() - start)
     if not printing:
         return 0
     print(flush=True)
-    rate, why = baseline(model, result, elapsed, lookahead, prompt_ids, parallel is not None)
+    rate, why = baseline(model, run, lookahead, prompt_ids, parallel is not None)
     if lookahead is not None:
         passes = pass_cost(model, result, len(prompt_ids))[1]
         why = why_slower(result, decoding_rate(result, stamps), rate, why, passes) or why
     dtype = dtype_name(model)
-    print(summary(result, elapsed, lookahead, 1 if parallel is None else parallel[1], rate, why, peer_rates(dtype),
-                  dtype), file=sys.stderr)
+    print(summary(run, lookahead, 1 if parallel is None else parallel[1], Notes(dtype, rate, peer_rates(dtype), why)),
+          file=sys.stderr)
     return 0
 
 
@@ -216,25 +218,25 @@ def _prepare(model, lookahead, positions: int, sampling: bool, say) -> None:
         say(f"measured this machine's step costs in {seconds:.1f} s (once per machine and model)")
 
 
-def baseline(model, result, seconds: float, lookahead, prompt_ids: list[int], parallel: bool = False):
+def baseline(model, run: Timed, lookahead, prompt_ids: list[int], parallel: bool = False):
     """(plain decoding's tokens/s here, why self-tuned steps stayed plain or None): a plain run's own rate; a lookahead
     run's, a short plain continuation timed now (`probe_plain`), the loop's own work in it. Not the cost model's rate:
     that is the forward pass alone, measured once, and was 1.1-2.9x above what plain decoding then did (issue 49)."""
     if lookahead is None:
-        return len(result.tokens) / seconds, None
-    why = why_plain(model, result, len(prompt_ids)) if lookahead.budget == "auto" and not parallel else None
+        return run.rate, None
+    why = why_plain(model, run.result, len(prompt_ids)) if lookahead.budget == "auto" and not parallel else None
     try:
         return probe_plain(model, prompt_ids), why
     except ValueError:  # the prompt leaves no room for the probe's tokens in the model's positions
         return None, why
 
 
-def _compare(args: argparse.Namespace, model, tokenizer, lookahead, prompt_ids: list[int], say) -> int:
-    """`--compare`: plain decoding, then lookahead decoding (streamed), each prefilling the whole prompt, after one
-    load and a warm-up (the self-tuned cost model is measured there, not inside the lookahead run's time); both
-    summaries, then lookahead's tokens/s over plain decoding's."""
-    _prepare(model, lookahead, len(prompt_ids) + args.max_new_tokens, args.temperature > 0, say)
-    say("plain decoding first, timed for the comparison (its text is not shown) ...")
+def _compare(args: argparse.Namespace, model, tokenizer, lookahead, prompt_ids: list[int]) -> int:
+    """`--compare` (one process: refused under torchrun): plain decoding, then lookahead decoding (streamed), each
+    prefilling the whole prompt, after one load and a warm-up (the self-tuned cost model is measured there, not inside
+    the lookahead run's time); both summaries, then lookahead's tokens/s over plain decoding's."""
+    _prepare(model, lookahead, len(prompt_ids) + args.max_new_tokens, args.temperature > 0, _say)
+    _say("plain decoding first, timed for the comparison (its text is not shown) ...")
     timed = []
     for config in (None, lookahead):
         if model.runner is not None:
@@ -243,16 +245,16 @@ def _compare(args: argparse.Namespace, model, tokenizer, lookahead, prompt_ids: 
         start = time.perf_counter()
         result = model.generate(prompt_ids, **{**generate_kwargs(args, lookahead), "lookahead": config},
                                 stream=printer)
-        timed.append((result, time.perf_counter() - start))
-    (plain, plain_seconds), (result, seconds) = timed
+        timed.append(Timed(result, time.perf_counter() - start))
+    plain, ahead = timed
     print(flush=True)
     dtype = dtype_name(model)
-    print(summary(plain, plain_seconds, dtype=dtype), file=sys.stderr)
-    why = why_plain(model, result, len(prompt_ids))
-    print(summary(result, seconds, lookahead, why=why, peers=peer_rates(dtype), dtype=dtype), file=sys.stderr)
+    print(summary(plain, notes=Notes(dtype)), file=sys.stderr)
+    why = why_plain(model, ahead.result, len(prompt_ids))
+    print(summary(ahead, lookahead, notes=Notes(dtype, peers=peer_rates(dtype), why=why)), file=sys.stderr)
     exact = args.temperature == 0 or args.seed is not None
-    passes = pass_cost(model, result, len(prompt_ids))[1]
-    print(comparison(plain, plain_seconds, result, seconds, exact, why, passes), file=sys.stderr)
+    passes = pass_cost(model, ahead.result, len(prompt_ids))[1]
+    print(comparison(plain, ahead, exact, why, passes), file=sys.stderr)
     return 0
 
 

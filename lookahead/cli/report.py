@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
+from typing import Any
 
 PEERS_FILE = "peers.json"  # bench/peers.py's one-request figures for this CPU, in the cache folder
 PROBE_TOKENS = 16  # plain steps timed for the baseline where no cost model gives it
@@ -24,26 +26,48 @@ WEAK = 1.5  # lookahead steps giving fewer tokens than this: the drafts do not p
 LOOP = 2.0  # steps taking this many times what their pass costs: the loop's own work is what is slow
 
 
-def summary(result, seconds: float, lookahead=None, ranks: int = 1, plain_rate: float | None = None,
-            why: str | None = None, peers: str | None = None, dtype: str | None = None) -> str:
-    """The line after an answer: the method, tokens, forward passes, S, tokens/s, with the model's `dtype`,
-    `plain_rate` what plain decoding does on this machine, `peers` (`peer_rates`) what the engines people already
-    run do here, and `why` (`why_plain`) where self-tuned steps stayed plain."""
+@dataclass(frozen=True)
+class Timed:
+    """A generation's result and the seconds it took."""
+
+    result: Any
+    seconds: float
+
+    @property
+    def rate(self) -> float:
+        return len(self.result.tokens) / self.seconds
+
+
+@dataclass(frozen=True)
+class Notes:
+    """What the summary line says beside a run's own figures: the model's `dtype`, `plain_rate` what plain decoding
+    does on this machine, `peers` (`peer_rates`) what the engines people already run do here, and `why`
+    (`why_plain`) where self-tuned steps stayed plain."""
+
+    dtype: str | None = None
+    plain_rate: float | None = None
+    peers: str | None = None
+    why: str | None = None
+
+
+def summary(run: Timed, lookahead=None, ranks: int = 1, notes: Notes = Notes()) -> str:
+    """The line after an answer: the method, tokens, forward passes, S, tokens/s, and its `notes`."""
+    result = run.result
     mode = "plain" if lookahead is None else f"lookahead W={lookahead.window} N={lookahead.ngram} G={lookahead.guesses}"
     if ranks > 1:
         mode += f" on {ranks} processes"
     elif lookahead is not None and lookahead.budget == "auto":
         mode += ", self-tuned"
     line = (f"[{mode}] {len(result.tokens)} tokens, {result.steps} steps, S={result.compression:.2f}, "
-            f"{len(result.tokens) / seconds:.1f} tok/s")
-    notes = [] if dtype is None else [dtype]
-    if plain_rate is not None:
-        notes.append(f"plain ~{plain_rate:.0f} tok/s here")
-    if peers is not None:
-        notes.append(peers)
-    if notes:
-        line += f" ({'; '.join(notes)})"
-    return line if why is None else f"{line}; {why}"
+            f"{run.rate:.1f} tok/s")
+    said = [] if notes.dtype is None else [notes.dtype]
+    if notes.plain_rate is not None:
+        said.append(f"plain ~{notes.plain_rate:.0f} tok/s here")
+    if notes.peers is not None:
+        said.append(notes.peers)
+    if said:
+        line += f" ({'; '.join(said)})"
+    return line if notes.why is None else f"{line}; {notes.why}"
 
 
 def dtype_name(model) -> str:
@@ -162,16 +186,15 @@ def why_slower(result, rate: float | None, plain_rate: float | None, why: str | 
     return f"lookahead was {rate / plain_rate:.2f}x plain here: {cause}"
 
 
-def comparison(plain_result, plain_seconds: float, result, seconds: float, exact: bool,
-               why: str | None = None, passes: float | None = None) -> str:
+def comparison(plain: Timed, ahead: Timed, exact: bool, why: str | None = None, passes: float | None = None) -> str:
     """`--compare`'s verdict: lookahead's tokens/s over plain decoding's, (greedy or seeded) whether the tokens are
     the same, and where lookahead was slower, why (`why_slower`, given `why_plain`'s `why` and `pass_cost`'s
     `passes`)."""
-    plain_rate = len(plain_result.tokens) / plain_seconds
-    rate = len(result.tokens) / seconds
+    plain_rate, rate = plain.rate, ahead.rate
     same = ""
     if exact:
-        same = ", the same tokens" if plain_result.tokens == result.tokens else ", different tokens (16-bit near-ties)"
+        same = (", the same tokens" if plain.result.tokens == ahead.result.tokens
+                else ", different tokens (16-bit near-ties)")
     line = f"lookahead / plain: {rate / plain_rate:.2f}x ({rate:.1f} against {plain_rate:.1f} tok/s{same})"
-    slower = why_slower(result, rate, plain_rate, why, passes)
+    slower = why_slower(ahead.result, rate, plain_rate, why, passes)
     return line if slower is None else f"{line}; {slower}"

@@ -3,7 +3,7 @@ into it (`builder.py`: the n-gram pool, suffix matches, recycled top-k, scored b
 form's policy, the paper's candidates as a trie (`chains.py`); the drafting memory kept across generations
 (`memory.py`)."""
 
-from .builder import DraftBuilder
+from .builder import DraftBuilder, Sources
 from .chains import ChainDrafts, chain_trie
 from .memory import DraftMemory
 from .pool import NGramPool
@@ -12,4 +12,4 @@ from .suffix import SuffixIndex
 from .tree import EMPTY, ROOT, BestFirst, DraftTree, preorder
 
 __all__ = ["EMPTY", "ROOT", "BestFirst", "ChainDrafts", "DraftBuilder", "DraftMemory", "DraftTree", "NGramPool",
-           "RecycleTables", "SuffixIndex", "chain_trie", "preorder"]
+           "RecycleTables", "Sources", "SuffixIndex", "chain_trie", "preorder"]

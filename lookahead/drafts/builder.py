@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import lookahead.host_loops as host_loops
 
@@ -49,15 +50,25 @@ SUFFIX_REACH = MATCH_BANDS[-1]  # longest match measured: longer ones score as t
 SUFFIX_LIMIT = 4  # continuations taken from the suffix index per step
 
 
+@dataclass(frozen=True)
+class Sources:
+    """Which sources draft (`LookaheadConfig`'s draft_pool, draft_suffix, draft_recycle): the n-gram pool, the suffix
+    index, the recycled tables."""
+
+    pool: bool = True
+    suffix: bool = True
+    recycle: bool = True
+
+
 class DraftBuilder:
     """The tree form's draft policy: the draft sources of one generation, and the best-first tree builder."""
 
     compiled = True  # grow with the compiled loop where it builds (`host_loops`); False: the Python loop (tests)
 
-    def __init__(self, sequence: Sequence[int], pool: bool = True, suffix: bool = True, recycle: bool = True,
-                 pool_limit: int = 0, memory: DraftMemory | None = None) -> None:
+    def __init__(self, sequence: Sequence[int], sources: Sources = Sources(), pool_limit: int = 0,
+                 memory: DraftMemory | None = None) -> None:
         """memory: earlier generations' drafting state, read only (None: this generation's own only)."""
-        self.use_pool, self.use_suffix, self.use_recycle = pool, suffix, recycle
+        self.use_pool, self.use_suffix, self.use_recycle = sources.pool, sources.suffix, sources.recycle
         self.pool_limit = pool_limit
         self.memory = memory
         self.suffix = SuffixIndex(SUFFIX_MATCH, SUFFIX_REACH)

@@ -3,15 +3,16 @@ function of its own and as `hf_model.generate(custom_generate=...)`."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from lookahead.config import LookaheadConfig
 from lookahead.loop import GenerationResult, decode
-from lookahead.request import Request, SamplingParams, check_stream, parse_request
+from lookahead.request import GenerateArgs, Request, SamplingParams, Target, check_stream, parse_request
 
 from .step_model import HFStepModel, cache_keyword, check_model, max_positions, require_transformers
 from .tuning import cost_model_for, save_if_due
@@ -38,11 +39,10 @@ def generate(hf_model, input_ids, max_new_tokens: int = 256, lookahead: Lookahea
     """
     step_model = HFStepModel(hf_model, attn_backend=attn_backend)
     check_stream(stream)
-    request = parse_request(input_ids, vocab_size=hf_model.config.vocab_size, max_positions=max_positions(hf_model),
-                            max_new_tokens=max_new_tokens, lookahead=lookahead, temperature=temperature, top_k=top_k,
-                            top_p=top_p, seed=seed, eos_token_id=eos_token_id,
-                            default_eos=_eos(hf_model.generation_config.eos_token_id), static_step=static_step,
-                            device_type=step_model.device.type, allow_batch=False, prompt_name="input_ids")
+    args = GenerateArgs(max_new_tokens, lookahead, temperature, top_k, top_p, seed, eos_token_id, static_step)
+    target = Target(hf_model.config.vocab_size, max_positions(hf_model), _eos(hf_model.generation_config.eos_token_id),
+                    step_model.device.type)
+    request = parse_request(input_ids, args, target, allow_batch=False, prompt_name="input_ids")
     with torch.no_grad():
         return _decode(step_model, request, stream)
 
@@ -85,43 +85,43 @@ def custom_generate(model, input_ids: torch.Tensor, logits_processor=None, stopp
     """
     if streamer is None:
         streamer = _generate_streamer(sys._getframe(1))
+    with _ending(streamer):  # after an error too, so that a reader of the streamer is not left waiting
+        transformers = require_transformers()
+        check_model(model)
+        _check_generation_config(generation_config, input_ids)
+        sampling = _sampling_params(generation_config, logits_processor or [], transformers)
+        max_length, eos = _stopping(stopping_criteria or [], transformers)
+        cache = model_kwargs.pop(cache_keyword(model), None)
+        _check_model_kwargs(model_kwargs, input_ids)
+        if seed is None and not sampling.greedy:
+            seed = int(torch.randint(2**62, (), generator=torch.default_generator))
+        step_model = HFStepModel(model, cache, attn_backend)
+        prompt = tuple(input_ids[0].tolist())
+        if max_length > max_positions(model):
+            raise ValueError(f"max_length ({max_length}, prompt + max_new_tokens) exceeds the model's "
+                             f"max_position_embeddings ({max_positions(model)}); lower max_new_tokens")
+        new = max_length - len(prompt)
+        tokens: list[int] = []
+        if new > 0:
+            static = step_model.device.type == "cuda" if static_step is None else static_step
+            request = Request((prompt,), new, sampling, lookahead, frozenset(eos), (seed,), static)
+            stream = None if streamer is None else lambda accepted: streamer.put(torch.tensor(accepted))
+            tokens = _decode(step_model, request, stream).tokens
+            step_model.trim(len(prompt) + len(tokens) - 1)  # what plain generate leaves: all but the last token
+        sequences = torch.cat([input_ids, torch.tensor([tokens], dtype=input_ids.dtype, device=input_ids.device)], -1)
+        if generation_config.return_dict_in_generate:
+            return transformers.generation.GenerateDecoderOnlyOutput(sequences=sequences,
+                                                                     **{step_model.cache_keyword: step_model.cache})
+        return sequences
+
+
+@contextlib.contextmanager
+def _ending(streamer) -> Iterator[None]:
     try:
-        return _custom_generate(model, input_ids, logits_processor, stopping_criteria, generation_config, lookahead,
-                                seed, static_step, attn_backend, streamer, model_kwargs)
+        yield
     finally:
         if streamer is not None:
-            streamer.end()  # after an error too, so that a reader of the streamer is not left waiting
-
-
-def _custom_generate(model, input_ids, logits_processor, stopping_criteria, generation_config, lookahead, seed,
-                     static_step, attn_backend, streamer, model_kwargs):
-    transformers = require_transformers()
-    check_model(model)
-    _check_generation_config(generation_config, input_ids)
-    sampling = _sampling_params(generation_config, logits_processor or [], transformers)
-    max_length, eos = _stopping(stopping_criteria or [], transformers)
-    cache = model_kwargs.pop(cache_keyword(model), None)
-    _check_model_kwargs(model_kwargs, input_ids)
-    if seed is None and not sampling.greedy:
-        seed = int(torch.randint(2**62, (), generator=torch.default_generator))
-    step_model = HFStepModel(model, cache, attn_backend)
-    prompt = tuple(input_ids[0].tolist())
-    if max_length > max_positions(model):
-        raise ValueError(f"max_length ({max_length}, prompt + max_new_tokens) exceeds the model's "
-                         f"max_position_embeddings ({max_positions(model)}); lower max_new_tokens")
-    new = max_length - len(prompt)
-    tokens: list[int] = []
-    if new > 0:
-        static = step_model.device.type == "cuda" if static_step is None else static_step
-        request = Request((prompt,), new, sampling, lookahead, frozenset(eos), (seed,), static)
-        stream = None if streamer is None else lambda accepted: streamer.put(torch.tensor(accepted))
-        tokens = _decode(step_model, request, stream).tokens
-        step_model.trim(len(prompt) + len(tokens) - 1)  # what plain generate leaves: all but the last token
-    sequences = torch.cat([input_ids, torch.tensor([tokens], dtype=input_ids.dtype, device=input_ids.device)], -1)
-    if generation_config.return_dict_in_generate:
-        return transformers.generation.GenerateDecoderOnlyOutput(sequences=sequences,
-                                                                 **{step_model.cache_keyword: step_model.cache})
-    return sequences
+            streamer.end()
 
 
 def _generate_streamer(frame) -> Any:

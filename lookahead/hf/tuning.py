@@ -64,9 +64,9 @@ def cost_model_for(step_model: HFStepModel, request: Request) -> CostModel | Non
         return None
     state = model_state(step_model.model)
     sizes = knots_up_to(cfg.step_tokens, buckets(cfg) if request.static_step else ())
-    state.cost_model = shared.cost_model_for(state.cost_model, cfg, request.sampling.greedy, sizes[-1],
-                                             lambda: cost_key(step_model), lambda: measure(step_model, request, sizes),
-                                             state.saver)
+    source = shared.Source(lambda: cost_key(step_model), lambda: measure(step_model, request, sizes))
+    state.cost_model = shared.cost_model_for(state.cost_model, cfg, shared.Wanted(request.sampling.greedy, sizes[-1]),
+                                             source, state.saver)
     return state.cost_model
 
 
@@ -98,7 +98,7 @@ def measure(step_model: HFStepModel, request: Request, sizes: list[int]) -> Curv
         step_model.commit([])  # crops the pass's entries away
 
     try:
-        return shared.time_steps(run, sizes, 1, longest, interpreting())
+        return shared.time_steps(run, shared.Passes(sizes, 1, longest, interpreting()))
     finally:
         step_model.trim(0)
 

@@ -18,13 +18,13 @@ from .core import (
     static_steps,
     step_budget,
 )
-from .engine import Engine, QueueFull, decode, decode_batch
+from .engine import Capacity, Engine, QueueFull, decode, decode_batch
 from .grammar import TokenGrammar
 from .jobs import FINISH_REASONS, MAX_LOGPROBS, Delta, Handle
 from .layout import StepLayout, full_pattern, pack_step
 from .rows import RowModel, RowStep, SingleRowModel
 
-__all__ = ["FINISH_REASONS", "MAX_LOGPROBS", "PLAIN_STEP", "Delta", "Engine", "GenerationResult", "Handle",
+__all__ = ["FINISH_REASONS", "MAX_LOGPROBS", "PLAIN_STEP", "Capacity", "Delta", "Engine", "GenerationResult", "Handle",
            "LookaheadLoop", "Output", "QueueFull", "RowModel", "RowStep", "SingleRowModel", "StepLayout", "StepModel",
            "StepOutput", "TokenGrammar", "TokenLogprob", "decode", "decode_batch", "first_token", "full_pattern",
            "pack_step", "path_step", "static_steps", "step_budget"]

@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 
 from lookahead.config import LookaheadConfig
-from lookahead.drafts import BestFirst, ChainDrafts, DraftBuilder, DraftMemory, NGramPool
+from lookahead.drafts import BestFirst, ChainDrafts, DraftBuilder, DraftMemory, NGramPool, Sources
 from lookahead.kernels import StepPattern
 from lookahead.request import Request, SamplingParams
 from lookahead.tuning import Choice, CostModel, StepBudget, bucket_choices
@@ -197,7 +197,7 @@ class LookaheadLoop:
         self.pooled_upto = len(self.sequence)  # n-grams starting before this index are in the pool
         self.window = LookaheadWindow(cfg.window, cfg.ngram, first, prompt)
         if cfg.form == "tree":
-            self.drafts = DraftBuilder(self.sequence, cfg.draft_pool, cfg.draft_suffix, cfg.draft_recycle,
+            self.drafts = DraftBuilder(self.sequence, Sources(cfg.draft_pool, cfg.draft_suffix, cfg.draft_recycle),
                                        pool_limit=cfg.guesses, memory=self.memory)
         else:
             self.drafts = ChainDrafts(cfg.ngram, cfg.guesses)

@@ -26,6 +26,7 @@ import collections
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from lookahead.config import LookaheadConfig
 from lookahead.drafts import DraftMemory
@@ -45,29 +46,40 @@ class QueueFull(RuntimeError):
     """The engine's queue of waiting requests is full: try again later."""
 
 
+@dataclass(frozen=True)
+class Capacity:
+    """What an engine takes: live rows at most (None: as many as the model admits); waiting requests at most beyond
+    them (`submit` raises `QueueFull` past it; None: no limit); a request's positions (refused past them: the model's);
+    its token ids (a prompt holding one outside [0, vocab_size) is refused: one bad id would fail every row of its
+    step); and the lookahead configuration its model was sized for (`engine_for`'s; what a server's requests decode
+    with; None: plain decoding)."""
+
+    max_rows: int | None = None
+    max_queue: int | None = None
+    max_positions: int | None = None
+    vocab_size: int | None = None
+    lookahead: LookaheadConfig | None = None
+
+    def __post_init__(self) -> None:
+        for name, value in (("max_rows", self.max_rows), ("max_queue", self.max_queue)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
+
+
 class Engine:
     """Runs packed steps over a `RowModel`'s rows. See the module docstring.
 
-    max_rows: live rows at most (None: as many as the model admits). max_queue: waiting requests at most beyond them
-    (`submit` raises `QueueFull` past it; None: no limit). cost: the machine's cost model (sizes self-tuned lookahead
-    steps and prefill chunks; None: full-size steps). memory: the drafting memory rows draft from (warm drafting);
-    each request adds to it when it ends. max_positions: refuse requests that would pass it (the model's positions).
-    vocab_size: refuse prompts holding a token id outside [0, vocab_size) (one bad id would fail every row of its step).
-    lookahead: the configuration its model was sized for (`engine_for`'s; what a server's requests decode with;
-    None: plain decoding).
+    capacity: what it takes (`Capacity`: rows, queue, positions, token ids, the lookahead it was sized for). cost: the
+    machine's cost model (sizes self-tuned lookahead steps and prefill chunks; None: full-size steps). memory: the
+    drafting memory rows draft from (warm drafting); each request adds to it when it ends.
     """
 
-    def __init__(self, model: RowModel, *, max_rows: int | None = None, max_queue: int | None = None,
-                 cost: CostModel | None = None, memory: DraftMemory | None = None,
-                 max_positions: int | None = None, vocab_size: int | None = None,
-                 lookahead: LookaheadConfig | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
-        for name, value in (("max_rows", max_rows), ("max_queue", max_queue)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
+    def __init__(self, model: RowModel, *, capacity: Capacity = Capacity(), cost: CostModel | None = None,
+                 memory: DraftMemory | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
         self.model, self.memory, self.clock = model, memory, clock
-        self.max_queue, self.max_positions, self.vocab_size = max_queue, max_positions, vocab_size
-        self.lookahead = lookahead
-        self.scheduler = Scheduler(model, max_rows, cost)
+        self.max_queue, self.max_positions = capacity.max_queue, capacity.max_positions
+        self.vocab_size, self.lookahead = capacity.vocab_size, capacity.lookahead
+        self.scheduler = Scheduler(model, capacity.max_rows, cost)
         self._inbox: list[Job] = []
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None

@@ -176,5 +176,5 @@ class Scheduler:
             last = self.decode_seconds
             self.decode_seconds = seconds if last is None else last + DECODE_RATE * (seconds - last)
         for i, (budget, expected) in enumerate(self._sized):  # the cost model learns the step's time once
-            budget.record(tokens, weight // max(tokens, 1), seconds, list(expected.values()),
-                          [accepted[job] for job in expected], loop_seconds, observe=i == 0)
+            budget.record_cost(tokens, weight // max(tokens, 1), seconds, loop_seconds, observe=i == 0)
+            budget.record_drafts(list(expected.values()), [accepted[job] for job in expected])

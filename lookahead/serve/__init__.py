@@ -11,10 +11,10 @@ events; the engine's thread alone runs the model. Every answer is what `Llama.ge
     app = create_app(engine_for(model), tokenizer, "my-model")   # the app starts and stops the engine
     serve(app, "127.0.0.1", 8000)                                # until SIGTERM or SIGINT
 
-Rooms: `protocol` (the request bodies, pydantic), `app` (routes, the API key, body limits, the engine's life),
-`completions` (the two generating endpoints: prompts, responses, streams), `submission` (one request in the engine),
-`text` (incremental detokenization and stop strings), `metrics` (Prometheus), `errors` (OpenAI's error shape),
-`server` (uvicorn and the shutdown). docs/serving.md is the user's page.
+Rooms: `protocol` (the request bodies, pydantic), `fields` (which fields it honours), `app` (routes, the API key, body
+limits, the engine's life), `completions` (the two generating endpoints: prompts, responses, streams), `submission`
+(one request in the engine), `text` (incremental detokenization and stop strings), `metrics` (Prometheus), `errors`
+(OpenAI's error shape), `server` (uvicorn and the shutdown). docs/serving.md is the user's page.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from lookahead.structured import Grammars
 
 from .completions import chat, complete
 from .errors import APIError, bad_request, client_closed, install, overloaded
+from .fields import short
 from .metrics import CONTENT_TYPE, Metrics
 from .protocol import ChatCompletionRequest, CompletionRequest, FieldError
 from .text import TokenText
@@ -348,7 +349,7 @@ def _validation_error(error: ValidationError, raw: bytes) -> APIError:
     if kind == "missing":
         return bad_request(f"{param}: a required field is missing", param)
     got = first.get("input")
-    suffix = "" if kind.startswith("value_error") or got is None else f", got {_short(got)}"
+    suffix = "" if kind.startswith("value_error") or got is None else f", got {short(got)}"
     return bad_request(f"{param}: {message}{suffix}" if param else f"{message}{suffix}", param)
 
 
@@ -368,11 +369,6 @@ def _json_kind(raw: bytes) -> str:
         return type(json.loads(raw)).__name__
     except ValueError:
         return "something else"
-
-
-def _short(value, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _both(first, second):

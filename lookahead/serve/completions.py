@@ -12,18 +12,19 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
 
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError
 
-from lookahead.loop import FINISH_REASONS, QueueFull, TokenLogprob
+from lookahead.loop import FINISH_REASONS, QueueFull
 from lookahead.request import Request as EngineRequest
 from lookahead.structured import GrammarError
 
 from .errors import CLIENT_CLOSED, APIError, bad_request, overloaded
+from .formats import ChatFormat, CompletionFormat, usage
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .submission import Submission
 from .tool_formats import detect, template_input
@@ -33,6 +34,22 @@ from .tools import ToolMode, answered_calls
 # ended (it is shutting down) is "abort", vLLM's name for it; the openai client takes any string here
 API_FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort"}
 assert set(API_FINISH_REASONS) == set(FINISH_REASONS) - {"error"}
+
+
+@dataclass(frozen=True)
+class _Asked:
+    """One generating request as the engine runs it: its body, its prompt's ids (and the field they came from), its
+    response's format, its grammar (None: free text; and the field that asked for it), and with tools what makes the
+    grammar of a plain answer, asked for when the answer only repeats calls answered already (`ToolMode.repeats`):
+    the request is then answered again under it, in text."""
+
+    body: ChatCompletionRequest | CompletionRequest
+    prompt: list[int]
+    prompt_param: str
+    fmt: ChatFormat | CompletionFormat
+    grammar: object = None
+    grammar_param: str | None = None
+    text_grammar: Callable[[], Awaitable[object]] | None = None
 
 
 async def chat(served, request: Request, body: ChatCompletionRequest) -> Response:
@@ -46,8 +63,8 @@ async def chat(served, request: Request, body: ChatCompletionRequest) -> Respons
     if tools is not None and tools.answered and tools.choice == "auto":  # (for an answer that repeats a call)
         async def text_grammar():
             return await _grammar(served, tools.text_only().schema(), param)
-    return await _generate(served, request, body, prompt, ChatFormat(served, body, tools), "messages", grammar, param,
-                           text_grammar)
+    return await _generate(served, request, _Asked(body, prompt, "messages", ChatFormat(served, body, tools), grammar,
+                                                   param, text_grammar))
 
 
 async def complete(served, request: Request, body: CompletionRequest) -> Response:
@@ -60,8 +77,8 @@ async def complete(served, request: Request, body: CompletionRequest) -> Respons
         prompt = body.prompt
         _check_ids(prompt, served.vocab_size, "prompt")
     grammar = await _grammar(served, body.json_schema, "response_format")
-    return await _generate(served, request, body, prompt, CompletionFormat(served, body), "prompt", grammar,
-                           "response_format")
+    return await _generate(served, request, _Asked(body, prompt, "prompt", CompletionFormat(served, body), grammar,
+                                                   "response_format"))
 
 
 async def _grammar(served, schema, param: str):
@@ -107,12 +124,10 @@ def _check_ids(ids: list[int], vocab_size: int, param: str) -> None:
         raise bad_request(f"{param}: token id(s) {bad[:5]} outside the vocabulary [0, {vocab_size})", param)
 
 
-async def _generate(served, request: Request, body, prompt: list[int], fmt, prompt_param: str,
-                    grammar=None, grammar_param: str | None = None, text_grammar=None) -> Response:
-    """text_grammar: with tools, what makes the grammar of a plain answer, asked for when the answer only repeats
-    calls answered already (`ToolMode.repeats`): the request is then answered again under it, in text."""
+async def _generate(served, request: Request, asked: _Asked) -> Response:
     arrival = time.perf_counter()
-    limit = _limit(served, body, len(prompt), prompt_param)
+    body, prompt, fmt, text_grammar = asked.body, asked.prompt, asked.fmt, asked.text_grammar
+    limit = _limit(served, body, len(prompt), asked.prompt_param)
     stop_ids = () if body.ignore_eos else served.eos_token_ids
     if body.stop_token_ids:
         _check_ids(body.stop_token_ids, served.vocab_size, "stop_token_ids")
@@ -135,10 +150,9 @@ async def _generate(served, request: Request, body, prompt: list[int], fmt, prom
     async def again() -> Submission:
         return submit(await text_grammar())
 
-    submission = submit(grammar)
+    submission = submit(asked.grammar)
     if body.stream:
-        return _Stream(_sse(submission, fmt, body.include_usage, len(prompt), grammar_param,
-                            again if text_grammar else None), submission)
+        return _Stream(_sse(submission, asked, again if text_grammar else None), submission)
     final = await _until_done(submission, request)
     if final is not None and text_grammar is not None and final[2].finish_reason == "stop" and fmt.repeats(final[0]):
         submission = await again()
@@ -147,7 +161,7 @@ async def _generate(served, request: Request, body, prompt: list[int], fmt, prom
         return Response(status_code=CLIENT_CLOSED)
     text, logprobs, last = final
     if last.finish_reason == "error":
-        raise _failed(submission, last, grammar_param)
+        raise _failed(submission, last, asked.grammar_param)
     if last.finish_reason == "cancelled":  # the server is stopping (a client that left gets nothing): a cut answer
         # is an error, so that a client that ignores finish_reason does not take it for the whole answer
         raise overloaded(f"the server is shutting down: the answer was cut after {len(last.result.tokens)} tokens; "
@@ -228,10 +242,10 @@ def _failed(submission: Submission, last, grammar_param: str | None) -> APIError
     return APIError(500, f"generation failed: {last.error}")
 
 
-async def _sse(submission: Submission, fmt, include_usage: bool, prompt_tokens: int,
-               grammar_param: str | None = None, again=None) -> AsyncIterator[str]:
+async def _sse(submission: Submission, asked: _Asked, again=None) -> AsyncIterator[str]:
     """again: where set, an answer that only repeats calls answered already is answered again, in text, by the
     submission it makes (calls are held to the end: none has gone out)."""
+    fmt, include_usage, prompt_tokens = asked.fmt, asked.body.include_usage, len(asked.prompt)
     try:
         # the role chunk goes out with the first token, not before the prefill: clients time the first token from
         # the first chunk
@@ -243,7 +257,7 @@ async def _sse(submission: Submission, fmt, include_usage: bool, prompt_tokens: 
                     yield _data(chunk, include_usage)
                 opening = []
                 if event.finish_reason == "error":
-                    yield _data(_failed(submission, event, grammar_param).body(), False)
+                    yield _data(_failed(submission, event, asked.grammar_param).body(), False)
                     break
                 if event.text or event.logprobs:
                     chunk = fmt.chunk(event.text, event.logprobs or [], None)
@@ -272,127 +286,3 @@ def _data(chunk: dict, include_usage: bool) -> str:
     if include_usage and "usage" not in chunk:
         chunk["usage"] = None
     return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
-
-
-def usage(result, prompt_tokens: int) -> dict:
-    """OpenAI's usage, with the cached prompt tokens and the forward passes (S = tokens per forward pass)."""
-    tokens = len(result.tokens)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": tokens, "total_tokens": prompt_tokens + tokens,
-            "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
-            "lookahead": {"steps": result.steps, "compression": round(result.compression, 4)}}
-
-
-class ChatFormat:
-    """`chat.completion` and `chat.completion.chunk` objects. With tools, the answer (`lookahead.serve.tools`) becomes
-    `tool_calls` (finish_reason "tool_calls"; on "length" the calls complete before the cut) or content; streamed, a
-    plain answer's text goes out as it comes, the calls whole in the last chunk."""
-
-    def __init__(self, served, body: ChatCompletionRequest, tools: ToolMode | None = None) -> None:
-        self.id, self.created, self.model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), served.model_name
-        self.token_text = served.token_text
-        self.tools = tools
-        self.reader = tools.reader() if tools is not None else None  # with tools: reads the answer as it comes
-
-    def _object(self, kind: str, choices: list) -> dict:
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
-
-    def start(self) -> list[dict]:
-        return [self._object("chat.completion.chunk", [
-            {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])]
-
-    def chunk(self, text: str, logprobs: list[TokenLogprob], finish: str | None) -> dict | None:
-        delta = {"content": text} if text or not finish else {}
-        if self.reader is not None:
-            content, calls = self.reader.feed(text), None
-            if finish is not None:
-                rest, calls = self.reader.finish()
-                content += rest or ""
-            if calls:
-                delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
-                finish = "tool_calls" if finish == "stop" else finish
-            elif content or finish is not None:
-                delta = {"content": content} if content else {}
-            else:
-                return None
-            logprobs = []
-        return self._object("chat.completion.chunk", [
-            {"index": 0, "delta": delta, "logprobs": self._logprobs(logprobs) if logprobs else None,
-             "finish_reason": finish}])
-
-    def usage_chunk(self, usage: dict) -> dict:
-        return {**self._object("chat.completion.chunk", []), "usage": usage}
-
-    def repeats(self, text: str | None = None) -> bool:
-        """Whether the answer (`text`; None: the one streamed so far, whole) only repeats calls answered already."""
-        if self.reader is None:
-            return False
-        reader = self.reader
-        if text is not None:
-            reader = self.tools.reader()
-            reader.feed(text)
-        return self.tools.repeats(reader.calls())
-
-    def restart(self) -> None:
-        """Read a new answer (the request is answered again)."""
-        self.reader = self.tools.reader()
-
-    def response(self, text: str, logprobs: list[TokenLogprob] | None, finish: str, usage: dict) -> dict:
-        message = {"role": "assistant", "content": text}
-        if self.reader is not None:
-            content = self.reader.feed(text)
-            rest, calls = self.reader.finish()
-            message = {"role": "assistant", "content": None if calls else content + (rest or "")}
-            if calls:
-                message["tool_calls"] = calls
-                finish = "tool_calls" if finish == "stop" else finish
-        choice = {"index": 0, "message": message,
-                  "logprobs": self._logprobs(logprobs) if logprobs else None, "finish_reason": finish}
-        return {**self._object("chat.completion", [choice]), "usage": usage}
-
-    def _logprobs(self, logprobs: list[TokenLogprob]) -> dict:
-        def entry(token: int, logprob: float) -> dict:
-            text, data = self.token_text(token)
-            return {"token": text, "logprob": max(logprob, -9999.0), "bytes": data}
-
-        return {"content": [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, p) for t, p in lp.top]}
-                            for lp in logprobs], "refusal": None}
-
-
-class CompletionFormat:
-    """`text_completion` objects, streamed or not; logprobs in the legacy shape (tokens, token_logprobs,
-    top_logprobs, text_offset)."""
-
-    def __init__(self, served, body: CompletionRequest) -> None:
-        self.id, self.created, self.model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), served.model_name
-        self.token_text = served.token_text
-        self.offset = 0  # text_offset of the next token
-
-    def _object(self, choices: list) -> dict:
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": choices}
-
-    def start(self) -> list[dict]:
-        return []
-
-    def chunk(self, text: str, logprobs: list[TokenLogprob], finish: str | None) -> dict:
-        return self._object([{"index": 0, "text": text, "logprobs": self._logprobs(logprobs) if logprobs else None,
-                              "finish_reason": finish}])
-
-    def usage_chunk(self, usage: dict) -> dict:
-        return {**self._object([]), "usage": usage}
-
-    def response(self, text: str, logprobs: list[TokenLogprob] | None, finish: str, usage: dict) -> dict:
-        choice = {"index": 0, "text": text, "logprobs": self._logprobs(logprobs) if logprobs else None,
-                  "finish_reason": finish}
-        return {**self._object([choice]), "usage": usage}
-
-    def _logprobs(self, logprobs: list[TokenLogprob]) -> dict:
-        tokens, offsets = [], []
-        for lp in logprobs:
-            text = self.token_text(lp.token)[0]
-            tokens.append(text)
-            offsets.append(self.offset)
-            self.offset += len(text)
-        return {"tokens": tokens, "token_logprobs": [max(lp.logprob, -9999.0) for lp in logprobs],
-                "top_logprobs": [{self.token_text(t)[0]: max(p, -9999.0) for t, p in lp.top} for lp in logprobs],
-                "text_offset": offsets}

@@ -26,52 +26,10 @@ from lookahead.loop import MAX_LOGPROBS
 from lookahead.request import SEED_SPAN, SamplingParams
 
 from .errors import FieldError
-from .tools import TOOL_NAME, calls_text, check_tools
+from .fields import IGNORED, TEMPLATE_OWN, check_response_format, check_stops, check_supported, short
+from .tools import calls_text, check_tools
 
-MAX_STOPS = 4  # stop strings per request (OpenAI's limit)
-MAX_STOP_CHARS = 1024  # characters per stop string: each is matched on the engine's thread, every token
 COMPLETION_MAX_TOKENS = 16  # /v1/completions' default max_tokens, as OpenAI's
-
-
-def _neutral(value: Any, *neutral: Any) -> bool:
-    return value is None or any(value == n and type(value) is type(n) for n in neutral)
-
-
-# fields OpenAI (or vLLM) defines that this server cannot honour: each is accepted only at a neutral value
-UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "functions": (([],), "the deprecated functions are not supported: give tools"),
-    "function_call": (("none",), "the deprecated function_call is not supported: give tool_choice"),
-    "logit_bias": (({},), "logit_bias is not supported"),
-    "presence_penalty": ((0, 0.0), "penalties are not supported (only 0)"),
-    "frequency_penalty": ((0, 0.0), "penalties are not supported (only 0)"),
-    "repetition_penalty": ((1, 1.0), "penalties are not supported (only 1)"),
-    "min_p": ((0, 0.0), "min_p is not supported (only 0)"),
-    "min_tokens": ((0,), "min_tokens is not supported (only 0)"),
-    "modalities": ((["text"],), "only the text modality is supported"),
-    "audio": ((), "audio output is not supported"),
-    "prediction": ((), "predicted outputs are not supported"),
-    "store": ((False,), "stored completions are not supported"),
-    "best_of": ((1,), "best_of > 1 is not supported (one sequence per request)"),
-    "echo": ((False,), "echo is not supported"),
-    "suffix": (("",), "suffix (insertion) is not supported"),
-    "verbosity": (("medium",), "verbosity is not supported (only 'medium')"),
-    "skip_special_tokens": ((True,), "only skip_special_tokens true is supported"),
-    "spaces_between_special_tokens": ((True,), "only spaces_between_special_tokens true is supported"),
-    "include_stop_str_in_output": ((False,), "include_stop_str_in_output is not supported (only false)"),
-    "chat_template": ((), "a request's own chat_template is not supported (the model's is used)"),
-    "continue_final_message": ((False,), "continue_final_message is not supported (only false)"),
-    "typical_p": ((1, 1.0), "typical_p is not supported (only 1)"),
-    "mirostat": ((0,), "mirostat is not supported (only 0)"),
-}
-# fields of the chat endpoint only
-CHAT_ONLY = {"tools": [], "tool_choice": "none", "parallel_tool_calls": True}
-RESPONSE_FORMATS = ("text", "json_object", "json_schema")
-# fields accepted at any value and ignored, since none changes the answer: the openai SDK's hints
-# (prompt_cache_key, safety_identifier), and vLLM's and llama-server's scheduling and caching extras
-IGNORED = ("prompt_cache_key", "safety_identifier", "cache_prompt", "priority", "request_id")
-# chat_template_kwargs that the server sets itself
-TEMPLATE_OWN = ("conversation", "messages", "tokenize", "return_dict", "return_tensors", "add_generation_prompt",
-                "chat_template", "tools", "documents", "continue_final_message")
 
 
 class _Body(BaseModel):
@@ -135,52 +93,13 @@ class _Generation(_Body):
     @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            for name, (neutral, why) in UNSUPPORTED.items():
-                if name in data and name in cls.model_fields and not _neutral(data[name], *neutral):
-                    raise FieldError(name, f"{name}: {why}; got {_short(data[name])}")
-            if cls is not ChatCompletionRequest:
-                for name, neutral in CHAT_ONLY.items():
-                    if not _neutral(data.get(name), neutral):
-                        raise FieldError(name, f"{name}: tool calling is for /v1/chat/completions; got "
-                                         f"{_short(data[name])}")
+            check_supported({k: v for k, v in data.items() if k in cls.model_fields}, cls is ChatCompletionRequest)
         return data
 
     @field_validator("response_format")
     @classmethod
     def _response_format(cls, value: Any) -> dict | None:
-        """None, {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema",
-        "description", "strict"}}; the schema itself is the grammar engine's to judge (a 400 naming what it cannot
-        compile)."""
-        if value is None:
-            return None
-        if not isinstance(value, dict) or value.get("type") not in RESPONSE_FORMATS:
-            raise FieldError("response_format", f"response_format: must be an object whose type is one of "
-                             f"{', '.join(RESPONSE_FORMATS)}; got {_short(value)}")
-        kind = value["type"]
-        extra = sorted(set(value) - {"type", "json_schema"})
-        if extra or (kind != "json_schema" and "json_schema" in value):
-            raise FieldError("response_format", "response_format: unexpected field(s) "
-                             f"{', '.join(extra) or 'json_schema'} for type {kind!r}")
-        if kind != "json_schema":
-            return value
-        spec = value.get("json_schema")
-        if not isinstance(spec, dict):
-            raise FieldError("response_format.json_schema", "response_format.json_schema: an object with the schema "
-                             f"is required for type 'json_schema'; got {_short(spec)}")
-        unknown = sorted(set(spec) - {"name", "schema", "description", "strict"})
-        if unknown:
-            raise FieldError(f"response_format.json_schema.{unknown[0]}", "response_format.json_schema: unknown "
-                             f"field(s) {', '.join(unknown)}")
-        if not isinstance(spec.get("name"), str) or not TOOL_NAME.fullmatch(spec["name"]):
-            raise FieldError("response_format.json_schema.name", "response_format.json_schema.name: required, 1-64 "
-                             f"letters, digits, '_' or '-'; got {_short(spec.get('name'))}")
-        if not isinstance(spec.get("schema", {}), dict):
-            raise FieldError("response_format.json_schema.schema", "response_format.json_schema.schema: must be a "
-                             f"JSON schema (an object); got {_short(spec.get('schema'))}")
-        if "strict" in spec and not isinstance(spec["strict"], bool | None):
-            raise FieldError("response_format.json_schema.strict", "response_format.json_schema.strict: must be a "
-                             f"boolean; got {_short(spec['strict'])}")
-        return value
+        return check_response_format(value)
 
     @property
     def json_schema(self) -> dict | None:
@@ -196,17 +115,7 @@ class _Generation(_Body):
     @field_validator("stop")
     @classmethod
     def _stop(cls, value: Any) -> tuple[str, ...]:
-        stops = () if value is None else (value,) if isinstance(value, str) else value
-        if not isinstance(stops, list | tuple) or not all(isinstance(s, str) for s in stops):
-            raise ValueError(f"must be a string or a list of strings, got {_short(value)}")
-        if len(stops) > MAX_STOPS:
-            raise ValueError(f"at most {MAX_STOPS} stop strings, got {len(stops)}")
-        if any(not s for s in stops):
-            raise ValueError("a stop string must not be empty")
-        longest = max(map(len, stops), default=0)
-        if longest > MAX_STOP_CHARS:
-            raise ValueError(f"a stop string may hold at most {MAX_STOP_CHARS} characters, got one of {longest}")
-        return tuple(stops)
+        return check_stops(value)
 
     @model_validator(mode="after")
     def _check_together(self):
@@ -288,13 +197,13 @@ class ChatMessage(_Body):
         if value is None or isinstance(value, str):
             return value
         if not isinstance(value, list):
-            raise ValueError(f"must be a string or a list of text parts, got {_short(value)}")
+            raise ValueError(f"must be a string or a list of text parts, got {short(value)}")
         texts = []
         for i, part in enumerate(value):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise ValueError(f"part {i}: only text parts ({{'type': 'text', 'text': ...}}) are supported, "
-                                 f"got {_short(kind)}")
+                                 f"got {short(kind)}")
             texts.append(part["text"])
         return "\n".join(texts)
 
@@ -395,7 +304,7 @@ class CompletionRequest(_Generation):
                              "one request each")
         if isinstance(value, list) and not value:
             raise ValueError("is empty; give a string or a list of token ids")
-        raise ValueError(f"must be a string or a list of token ids, got {_short(value)}")
+        raise ValueError(f"must be a string or a list of token ids, got {short(value)}")
 
     @property
     def limit(self) -> int | None:
@@ -413,7 +322,3 @@ class CompletionRequest(_Generation):
     def engine_logprobs(self) -> int | None:
         return self.logprobs
 
-
-def _short(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."

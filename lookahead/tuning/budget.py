@@ -262,16 +262,18 @@ class StepBudget:
             before = now
         return worths
 
-    def record(self, tokens: int, length: int, step_seconds: float, expected: Sequence[float],
-               accepted: Sequence[int], loop_seconds: float = 0.0, observe: bool = True) -> None:
-        """What a step did: it fed `tokens` tokens (every row) whose mean cache length was `length`, the model took
-        `step_seconds`, the loop's own work for it (planning, drafting, verifying, sending) `loop_seconds`, and each
-        lookahead row that verified nodes accepted `accepted[i]` of them where its scores expected `expected[i]`
-        (uncalibrated). observe: the cost model learns the step's time (False: another budget of the step taught it
-        already)."""
+    def record_cost(self, tokens: int, length: int, step_seconds: float, loop_seconds: float = 0.0,
+                    observe: bool = True) -> None:
+        """What a step cost: it fed `tokens` tokens (every row) whose mean cache length was `length`, the model took
+        `step_seconds`, the loop's own work for it (planning, drafting, verifying, sending) `loop_seconds`. observe:
+        the cost model learns the step's time (False: another budget of the step taught it already)."""
         if observe:
             self.cost.observe(self.round_up(tokens), length, step_seconds, self.kind)
         self.host += HOST_RATE * (max(loop_seconds, 0.0) - self.host)
+
+    def record_drafts(self, expected: Sequence[float], accepted: Sequence[int]) -> None:
+        """What a step's drafts gave: each lookahead row that verified nodes accepted `accepted[i]` of them where its
+        scores expected `expected[i]` (uncalibrated)."""
         for promised, got in zip(expected, accepted, strict=True):
             band = bisect.bisect_right(CALIBRATION_BANDS, promised)
             self.expected[band] += promised

@@ -5,12 +5,12 @@ how to run one pass of a step on its model and what describes its model.
 
 What a request needs: with `LookaheadConfig(budget="auto")` and the tree form, a curve of its kind of step ("greedy"
 or "sampling") up to its largest step, all rows together. A cost model the user set (an empty key) is used as it is;
-otherwise the model's own, else the cached file's, measured now for what it lacks (`store.prepared`).
+otherwise the model's own, else the cached file's, measured now for what it lacks (`prepared`).
 
 How it is measured: one untimed pass per step size (it prepares the shape: a kernel compile, a graph capture), then
 a timed pass of each at cache length 0 and one at a longer length (the cost per cached position), then up to
 `REPEATS - 1` more at length 0 while `MEASURE_BUDGET_S` lasts (a first start on a slow CPU took a minute before the
-bound), fitted by `cost.fit` (medians, made monotone); the steps keep the curve current after. The longer length is
+bound), fitted by `curve.fit` (medians, made monotone); the steps keep the curve current after. The longer length is
 what the adapter can hold (`MIN_SPAN` at least, else the cost per position is left to the steps to learn:
 `Curve.observe`). Each round is logged (`lookahead.tuning`, INFO: the command shows it as a progress line).
 """
@@ -20,11 +20,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 from lookahead.config import LookaheadConfig
 
-from .cost import CostModel, Curve, fit
-from .store import Saver, device_label, prepared, versions
+from .cost import CostModel
+from .curve import Curve, fit
+from .store import Saver, device_label, load_or_new, versions
 
 REPEATS = 3  # timed passes per step size at the shortest cache length (one at the longest): a median
 MIN_SPAN = 256  # cache positions between the two lengths timed; below it the cost per position is not measured
@@ -39,25 +41,71 @@ def self_tuned(cfg: LookaheadConfig | None) -> bool:
     return cfg is not None and cfg.budget == "auto" and cfg.form == "tree"
 
 
-def cost_model_for(current: CostModel | None, cfg: LookaheadConfig | None, greedy: bool, tokens: int,
-                   key: Callable[[], Mapping], measure: Callable[[], Curve], saver: Saver) -> CostModel | None:
+@dataclass(frozen=True)
+class Wanted:
+    """The curve a self-tuned request's steps are sized by: of its kind of step (greedy or sampled) up to steps of
+    `tokens` tokens, all rows together."""
+
+    greedy: bool
+    tokens: int
+
+    @property
+    def kind(self) -> str:
+        return "greedy" if self.greedy else "sampling"
+
+
+@dataclass(frozen=True)
+class Source:
+    """How an adapter gets the curve its model lacks: the cache file's key (`key()`, what describes the model and the
+    machine) and a measurement on the model (`measure()`); each called only where it is needed."""
+
+    key: Callable[[], Mapping]
+    measure: Callable[[], Curve]
+
+
+def cost_model_for(current: CostModel | None, cfg: LookaheadConfig | None, wanted: Wanted, source: Source,
+                   saver: Saver) -> CostModel | None:
     """The cost model a request sizes its steps by: None for plain decoding or full-size steps; `current` if the user
-    set it (its key is empty); else one for `key()` with a curve of the request's kind up to steps of `tokens` tokens
-    (all rows), measured by `measure()` now if neither `current` nor the cache file has it."""
+    set it (its key is empty); else `prepared`'s."""
     if not self_tuned(cfg):
         return None
     if current is not None and not current.key:
         return current
-    return prepared(current, key(), "greedy" if greedy else "sampling", tokens, measure, saver)
+    return prepared(current, wanted, source, saver)
 
 
-def time_steps(run: Callable[[int, int], None], sizes: Sequence[int], rows: int, longest: int, quick: bool,
-               clock: Callable[[], float] = time.perf_counter, budget_s: float = MEASURE_BUDGET_S) -> Curve:
-    """A curve from timed passes: `run(i, length)` runs one pass of step `i` (of `sizes[i]` tokens per row, `rows`
-    rows) at cache length `length` and returns when the device is done. Every step once untimed at length 0, then a
-    timed pass of each at length 0 and at `longest` (if at least `MIN_SPAN`), then `REPEATS - 1` more at length 0
-    unless `budget_s` seconds have passed since the start; `quick` (under Triton's interpreter, where timings mean
-    nothing): one timed pass at length 0. Logs a line per round (the command's progress)."""
+def prepared(cost: CostModel | None, wanted: Wanted, source: Source, saver: Saver) -> CostModel:
+    """The cost model for `source.key()` with the `wanted` curve: `cost` if it was measured for that key, else the one
+    cached for it (or a new one); a missing curve or range is measured by `source.measure()` now and the model
+    saved."""
+    key = source.key()
+    if cost is None or cost.key != dict(key):
+        cost = load_or_new(key)
+    if not cost.covers(wanted.kind, wanted.tokens):
+        cost.extend(wanted.kind, source.measure())
+        saver.now(cost)
+    return cost
+
+
+@dataclass(frozen=True)
+class Passes:
+    """The passes `time_steps` times: a step of `sizes[i]` tokens per row for each i, over `rows` rows, at cache
+    length 0 and at `longest` (if at least `MIN_SPAN`); `quick` (under Triton's interpreter, where timings mean
+    nothing): one timed pass at length 0."""
+
+    sizes: Sequence[int]
+    rows: int
+    longest: int
+    quick: bool
+
+
+def time_steps(run: Callable[[int, int], None], passes: Passes, clock: Callable[[], float] = time.perf_counter,
+               budget_s: float = MEASURE_BUDGET_S) -> Curve:
+    """A curve from timed passes: `run(i, length)` runs one pass of step `i` at cache length `length` and returns when
+    the device is done. Every step once untimed at length 0, then a timed pass of each at length 0 and at the longer
+    length, then `REPEATS - 1` more at length 0 unless `budget_s` seconds have passed since the start (`Passes`). Logs
+    a line per round (the command's progress)."""
+    sizes, rows, longest, quick = passes.sizes, passes.rows, passes.longest, passes.quick
     far = [longest] if longest >= MIN_SPAN and not quick else []
     lengths = [0, *far, *([0] * (0 if quick else REPEATS - 1))]
     rounds, started = 1 + len(lengths), clock()

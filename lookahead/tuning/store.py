@@ -16,14 +16,14 @@ import json
 import platform
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from functools import cache
 from importlib import metadata
 from pathlib import Path
 
 from lookahead.paths import ENV_CACHE_DIR, cache_root
 
-from .cost import CostModel, Curve
+from .cost import CostModel
 
 SAVE_EVERY = 60.0  # seconds between writes of the curves the steps keep current
 
@@ -60,19 +60,6 @@ def _cannot_keep(where: str, why: str) -> None:
     warnings.warn(f"cannot keep the measured step costs in {where} ({why}); they are kept in memory for "
                   f"this process only (set {ENV_CACHE_DIR} to a writable folder to keep them)", RuntimeWarning,
                   stacklevel=3)
-
-
-def prepared(cost: CostModel | None, key: Mapping, kind: str, tokens: int, measure: Callable[[], Curve],
-             saver: Saver) -> CostModel:
-    """The cost model for `key` with a `kind` curve up to steps of `tokens` tokens: `cost` if it was measured for
-    `key`, else the one cached for it (or a new one); a missing curve or range is measured by `measure` now and
-    the model saved."""
-    if cost is None or cost.key != dict(key):
-        cost = load_or_new(key)
-    if not cost.covers(kind, tokens):
-        cost.extend(kind, measure())
-        saver.now(cost)
-    return cost
 
 
 class Saver:
