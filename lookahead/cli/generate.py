@@ -32,6 +32,7 @@ from .report import (
     peer_rates,
     probe_plain,
     summary,
+    whole_answer_rate,
     why_plain,
     why_slower,
 )
@@ -177,7 +178,7 @@ def _run(args: argparse.Namespace, parallel, say) -> int:
     if args.compare:
         return _compare(args, model, tokenizer, lookahead, prompt_ids)
     printing = parallel is None or parallel[2] == 0
-    if parallel is None and lookahead is not None and lookahead.budget == "auto":
+    if parallel is None:  # plain too: a cold answer's rate held its first call's costs (its prefill 4x), not a probe's
         _prepare(model, lookahead, len(prompt_ids) + args.max_new_tokens, args.temperature > 0, say)
     printer = StreamPrinter(tokenizer, args.show_steps, color=sys.stdout.isatty()) if printing else None
     stamps: list[float] = []  # when each token arrived: the answer's decoding rate, timed as plain's is
@@ -193,6 +194,7 @@ def _run(args: argparse.Namespace, parallel, say) -> int:
     if lookahead is not None:
         passes = pass_cost(model, result, len(prompt_ids))[1]
         why = why_slower(result, decoding_rate(result, stamps), rate, why, passes) or why
+        rate = whole_answer_rate(rate, len(result.tokens), stamps[0] - start if stamps else None)  # as the line times
     dtype = dtype_name(model)
     print(summary(run, lookahead, 1 if parallel is None else parallel[1], Notes(dtype, rate, peer_rates(dtype), why)),
           file=sys.stderr)
@@ -209,8 +211,9 @@ def _stamped(stream, stamps: list[float]):
 
 
 def _prepare(model, lookahead, positions: int, sampling: bool, say) -> None:
-    """Before a self-tuned answer is timed: its KV cache, and the machine's step costs measured if no cost file has
-    them yet (a few seconds, once), so the summary's tokens/s is the answer's, not the measurement's."""
+    """Before an answer is timed: its KV cache, the first call's one-time costs, and the machine's step costs
+    measured if no cost file has them yet (a few seconds, once), so the summary's tokens/s is the answer's, not the
+    measurement's, and a plain answer's is what the probe beside a lookahead answer times (`baseline`)."""
     before = model.measuring_seconds
     model.warmup(lookahead, max_tokens=max(2, min(positions, model.config.max_position_embeddings)), sampling=sampling)
     seconds = model.measuring_seconds - before  # only what was measured now: a cost file read is no measurement

@@ -158,6 +158,15 @@ def decoding_rate(result, stamps: list[float]) -> float | None:
     return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
+def whole_answer_rate(decoding: float | None, tokens: int, first_token_seconds: float | None) -> float | None:
+    """Tokens per second of a whole answer of `tokens` tokens whose first came after `first_token_seconds` (the
+    prefill) and the rest at `decoding` tokens/s: a probe's plain rate (`probe_plain`, prefill excluded) as the summary
+    line times an answer, prefill included, so the two sit side by side."""
+    if decoding is None or first_token_seconds is None or tokens < 1:
+        return decoding
+    return tokens / (first_token_seconds + (tokens - 1) / decoding)
+
+
 def why_slower(result, rate: float | None, plain_rate: float | None, why: str | None = None,
                passes: float | None = None) -> str | None:
     """Where lookahead decoded slower than plain decoding here (`rate` against `plain_rate`, tokens/s timed alike),
