@@ -208,8 +208,9 @@ class Llama(nn.Module):
     def uses_cpu_kernels(self) -> bool:
         """Whether the batch-invariant mode runs on the package's compiled CPU kernels here
         (`lookahead.kernels.cpu_kernels`; compiled on the first call, once per machine): its GEMMs, attention and whole
-        decoder layers; else on torch's GEMMs through row plans."""
-        return self.device.type == "cpu" and self._invariant_ops.uses_cpu_kernels()
+        decoder layers; else on torch's GEMMs through row plans. The mode on and `invariant.runs_cpu_kernels` for the
+        model's device: what the runner's attention, the cost key and the mode's linears follow."""
+        return self._batch_invariant and self._invariant_ops.runs_cpu_kernels(self.device)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -11,7 +11,7 @@ from lookahead.backends import choose_backend
 from lookahead.kernels import interpreting
 from lookahead.kernels.cpu_kernels import bf16_dot_products, failure
 
-from .invariant import cpu_kernels_built
+from .invariant import runs_cpu_kernels
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_VARIABLE = "LOOKAHEAD_DTYPE"  # the environment's default dtype, where from_pretrained is given none
@@ -48,7 +48,7 @@ def default_dtype(device: torch.device, batch_invariant: bool) -> tuple[torch.dt
         return torch.float32, "this CPU has no bf16 dot products"
     if not batch_invariant:
         return torch.float32, "without the batch-invariant mode 16-bit may flip near-ties"
-    if not cpu_kernels_built():  # torch's GEMMs through row plans read bf16 weights as float32 copies: no faster
+    if not runs_cpu_kernels(device):  # torch's GEMMs through row plans read bf16 weights as float32 copies: no faster
         return torch.float32, f"the package's CPU kernels could not be built here: {failure()}"
     return torch.bfloat16, f"this CPU has bf16 dot products ({feature}), and the batch-invariant mode keeps it exact"
 

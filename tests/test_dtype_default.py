@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import lookahead.models.invariant as invariant
 import lookahead.models.placement as placement
 from lookahead import LookaheadConfig
 from lookahead.cli import main
@@ -64,7 +65,7 @@ def test_the_default_follows_the_cpu_and_the_mode(unpinned):
 
 def test_without_the_cpu_kernels_the_default_stays_float32(unpinned, monkeypatch):
     """Without a compiler the mode runs torch's GEMMs on float32 copies of the weights: bfloat16 gains nothing."""
-    monkeypatch.setattr(placement, "cpu_kernels_built", lambda: False)
+    monkeypatch.setattr(invariant, "cpu_kernels_built", lambda: False)
     monkeypatch.setattr(placement, "failure", lambda: "no C++ compiler found (c++: not found)")
     assert default_dtype(CPU, batch_invariant=True) == (
         torch.float32, "the package's CPU kernels could not be built here: no C++ compiler found (c++: not found)")
