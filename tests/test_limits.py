@@ -76,3 +76,53 @@ def test_a_transformers_model_on_the_meta_device_is_refused_by_name(tiny_checkpo
         model = LlamaForCausalLM(AutoConfig.from_pretrained(tiny_checkpoint()))
     with pytest.raises(ValueError, match="hf_model holds no weights: .* on the meta device .*init_empty_weights"):
         lh.generate(model, [1, 2, 3], 4)
+
+
+@pytest.mark.parametrize("prompt, new", [(10, 6), (10, 7), (15, 1), (16, 1), (3, 40)], ids=lambda n: str(n))
+def test_every_front_decides_prompt_plus_limit_alike(prompt, new):
+    """Whether a prompt and its new tokens fit the model's positions is decided once (`request.check_context`):
+    `generate`'s request, the engine's submit and the server's limit (with max_tokens given, and without: what
+    remains) take the same requests and refuse the same, at the same edge (prompt + max_new_tokens == positions
+    fits), and each refusal says what was too long and what to change."""
+    from types import SimpleNamespace
+
+    from helpers import MockRowModel
+    from lookahead.loop import Capacity, Engine
+    from lookahead.request import GenerateArgs, Request, Target, parse_request
+    from lookahead.serve.completions import _limit
+    from lookahead.serve.errors import APIError
+    from lookahead.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+    positions, ids = 16, [1] * prompt
+    fits = prompt + new <= positions
+    served = SimpleNamespace(max_positions=positions)
+    messages = []
+
+    def refused(check) -> bool:
+        try:
+            check()
+        except (ValueError, APIError) as e:
+            messages.append(str(e))
+            return True
+        return False
+
+    engine = Engine(MockRowModel(24), capacity=Capacity(max_positions=positions))
+    answers = {
+        "generate": refused(lambda: parse_request(ids, GenerateArgs(new), Target(24, positions))),
+        "engine": refused(lambda: engine.submit(Request([ids], new))),
+        "server": refused(lambda: _limit(served, CompletionRequest(model="m", prompt=ids, max_tokens=new), prompt,
+                                         "prompt")),
+    }
+    assert answers == dict.fromkeys(answers, not fits)
+    for message in messages[:2]:
+        assert f"prompt ({prompt} tokens) + max_new_tokens ({new}) = {prompt + new} exceeds the model's" in message
+        assert message.endswith("shorten the prompt or lower max_new_tokens")
+    if messages:
+        assert messages[2].startswith(f"This model's maximum context length is {positions} tokens. However, you "
+                                      f"requested {prompt + new} tokens") and "Please reduce" in messages[2]
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}])  # no limit: what remains
+    if prompt < positions:
+        remaining = _limit(served, chat, prompt, "messages")
+        assert remaining == positions - prompt and not refused(lambda: engine.submit(Request([ids], remaining)))
+    else:
+        assert refused(lambda: _limit(served, chat, prompt, "messages"))

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError
 
 from lookahead.loop import FINISH_REASONS, QueueFull
+from lookahead.request import ContextExceeded, check_context, room
 from lookahead.request import Request as EngineRequest
 from lookahead.structured import GrammarError
 
@@ -176,14 +177,16 @@ def _limit(served, body, prompt_tokens: int, prompt_param: str) -> int:
     limit = body.limit
     if positions is None:
         return limit if limit is not None else 256  # no known limit: a default the engine cannot overrun
-    if limit is None:
-        limit = positions - prompt_tokens
-    if limit < 1 or prompt_tokens + limit > positions:
-        param = prompt_param if body.limit is None or prompt_tokens >= positions else body.limit_param
+    if limit is None:  # what remains; at least one token, so that a prompt that fills the context is refused
+        limit = max(room(prompt_tokens, positions), 1)
+    try:
+        check_context(prompt_tokens, limit, positions)
+    except ContextExceeded:  # said in the OpenAI API's words, naming the field to change
+        param = prompt_param if body.limit is None or room(prompt_tokens, positions) < 1 else body.limit_param
         raise bad_request(f"This model's maximum context length is {positions} tokens. However, you requested "
-                          f"{prompt_tokens + max(limit, 1)} tokens ({prompt_tokens} in the {prompt_param}, "
-                          f"{max(limit, 1)} in the completion). Please reduce the length of the {prompt_param} "
-                          "or completion.", param, code="context_length_exceeded")
+                          f"{prompt_tokens + limit} tokens ({prompt_tokens} in the {prompt_param}, {limit} in the "
+                          f"completion). Please reduce the length of the {prompt_param} or completion.", param,
+                          code="context_length_exceeded") from None
     return limit
 
 
