@@ -147,11 +147,8 @@ def parse_request(prompt_ids: Any, args: GenerateArgs, target: Target, *, allow_
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     for i, prompt in enumerate(prompts):
-        if len(prompt) + max_new_tokens > max_positions:
-            name = f"{prompt_name}[{i}]" if batch else "prompt"
-            raise ValueError(f"{name} ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) = "
-                             f"{len(prompt) + max_new_tokens} exceeds the model's max_position_embeddings "
-                             f"({max_positions}); shorten the prompt or lower max_new_tokens")
+        check_context(len(prompt), max_new_tokens, max_positions, f"{prompt_name}[{i}]" if batch else "prompt",
+                      f"max_position_embeddings ({max_positions})")
     if ranks is not None:
         if batch:
             raise ValueError("process_group: lookahead parallelism decodes one prompt; give one prompt, not a batch")
@@ -181,6 +178,30 @@ def parse_request(prompt_ids: Any, args: GenerateArgs, target: Target, *, allow_
     stop = tuple(target.default_eos) if eos is None else token_ids(eos, "eos_token_id")
     return Request(tuple(map(tuple, prompts)), max_new_tokens, SamplingParams(args.temperature, args.top_k, args.top_p),
                    lookahead, frozenset(stop), seed, static, batch)
+
+
+class ContextExceeded(ValueError):
+    """A prompt and the new tokens asked after it need more positions than the model holds (`check_context`)."""
+
+
+def room(prompt_tokens: int, positions: int) -> int:
+    """The most new tokens a prompt of `prompt_tokens` tokens leaves in `positions` positions (every token of the
+    prompt and of the answer takes one); below 1 where the prompt alone fills them."""
+    return positions - prompt_tokens
+
+
+def check_context(prompt_tokens: int, max_new_tokens: int, positions: int, prompt: str = "prompt",
+                  held: str | None = None) -> None:
+    """`ContextExceeded` unless a prompt of `prompt_tokens` tokens and `max_new_tokens` new tokens fit in `positions`
+    positions (`room`): the one check of a request against its model's positions, which `parse_request` (so
+    `Llama.generate` and `lookahead.hf.generate`), `Engine.submit`, `lookahead.hf.custom_generate` and the server (its
+    400, in the OpenAI API's words) all make. `prompt`: what the message calls the prompt; `held`: what it calls the
+    positions (default "N positions")."""
+    if max_new_tokens > room(prompt_tokens, positions):
+        held = held or f"{positions} positions"
+        raise ContextExceeded(f"{prompt} ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) = "
+                              f"{prompt_tokens + max_new_tokens} exceeds the model's {held}; shorten the prompt or "
+                              "lower max_new_tokens")
 
 
 def check_stream(stream: Any) -> None:

@@ -57,6 +57,12 @@ class Paged:
         k_all, v_all = self.pool.write(layer, self.slots, k[0], v[0])
         return self.attend(layer, q, k_all, v_all)
 
+    def cpu_kernel_inputs(self) -> tuple[KVPool, torch.Tensor, KeyLists] | None:
+        """(pool, write slots, key lists) where the step attends through the CPU kernel's key lists (the runner's
+        choice, by `Llama.uses_cpu_kernels`): what the layers in one call take; None for any other attention."""
+        keys = self.attend
+        return (self.pool, self.slots, keys) if isinstance(keys, KeyLists) and keys.kind == "cpu" else None
+
 
 def paged(pool: KVPool, slots: torch.Tensor, attend: LayerAttention) -> Attend:
     """Write each layer's new K/V (of a packed step, [1, Hkv, ΣT, D]) at `slots` [ΣT] of the pool, then attend over

@@ -98,7 +98,7 @@ def config_of(reader, path: Path) -> tuple[LlamaConfig, dict]:
 def load(cls, path: Path, dtype: torch.dtype, device: torch.device, **options):
     """A `cls` (Llama) with the GGUF file's weights: quantized linears and embedding kept quantized on a CPU whose
     kernels are built, dequantized to `dtype` elsewhere (said in a warning)."""
-    from .invariant import cpu_kernels_built
+    from .invariant import runs_cpu_kernels
     from .rope import inverse_frequencies
 
     reader = read(path)
@@ -109,7 +109,7 @@ def load(cls, path: Path, dtype: torch.dtype, device: torch.device, **options):
         if kind not in FLOAT_TYPES and kind != "BF16" and kind not in quant.LAYOUTS:
             raise ValueError(f"{path}: tensor {t.name} is {kind}, which is not supported (supported: F32, F16, "
                              f"BF16, {', '.join(quant.TYPES)})")
-    keep = device.type == "cpu" and cpu_kernels_built()
+    keep = runs_cpu_kernels(device)
     loaded: set[str] = set()
     if not keep and any(t.tensor_type.name in quant.LAYOUTS for t in reader.tensors):
         why = "on CUDA" if device.type == "cuda" else "without the package's CPU kernels (no C++ compiler)"

@@ -21,7 +21,7 @@ from lookahead.kernels import cpu_kernels, quant
 from lookahead.kernels.row_plans import invariant_linear
 from lookahead.paths import cache_root
 
-from .attention import KeyLists, Paged
+from .attention import Paged
 from .quantized import QuantLinear
 
 
@@ -34,7 +34,7 @@ class InvariantOps:
     def __init__(self) -> None:
         # (ids, kind) -> (versions, addresses, copy): one copy per weight, or per group of weights run side by side
         self._copies: dict[tuple[tuple[int, ...], str], tuple[tuple, tuple, object]] = {}
-        self._cpu_kernel: bool | None = None  # whether the CPU kernels are built (found out at the first CPU call)
+        self._runs: dict[str, bool] = {}  # device type -> `runs_cpu_kernels`' answer (kept: every linear asks it)
         self._layers: dict[tuple[int, ...], list | None] = {}  # layers' ids -> [modules, stamp, weights]
 
     def __call__(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -52,7 +52,7 @@ class InvariantOps:
             return [self.side_by_side((m,), x)[0] for m in modules]
         if all(quantized):  # a GGUF model's (`models.quantized`): their blobs side by side in one call
             outs = quant.gemm(rows, [m.weight for m in modules]).split([m.out_features for m in modules], dim=1)
-        elif x.device.type == "cpu" and self.uses_cpu_kernels():  # rows in their dtype: bf16 dot products take bf16
+        elif self.runs_cpu_kernels(x.device):  # rows in their dtype: bf16 dot products take bf16
             outs = [cpu_kernels.gemm(rows, self._packed(modules))]
             if len(modules) > 1:
                 outs = outs[0].split([m.out_features for m in modules], dim=1)
@@ -66,25 +66,28 @@ class InvariantOps:
     def norm(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """The module's RMSNorm as the mode runs it: with the CPU kernels, `cpu_kernels.rms_norm` (what
         `decoder_layers` runs, so the layers one by one give its bits); elsewhere the module's own."""
-        if x.device.type == "cpu" and self.uses_cpu_kernels():
+        if self.runs_cpu_kernels(x.device):
             return cpu_kernels.rms_norm(x, module.weight, module.eps)
         return module(x)
 
     def decoder_layers(self, layers, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        attend) -> torch.Tensor | None:
         """x after every decoder layer of `layers` in one call of the CPU kernels (`cpu_kernels.decoder_layers`: the
-        ops of the layers' own forward, so the same bits, without Python between them), where it applies: the CPU
-        kernel built, `whole_layers`, a packed step's attention over the pool through the kernel's key lists, LLaMA
-        layers without biases or q/k norms. None elsewhere: the caller runs the layers one by one."""
-        if not (self.whole_layers and x.device.type == "cpu" and isinstance(attend, Paged)
-                and isinstance(attend.attend, KeyLists) and attend.attend.kind == "cpu" and self.uses_cpu_kernels()):
+        ops of the layers' own forward, so the same bits, without Python between them), where it applies:
+        `whole_layers`, a packed step whose attention is the CPU kernel's (`Paged.cpu_kernel_inputs`: the runner chose
+        it where `runs_cpu_kernels` said so), LLaMA layers without biases or q/k norms. None elsewhere: the caller runs
+        the layers one by one."""
+        # any `Attend` may come here (a caller's own forward passes a plain function): only a paged step's holds the
+        # pool and the key lists the one call takes
+        inputs = attend.cpu_kernel_inputs() if isinstance(attend, Paged) else None
+        if not self.whole_layers or inputs is None:
             return None
         weights = self._layer_weights(layers)
         if weights is None:
             return None
         attention, mlp = layers[0].self_attn, layers[0].mlp
-        keys, pool = attend.attend, attend.pool
-        return cpu_kernels.decoder_layers(x, cos, sin, weights, pool.k, pool.v, attend.slots, keys.queries, keys.slots,
+        pool, write_slots, keys = inputs
+        return cpu_kernels.decoder_layers(x, cos, sin, weights, pool.k, pool.v, write_slots, keys.queries, keys.slots,
                                        keys.counts, attention.heads, attention.kv_heads,
                                        mlp.gate_proj.out_features, layers[0].input_layernorm.eps)
 
@@ -134,11 +137,13 @@ class InvariantOps:
         """The modules' weights side by side, packed for the CPU kernel (the copy `side_by_side` uses)."""
         return self._copy(tuple(m.weight for m in modules), "packed", lambda ws: cpu_kernels.pack(torch.cat(ws)))
 
-    def uses_cpu_kernels(self) -> bool:
-        """Whether the CPU GEMM is built (building it into the cache folder on the first call)."""
-        if self._cpu_kernel is None:
-            self._cpu_kernel = cpu_kernels_built()
-        return self._cpu_kernel
+    def runs_cpu_kernels(self, device: torch.device) -> bool:
+        """`runs_cpu_kernels(device)`, its answer kept per device type (every linear asks it; finding the build
+        folder again would cost each a few microseconds)."""
+        runs = self._runs.get(device.type)
+        if runs is None:
+            runs = self._runs[device.type] = runs_cpu_kernels(device)
+        return runs
 
     def _copy(self, params: tuple[torch.Tensor, ...], kind: str, make):
         if kind == "float32" and len(params) == 1 and params[0].dtype == torch.float32:
@@ -149,6 +154,14 @@ class InvariantOps:
         if kept is None or kept[0] != versions or kept[1] != addresses:
             kept = self._copies[key] = (versions, addresses, make(params))
         return kept[2]
+
+
+def runs_cpu_kernels(device: torch.device) -> bool:
+    """Whether the package's CPU kernels (`lookahead.kernels.cpu_kernels`, GGUF's `quant` in the same build) run a
+    model on `device`: a CPU, and the kernels built here. The one answer: the loaders (a GGUF file's quantized weights
+    kept, the default dtype: `placement.default_dtype`), the mode's linears and norms (`InvariantOps`) and, with the
+    mode, `Llama.uses_cpu_kernels` (the runner's attention, the cost key, the layers in one call) all ask it."""
+    return device.type == "cpu" and cpu_kernels_built()
 
 
 def cpu_kernels_built() -> bool:

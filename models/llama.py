@@ -10,10 +10,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lookahead.backends import choose_fusion
 from lookahead.config import LookaheadConfig
 from lookahead.drafts import DraftMemory
-from lookahead.kernels import interpreting
 from lookahead.loop import GenerationResult
 from lookahead.tuning import CostModel
 from lookahead.tuning.store import Saver
@@ -27,14 +25,7 @@ from .gguf import gguf_file
 from .gguf import load as load_gguf
 from .invariant import InvariantOps
 from .loading import load_folder
-from .placement import (
-    check_invariant,
-    default_batch_invariant,
-    default_dtype,
-    resolve_backend,
-    resolve_device,
-    resolve_dtype,
-)
+from .placement import check_invariant, place, warn_leaving_the_mode
 from .rope import Angles, inverse_frequencies
 from .runner import CachedRunner
 
@@ -62,6 +53,7 @@ class Llama(nn.Module):
         self.attn_backend = attn_backend
         self.fusion = fusion
         self.dtype_reason: str | None = None  # why from_pretrained chose the dtype it loaded in (`default_dtype`)
+        self._warn_without_the_mode = False  # a 16-bit dtype chosen for the mode (`Placement.for_the_mode`): once
         self._batch_invariant = batch_invariant
         self._invariant_ops = InvariantOps()  # the mode's float32 GEMMs (and 16-bit weights' fp32 copies)
         self._compiled_forward = None  # fusion "compile": the step's forward, compiled on its first step
@@ -128,24 +120,13 @@ class Llama(nn.Module):
         gguf = gguf_file(path)
         if gguf is None and not path.is_dir():
             raise ValueError(f"{path} is neither a checkpoint folder nor a GGUF file (.gguf)")
-        device = resolve_device(device)
-        if dtype is not None:
-            dtype = resolve_dtype(dtype)
-        backend = resolve_backend(attn_backend, device)
-        if batch_invariant is not None and batch_invariant is not True and batch_invariant is not False:
-            raise TypeError(f"batch_invariant must be True, False or None, got {batch_invariant!r}")
-        if batch_invariant is None:
-            batch_invariant = default_batch_invariant(device, fusion, backend)
-        dtype, dtype_reason = (dtype, "asked for") if dtype is not None else default_dtype(device, batch_invariant)
-        fusion = "none" if batch_invariant and fusion == "auto" else choose_fusion(fusion, device.type, backend,
-                                                                                  interpreting())
-        check_invariant(batch_invariant, fusion)
-        options = dict(attn_backend=backend, fusion=fusion, batch_invariant=batch_invariant)
+        at = place(device, dtype, attn_backend, fusion, batch_invariant)
+        options = dict(attn_backend=at.attn_backend, fusion=at.fusion, batch_invariant=at.batch_invariant)
         if gguf is not None:
-            model = load_gguf(cls, gguf, dtype, device, **options)
+            model = load_gguf(cls, gguf, at.dtype, at.device, **options)
         else:
-            model = load_folder(cls, path, dtype, device, **options)
-        model.dtype_reason = dtype_reason
+            model = load_folder(cls, path, at.dtype, at.device, **options)
+        model.dtype_reason, model._warn_without_the_mode = at.dtype_reason, at.for_the_mode
         return model.eval().requires_grad_(False)
 
     def _apply(self, fn, recurse=True):
@@ -191,7 +172,8 @@ class Llama(nn.Module):
     @property
     def batch_invariant(self) -> bool:
         """Whether a position's logits are bitwise the same whatever step computes them (`from_pretrained`). Setting
-        it drops the runner (its KV cache holds what the other mode computed)."""
+        it drops the runner (its KV cache holds what the other mode computed); switching it off on a model loaded in
+        16-bit because the mode keeps that exact warns, once (`placement.warn_leaving_the_mode`)."""
         return self._batch_invariant
 
     @batch_invariant.setter
@@ -199,6 +181,9 @@ class Llama(nn.Module):
         if value is not True and value is not False:
             raise TypeError(f"batch_invariant must be True or False, got {value!r}")
         check_invariant(value, self.fusion)
+        if not value and self._batch_invariant and self._warn_without_the_mode and self.dtype != torch.float32:
+            self._warn_without_the_mode = False
+            warn_leaving_the_mode(self.dtype)
         if value != self._batch_invariant:
             with self.lock:
                 self._batch_invariant = value
@@ -208,8 +193,9 @@ class Llama(nn.Module):
     def uses_cpu_kernels(self) -> bool:
         """Whether the batch-invariant mode runs on the package's compiled CPU kernels here
         (`lookahead.kernels.cpu_kernels`; compiled on the first call, once per machine): its GEMMs, attention and whole
-        decoder layers; else on torch's GEMMs through row plans."""
-        return self.device.type == "cpu" and self._invariant_ops.uses_cpu_kernels()
+        decoder layers; else on torch's GEMMs through row plans. The mode on and `invariant.runs_cpu_kernels` for the
+        model's device: what the runner's attention, the cost key and the mode's linears follow."""
+        return self._batch_invariant and self._invariant_ops.runs_cpu_kernels(self.device)
 
     @property
     def dtype(self) -> torch.dtype:

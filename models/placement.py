@@ -1,20 +1,66 @@
-"""Where and in what a model runs, chosen once at load: the device, the dtype (and why it was chosen), the attention
-backend, and whether the batch-invariant mode is on by default (`Llama.from_pretrained` asks these)."""
+"""Where and in what a model runs, chosen once at load (`place`): the device, the dtype (and why it was chosen), the
+attention backend, the fusion, and whether the batch-invariant mode is on by default (`Llama.from_pretrained` asks
+these); and the warning when the mode that a 16-bit dtype was chosen for is switched off."""
 
 from __future__ import annotations
 
 import os
+import warnings
+from dataclasses import dataclass
 
 import torch
 
-from lookahead.backends import choose_backend
+from lookahead.backends import choose_backend, choose_fusion
 from lookahead.kernels import interpreting
 from lookahead.kernels.cpu_kernels import bf16_dot_products, failure
 
-from .invariant import cpu_kernels_built
+from .invariant import runs_cpu_kernels
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_VARIABLE = "LOOKAHEAD_DTYPE"  # the environment's default dtype, where from_pretrained is given none
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What `place` chose for a model at load."""
+
+    device: torch.device
+    dtype: torch.dtype
+    dtype_reason: str  # "asked for", or the rule of `default_dtype` that chose it (the CLI says it)
+    attn_backend: str
+    fusion: str
+    batch_invariant: bool
+    # a default 16-bit dtype chosen because the mode keeps it exact (without the mode the default is float32):
+    # switching the mode off on the model warns (`warn_leaving_the_mode`)
+    for_the_mode: bool
+
+
+def place(device: torch.device | str, dtype: torch.dtype | str | None, attn_backend: str, fusion: str,
+          batch_invariant: bool | None) -> Placement:
+    """`Llama.from_pretrained`'s device, dtype (and why), attention backend, fusion and mode, each checked (see its
+    docstring for what each may be), None and "auto" resolved for the device."""
+    device = resolve_device(device)
+    asked = None if dtype is None else resolve_dtype(dtype)
+    backend = resolve_backend(attn_backend, device)
+    if batch_invariant is not None and batch_invariant is not True and batch_invariant is not False:
+        raise TypeError(f"batch_invariant must be True, False or None, got {batch_invariant!r}")
+    if batch_invariant is None:
+        batch_invariant = default_batch_invariant(device, fusion, backend)
+    dtype, reason = (asked, "asked for") if asked is not None else default_dtype(device, batch_invariant)
+    fusion = "none" if batch_invariant and fusion == "auto" else choose_fusion(fusion, device.type, backend,
+                                                                              interpreting())
+    check_invariant(batch_invariant, fusion)
+    for_the_mode = asked is None and batch_invariant and default_dtype(device, batch_invariant=False)[0] != dtype
+    return Placement(device, dtype, reason, backend, fusion, batch_invariant, for_the_mode)
+
+
+def warn_leaving_the_mode(dtype: torch.dtype) -> None:
+    """The warning of `Llama.batch_invariant` switched off on a model whose dtype was chosen for the mode, pointing at
+    the line that switched it (past the setter and `nn.Module.__setattr__`, which calls it)."""
+    warnings.warn(f"batch_invariant switched off on a model loaded in {str(dtype).removeprefix('torch.')} because the "
+                  "batch-invariant mode keeps 16-bit exact: near-tied logits can now flip between a lookahead step, a "
+                  "batch and a plain step, so tokens may part from plain greedy decoding's. To keep exactness keep the "
+                  "mode on, or load with dtype=torch.float32", stacklevel=4)
 
 
 def check_invariant(batch_invariant: bool, fusion: str) -> None:
@@ -48,7 +94,7 @@ def default_dtype(device: torch.device, batch_invariant: bool) -> tuple[torch.dt
         return torch.float32, "this CPU has no bf16 dot products"
     if not batch_invariant:
         return torch.float32, "without the batch-invariant mode 16-bit may flip near-ties"
-    if not cpu_kernels_built():  # torch's GEMMs through row plans read bf16 weights as float32 copies: no faster
+    if not runs_cpu_kernels(device):  # torch's GEMMs through row plans read bf16 weights as float32 copies: no faster
         return torch.float32, f"the package's CPU kernels could not be built here: {failure()}"
     return torch.bfloat16, f"this CPU has bf16 dot products ({feature}), and the batch-invariant mode keeps it exact"
 

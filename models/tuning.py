@@ -91,6 +91,6 @@ def cost_key(model, runner: CachedRunner) -> dict:
     shape = [cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
              cfg.intermediate_size, cfg.vocab_size]
     # another build of the CPU kernels, other costs
-    kernels = cpu_kernels.build_name() if model.batch_invariant and model.uses_cpu_kernels else None
+    kernels = cpu_kernels.build_name() if model.uses_cpu_kernels else None
     return shared.cost_key(model.device, model.dtype, backend_name(model), shape, interpreting(), fusion=model.fusion,
                            cuda_graphs=runner.cuda_graphs, kernels=kernels)

@@ -248,7 +248,7 @@ def test_without_the_cpu_kernel_torch_gemms_through_row_plans_are_invariant_too(
     sequence = [rng.randrange(VOCAB) for _ in range(60)]
     reference = plain_logits(model, sequence)
     assert run_schedule(model, sequence, 9, others=2, reference=reference, chunk_prefix=33) >= 30
-    assert model._invariant_ops._cpu_kernel is False
+    assert not model.uses_cpu_kernels
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
@@ -296,6 +296,42 @@ def test_the_layers_in_one_call_see_weights_written_or_replaced(tiny_checkpoint,
         layer.self_attn.o_proj.weight = torch.nn.Parameter(layer.self_attn.o_proj.weight.detach() * 3)
     generate_both_ways()
     assert tokens[0] != tokens[1] != tokens[2]
+
+
+@pytest.mark.parametrize("built", [True, False], ids=["built", "not-built"])
+def test_whether_the_cpu_kernels_run_has_one_answer(tiny_checkpoint, monkeypatch, built):
+    """`invariant.runs_cpu_kernels` is the one answer to "do the package's CPU kernels run this model": made to say no
+    (or left to say yes), the mode's linears and norms, the runner's attention, the layers in one call, the cost key
+    and the default dtype all follow it (a GGUF load too: test_gguf.py). A second place answering it (asking the
+    build itself, or the device and the attention's type) would run a kernel that the answer refused, or skip one."""
+    from lookahead.kernels import cpu_kernels
+    from lookahead.models import invariant, placement, tuning
+
+    assert invariant.cpu_kernels_built(), f"the CPU kernels did not build here: {cpu_kernels.failure()}"
+    monkeypatch.setattr(invariant, "cpu_kernels_built", lambda: built)
+    calls = []
+    for name in ("gemm", "rms_norm", "attention", "decoder_layers"):
+        real = getattr(cpu_kernels, name)
+        monkeypatch.setattr(cpu_kernels, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
+    model = Llama.from_pretrained(tiny_checkpoint("gqa"), dtype=torch.float32, batch_invariant=True)
+    assert model.uses_cpu_kernels is built
+    tokens = model.generate(list(range(1, 30)), max_new_tokens=12, lookahead=LookaheadConfig(3, 3, 2, budget="fixed"),
+                            eos_token_id=[]).tokens
+    assert model.runner.backend.kernel == ("cpu" if built else "torch")
+    assert set(calls) == ({"gemm", "rms_norm", "decoder_layers"} if built else set())
+    assert (tuning.cost_key(model, model.runner)["kernels"] is not None) is built
+    monkeypatch.setattr(invariant.InvariantOps, "whole_layers", False)  # the layers one by one: the kernel's attention
+    calls.clear()
+    model.release()
+    assert model.generate(list(range(1, 30)), max_new_tokens=12, lookahead=LookaheadConfig(3, 3, 2, budget="fixed"),
+                          eos_token_id=[]).tokens == tokens
+    assert ("attention" in calls) is built and ("decoder_layers" in calls) is False
+    model.batch_invariant = False  # the mode off: the model does not run on them, whatever the build
+    assert not model.uses_cpu_kernels
+    monkeypatch.delenv("LOOKAHEAD_DTYPE")
+    monkeypatch.setattr(placement, "bf16_dot_products", lambda: "avx512_bf16")
+    assert placement.default_dtype(torch.device("cpu"), batch_invariant=True)[0] == (
+        torch.bfloat16 if built else torch.float32)
 
 
 @pytest.mark.parametrize("family, whole", [("llama", True), ("qwen2", False), ("qwen3", False)])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import lookahead.models.invariant as invariant
 import lookahead.models.placement as placement
 from lookahead import LookaheadConfig
 from lookahead.cli import main
@@ -64,7 +65,7 @@ def test_the_default_follows_the_cpu_and_the_mode(unpinned):
 
 def test_without_the_cpu_kernels_the_default_stays_float32(unpinned, monkeypatch):
     """Without a compiler the mode runs torch's GEMMs on float32 copies of the weights: bfloat16 gains nothing."""
-    monkeypatch.setattr(placement, "cpu_kernels_built", lambda: False)
+    monkeypatch.setattr(invariant, "cpu_kernels_built", lambda: False)
     monkeypatch.setattr(placement, "failure", lambda: "no C++ compiler found (c++: not found)")
     assert default_dtype(CPU, batch_invariant=True) == (
         torch.float32, "the package's CPU kernels could not be built here: no C++ compiler found (c++: not found)")
@@ -90,6 +91,34 @@ def test_from_pretrained_loads_in_the_default_and_keeps_lookahead_exact(unpinned
     assert Llama.from_pretrained(tiny_checkpoint("gqa"), batch_invariant=False).dtype == torch.float32
     asked = Llama.from_pretrained(tiny_checkpoint("gqa"), dtype="float32")
     assert asked.dtype == torch.float32 and asked.dtype_reason == "asked for" and dtype_choice(asked) is None
+
+
+def test_switching_the_mode_off_warns_once_where_the_dtype_was_chosen_for_it(unpinned, monkeypatch, tiny_checkpoint):
+    """A model loaded in bfloat16 because the batch-invariant mode keeps it exact loses that exactness with the mode:
+    switching it off warns once, at the line that switched it, saying what can now flip and how to keep exactness.
+    A 16-bit dtype asked for, a float32 default, or a model since moved to float32 switches off quietly."""
+    import warnings
+
+    monkeypatch.setattr(invariant, "cpu_kernels_built", lambda: True)  # the default's rule, whatever the build here
+    folder = tiny_checkpoint("gqa")
+    model = Llama.from_pretrained(folder)
+    assert model.dtype == torch.bfloat16 and model.batch_invariant
+    with pytest.warns(UserWarning, match=r"batch_invariant switched off on a model loaded in bfloat16 because the "
+                      r"batch-invariant mode keeps 16-bit exact: near-tied logits can now flip .* To keep exactness "
+                      r"keep the mode on, or load with dtype=torch\.float32") as caught:
+        model.batch_invariant = False
+    assert len(caught) == 1 and caught[0].filename == __file__ and not model.batch_invariant
+    asked = Llama.from_pretrained(folder, dtype="bfloat16")
+    moved = Llama.from_pretrained(folder).float()
+    unpinned.set(None)  # a CPU without bf16 dot products: float32 by default
+    plain = Llama.from_pretrained(folder)
+    assert (asked.dtype, moved.dtype, plain.dtype) == (torch.bfloat16, torch.float32, torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.batch_invariant = True
+        model.batch_invariant = False  # once per model
+        for quiet in (asked, moved, plain):
+            quiet.batch_invariant = False
 
 
 def test_the_command_says_the_default_and_how_to_change_it(unpinned, tiny_checkpoint):

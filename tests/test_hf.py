@@ -438,8 +438,9 @@ def test_decoding_past_max_position_embeddings_is_refused(hf_model):
         lh.generate(model, [1, 2, 3], max_new_tokens=14)
     out = model.generate(torch.tensor([[1, 2, 3]]), custom_generate=lh.custom_generate, max_new_tokens=13, **NO_EOS)
     assert out.shape == (1, 16)
-    with pytest.raises(ValueError, match=re.escape("max_length (17, prompt + max_new_tokens) exceeds the model's "
-                                                   "max_position_embeddings (16)")):
+    with pytest.raises(ValueError, match=re.escape("prompt (3 tokens) + max_new_tokens (14) = 17 exceeds the model's "
+                                                   "max_position_embeddings (16); shorten the prompt or lower "
+                                                   "max_new_tokens")):
         model.generate(torch.tensor([[1, 2, 3]]), custom_generate=lh.custom_generate, max_new_tokens=14)
 
 

@@ -326,7 +326,7 @@ def old_accept(out, tokens, fed=None):
         result.step_sizes.append(fed)
     taken = []
     for token in tokens:
-        if len(result.tokens) + len(taken) == out.limit:
+        if len(result.tokens) + len(taken) == out.max_new_tokens:
             break
         taken.append(token)
         if token in out.stop or (out.stops_at is not None and out.stops_at(token)):
@@ -335,7 +335,7 @@ def old_accept(out, tokens, fed=None):
             break
     result.tokens.extend(taken)
     result.step_tokens.append(taken)
-    if not out.done and len(result.tokens) >= out.limit:
+    if not out.done and len(result.tokens) >= out.max_new_tokens:
         out.done = True
         result.finish_reason = "length"
     return taken

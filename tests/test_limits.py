@@ -76,3 +76,87 @@ def test_a_transformers_model_on_the_meta_device_is_refused_by_name(tiny_checkpo
         model = LlamaForCausalLM(AutoConfig.from_pretrained(tiny_checkpoint()))
     with pytest.raises(ValueError, match="hf_model holds no weights: .* on the meta device .*init_empty_weights"):
         lh.generate(model, [1, 2, 3], 4)
+
+
+@pytest.mark.parametrize("prompt, new", [(10, 6), (10, 7), (15, 1), (16, 1), (3, 40)], ids=lambda n: str(n))
+def test_every_front_decides_prompt_plus_max_new_tokens_alike(prompt, new):
+    """Whether a prompt and its new tokens fit the model's positions is decided once (`request.check_context`):
+    `generate`'s request, the engine's submit and the server's max_new_tokens (with max_tokens given, and without: what
+    remains) take the same requests and refuse the same, at the same edge (prompt + max_new_tokens == positions
+    fits), and each refusal says what was too long and what to change."""
+    from types import SimpleNamespace
+
+    from helpers import MockRowModel
+    from lookahead.loop import Capacity, Engine
+    from lookahead.request import GenerateArgs, Request, Target, parse_request
+    from lookahead.serve.completions import _max_new_tokens
+    from lookahead.serve.errors import APIError
+    from lookahead.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+    positions, ids = 16, [1] * prompt
+    fits = prompt + new <= positions
+    served = SimpleNamespace(max_positions=positions)
+    messages = []
+
+    def refused(check) -> bool:
+        try:
+            check()
+        except (ValueError, APIError) as e:
+            messages.append(str(e))
+            return True
+        return False
+
+    engine = Engine(MockRowModel(24), capacity=Capacity(max_positions=positions))
+    answers = {
+        "generate": refused(lambda: parse_request(ids, GenerateArgs(new), Target(24, positions))),
+        "engine": refused(lambda: engine.submit(Request([ids], new))),
+        "server": refused(lambda: _max_new_tokens(served, CompletionRequest(model="m", prompt=ids, max_tokens=new),
+                                                  prompt, "prompt")),
+    }
+    assert answers == dict.fromkeys(answers, not fits)
+    for message in messages[:2]:
+        assert f"prompt ({prompt} tokens) + max_new_tokens ({new}) = {prompt + new} exceeds the model's" in message
+        assert message.endswith("shorten the prompt or lower max_new_tokens")
+    if messages:
+        assert messages[2].startswith(f"This model's maximum context length is {positions} tokens. However, you "
+                                      f"requested {prompt + new} tokens") and "Please reduce" in messages[2]
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}])  # no limit: what remains
+    if prompt < positions:
+        remaining = _max_new_tokens(served, chat, prompt, "messages")
+        assert remaining == positions - prompt and not refused(lambda: engine.submit(Request([ids], remaining)))
+    else:
+        assert refused(lambda: _max_new_tokens(served, chat, prompt, "messages"))
+
+
+@pytest.mark.parametrize("kind, fields, asked, param", [
+    ("chat", {"max_completion_tokens": 5, "max_tokens": 9}, 5, "max_completion_tokens"),
+    ("chat", {"max_tokens": 6}, 6, "max_tokens"),
+    ("chat", {"n_predict": 7}, 7, "n_predict"),
+    ("chat", {"n_predict": -1}, None, "n_predict"),
+    ("chat", {}, None, "max_tokens"),
+    ("completion", {"max_tokens": 6}, 6, "max_tokens"),
+    ("completion", {"n_predict": 7}, 7, "n_predict"),
+    ("completion", {"n_predict": -1}, None, "n_predict"),
+    ("completion", {}, 16, "max_tokens"),
+], ids=lambda v: None)
+def test_max_tokens_carries_one_name_from_the_body_to_the_stop(kind, fields, asked, param):
+    """Past the API's own fields (max_tokens, max_completion_tokens, n_predict) the count of new tokens is
+    `max_new_tokens` all the way: the body's property (and the field that gave it), the server's answer for the
+    engine, the engine's `Request` and the `Output` that stops on it, which takes exactly that many."""
+    from types import SimpleNamespace
+
+    from lookahead.loop.core import Output
+    from lookahead.request import Request
+    from lookahead.serve.completions import _max_new_tokens
+    from lookahead.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+    body = (ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], **fields) if kind == "chat"
+            else CompletionRequest(model="m", prompt="hi", **fields))
+    assert (body.max_new_tokens, body.max_new_tokens_param) == (asked, param)
+    max_new_tokens = _max_new_tokens(SimpleNamespace(max_positions=64), body, 4, "prompt")
+    assert max_new_tokens == (64 - 4 if asked is None else asked)  # None: what remains of the positions
+    request = Request([[1] * 4], max_new_tokens)
+    out = Output(request.max_new_tokens, (), None)
+    while not out.done:
+        out.accept([3, 3, 3], fed=3)
+    assert len(out.result.tokens) == out.max_new_tokens == max_new_tokens and out.result.finish_reason == "length"

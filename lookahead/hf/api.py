@@ -12,7 +12,7 @@ import torch
 
 from lookahead.config import LookaheadConfig
 from lookahead.loop import GenerationResult, decode
-from lookahead.request import GenerateArgs, Request, SamplingParams, Target, check_stream, parse_request
+from lookahead.request import GenerateArgs, Request, SamplingParams, Target, check_context, check_stream, parse_request
 
 from .step_model import HFStepModel, cache_keyword, check_model, max_positions, require_transformers
 from .tuning import cost_model_for, save_if_due
@@ -97,10 +97,9 @@ def custom_generate(model, input_ids: torch.Tensor, logits_processor=None, stopp
             seed = int(torch.randint(2**62, (), generator=torch.default_generator))
         step_model = HFStepModel(model, cache, attn_backend)
         prompt = tuple(input_ids[0].tolist())
-        if max_length > max_positions(model):
-            raise ValueError(f"max_length ({max_length}, prompt + max_new_tokens) exceeds the model's "
-                             f"max_position_embeddings ({max_positions(model)}); lower max_new_tokens")
         new = max_length - len(prompt)
+        positions = max_positions(model)
+        check_context(len(prompt), new, positions, held=f"max_position_embeddings ({positions})")
         tokens: list[int] = []
         if new > 0:
             static = step_model.device.type == "cuda" if static_step is None else static_step

@@ -102,12 +102,12 @@ class GenerationResult:
 
 class Output:
     """Collects accepted tokens, stopping exactly at the first stop token, at the first token after which the text
-    ends with a stop string (`stops_at`), or at the token limit."""
+    ends with a stop string (`stops_at`), or after `max_new_tokens` tokens (the request's)."""
 
-    def __init__(self, limit: int, stop: Iterable[int], stream: Stream | None,
+    def __init__(self, max_new_tokens: int, stop: Iterable[int], stream: Stream | None,
                  stops_at: Callable[[int], bool] | None = None) -> None:
         self.result = GenerationResult()
-        self.limit, self.stop, self.stream, self.stops_at = limit, frozenset(stop), stream, stops_at
+        self.max_new_tokens, self.stop, self.stream, self.stops_at = max_new_tokens, frozenset(stop), stream, stops_at
         self.done = False
 
     def accept(self, tokens: Sequence[int], fed: int | None = None) -> list[int]:
@@ -116,8 +116,8 @@ class Output:
         result.steps += 1
         if fed is not None:
             result.step_sizes.append(fed)
-        # up to the limit, then up to the first stop (checked token by token in order: `stops_at` keeps state)
-        taken = list(tokens[: max(self.limit - len(result.tokens), 0)])
+        # up to max_new_tokens, then up to the first stop (checked token by token in order: `stops_at` keeps state)
+        taken = list(tokens[: max(self.max_new_tokens - len(result.tokens), 0)])
         stop, stops_at = self.stop, self.stops_at
         for i, token in enumerate(taken):
             if token in stop or (stops_at is not None and stops_at(token)):
@@ -127,7 +127,7 @@ class Output:
                 break
         result.tokens.extend(taken)
         result.step_tokens.append(taken)
-        if not self.done and len(result.tokens) >= self.limit:
+        if not self.done and len(result.tokens) >= self.max_new_tokens:
             self.done = True
             result.finish_reason = "length"
         if self.stream is not None and taken:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from lookahead.config import LookaheadConfig
 from lookahead.drafts import DraftMemory
-from lookahead.request import Request
+from lookahead.request import Request, check_context
 from lookahead.tuning import CostModel
 
 from .core import GenerationResult, StepModel, Stream, sampling_seed
@@ -304,10 +304,8 @@ class Engine:
 
     def _check_positions(self, request: Request) -> None:
         (prompt,) = request.prompts
-        if self.max_positions is not None and len(prompt) + request.max_new_tokens > self.max_positions:
-            raise ValueError(f"the prompt ({len(prompt)} tokens) + max_new_tokens ({request.max_new_tokens}) = "
-                             f"{len(prompt) + request.max_new_tokens} exceeds the model's {self.max_positions} "
-                             "positions; shorten the prompt or ask for fewer tokens")
+        if self.max_positions is not None:
+            check_context(len(prompt), request.max_new_tokens, self.max_positions)
 
 
     def _check_vocabulary(self, request: Request) -> None:

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError
 
 from lookahead.loop import FINISH_REASONS, QueueFull
+from lookahead.request import ContextExceeded, check_context, room
 from lookahead.request import Request as EngineRequest
 from lookahead.structured import GrammarError
 
@@ -127,7 +128,7 @@ def _check_ids(ids: list[int], vocab_size: int, param: str) -> None:
 async def _generate(served, request: Request, asked: _Asked) -> Response:
     arrival = time.perf_counter()
     body, prompt, fmt, text_grammar = asked.body, asked.prompt, asked.fmt, asked.text_grammar
-    limit = _limit(served, body, len(prompt), asked.prompt_param)
+    max_new_tokens = _max_new_tokens(served, body, len(prompt), asked.prompt_param)
     stop_ids = () if body.ignore_eos else served.eos_token_ids
     if body.stop_token_ids:
         _check_ids(body.stop_token_ids, served.vocab_size, "stop_token_ids")
@@ -136,7 +137,7 @@ async def _generate(served, request: Request, asked: _Asked) -> Response:
     def submit(grammar) -> Submission:
         try:
             # the same Request that Engine.run and Llama.generate take: one prompt, with the engine's configuration
-            generation = EngineRequest([prompt], limit, body.sampling(served.sampling_defaults),
+            generation = EngineRequest([prompt], max_new_tokens, body.sampling(served.sampling_defaults),
                                        served.engine.lookahead, frozenset(stop_ids), body.engine_seed())
             return Submission(served.engine, served.engine_tokenizer, served.metrics, generation, stop=body.stop,
                               logprobs=body.engine_logprobs, arrival=arrival, grammar=grammar)
@@ -170,21 +171,24 @@ async def _generate(served, request: Request, asked: _Asked) -> Response:
                                      usage(last.result, len(prompt))))
 
 
-def _limit(served, body, prompt_tokens: int, prompt_param: str) -> int:
-    """max_tokens for the engine: the request's, or what remains of the model's positions; 400 past them."""
+def _max_new_tokens(served, body, prompt_tokens: int, prompt_param: str) -> int:
+    """The engine's max_new_tokens: the body's, or what remains of the model's positions; 400 past them."""
     positions = served.max_positions
-    limit = body.limit
-    if positions is None:
-        return limit if limit is not None else 256  # no known limit: a default the engine cannot overrun
-    if limit is None:
-        limit = positions - prompt_tokens
-    if limit < 1 or prompt_tokens + limit > positions:
-        param = prompt_param if body.limit is None or prompt_tokens >= positions else body.limit_param
+    max_new_tokens = body.max_new_tokens
+    if positions is None:  # no known limit: a default the engine cannot overrun
+        return max_new_tokens if max_new_tokens is not None else 256
+    if max_new_tokens is None:  # what remains; at least one token, so that a prompt that fills the context is refused
+        max_new_tokens = max(room(prompt_tokens, positions), 1)
+    try:
+        check_context(prompt_tokens, max_new_tokens, positions)
+    except ContextExceeded:  # said in the OpenAI API's words, naming the field to change
+        param = (prompt_param if body.max_new_tokens is None or room(prompt_tokens, positions) < 1
+                 else body.max_new_tokens_param)
         raise bad_request(f"This model's maximum context length is {positions} tokens. However, you requested "
-                          f"{prompt_tokens + max(limit, 1)} tokens ({prompt_tokens} in the {prompt_param}, "
-                          f"{max(limit, 1)} in the completion). Please reduce the length of the {prompt_param} "
-                          "or completion.", param, code="context_length_exceeded")
-    return limit
+                          f"{prompt_tokens + max_new_tokens} tokens ({prompt_tokens} in the {prompt_param}, "
+                          f"{max_new_tokens} in the completion). Please reduce the length of the {prompt_param} or "
+                          "completion.", param, code="context_length_exceeded") from None
+    return max_new_tokens
 
 
 async def _until_done(submission: Submission, request: Request):

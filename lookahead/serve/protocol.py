@@ -136,11 +136,17 @@ class _Generation(_Body):
         return [name for name in IGNORED if getattr(self, name) is not None]
 
     @property
-    def _max_tokens(self) -> int | None:
-        """max_tokens, or llama-server's n_predict (-1: none given)."""
+    def max_new_tokens(self) -> int | None:
+        """The new tokens asked for, by the one name they carry past the body (`Request.max_new_tokens`, the engine's
+        stop): max_tokens, or llama-server's n_predict (-1: none given); None: what remains of the model's positions.
+        `max_new_tokens_param` names the field that gave it."""
         if self.max_tokens is not None or self.n_predict is None:
             return self.max_tokens
         return None if self.n_predict == -1 else self.n_predict
+
+    @property
+    def max_new_tokens_param(self) -> str:
+        return "n_predict" if self.max_tokens is None and self.n_predict is not None else "max_tokens"
 
     # ----- what the engine is asked for -----
 
@@ -265,15 +271,13 @@ class ChatCompletionRequest(_Generation):
         return self
 
     @property
-    def limit(self) -> int | None:
-        """The requested token limit (max_completion_tokens over the older max_tokens); None: what remains."""
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self._max_tokens
+    def max_new_tokens(self) -> int | None:
+        """max_completion_tokens over the older max_tokens (or n_predict); None: what remains."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else super().max_new_tokens
 
     @property
-    def limit_param(self) -> str:
-        if self.max_completion_tokens is not None:
-            return "max_completion_tokens"
-        return "n_predict" if self.max_tokens is None and self.n_predict is not None else "max_tokens"
+    def max_new_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else super().max_new_tokens_param
 
     @property
     def engine_logprobs(self) -> int | None:
@@ -307,16 +311,12 @@ class CompletionRequest(_Generation):
         raise ValueError(f"must be a string or a list of token ids, got {short(value)}")
 
     @property
-    def limit(self) -> int | None:
-        """The requested token limit (16 when none is given; None: n_predict -1, what remains)."""
+    def max_new_tokens(self) -> int | None:
+        """max_tokens (or n_predict); 16 when none is given; None: n_predict -1, what remains."""
         if self.n_predict == -1 and self.max_tokens is None:
             return None
-        limit = self._max_tokens
-        return COMPLETION_MAX_TOKENS if limit is None else limit
-
-    @property
-    def limit_param(self) -> str:
-        return "n_predict" if self.max_tokens is None and self.n_predict is not None else "max_tokens"
+        asked = super().max_new_tokens
+        return COMPLETION_MAX_TOKENS if asked is None else asked
 
     @property
     def engine_logprobs(self) -> int | None:
