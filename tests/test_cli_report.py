@@ -103,6 +103,27 @@ def test_the_probes_plain_rate_is_said_as_a_whole_answer_is_timed():
     assert whole_answer_rate(10.0, 11, None) == 10.0 and whole_answer_rate(None, 11, 1.0) is None
 
 
+def test_the_probe_times_plain_decoding_from_its_first_token_to_its_last(monkeypatch):
+    """`probe_plain`'s rate is the tokens after the first over the time from the first to the last: a model whose
+    first token comes after a 5 s prefill and each of 15 more 0.1 s after the one before decodes at 10 tok/s (not
+    16 tokens over 1.5 s, nor anything with the prefill in it). On a clock that the model's steps move."""
+    import types
+
+    import lookahead.cli.report as report
+
+    now = [0.0]
+    monkeypatch.setattr(report, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+
+    class Stepped:
+        def generate(self, prompt_ids, max_new_tokens, eos_token_id, stream):
+            assert eos_token_id == [] and max_new_tokens == 16  # (the continuation never stops early)
+            for i in range(max_new_tokens):
+                now[0] += 5.0 if i == 0 else 0.1
+                stream([7])
+
+    assert report.probe_plain(Stepped(), [1, 2, 3]) == pytest.approx(10.0)
+
+
 def result_of(step_tokens: list[int], step_sizes: list[int]) -> GenerationResult:
     """A result whose prefill gave one token and whose decoding steps gave `step_tokens` tokens."""
     gave = [[0]] + [[0] * n for n in step_tokens]

@@ -1,6 +1,8 @@
 """The one build of the C++ extensions (`lookahead.cpp_build`), on a tiny extension built in each test's own folder:
-a valid build loads with no build tool, a damaged one is built again, a wait ticks, a killed caller takes its
-compiler with it, and a missing compiler is named in one line (issue 49 items 4, 7, 9; issue 50 item 1)."""
+a valid build loads with no build tool, a damaged one (cut short, or overwritten at its size) is built again, a wait
+ticks, a killed caller takes its compiler with it, a missing compiler is named in one line, the key follows the
+included files' text, and two processes wanting one build compile it once (issue 49 items 4, 7, 9; issue 50 items 1,
+4)."""
 
 import os
 import shutil
@@ -174,3 +176,45 @@ def test_no_compiler_is_named_with_what_it_changes(tmp_path, setting):
     assert available == "False" and "torch.float32" in dtype and cause in dtype
     assert cause in run.stderr and "float32" in run.stderr and "slower" in run.stderr
     assert "ninja" not in run.stderr.lower()
+
+
+def test_the_key_changes_with_an_included_files_text(tmp_path):
+    """A build is keyed by the text of the files its sources include as well as by the sources': a header edited
+    (the CPU kernels' module includes both of its sources) makes another build name, so the old library is never
+    loaded for the new code; the same text gives the same name."""
+    header = tmp_path / "tiny.h"
+    header.write_text("#define ANSWER 42\n")
+    ext = cpp_build.Extension("tiny", (TINY,), (header,), what=WHAT)
+    before = cpp_build.build_name(ext)
+    assert cpp_build.build_name(ext) == before
+    header.write_text("#define ANSWER 43\n")
+    assert cpp_build.build_name(ext) != before
+    header.write_text("#define ANSWER 42\n")
+    assert cpp_build.build_name(ext) == before
+
+
+def test_a_library_overwritten_at_its_size_is_built_again(built, tmp_path):
+    """A library whose bytes changed but not its size (overwritten in place) does not match its manifest's sha256:
+    it is built again, said once, and the new one loads."""
+    folder = tmp_path / "cache"
+    shutil.copytree(built, folder)
+    library = _library(folder)
+    data = library.read_bytes()
+    middle = len(data) // 2
+    library.write_bytes(data[:middle] + bytes(b ^ 0xFF for b in data[middle:middle + 64]) + data[middle + 64:])
+    assert library.stat().st_size == len(data)
+    rc, out, err = _load(folder)
+    assert rc == 0 and out.strip() == "42", err
+    assert err.count("does not match its manifest") == 1, err
+    assert cpp_build._valid(library)
+
+
+def test_two_processes_wanting_the_same_build_compile_it_once(tmp_path):
+    """Two processes that want the same missing build at the same moment: one compiles, the other waits for its
+    lock, finds the library valid and loads it; the compiler runs once."""
+    folder = tmp_path / "cache"
+    loaders = [_start(folder), _start(folder)]
+    said = [loader.communicate(timeout=300) for loader in loaders]
+    assert [loader.returncode for loader in loaders] == [0, 0], said
+    assert [out.strip() for out, _ in said] == ["42", "42"], said
+    assert sum(err.count(f"compiling {WHAT} for this machine") for _, err in said) == 1, said

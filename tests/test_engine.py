@@ -467,6 +467,27 @@ def test_a_chunk_may_add_to_the_step_what_decoding_steps_took_lately():
     assert large > 4 * small and added <= (CHUNK_COST - 1) * 0.5 + 1e-12
 
 
+def test_decode_seconds_moves_a_fixed_share_of_the_way_to_each_decoding_step():
+    """`decode_seconds` is a moving average: each step without a prompt chunk moves it `DECODE_RATE` (0.3) of the way
+    from what it was towards that step's time, up after a slower step and down after a faster one; a chunk's step
+    leaves it where it was (a mutant that moved it away from the step's time passed the test above, which records one
+    decoding step only)."""
+    from lookahead.loop.scheduler import DECODE_RATE, Scheduler
+
+    assert DECODE_RATE == 0.3
+    scheduler = Scheduler(MockRowModel(VOCAB, logits_fn, prefill_chunk=512), None, LengthCost())
+    scheduler._lengths = [100]
+    decoding = [RowStep(0, [1], path_step(1), [0])]
+    seen = []
+    for seconds in (0.5, 1.5, 1.5, 0.1):
+        scheduler.record(decoding, seconds, {})
+        seen.append(scheduler.decode_seconds)
+    scheduler.record([RowStep.chunk(0, [1])], 9.0, {})
+    seen.append(scheduler.decode_seconds)
+    # 0.5; 0.5 + 0.3 * 1.0; 0.8 + 0.3 * 0.7; 1.01 - 0.3 * 0.91; a chunk's step: unchanged
+    assert seen == pytest.approx([0.5, 0.8, 1.01, 0.737, 0.737])
+
+
 def test_the_engine_benchmark_accounts_for_every_step_and_token(tiny_checkpoint):
     """bench/engine.py's closed loop on the tiny LLaMA: every token a run gives is counted in exactly one part of its
     steps (all rows decoding, a prompt chunk, fewer rows), a plain step with every row decoding feeds and gives one

@@ -1,8 +1,8 @@
 """What an attacker or a newcomer's client met at the server's edges (issue 49, items 6, 10, 11): a deeply nested body
 is refused as nested too deeply (not as invalid JSON), an oversized request head gets OpenAI's error shape, HEAD on a
-page behind the API key is a 401, a head that dribbles in is cut sooner than a body, the openai JS SDK's CORS
-preflight passes, /v1/responses says where to go, the first structured request does not hold up the plain ones
-beside it, and a hub id is told `hf download`."""
+page behind the API key is a 401, a head that dribbles in is cut sooner than a body (and a slow head leaves the body
+only what is left of the request's time), the openai JS SDK's CORS preflight passes, /v1/responses says where to go,
+the first structured request does not hold up the plain ones beside it, and a hub id is told `hf download`."""
 
 from __future__ import annotations
 
@@ -134,6 +134,28 @@ def test_a_head_that_dribbles_is_cut_before_a_body_that_does(keyed):
     for name, (_, said) in closed.items():
         assert said.startswith(b"HTTP/1.1 408 ") and b"request_timeout" in said, (name, said[:200])
     assert closed["head"][0] < 2.0 and closed["body"][0] > 3.0, closed
+
+
+def test_a_slow_head_leaves_its_body_what_is_left_of_the_requests_deadline(served_dir):
+    """The whole request's deadline runs from its first byte, not from its head's last: with header_timeout_s 3 and
+    receive_timeout_s 3.5, a head that takes 2 s leaves a dribbling body 1.5 s, so the 408 comes about 3.5 s after
+    the first byte (a deadline started again once the head was in would give the request 5.5 s)."""
+    server = Running(served_dir, max_batch=1, server_options=dict(receive_timeout_s=3.5, header_timeout_s=3.0))
+    try:
+        data = json.dumps(CHAT).encode()
+        head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n" % len(data))
+        with socket.create_connection(("127.0.0.1", server.port), timeout=TIMEOUT) as sock:
+            start = time.monotonic()
+            sock.sendall(head[:40])
+            time.sleep(2.0)
+            sock.sendall(head[40:] + data[:5])
+            said = read_until_closed(sock)
+            took = time.monotonic() - start
+    finally:
+        server.stop()
+    assert said.startswith(b"HTTP/1.1 408 ") and b"request_timeout" in said, said[:200]
+    assert 3.3 < took < 4.8, took
 
 
 def test_the_first_structured_request_does_not_hold_up_plain_ones(served_dir, monkeypatch):

@@ -56,6 +56,18 @@ def test_an_identical_call_is_kept_once_and_a_cut_answer_keeps_its_complete_call
         assert parse_answer(cut) == ("", None), cut
 
 
+def test_a_call_repeated_with_its_arguments_in_another_order_is_kept_once():
+    """An identical call is the same function with the same arguments, whatever order its arguments' keys come in
+    (a JSON object's keys have none): {"c": "P", "d": "Q"} and {"d": "Q", "c": "P"} are one call, kept once, and a
+    call with another value is another call."""
+    same = ('{"name": "w", "arguments": {"c": "P", "d": "Q"}}', '{"name": "w", "arguments": {"d": "Q", "c": "P"}}',
+            '{"arguments": {"c": "P", "d": "Q"}, "name": "w"}')
+    other = '{"name": "w", "arguments": {"d": "R", "c": "P"}}'
+    content, calls = parse_answer(f'{{"tool_calls": [{", ".join(same)}, {other}]}}')
+    assert content is None and [c["function"]["arguments"] for c in calls] == ['{"c": "P", "d": "Q"}',
+                                                                               '{"d": "R", "c": "P"}']
+
+
 def test_a_plain_answer_is_read_as_it_arrives():
     text = r'Hi \"you\"\\ \u00e9t\u00e9 \ud83d\ude00 ok\n'  # a JSON string's text, escapes and all
     answer = '{"response": "' + text + '"}'
