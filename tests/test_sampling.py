@@ -125,15 +125,21 @@ PARAMS = [SamplingParams(1.0), SamplingParams(0.7), SamplingParams(1.0, top_k=3)
 # G = 6 keeps up to 6 candidates per first token: several distinct tokens compete at a position, so a rule
 # that mishandles rejections (no renormalisation of the residual) is caught in every setting, not in one. The
 # tree form walks Algorithm 4 down a tree whose nodes have up to 8 children (the recycled top-k).
-CONFIGS = [LookaheadConfig(3, 3, 3, form=form) for form in ("chains", "tree")]
-CONFIGS += [LookaheadConfig(2, 4, 6, form=form) for form in ("chains", "tree")]
+SHAPES = [(3, 3, 3), (2, 4, 6)]
+SETTINGS = ["T1", "T0.7", "T1-topk3", "T0.7-topp0.9"]  # PARAMS' names
 
 
-# each sampling setting with both forms (chains at one shape, the tree at the other) and each configuration with two
-# settings: 8 of the 16 pairings, each 2,000 generations (about 8 s)
+def paired(setting: int, form: str) -> LookaheadConfig:
+    """The shape a sampling setting meets in `form`: chains at one shape and the tree at the other, alternating with
+    the setting, so that each shape meets each form twice."""
+    return LookaheadConfig(*SHAPES[(setting + (form == "tree")) % 2], form=form)
+
+
+# each sampling setting with both forms and each configuration with two settings: 8 of the 16 pairings, each 2,000
+# generations (about 8 s)
 PAIRS = [pytest.param(params, cfg, id=f"{name}-W{cfg.window}-N{cfg.ngram}-G{cfg.guesses}-{cfg.form}")
-         for i, (name, params) in enumerate(zip(["T1", "T0.7", "T1-topk3", "T0.7-topp0.9"], PARAMS, strict=True))
-         for form in (0, 1) for cfg in [CONFIGS[2 * ((i + form) % 2) + form]]]
+         for i, (name, params) in enumerate(zip(SETTINGS, PARAMS, strict=True))
+         for cfg in (paired(i, "chains"), paired(i, "tree"))]
 
 
 @pytest.mark.parametrize("params, cfg", PAIRS)
