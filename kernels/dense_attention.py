@@ -14,6 +14,7 @@ from .triton_attention import (
     _MAX_HEAD_DIM,
     PagedAttentionPlan,
     Rows,
+    _check_are_tensors,
     _check_dtype,
     _check_int,
     _check_integer_tensor,
@@ -79,9 +80,7 @@ class StepAttentionPlan:
 
 def _check_tensors(q, k, v) -> None:
     """q, k, v: tensors of the dense layout whose batch, heads and head dim agree (the public entry's first checks)."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    _check_are_tensors({"q": q, "k": k, "v": v})
     if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
         raise ValueError(f"q, k, v must be 4-D [B, H, T, D] / [B, Hkv, S, D] with k.shape == v.shape; "
                          f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")

@@ -13,6 +13,7 @@ from .triton_attention import (
     _MAX_HEAD_DIM,
     PagedAttentionPlan,
     Rows,
+    _check_are_tensors,
     _check_dtype,
     _check_integer_tensor,
     _check_runnable,
@@ -72,9 +73,7 @@ def paged_attention(
 def _check_paged_inputs(q, k_cache, v_cache, rows: Rows, sm_scale) -> tuple[list[int], list[int]]:
     """Every check of `paged_attention`; returns the rows' prefix lengths and token counts."""
     block_table, cu_seqlens, prefix_len, window, ngram, tree_end = rows
-    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    _check_are_tensors({"q": q, "k_cache": k_cache, "v_cache": v_cache})
     if q.ndim != 3 or k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"q must be 3-D [ΣT, Hq, D] and k_cache, v_cache 4-D [num_blocks, Hkv, block_size, D] with "
                          f"equal shapes; got {tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")

@@ -231,6 +231,13 @@ def _check_sm_scale(sm_scale) -> None:
         raise ValueError(f"sm_scale must be a finite positive number or None, got {sm_scale!r}")
 
 
+def _check_are_tensors(named: dict[str, object]) -> None:
+    """Each of `named` a torch.Tensor: an entry's first check, before any of their attributes is read."""
+    for name, x in named.items():
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+
+
 def _check_integer_tensor(name: str, x: torch.Tensor, device: torch.device, shapes: Sequence[tuple]) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be an integer tensor, got {type(x).__name__}")

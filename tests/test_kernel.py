@@ -233,6 +233,7 @@ def test_split_count_rule():
 
 
 @pytest.mark.parametrize("case, error, message", [
+    (dict(v_list=True), TypeError, "v must be a torch.Tensor, got list"),
     (dict(q_3d=True), ValueError, "must be 4-D"),
     (dict(guesses=3), ValueError, r"needs \(W \+ g\) \* \(N - 1\)"),
     (dict(heads_kv=4), ValueError, "multiple of KV heads"),
@@ -269,6 +270,8 @@ def test_kernel_input_checks(case, error, message):
         k = k.to(case["k_dtype"])
     if case.get("int_q"):
         q, k, v = q.int(), k.int(), v.int()
+    if case.get("v_list"):
+        v = v.tolist()
     args = dict(prefix_len=10, window=5, ngram=4, guesses=2)
     args.update({key: case[key] for key in ("prefix_len", "window", "ngram", "guesses", "sm_scale") if key in case})
     if isinstance(args["prefix_len"], list):

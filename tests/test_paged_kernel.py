@@ -338,6 +338,8 @@ def _ints(*values):
 
 
 CHECKS = [
+    ("cache-list", _set(k_cache=lambda a: a["k_cache"].tolist()), TypeError,
+     "k_cache must be a torch.Tensor, got list"),
     ("q-2d", _set(q=lambda a: a["q"][:, 0]), ValueError, r"q must be 3-D \[ΣT, Hq, D\]"),
     ("kv-shapes", _set(v_cache=lambda a: a["v_cache"][:, :, :4]), ValueError, "equal shapes"),
     ("head-dim", _set(k_cache=lambda a: a["k_cache"][..., :8], v_cache=lambda a: a["v_cache"][..., :8]),
