@@ -42,7 +42,11 @@ if [ "$dry" = 1 ]; then
     # 25, so every figure is multiplied by the 1-minute load average per core, rounded up (DRY_RUN_STRETCH sets it)
     stretch=${DRY_RUN_STRETCH:-$(awk -v cores="$(nproc)" '{s = $1 / cores; print (s > int(s)) ? int(s) + 1 : int(s)}' \
         /proc/loadavg 2>/dev/null)}
-    [ "${stretch:-0}" -ge 1 ] 2>/dev/null || stretch=1
+    if [ -n "${DRY_RUN_STRETCH:-}" ] && ! [ "$DRY_RUN_STRETCH" -ge 1 ] 2>/dev/null; then
+        echo "DRY_RUN_STRETCH=$DRY_RUN_STRETCH: give a whole number >= 1 (the factor for every budget), or unset it" >&2
+        exit 2
+    fi
+    [ "${stretch:-0}" -ge 1 ] 2>/dev/null || stretch=1  # no /proc/loadavg: unstretched
     total=${budget:-$((90 * stretch))} reserve=2 least=$((3 * stretch)) grace=$((5 * stretch)) slug=cpu
     declare -A want=([a]=$((25 * stretch)) [b]=$((15 * stretch)) [c]=$((20 * stretch)) [d]=$((15 * stretch)) [e]=$total)
 else

@@ -87,6 +87,14 @@ def test_a_loaded_cpu_stretches_the_dry_runs_seconds(tmp_path, monkeypatch):
     assert budget_of(lines) == 270 and "seconds x3 for the load" in lines[0]["detail"], lines
 
 
+@pytest.mark.parametrize("stretch", ["abc", "0", "1.5"])
+def test_a_stretch_that_is_no_whole_number_is_refused(tmp_path, stretch):
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "DRY_RUN_STRETCH": stretch}
+    run = subprocess.run(["bash", str(SCRIPT), "--dry-run"], capture_output=True, text=True, env=env, cwd=ROOT,
+                         timeout=60)
+    assert run.returncode == 2 and f"DRY_RUN_STRETCH={stretch}: give a whole number >= 1" in run.stderr, run.stderr
+
+
 def test_a_run_out_of_time_skips_the_parts_it_cannot_start(tmp_path):
     run, lines, seconds = dry_run(tmp_path, "--budget", "3")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
