@@ -12,10 +12,11 @@ query over its own keys in position order: `block_attention`'s contract as fused
 `decoder_layers(...)` runs a LLaMA model's layers over one packed step in one call (the same ATen ops as the Python
 layers, with these kernels, so the same bits).
 
-The source (`csrc/cpu_kernels_module.cpp`: `csrc/cpu_kernels.cpp`, then `csrc/quant_gemm.cpp`, GEMMs over
-GGUF-quantized weights driven by `lookahead.kernels.quant`, and their bindings) is compiled as one extension by
-`lookahead.cpp_build` (a C++ compiler and ninja) into `build_dir`, once per kind of CPU, compiler and version of the
-source; where that fails `available` is False (`failure` says why) and callers use `row_plans` instead.
+The source (`csrc/cpu_kernels_module.cpp`: `csrc/cpu_kernels.cpp`, the GEMM, norms, RoPE and the layers in one call;
+`csrc/chain_attention.cpp`, the attention; `csrc/quant_gemm.cpp`, GEMMs over GGUF-quantized weights driven by
+`lookahead.kernels.quant`; and their bindings) is compiled as one extension by `lookahead.cpp_build` (a C++ compiler
+and ninja) into `build_dir`, once per kind of CPU, compiler and version of the source; where that fails `available`
+is False (`failure` says why) and callers use `row_plans` instead.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ import lookahead.cpp_build as cpp_build
 
 COLUMNS = 64  # columns per block: four AVX-512 vectors of float32 per row
 CSRC = Path(__file__).parent / "csrc"
-SOURCE_FILES = ("cpu_kernels.cpp", "quant_gemm.cpp")  # one translation unit, in this order (the second uses the first)
+# one translation unit, in this order (the later ones use the first's thread pool)
+SOURCE_FILES = ("cpu_kernels.cpp", "chain_attention.cpp", "quant_gemm.cpp")
 # (GCC 12 warns of `__Y` "maybe uninitialized" inside its own AVX-512 intrinsics, hundreds of times: GCC bug 105593)
 WARNINGS = ("-Wall", "-Wextra", "-Wno-maybe-uninitialized")
 _built = cpp_build.Once("The batch-invariant mode runs torch's GEMMs through verified row counts instead (slower), "

@@ -556,9 +556,12 @@ def test_the_cpu_kernels_compute_what_torch_computes(dtype):
     weight, x = torch.randn(100, 70).to(dtype), torch.randn(9, 70).to(dtype)  # a model's rows are in its dtype
     torch.testing.assert_close(cpu_kernels.gemm(x, cpu_kernels.pack(weight)), x.float() @ weight.float().T, rtol=1e-5,
                                atol=1e-4)
-    # query i sees keys 0..i: consecutive queries share their first keys, so the kernel gathers those once for a run
-    # of queries; heads per KV head 2, 3 and 6 (its vector path takes four at a time), head sizes in and out of 16s
-    for heads, kv_heads, dim, n in ((4, 2, 16, 37), (9, 3, 64, 45), (6, 1, 24, 20)):
+    # query i sees keys 0..i: consecutive queries share their first keys, so the kernel reads those once for a run of
+    # queries, with the run's rows in vector lanes (`rows_in_lanes`) where a run has 6 rows or more and head sizes
+    # are 16s, else with the keys in lanes (`keys_in_lanes`), the same arithmetic: a query alone takes the second
+    # where its run took the first (2 and 3 heads per KV head), or the first where it has 6 heads per KV head; 300
+    # keys span two of the first's key tiles; head sizes in and out of 16s
+    for heads, kv_heads, dim, n in ((4, 2, 16, 37), (9, 3, 64, 45), (6, 1, 24, 20), (12, 2, 32, 300)):
         k, v = torch.randn(kv_heads, n + 5, dim).to(dtype), torch.randn(kv_heads, n + 5, dim).to(dtype)
         q = torch.randn(n, heads, dim)
         slots, counts = query_slots(path_keys(0, n, lambda p: p, "cpu"), n)

@@ -1,8 +1,9 @@
 // The CPU kernels' extension (lookahead.kernels.cpu_kernels builds this file): one translation unit, since
-// quant_gemm.cpp uses cpu_kernels.cpp's thread pool, and the functions Python calls.
+// chain_attention.cpp and quant_gemm.cpp use cpu_kernels.cpp's thread pool, and the functions Python calls.
 #include <torch/extension.h>
 
 #include "cpu_kernels.cpp"
+#include "chain_attention.cpp"
 #include "quant_gemm.cpp"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
