@@ -107,6 +107,16 @@ static inline void weighted_sum(const float* p, int64_t width, int64_t G, const 
   }
 }
 
+// A cache row's lines asked of memory ahead of their use: a long context's keys and values come from memory, in the
+// order of the key slots (which the hardware's prefetchers cannot guess), AHEAD keys before they are read.
+constexpr int64_t AHEAD = 8;
+template <typename T>
+static inline void prefetch_row(const T* row, int64_t D) {
+#if defined(__x86_64__)
+  for (int64_t b = 0; b < D * int64_t(sizeof(T)); b += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + b, _MM_HINT_T0);
+#endif
+}
+
 // Sixteen float lanes, for the rows-in-lanes path below: AVX-512's one register, AVX2's two, else an array (each op
 // the same IEEE operation per lane, so which one a build has never changes a bit).
 #if defined(__AVX512F__)
@@ -231,16 +241,151 @@ constexpr int64_t RUN = 16;         // queries at most in a run that shares its 
 constexpr int64_t MIN_SHARED = 16;  // keys a query must share with the run's first to join it (one block)
 constexpr int64_t LANE_ROWS = 6;    // a run of at least this many (query, head) rows puts its rows in lanes
 constexpr int64_t KEY_TILE = 256;   // keys whose values stay in cache while every row of a run takes them
-constexpr int64_t MAX_DV = 8;       // rows in lanes: D at most 8 vectors of 16
+constexpr int64_t MAX_DV = 8;       // the lanes' loops: D at most 8 vectors of 16
 
 // A thread's buffers, kept between its items.
 struct Scratch {
   std::vector<float> scores, keys, lanes, acc, row, total, qt, limit, top;
 };
 
+#if defined(__AVX512F__)
+// r[i] = column i of the 16 x 16 matrix whose rows were r[0 .. 15] (pairs unpacked, then pairs of pairs, then the
+// 128-bit quarters moved across the four vectors holding each column's parts).
+static inline void transpose16(__m512* r) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  auto pd = [](__m512 x) { return _mm512_castps_pd(x); };
+  for (int i = 0; i < 16; i += 4) {  // u[i + m], quarter L: column 4 L + m of rows i .. i + 3
+    u[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[i]), pd(t[i + 2])));
+    u[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[i]), pd(t[i + 2])));
+    u[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[i + 1]), pd(t[i + 3])));
+    u[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[i + 1]), pd(t[i + 3])));
+  }
+  for (int m = 0; m < 4; ++m) {
+    const __m512 v0 = _mm512_shuffle_f32x4(u[m], u[4 + m], 0x44), v1 = _mm512_shuffle_f32x4(u[m], u[4 + m], 0xEE);
+    const __m512 v2 = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0x44);
+    const __m512 v3 = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0xEE);
+    r[m] = _mm512_shuffle_f32x4(v0, v2, 0x88);
+    r[4 + m] = _mm512_shuffle_f32x4(v0, v2, 0xDD);
+    r[8 + m] = _mm512_shuffle_f32x4(v1, v3, 0x88);
+    r[12 + m] = _mm512_shuffle_f32x4(v1, v3, 0xDD);
+  }
+}
+#endif
+
+// keys[d * 16 + jj] = element d of key jj, for m <= 16 keys of `slot` (zeros past m): the keys transposed, a vector
+// lane per key. With AVX-512 and 16 keys, their rows 16 elements at a time, transposed in registers, the next block's
+// rows prefetched (`ahead`: the keys `slot` holds after these m).
+template <typename T>
+static void gather_keys(const T* kh, const int64_t* slot, int64_t m, int64_t D, float* keys, int64_t ahead = 0) {
+#if defined(__AVX512F__)
+  if constexpr (!std::is_same<T, double>::value) {
+    if (m == 16 && D % 16 == 0) {
+      for (int64_t jj = 16; jj < std::min<int64_t>(32, 16 + ahead); ++jj) prefetch_row(kh + slot[jj] * D, D);
+      for (int64_t c = 0; c < D; c += 16) {
+        __m512 rows[16];
+        for (int jj = 0; jj < 16; ++jj) rows[jj] = lanes_widen(kh + slot[jj] * D + c).v;
+        transpose16(rows);
+        for (int dd = 0; dd < 16; ++dd) _mm512_storeu_ps(keys + (c + dd) * 16, rows[dd]);
+      }
+      return;
+    }
+  }
+#endif
+  for (int64_t jj = 0; jj < 16; ++jj)
+    for (int64_t d = 0; d < D; ++d) keys[d * 16 + jj] = jj < m ? static_cast<float>(kh[slot[jj] * D + d]) : 0.f;
+}
+
+// Per row of `rows` rows of n scores (row g at scores + g * width): the max, each score's exp_nonpositive of it minus
+// the max in place (16 at a time in lanes), and their sum into total[g], a chain over the scores in order (four rows'
+// chains side by side, past `rows` the last repeated and dropped).
+static void softmax_rows(float* scores, int64_t width, int64_t rows, int64_t n, float* total) {
+  for (int64_t g = 0; g < rows; ++g) {
+    float* sg = scores + g * width;
+    Lanes most = lanes_set1(-INFINITY);
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) most = lanes_max(most, lanes_load(sg + j));
+    float lanes[16];
+    lanes_store(lanes, most);
+    float top = -INFINITY;
+    for (float x : lanes) top = std::max(top, x);
+    for (; j < n; ++j) top = std::max(top, sg[j]);
+    const Lanes tops = lanes_set1(top);
+    for (j = 0; j + 16 <= n; j += 16) lanes_store(sg + j, exp_nonpositive(lanes_load(sg + j) - tops));
+    for (; j < n; ++j) sg[j] = exp_nonpositive(sg[j] - top);
+  }
+  for (int64_t g0 = 0; g0 < rows; g0 += 4) {
+    const float* p[4];
+    for (int64_t i = 0; i < 4; ++i) p[i] = scores + std::min(g0 + i, rows - 1) * width;
+    float sum[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int64_t j = 0; j < n; ++j)
+      for (int i = 0; i < 4; ++i) sum[i] += p[i][j];
+    for (int64_t i = 0; i < 4 && g0 + i < rows; ++i) total[g0 + i] = sum[i];
+  }
+}
+
+// acc[i * D ..] += the chain fma(p_j[i], v_j, ...) over the keys j0 .. j1 - 1 of `slot` (p_j[i] = p[j * key_stride +
+// i * row_stride]) for the rows i0 .. i1 - 1 (D = 16 * DV): RG rows at a time in registers, each key's value read
+// once for them, whole (past i1 the last row is repeated and dropped).
+template <typename T, int DV, int64_t RG = std::max(1, ACCUMULATORS / DV)>
+static void lane_values(const float* p, int64_t key_stride, int64_t row_stride, int64_t i0, int64_t i1, const T* vh,
+                        const int64_t* slot, int64_t j0, int64_t j1, float* acc) {
+  constexpr int64_t D = 16 * DV;
+  for (int64_t g0 = i0; g0 < i1; g0 += RG) {
+    const float* row[RG];
+    int64_t own[RG];
+    for (int64_t t = 0; t < RG; ++t) own[t] = std::min(g0 + t, i1 - 1), row[t] = p + own[t] * row_stride;
+    Lanes a[RG][DV];
+    for (int64_t t = 0; t < RG; ++t)
+      for (int c = 0; c < DV; ++c) a[t][c] = lanes_load(acc + own[t] * D + c * 16);
+    for (int64_t j = j0; j < j1; ++j) {
+      const T* value = vh + slot[j] * D;
+      if (j + AHEAD < j1) prefetch_row(vh + slot[j + AHEAD] * D, D);
+      Lanes vv[DV];
+      for (int c = 0; c < DV; ++c) vv[c] = lanes_widen(value + c * 16);
+      for (int64_t t = 0; t < RG; ++t) {
+        const Lanes pj = lanes_set1(row[t][j * key_stride]);
+        for (int c = 0; c < DV; ++c) a[t][c] = fma(pj, vv[c], a[t][c]);
+      }
+    }
+    for (int64_t t = 0; t < RG && g0 + t < i1; ++t)
+      for (int c = 0; c < DV; ++c) lanes_store(acc + (g0 + t) * D + c * 16, a[t][c]);
+  }
+}
+
+// Whether keys of D elements of type T take the lanes' loops (lane_values, rows_in_lanes).
+template <typename T>
+static bool lanes_take(int64_t D) {
+  return !std::is_same<T, double>::value && D % 16 == 0 && D / 16 <= MAX_DV;
+}
+
+// weighted_sum's chains (p [G, width]: acc [G, D] over the first n keys of `slot`), by lane_values where the lanes
+// take the keys: each value read once, row by row of the cache, for every row (weighted_sum reads a row 16 elements
+// at a time, a pass over the cache per 16: slower at long contexts, where the reads miss the cache).
+template <typename T>
+static void weighted_sums(const float* p, int64_t width, int64_t G, const T* vh, const int64_t* slot, int64_t n,
+                          int64_t D, float* acc, float* row) {
+  if constexpr (!std::is_same<T, double>::value) {
+    if (lanes_take<T>(D)) {
+      std::fill(acc, acc + G * D, 0.f);
+      switch (D / 16) {
+#define VALUES_CASE(N) \
+  case N: return lane_values<T, N>(p, 1, width, 0, G, vh, slot, 0, n, acc);
+        VALUES_CASE(1) VALUES_CASE(2) VALUES_CASE(3) VALUES_CASE(4) VALUES_CASE(5) VALUES_CASE(6) VALUES_CASE(7)
+        VALUES_CASE(8)
+#undef VALUES_CASE
+      }
+    }
+  }
+  weighted_sum(p, width, G, vh, slot, n, D, acc, row);
+}
+
 // One run (queries r0 .. r1 - 1, KV head h) with each query's keys in vector lanes: per block of 16 shared keys,
-// gathered once for the run ([d][key]), every query's G rows of scores (dots16); then per query and row the max, the
-// exps, their sum (a chain over the keys) and the weighted sum (weighted_sum). For runs of few rows (a decoding step).
+// gathered once for the run (gather_keys), every query's G rows of scores (dots16); then per query its rows' max, exps
+// and sums (softmax_rows) and weighted sums (weighted_sums). For runs of few rows (a decoding step).
 template <typename T>
 static void keys_in_lanes(const float* q, const T* kh, const T* vh, const int64_t* slots, const int64_t* counts,
                           float* out, int64_t r0, int64_t r1, int64_t h, int64_t Hq, int64_t G, int64_t D, int64_t W,
@@ -249,11 +394,7 @@ static void keys_in_lanes(const float* q, const T* kh, const T* vh, const int64_
   for (int64_t r = r0; r < r1; ++r) width = std::max(width, counts[r]);
   s.keys.resize(16 * D), s.lanes.resize(16 * G), s.acc.resize(G * D), s.row.resize(D), s.total.resize(G);
   s.scores.assign((r1 - r0) * G * width, 0.f);  // [query of the run][g][key]
-  auto gather = [&](const int64_t* slot, int64_t m) {  // m keys, transposed: [d][key], a vector lane per key
-    for (int64_t jj = 0; jj < 16; ++jj)
-      for (int64_t d = 0; d < D; ++d)
-        s.keys[d * 16 + jj] = jj < m ? static_cast<float>(kh[slot[jj] * D + d]) : 0.f;
-  };
+  auto gather = [&](const int64_t* slot, int64_t m, int64_t ahead) { gather_keys(kh, slot, m, D, s.keys.data(), ahead); };
   auto score = [&](int64_t r, int64_t j0, int64_t m) {  // query r's scores of the gathered keys j0 .. j0 + m - 1
     dots16(q + (r * Hq + h * G) * D, G, D, s.keys.data(), s.lanes.data());
     for (int64_t g = 0; g < G; ++g) {
@@ -263,28 +404,20 @@ static void keys_in_lanes(const float* q, const T* kh, const T* vh, const int64_
   };
   int64_t j0 = 0;
   for (; j0 + 16 <= shared; j0 += 16) {
-    gather(slots + r0 * W + j0, 16);
+    gather(slots + r0 * W + j0, 16, shared - j0 - 16);
     for (int64_t r = r0; r < r1; ++r) score(r, j0, 16);
   }
   for (int64_t r = r0; r < r1; ++r)
     for (int64_t j = j0; j < counts[r]; j += 16) {
       const int64_t m = std::min<int64_t>(16, counts[r] - j);
-      gather(slots + r * W + j, m);
+      gather(slots + r * W + j, m, 0);
       score(r, j, m);
     }
   for (int64_t r = r0; r < r1; ++r) {
     const int64_t n = counts[r];
     const int64_t* slot = slots + r * W;
-    for (int64_t g = 0; g < G; ++g) {
-      float* sg = s.scores.data() + ((r - r0) * G + g) * width;
-      float top = sg[0];
-      for (int64_t j = 1; j < n; ++j) top = std::max(top, sg[j]);
-      for (int64_t j = 0; j < n; ++j) sg[j] = exp_nonpositive(sg[j] - top);
-      float sum = 0.f;
-      for (int64_t j = 0; j < n; ++j) sum += sg[j];
-      s.total[g] = sum;
-    }
-    weighted_sum(s.scores.data() + (r - r0) * G * width, width, G, vh, slot, n, D, s.acc.data(), s.row.data());
+    softmax_rows(s.scores.data() + (r - r0) * G * width, width, G, n, s.total.data());
+    weighted_sums(s.scores.data() + (r - r0) * G * width, width, G, vh, slot, n, D, s.acc.data(), s.row.data());
     for (int64_t g = 0; g < G; ++g) {
       float* o = out + (r * Hq + h * G + g) * D;
       for (int64_t d = 0; d < D; ++d) o[d] = s.acc[g * D + d] / s.total[g];
@@ -329,33 +462,6 @@ static void lane_scores(const float* qt, int64_t RW, int64_t v0, int64_t D, cons
       lanes_store(scores + j * RW + (v0 + c) * 16, acc);
       top[c] = lanes_max(top[c], acc);
     }
-  }
-}
-
-// acc[i * D ..] += the chain fma(p_j[i], v_j, ...) over the keys j0 .. j1 - 1 of `slot` (p_j[i] = scores[j * RW + i])
-// for the rows i0 .. i1 - 1 (D = 16 * DV): RG rows at a time in registers, sharing each value's loads (past i1 the
-// last row is repeated and dropped).
-template <typename T, int DV, int64_t RG = std::max(1, ACCUMULATORS / DV)>
-static void lane_values(const float* scores, int64_t RW, int64_t i0, int64_t i1, const T* vh, const int64_t* slot,
-                        int64_t j0, int64_t j1, float* acc) {
-  constexpr int64_t D = 16 * DV;
-  for (int64_t g0 = i0; g0 < i1; g0 += RG) {
-    int64_t row[RG];
-    for (int64_t t = 0; t < RG; ++t) row[t] = std::min(g0 + t, i1 - 1);
-    Lanes a[RG][DV];
-    for (int64_t t = 0; t < RG; ++t)
-      for (int c = 0; c < DV; ++c) a[t][c] = lanes_load(acc + row[t] * D + c * 16);
-    for (int64_t j = j0; j < j1; ++j) {
-      const T* value = vh + slot[j] * D;
-      Lanes vv[DV];
-      for (int c = 0; c < DV; ++c) vv[c] = lanes_widen(value + c * 16);
-      for (int64_t t = 0; t < RG; ++t) {
-        const Lanes p = lanes_set1(scores[j * RW + row[t]]);
-        for (int c = 0; c < DV; ++c) a[t][c] = fma(p, vv[c], a[t][c]);
-      }
-    }
-    for (int64_t t = 0; t < RG && g0 + t < i1; ++t)
-      for (int c = 0; c < DV; ++c) lanes_store(acc + (g0 + t) * D + c * 16, a[t][c]);
   }
 }
 
@@ -417,9 +523,7 @@ static void rows_in_lanes(const float* q, const T* kh, const T* vh, const int64_
     for (int64_t j = shared; j < counts[r]; j += 16) {
       const int64_t m = std::min<int64_t>(16, counts[r] - j);
       const int64_t* slot = slots + r * W + j;
-      for (int64_t jj = 0; jj < 16; ++jj)
-        for (int64_t d = 0; d < D; ++d)
-          s.keys[d * 16 + jj] = jj < m ? static_cast<float>(kh[slot[jj] * D + d]) : 0.f;
+      gather_keys(kh, slot, m, D, s.keys.data());
       dots16(q + (r * Hq + h * G) * D, G, D, s.keys.data(), s.lanes.data());
       for (int64_t g = 0; g < G; ++g) {
         const int64_t i = (r - r0) * G + g;
@@ -433,12 +537,12 @@ static void rows_in_lanes(const float* q, const T* kh, const T* vh, const int64_
   for (int64_t j0 = 0; j0 < shared; j0 += KEY_TILE) {
     const int64_t j1 = std::min(shared, j0 + KEY_TILE);
     lane_exps(s.scores.data(), RW, j0, j1, s.top.data(), s.limit.data(), s.total.data());
-    lane_values<T, DV>(s.scores.data(), RW, 0, rows, vh, slot0, j0, j1, s.acc.data());
+    lane_values<T, DV>(s.scores.data(), RW, 1, 0, rows, vh, slot0, j0, j1, s.acc.data());
   }
   lane_exps(s.scores.data(), RW, shared, width, s.top.data(), s.limit.data(), s.total.data());
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t r = r0 + i / G;
-    lane_values<T, DV, 1>(s.scores.data(), RW, i, i + 1, vh, slots + r * W, shared, counts[r], s.acc.data());
+    lane_values<T, DV, 1>(s.scores.data(), RW, 1, i, i + 1, vh, slots + r * W, shared, counts[r], s.acc.data());
     float* o = out + (r * Hq + h * G + i % G) * D;
     const Lanes total = lanes_set1(s.total[i]);
     for (int c = 0; c < DV; ++c) lanes_store(o + c * 16, lanes_load(s.acc.data() + i * D + c * 16) / total);
@@ -448,7 +552,7 @@ static void rows_in_lanes(const float* q, const T* kh, const T* vh, const int64_
 // Whether a run of `rows` (query, head) rows over keys of D elements of type T takes rows_in_lanes.
 template <typename T>
 static bool takes_rows_in_lanes(int64_t rows, int64_t D) {
-  return !std::is_same<T, double>::value && rows >= LANE_ROWS && D % 16 == 0 && D / 16 <= MAX_DV;
+  return rows >= LANE_ROWS && lanes_take<T>(D);
 }
 
 template <typename T>
