@@ -59,9 +59,10 @@ async def beside(url: str, text: str, lead: int) -> dict:
     done.set()
     await streaming
     await client.close()
-    gaps = [b - a for a, b in zip(first[1:], first[2:], strict=False) if b <= second[-1]]
-    return {"ttft": second[0] - sent, "median_gap": statistics.median(gaps), "max_gap": max(gaps),
-            "gaps": len(gaps)}
+    gaps = [(b - a, b - sent) for a, b in zip(first[1:], first[2:], strict=False) if b <= second[-1]]
+    largest, at = max(gaps)
+    return {"ttft": second[0] - sent, "median_gap": statistics.median(gap for gap, _ in gaps), "max_gap": largest,
+            "max_gap_at": at, "gaps": len(gaps), "largest_gaps": sorted(round(gap, 4) for gap, _ in gaps)[-10:]}
 
 
 async def alone(url: str, text: str) -> float:
@@ -101,7 +102,8 @@ def main() -> None:
             rows.append({"prompt_tokens": size, **side, "ratio": side["max_gap"] / side["median_gap"],
                          "ttft_alone": solo})
             print(f"{size} tokens: largest gap {side['max_gap']:.3f} s, median {side['median_gap']:.3f} s "
-                  f"({rows[-1]['ratio']:.1f}x); time to first token {side['ttft']:.1f} s beside a stream, "
+                  f"({rows[-1]['ratio']:.1f}x), {side['max_gap_at']:.1f} s after the long prompt came (the ten "
+                  f"largest: {side['largest_gaps']}); time to first token {side['ttft']:.1f} s beside a stream, "
                   f"{solo:.1f} s alone", flush=True)
     finally:
         stop_server(process)

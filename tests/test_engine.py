@@ -467,34 +467,6 @@ def test_a_chunk_may_add_to_the_step_what_decoding_steps_took_lately():
     assert large > 4 * small and added <= (CHUNK_COST - 1) * 0.5 + 1e-12
 
 
-class RunCost(LengthCost):
-    """A CPU's attention as the kernel computes it: a row's per-position cost the same for 1 query as for 16 (it
-    reads each key once for a run of queries), 20 us a position, beside 20 ms a step and 1 ms a token."""
-
-    def predict(self, tokens: int, length: int, kind: str = "greedy") -> float:
-        return 0.02 + 0.001 * tokens + 2e-5 * length
-
-
-def test_a_prompt_chunk_is_priced_as_a_row_of_its_own():
-    """A chunk's attention is priced as a row of its own over its own positions, not as its share of the step's
-    per-position cost: where a row's attention costs about the same for 1 query as for 16, a few tokens 3,000 positions
-    into a prompt add 60 ms to a 27 ms step, and the allowance falls to one token (spreading the step's per-position
-    cost over its tokens allowed 3, whose step cost 3.3 times the decoding row's alone: the stalls bench/stalls.py
-    measured); early in the prompt, whole chunks still fit."""
-    from lookahead.loop.scheduler import CHUNK_COST, Scheduler, chunk_seconds
-
-    cost = RunCost()
-    scheduler = Scheduler(MockRowModel(VOCAB, logits_fn, prefill_chunk=512), None, cost)
-    alone = cost.predict(5, 100)
-    spread = lambda size, filled: cost.predict(5 + size, (500 + size * filled) // (5 + size)) - alone  # noqa: E731
-    assert spread(3, 3000) <= (CHUNK_COST - 1) * alone  # what the old pricing allowed
-    assert scheduler._prefill_allowance(5, 5 * 100, 3000) == 1
-    assert chunk_seconds(cost, "greedy", 5, 1, 3000) == pytest.approx(0.001 + 2e-5 * 3000)
-    # at the prompt's start its attention is cheap: the largest chunk whose GEMMs and attention fit
-    early = scheduler._prefill_allowance(5, 5 * 100, 10)
-    assert early == max(size for size in range(1, 513) if 0.001 * size + 2e-5 * 10 <= (CHUNK_COST - 1) * alone + 1e-12)
-
-
 def test_decode_seconds_moves_a_fixed_share_of_the_way_to_each_decoding_step():
     """`decode_seconds` is a moving average: each step without a prompt chunk moves it `DECODE_RATE` (0.3) of the way
     from what it was towards that step's time, up after a slower step and down after a faster one; a chunk's step

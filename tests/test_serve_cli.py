@@ -165,3 +165,19 @@ def test_a_signal_mid_stream_ends_the_stream_with_a_last_chunk_and_exits_0(serve
         if server.poll() is None:
             server.kill()
             server.wait(10)
+
+
+def test_what_the_server_loaded_is_kept_out_of_the_collectors_view():
+    """`lookahead serve` freezes what it loaded before serving (`freeze_loaded`): a full collection over the model's
+    and torch's objects paused the engine's thread beside a long prompt. Unfrozen after, for the tests' process."""
+    import gc
+
+    from lookahead.cli.serve import freeze_loaded
+
+    loaded = {"weights": [1, 2, 3]}  # a dict: one of the collector's objects
+    assert any(o is loaded for o in gc.get_objects())
+    try:
+        freeze_loaded()
+        assert not any(o is loaded for o in gc.get_objects())  # frozen: no collection walks it
+    finally:
+        gc.unfreeze()

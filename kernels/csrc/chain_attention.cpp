@@ -113,11 +113,12 @@ constexpr int64_t AHEAD = 8;
 template <typename T>
 static inline void prefetch_row(const T* row, int64_t D) {
 #if defined(__x86_64__)
-  for (int64_t b = 0; b < D * int64_t(sizeof(T)); b += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + b, _MM_HINT_T0);
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < D * int64_t(sizeof(T)); b += 64) _mm_prefetch(bytes + b, _MM_HINT_T0);
 #endif
 }
 
-// Sixteen float lanes, for the rows-in-lanes path below: AVX-512's one register, AVX2's two, else an array (each op
+// Sixteen float lanes, for the loops below: AVX-512's one register, AVX2's two, else an array (each op
 // the same IEEE operation per lane, so which one a build has never changes a bit).
 #if defined(__AVX512F__)
 struct Lanes {
@@ -178,7 +179,9 @@ static inline Lanes each(F f) {
 static inline Lanes lanes_set1(float x) { return each([&](int) { return x; }); }
 static inline Lanes lanes_load(const float* p) { return each([&](int l) { return p[l]; }); }
 static inline void lanes_store(float* p, Lanes a) { std::memcpy(p, a.x, sizeof a.x); }
-static inline Lanes fma(Lanes a, Lanes b, Lanes c) { return each([&](int l) { return std::fma(a.x[l], b.x[l], c.x[l]); }); }
+static inline Lanes fma(Lanes a, Lanes b, Lanes c) {
+  return each([&](int l) { return std::fma(a.x[l], b.x[l], c.x[l]); });
+}
 static inline Lanes operator+(Lanes a, Lanes b) { return each([&](int l) { return a.x[l] + b.x[l]; }); }
 static inline Lanes operator-(Lanes a, Lanes b) { return each([&](int l) { return a.x[l] - b.x[l]; }); }
 static inline Lanes operator*(Lanes a, Lanes b) { return each([&](int l) { return a.x[l] * b.x[l]; }); }
@@ -230,7 +233,7 @@ static inline Lanes exp_nonpositive(Lanes x) {
   return y * exponent_bits(n);
 }
 
-// accumulators the rows-in-lanes loops keep in registers (AVX-512's 32 registers hold 24 of them; AVX2's 16 of
+// accumulators the lanes' loops keep in registers (AVX-512's 32 registers hold 24 of them; AVX2's 16 of
 // half the width hold 6 Lanes)
 #if defined(__AVX512F__)
 constexpr int ACCUMULATORS = 24;
@@ -394,7 +397,9 @@ static void keys_in_lanes(const float* q, const T* kh, const T* vh, const int64_
   for (int64_t r = r0; r < r1; ++r) width = std::max(width, counts[r]);
   s.keys.resize(16 * D), s.lanes.resize(16 * G), s.acc.resize(G * D), s.row.resize(D), s.total.resize(G);
   s.scores.assign((r1 - r0) * G * width, 0.f);  // [query of the run][g][key]
-  auto gather = [&](const int64_t* slot, int64_t m, int64_t ahead) { gather_keys(kh, slot, m, D, s.keys.data(), ahead); };
+  auto gather = [&](const int64_t* slot, int64_t m, int64_t ahead) {
+    gather_keys(kh, slot, m, D, s.keys.data(), ahead);
+  };
   auto score = [&](int64_t r, int64_t j0, int64_t m) {  // query r's scores of the gathered keys j0 .. j0 + m - 1
     dots16(q + (r * Hq + h * G) * D, G, D, s.keys.data(), s.lanes.data());
     for (int64_t g = 0; g < G; ++g) {

@@ -143,9 +143,9 @@ class Scheduler:
     def _prefill_allowance(self, decoding_tokens: int, decoding_weight: int, filled: int) -> int | None:
         """Prompt tokens the next step may carry (None: no limit) beside rows that feed `decoding_tokens` tokens over
         `decoding_weight` token-positions (tokens times cache length), the first prefilling row having `filled`
-        positions cached: alone, the model's chunk; beside decoding rows, the most that add to their step at most
-        `CHUNK_COST` - 1 times its cost (the larger of the model's figure and what such steps took lately,
-        `decode_seconds`), priced by `chunk_seconds` (`MIN_CHUNK` at least, never past the chunk); with no cost model,
+        positions cached: alone, the model's chunk; beside decoding rows, the most that the cost model says add to
+        their step at most `CHUNK_COST` - 1 times its cost (the larger of the model's figure and what such steps
+        took lately, `decode_seconds`) (`MIN_CHUNK` at least, never past the chunk); with no cost model,
         `UNCOSTED_CHUNK` or four per decoding token."""
         chunk = self.model.prefill_chunk
         if decoding_tokens == 0 or chunk is None:
@@ -153,13 +153,17 @@ class Scheduler:
         if self.cost is None or not self.cost.curves:
             return min(chunk, max(UNCOSTED_CHUNK, 4 * decoding_tokens))
         kind = next(iter(self.cost.curves))
-        alone = self.cost.predict(decoding_tokens, decoding_weight // decoding_tokens, kind)
+
+        def cost(size: int) -> float:
+            tokens = decoding_tokens + size
+            return self.cost.predict(tokens, (decoding_weight + size * filled) // tokens, kind)
+
+        alone = cost(0)
         room = (CHUNK_COST - 1) * max(alone, self.decode_seconds or 0.0)  # what the chunk may add to the step
-        low, high = 0, chunk  # the largest size within it: a chunk of more tokens never costs less
+        low, high = 0, chunk  # the largest size within it: a step of more tokens never costs less
         while low < high:
             middle = (low + high + 1) // 2
-            fits = chunk_seconds(self.cost, kind, decoding_tokens, middle, filled) <= room
-            low, high = (middle, high) if fits else (low, middle - 1)
+            low, high = (middle, high) if cost(middle) - alone <= room else (low, middle - 1)
         return max(low, MIN_CHUNK)
 
     def record(self, steps: Sequence[RowStep], seconds: float, accepted: dict[Job, int],
@@ -174,17 +178,3 @@ class Scheduler:
         for i, (budget, expected) in enumerate(self._sized):  # the cost model learns the step's time once
             budget.record_cost(tokens, weight // max(tokens, 1), seconds, loop_seconds, observe=i == 0)
             budget.record_drafts(list(expected.values()), [accepted[job] for job in expected])
-
-
-def chunk_seconds(cost: CostModel, kind: str, decoding_tokens: int, size: int, filled: int) -> float:
-    """What a prompt chunk of `size` tokens, `filled` positions of its prompt cached, adds to a step whose decoding
-    rows feed `decoding_tokens` tokens, by the cost model: its tokens through the GEMMs beside theirs (the curve's
-    cost at no cached positions, with and without them), and its attention as a row of its own over its own positions
-    (the curve's per-position cost of a row of `size` tokens, which is what the curve measures). Not the step's
-    per-position cost spread over all its tokens: the CPU's attention costs a row about as much for 1 query as for 16
-    (it reads each key once for a run of queries), so that spread priced a few tokens deep in a long prompt at a
-    fraction of what they cost, and steps with them stalled the rows beside."""
-    if size == 0:
-        return 0.0
-    gemms = cost.predict(decoding_tokens + size, 0, kind) - cost.predict(decoding_tokens, 0, kind)
-    return gemms + cost.predict(size, filled, kind) - cost.predict(size, 0, kind)
