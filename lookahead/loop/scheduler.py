@@ -10,7 +10,6 @@ budgets what it did. It runs nothing and sends nothing: the engine does.
 from __future__ import annotations
 
 import collections
-import math
 from collections.abc import Callable, Sequence
 
 from lookahead.tuning import CostModel, Fixed, StepBudget
@@ -24,8 +23,6 @@ from .rows import RowModel, RowStep
 # context a 512-token chunk cost seconds on a 2-core CPU, every stream beside it waiting 150 times its usual gap
 CHUNK_COST = 2.0
 DECODE_RATE = 0.3  # how far one step without a chunk moves `Scheduler.decode_seconds` towards its own time
-PRICE_RATE = 0.3  # how far one step with a chunk moves `Scheduler.chunk_price` towards what that step showed
-PRICE_RANGE = (1 / 16, 64.0)  # the chunk price's bounds (one odd step never makes it absurd)
 MIN_CHUNK = 1  # prompt tokens a step carries at least for a prefilling row, however busy the step
 UNCOSTED_CHUNK = 16  # with no cost model: prompt tokens beside decoding rows, or four per token they feed if more
 
@@ -47,12 +44,6 @@ class Scheduler:
         # allowance is priced against it as well as against the cost model's figure for the decoding rows, which
         # counts a lookahead row at its smallest step
         self.decode_seconds: float | None = None
-        # what steps with a prompt chunk beside decoding rows added to them lately, over what the cost model said they
-        # would (a moving average in log space): chunks are priced at the model's figure times it. The model's
-        # per-position cost is fit on short caches and under-prices a chunk deep in a long prompt, whose attention
-        # reads its cache from memory: steps priced at twice a decoding step took three or four times it
-        self.chunk_price = 1.0
-        self._chunk_priced: float | None = None  # the planned step's chunk, at the model's figure (None: no chunk)
 
     def admit(self, fail: Callable[[list[Job], str], None]) -> None:
         """Admit waiting requests, first come first served, while there are free rows and the model has room; `fail`
@@ -86,12 +77,12 @@ class Scheduler:
         decoding = [job for job in self.active if not job.prefilling]
         plain = [job for job in decoding if job.loop is None]
         lookahead = [job for job in decoding if job.loop is not None]
-        allowance, beside = None, None
+        allowance = None
         if len(decoding) < len(self.active):  # a row prefills: its chunk's allowance (costed: not worth it otherwise)
             fed = {job: 1 if job.loop is None else 1 + len(job.loop.window.levels) for job in decoding}
             first = next(job for job in self.active if job.prefilling)
-            beside = (sum(fed.values()), sum(n * self._length_of(job) for job, n in fed.items()), first.filled)
-            allowance = self._prefill_allowance(*beside)
+            allowance = self._prefill_allowance(sum(fed.values()),
+                                                sum(n * self._length_of(job) for job, n in fed.items()), first.filled)
         jobs, steps = [], []
         for job in self.active:
             if not job.prefilling or (allowance is not None and allowance <= 0 and (steps or decoding)):
@@ -100,9 +91,6 @@ class Scheduler:
             jobs.append(job)
             allowance = None if allowance is None else allowance - len(steps[-1].tokens)
         chunks = len(steps)  # the step's prompt chunks come first
-        self._chunk_priced = None
-        if chunks and decoding and self.cost is not None and self.cost.curves:  # what `record` weighs it against
-            self._chunk_priced = self._chunk_seconds(*beside, sum(len(step.tokens) for step in steps))
         groups: dict[StepBudget, list[Job]] = {}
         full = []
         for job in lookahead:
@@ -157,34 +145,26 @@ class Scheduler:
         `decoding_weight` token-positions (tokens times cache length), the first prefilling row having `filled`
         positions cached: alone, the model's chunk; beside decoding rows, the most that the cost model says add to
         their step at most `CHUNK_COST` - 1 times its cost (the larger of the model's figure and what such steps
-        took lately, `decode_seconds`), each chunk priced at the model's figure times `chunk_price` (`MIN_CHUNK` at
-        least, never past the chunk); with no cost model, `UNCOSTED_CHUNK` or four per decoding token."""
+        took lately, `decode_seconds`) (`MIN_CHUNK` at least, never past the chunk); with no cost model,
+        `UNCOSTED_CHUNK` or four per decoding token."""
         chunk = self.model.prefill_chunk
         if decoding_tokens == 0 or chunk is None:
             return chunk
         if self.cost is None or not self.cost.curves:
             return min(chunk, max(UNCOSTED_CHUNK, 4 * decoding_tokens))
-        alone = self._chunk_seconds(decoding_tokens, decoding_weight, filled, 0, alone=True)
-        room = (CHUNK_COST - 1) * max(alone, self.decode_seconds or 0.0)  # what the chunk may add to the step
-        low, high = 0, chunk  # the largest size within it: a step of more tokens never costs less
-        while low < high:
-            middle = (low + high + 1) // 2
-            fits = self._chunk_seconds(decoding_tokens, decoding_weight, filled, middle) * self.chunk_price <= room
-            low, high = (middle, high) if fits else (low, middle - 1)
-        return max(low, MIN_CHUNK)
-
-    def _chunk_seconds(self, decoding_tokens: int, decoding_weight: int, filled: int, size: int,
-                       alone: bool = False) -> float:
-        """What a prompt chunk of `size` tokens (`filled` positions of its prompt cached) adds to a step of decoding
-        rows that feed `decoding_tokens` tokens over `decoding_weight` token-positions, by the cost model: the step's
-        cost with it less without it (`alone`: the cost without it)."""
         kind = next(iter(self.cost.curves))
 
         def cost(size: int) -> float:
             tokens = decoding_tokens + size
             return self.cost.predict(tokens, (decoding_weight + size * filled) // tokens, kind)
 
-        return cost(0) if alone else cost(size) - cost(0)
+        alone = cost(0)
+        room = (CHUNK_COST - 1) * max(alone, self.decode_seconds or 0.0)  # what the chunk may add to the step
+        low, high = 0, chunk  # the largest size within it: a step of more tokens never costs less
+        while low < high:
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if cost(middle) - alone <= room else (low, middle - 1)
+        return max(low, MIN_CHUNK)
 
     def record(self, steps: Sequence[RowStep], seconds: float, accepted: dict[Job, int],
                loop_seconds: float = 0.0) -> None:
@@ -195,12 +175,6 @@ class Scheduler:
         if steps and not any(s.prefill for s in steps):
             last = self.decode_seconds
             self.decode_seconds = seconds if last is None else last + DECODE_RATE * (seconds - last)
-        elif self._chunk_priced is not None and self.decode_seconds is not None:
-            # what the chunk added, against the decoding steps' recent time, over what it was priced at
-            shown = max(seconds - self.decode_seconds, 0.0) / max(self._chunk_priced, 1e-9)
-            price = math.exp(math.log(self.chunk_price)
-                             + PRICE_RATE * (math.log(max(shown, PRICE_RANGE[0])) - math.log(self.chunk_price)))
-            self.chunk_price = min(max(price, PRICE_RANGE[0]), PRICE_RANGE[1])
         for i, (budget, expected) in enumerate(self._sized):  # the cost model learns the step's time once
             budget.record_cost(tokens, weight // max(tokens, 1), seconds, loop_seconds, observe=i == 0)
             budget.record_drafts(list(expected.values()), [accepted[job] for job in expected])
