@@ -4,7 +4,8 @@
 (greedy, `ignore_eos`); once it has given `--lead` tokens a second request arrives with a long prompt (dev.jsonl's
 prompts joined until the tokenizer counts `--prompt-tokens`), streamed too. The first stream's gaps between chunks are
 recorded from its second chunk until the long prompt's answer ends. Reports per prompt length: the long prompt's time
-to first token and prefill rate, and the first stream's median and largest gap and their ratio (the goal: at most 3).
+to first token and prefill rate, and the first stream's median and largest gap and their ratio (the goal: at most 3),
+when the largest came (seconds after the long prompt) and the ten largest.
 Then the long prompt alone (no stream beside it), its time to first token: what the chunking costs it.
 
     python bench/stalls.py --quick                   # 2,048 tokens only
