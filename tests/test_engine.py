@@ -391,21 +391,32 @@ class LengthCost(CostModel):
 
 class ChunkRecorder(MockRowModel):
     """A `MockRowModel` that also records each step's prompt chunk of row `watched` (None: none) and its decoding
-    rows' tokens, with the cache lengths they ran at."""
+    rows' tokens, with the cache lengths they ran at; and a clock (`clock`, for the engine) that each step moves on by
+    what `LengthCost` says it costs, a prompt chunk's attention `chunk_attention` times that (a model fit on short
+    caches under-prices a chunk deep in a long prompt)."""
 
-    def __init__(self, *args, watched: int = 0, **kwargs) -> None:
+    def __init__(self, *args, watched: int = 0, chunk_attention: float = 1.0, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.watched = watched
+        self.watched, self.chunk_attention, self.now = watched, chunk_attention, 0.0
         self.cached: dict[int, int] = {}
         self.steps: list[tuple[tuple[int, int] | None, list[tuple[int, int]]]] = []
+        self.seconds: list[float] = []  # each step's
+
+    def clock(self) -> float:
+        return self.now
 
     def step(self, steps):
         chunk = next(((len(s.tokens), self.cached.get(s.row, 0)) for s in steps
                       if s.prefill and s.row == self.watched), None)
         decoding = [(len(s.tokens), self.cached.get(s.row, 0)) for s in steps if not s.prefill]
         self.steps.append((chunk, decoding))
+        seconds = 0.02
         for s in steps:
-            self.cached[s.row] = self.cached.get(s.row, 0) + (len(s.tokens) if s.prefill else 1)
+            n, length = len(s.tokens), self.cached.get(s.row, 0)
+            seconds += 0.001 * n + 2e-6 * n * length * (self.chunk_attention if s.prefill else 1.0)
+            self.cached[s.row] = length + (n if s.prefill else 1)
+        self.now += seconds
+        self.seconds.append(seconds)
         return super().step(steps)
 
 
@@ -420,7 +431,7 @@ def test_a_long_prompt_beside_decoding_rows_never_stalls_them(lookahead):
 
     cost = LengthCost()
     model = ChunkRecorder(VOCAB, logits_fn, prefill_chunk=512, watched=1)
-    engine = Engine(model, cost=cost)
+    engine = Engine(model, cost=cost, clock=model.clock)
     engine.submit(one([1, 2, 3], 400, lookahead=lookahead))
     for _ in range(3):
         engine.step()
@@ -445,6 +456,32 @@ def test_a_long_prompt_beside_decoding_rows_never_stalls_them(lookahead):
     model = ChunkRecorder(VOCAB, logits_fn, prefill_chunk=512)
     Engine(model, cost=cost).run(Request([prompt], 2))
     assert [chunk[0] for chunk, _ in model.steps if chunk is not None] == [512] * 5 + [440]
+
+
+def test_chunks_the_cost_model_under_prices_are_priced_at_what_their_steps_took():
+    """Where a chunk's attention costs four times what the cost model says (its per-position cost, fit on short
+    caches, under-prices a long prompt's cache read from memory), the scheduler learns it from the steps (`scales`:
+    what steps with a chunk and steps without took over the model's figures): after a few steps, a step with a chunk
+    costs at most about `CHUNK_COST` times the decoding row's steps again; at the model's figures alone, the same
+    steps cost nearly twice that."""
+    from lookahead.loop.scheduler import CHUNK_COST
+
+    def steps_beside(learn: bool) -> list[float]:
+        model = ChunkRecorder(VOCAB, logits_fn, prefill_chunk=512, watched=1, chunk_attention=4.0)
+        engine = Engine(model, cost=LengthCost(), clock=model.clock)
+        engine.submit(one([1, 2, 3], 300))
+        for _ in range(3):
+            engine.step()
+        handle = engine.submit(one([(7 * i) % (VOCAB - 1) + 1 for i in range(3000)], 2))
+        while engine.step() and not handle.done:
+            if not learn:
+                engine.scheduler.scales = {"chunk": 1.0, "decode": 1.0}
+        decoding = [t for (chunk, decoding), t in zip(model.steps, model.seconds, strict=True) if chunk is None]
+        beside = [t for (chunk, decoding), t in zip(model.steps, model.seconds, strict=True) if chunk and decoding]
+        return [t / decoding[-1] for t in beside[10:]]  # over a decoding step's time, once it has learnt
+
+    assert max(steps_beside(learn=True)) <= CHUNK_COST * 1.25
+    assert max(steps_beside(learn=False)) > CHUNK_COST * 1.6
 
 
 def test_a_chunk_may_add_to_the_step_what_decoding_steps_took_lately():

@@ -10,6 +10,7 @@ budgets what it did. It runs nothing and sends nothing: the engine does.
 from __future__ import annotations
 
 import collections
+import math
 from collections.abc import Callable, Sequence
 
 from lookahead.tuning import CostModel, Fixed, StepBudget
@@ -23,6 +24,7 @@ from .rows import RowModel, RowStep
 # context a 512-token chunk cost seconds on a 2-core CPU, every stream beside it waiting 150 times its usual gap
 CHUNK_COST = 2.0
 DECODE_RATE = 0.3  # how far one step without a chunk moves `Scheduler.decode_seconds` towards its own time
+SCALE_RANGE = (1 / 16, 16.0)  # `Scheduler.scales`' bounds (one odd step never makes them absurd)
 MIN_CHUNK = 1  # prompt tokens a step carries at least for a prefilling row, however busy the step
 UNCOSTED_CHUNK = 16  # with no cost model: prompt tokens beside decoding rows, or four per token they feed if more
 
@@ -44,6 +46,12 @@ class Scheduler:
         # allowance is priced against it as well as against the cost model's figure for the decoding rows, which
         # counts a lookahead row at its smallest step
         self.decode_seconds: float | None = None
+        # what steps took over what the cost model said they would, at their own tokens and lengths (moving averages
+        # in log space, rate DECODE_RATE): steps with a prompt chunk beside decoding rows ("chunk"), and the others
+        # ("decode"). A chunk's allowance weighs the model's figures by them: its per-position cost is fit on short
+        # caches and under-prices a step with a chunk deep in a long prompt, whose attention reads the cache from
+        # memory (such steps, priced at twice a decoding step, took four times it)
+        self.scales = {"chunk": 1.0, "decode": 1.0}
 
     def admit(self, fail: Callable[[list[Job], str], None]) -> None:
         """Admit waiting requests, first come first served, while there are free rows and the model has room; `fail`
@@ -145,8 +153,9 @@ class Scheduler:
         `decoding_weight` token-positions (tokens times cache length), the first prefilling row having `filled`
         positions cached: alone, the model's chunk; beside decoding rows, the most that the cost model says add to
         their step at most `CHUNK_COST` - 1 times its cost (the larger of the model's figure and what such steps
-        took lately, `decode_seconds`) (`MIN_CHUNK` at least, never past the chunk); with no cost model,
-        `UNCOSTED_CHUNK` or four per decoding token."""
+        took lately, `decode_seconds`), the model's figures weighed by what steps of each kind took over them lately
+        (`scales`) (`MIN_CHUNK` at least, never past the chunk); with no cost model, `UNCOSTED_CHUNK` or four per
+        decoding token."""
         chunk = self.model.prefill_chunk
         if decoding_tokens == 0 or chunk is None:
             return chunk
@@ -158,12 +167,14 @@ class Scheduler:
             tokens = decoding_tokens + size
             return self.cost.predict(tokens, (decoding_weight + size * filled) // tokens, kind)
 
-        alone = cost(0)
+        alone = cost(0) * self.scales["decode"]  # the model's figures, as the steps of each kind bore them out
         room = (CHUNK_COST - 1) * max(alone, self.decode_seconds or 0.0)  # what the chunk may add to the step
         low, high = 0, chunk  # the largest size within it: a step of more tokens never costs less
         while low < high:
             middle = (low + high + 1) // 2
-            low, high = (middle, high) if cost(middle) - alone <= room else (low, middle - 1)
+            # (a step with a chunk holds the decoding rows too: weighed at least as theirs are)
+            fits = cost(middle) * max(self.scales["chunk"], self.scales["decode"]) - alone <= room
+            low, high = (middle, high) if fits else (low, middle - 1)
         return max(low, MIN_CHUNK)
 
     def record(self, steps: Sequence[RowStep], seconds: float, accepted: dict[Job, int],
@@ -172,9 +183,16 @@ class Scheduler:
         for the step, `loop_seconds` (from planning it to sending its tokens), and each sized row's accepted nodes."""
         tokens = sum(len(s.tokens) for s in steps)
         weight = sum(len(s.tokens) * length for s, length in zip(steps, self._lengths, strict=True))
-        if steps and not any(s.prefill for s in steps):
+        prefill = any(s.prefill for s in steps)
+        if steps and not prefill:
             last = self.decode_seconds
             self.decode_seconds = seconds if last is None else last + DECODE_RATE * (seconds - last)
+        if steps and self.cost is not None and self.cost.curves and (not prefill or not all(s.prefill for s in steps)):
+            kind = "chunk" if prefill else "decode"
+            shown = seconds / self.cost.predict(tokens, weight // tokens, next(iter(self.cost.curves)))
+            scale = math.exp(math.log(self.scales[kind])
+                             + DECODE_RATE * (math.log(max(shown, SCALE_RANGE[0])) - math.log(self.scales[kind])))
+            self.scales[kind] = min(max(scale, SCALE_RANGE[0]), SCALE_RANGE[1])
         for i, (budget, expected) in enumerate(self._sized):  # the cost model learns the step's time once
             budget.record_cost(tokens, weight // max(tokens, 1), seconds, loop_seconds, observe=i == 0)
             budget.record_drafts(list(expected.values()), [accepted[job] for job in expected])
