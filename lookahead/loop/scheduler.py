@@ -1,10 +1,10 @@
 """`Scheduler`: what the engine's next step runs. It keeps the waiting requests and the live rows, admits waiting
 requests first come, first served while there are free rows and the model has room for them, and plans every live
 row's part of one packed step: prompt chunks within the step's prefill allowance (beside decoding rows, as many prompt
-tokens as keep the step within about twice their own cost by the cost model at the lengths involved, so a long prompt
-never stalls the streams beside it; alone, the model's whole chunk), then the decoding rows, each self-tuned lookahead
-row sized by the budget of its own kind (one per sampled or greedy, static or not). After the step, `record` tells the
-budgets what it did. It runs nothing and sends nothing: the engine does.
+tokens as keep the step within about twice their own cost by the cost model at the lengths involved, as the steps bore
+its figures out, so a long prompt never stalls the streams beside it; alone, the model's whole chunk), then the
+decoding rows, each self-tuned lookahead row sized by the budget of its own kind (one per sampled or greedy, static or
+not). After the step, `record` tells the budgets what it did. It runs nothing and sends nothing: the engine does.
 """
 
 from __future__ import annotations
