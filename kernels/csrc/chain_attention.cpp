@@ -246,6 +246,23 @@ constexpr int64_t LANE_ROWS = 6;    // a run of at least this many (query, head)
 constexpr int64_t KEY_TILE = 256;   // keys whose values stay in cache while every row of a run takes them
 constexpr int64_t MAX_DV = 8;       // the lanes' loops: D at most 8 vectors of 16
 
+// f(std::integral_constant<int, DV>{}) for the lanes' loops' DV (D / 16) in 1 .. MAX_DV: a template argument from a
+// run-time D, in one place for every loop that takes it
+template <typename F>
+static void with_dv(int64_t dv, F&& f) {
+  switch (dv) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    case 8: return f(std::integral_constant<int, 8>{});
+  }
+  TORCH_CHECK(false, "the lanes' loops take D = 16 .. ", 16 * MAX_DV, " in steps of 16, not D = ", 16 * dv);
+}
+
 // A thread's buffers, kept between its items.
 struct Scratch {
   std::vector<float> scores, keys, lanes, acc, row, total, qt, limit, top;
@@ -374,13 +391,9 @@ static void weighted_sums(const float* p, int64_t width, int64_t G, const T* vh,
   if constexpr (!std::is_same<T, double>::value) {
     if (lanes_take<T>(D)) {
       std::fill(acc, acc + G * D, 0.f);
-      switch (D / 16) {
-#define VALUES_CASE(N) \
-  case N: return lane_values<T, N>(p, 1, width, 0, G, vh, slot, 0, n, acc);
-        VALUES_CASE(1) VALUES_CASE(2) VALUES_CASE(3) VALUES_CASE(4) VALUES_CASE(5) VALUES_CASE(6) VALUES_CASE(7)
-        VALUES_CASE(8)
-#undef VALUES_CASE
-      }
+      return with_dv(D / 16, [&](auto dv) {
+        lane_values<T, decltype(dv)::value>(p, 1, width, 0, G, vh, slot, 0, n, acc);
+      });
     }
   }
   weighted_sum(p, width, G, vh, slot, n, D, acc, row);
@@ -560,21 +573,6 @@ static bool takes_rows_in_lanes(int64_t rows, int64_t D) {
   return rows >= LANE_ROWS && lanes_take<T>(D);
 }
 
-template <typename T>
-static void rows_in_lanes_of(int64_t DV, const float* q, const T* kh, const T* vh, const int64_t* slots,
-                             const int64_t* counts, float* out, int64_t r0, int64_t r1, int64_t h, int64_t Hq,
-                             int64_t G, int64_t W, int64_t shared, Scratch& s) {
-  if constexpr (!std::is_same<T, double>::value) {
-    switch (DV) {
-#define LANES_CASE(N) \
-  case N: return rows_in_lanes<T, N>(q, kh, vh, slots, counts, out, r0, r1, h, Hq, G, W, shared, s);
-      LANES_CASE(1) LANES_CASE(2) LANES_CASE(3) LANES_CASE(4) LANES_CASE(5) LANES_CASE(6) LANES_CASE(7) LANES_CASE(8)
-#undef LANES_CASE
-    }
-  }
-  TORCH_CHECK(false, "rows_in_lanes takes D = 16 .. 128 in steps of 16 and no double keys");
-}
-
 // Attention of R queries, each over its own keys: slots [R, W] (the first counts[r] are query r's key slots in position
 // order), k, v [Hkv, S, D] (float32, bfloat16 or float16), q [R, Hq, D] float32 (scaled), out [R, Hq, D] float32.
 // Per (query, query head): each score a fused multiply-add chain over d, the max over the scores, exp_nonpositive of
@@ -608,10 +606,16 @@ static void attend(const float* q, const T* k, const T* v, const int64_t* slots,
       const int64_t run = i / Hkv, h = i % Hkv, r0 = first[run], r1 = first[run + 1];
       const T* kh = k + h * S * D;
       const T* vh = v + h * S * D;
-      if (takes_rows_in_lanes<T>((r1 - r0) * G, D))
-        rows_in_lanes_of<T>(D / 16, q, kh, vh, slots, counts, out, r0, r1, h, Hq, G, W, shared[run], scratch);
-      else
-        keys_in_lanes<T>(q, kh, vh, slots, counts, out, r0, r1, h, Hq, G, D, W, shared[run], scratch);
+      if constexpr (!std::is_same<T, double>::value) {  // (double keys never take the lanes' loops)
+        if (takes_rows_in_lanes<T>((r1 - r0) * G, D)) {
+          with_dv(D / 16, [&](auto dv) {
+            rows_in_lanes<T, decltype(dv)::value>(q, kh, vh, slots, counts, out, r0, r1, h, Hq, G, W, shared[run],
+                                                  scratch);
+          });
+          continue;
+        }
+      }
+      keys_in_lanes<T>(q, kh, vh, slots, counts, out, r0, r1, h, Hq, G, D, W, shared[run], scratch);
     }
   });
 }
