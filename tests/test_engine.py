@@ -379,11 +379,13 @@ class LengthCost(CostModel):
     """Steps cost a fixed 20 ms, 1 ms a token and 2 us a token per cached position (a CPU's GEMMs, then attention),
     and learn nothing."""
 
+    STEP, TOKEN, POSITION = 0.02, 0.001, 2e-6  # seconds a step, a token, a token per cached position
+
     def __init__(self) -> None:
         super().__init__({"greedy": Curve([1], [1.0], [0.0])})
 
     def predict(self, tokens: int, length: int, kind: str = "greedy") -> float:
-        return 0.02 + 0.001 * tokens + 2e-6 * tokens * length
+        return self.STEP + self.TOKEN * tokens + self.POSITION * tokens * length
 
     def observe(self, tokens: int, length: int, seconds: float, kind: str = "greedy") -> None:
         pass
@@ -410,10 +412,11 @@ class ChunkRecorder(MockRowModel):
                       if s.prefill and s.row == self.watched), None)
         decoding = [(len(s.tokens), self.cached.get(s.row, 0)) for s in steps if not s.prefill]
         self.steps.append((chunk, decoding))
-        seconds = 0.02
+        seconds = LengthCost.STEP
         for s in steps:
             n, length = len(s.tokens), self.cached.get(s.row, 0)
-            seconds += 0.001 * n + 2e-6 * n * length * (self.chunk_attention if s.prefill else 1.0)
+            attention = LengthCost.POSITION * (self.chunk_attention if s.prefill else 1.0)
+            seconds += LengthCost.TOKEN * n + attention * n * length
             self.cached[s.row] = length + (n if s.prefill else 1)
         self.now += seconds
         self.seconds.append(seconds)

@@ -183,12 +183,12 @@ class Scheduler:
         for the step, `loop_seconds` (from planning it to sending its tokens), and each sized row's accepted nodes."""
         tokens = sum(len(s.tokens) for s in steps)
         weight = sum(len(s.tokens) * length for s, length in zip(steps, self._lengths, strict=True))
-        prefill = any(s.prefill for s in steps)
-        if steps and not prefill:
+        chunks = sum(s.prefill for s in steps)
+        if steps and not chunks:
             last = self.decode_seconds
             self.decode_seconds = seconds if last is None else last + DECODE_RATE * (seconds - last)
-        if steps and self.cost is not None and self.cost.curves and (not prefill or not all(s.prefill for s in steps)):
-            kind = "chunk" if prefill else "decode"
+        if chunks < len(steps) and self.cost is not None and self.cost.curves:  # decoding rows, maybe beside chunks
+            kind = "chunk" if chunks else "decode"
             shown = seconds / self.cost.predict(tokens, weight // tokens, next(iter(self.cost.curves)))
             scale = math.exp(math.log(self.scales[kind])
                              + DECODE_RATE * (math.log(max(shown, SCALE_RANGE[0])) - math.log(self.scales[kind])))
