@@ -88,9 +88,8 @@ def run(args: argparse.Namespace) -> int:
 def freeze_loaded() -> None:
     """Take everything loaded so far (torch's, the model's, the tokenizer's and the app's objects: they live as long as
     the server) out of the garbage collector's view, after one last collection. Otherwise each full collection walks
-    them all, a pause of up to a few hundred milliseconds in the engine's thread, where a long prompt's drafting
-    tables (thousands of n-grams) set one off: the largest gap of a stream beside a 6k-token prompt (vLLM and SGLang
-    freeze theirs after start-up too)."""
+    them all, a pause in the engine's thread that every stream waits out, and a long prompt's drafting tables
+    (thousands of n-grams) set one off (vLLM and SGLang freeze theirs after start-up too)."""
     gc.collect()
     gc.freeze()
 

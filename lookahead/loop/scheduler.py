@@ -50,7 +50,7 @@ class Scheduler:
         # in log space, rate DECODE_RATE): steps with a prompt chunk beside decoding rows ("chunk"), and the others
         # ("decode"). A chunk's allowance weighs the model's figures by them: its per-position cost is fit on short
         # caches and under-prices a step with a chunk deep in a long prompt, whose attention reads the cache from
-        # memory (such steps, priced at twice a decoding step, took four times it)
+        # memory (docs/results.md, "A long prompt beside a stream")
         self.scales = {"chunk": 1.0, "decode": 1.0}
 
     def admit(self, fail: Callable[[list[Job], str], None]) -> None:
