@@ -9,12 +9,13 @@ split of K, no kernel chosen by shape). A block's bytes are read once per six ro
 of the block fill an AVX-512 register file): a one-token step reads the weight once, like a GEMV, and a longer step
 reads it again from cache. `attention(...)`, in the same extension, is the batch-invariant attention on the CPU (each
 query over its own keys in position order: `block_attention`'s contract as fused multiply-add chains), and
-`decoder_layers(...)` runs a LLaMA model's layers over one packed step in one call (the same ATen ops as the Python
-layers, with these kernels, so the same bits).
+`decoder_layers(...)` runs a LLaMA model's layers over one packed step in one call (the ops of the Python layers as
+the mode runs them, with these kernels, so the same bits, and no ATen op between them); `silu_mul` is the mode's
+SiLU(gate) * up.
 
-The source (`csrc/cpu_kernels_module.cpp`: `csrc/cpu_kernels.cpp`, the GEMM, norms, RoPE and the layers in one call;
+The source (`csrc/cpu_kernels_module.cpp`: `csrc/cpu_kernels.cpp`, the GEMM, norms and RoPE;
 `csrc/chain_attention.cpp`, the attention; `csrc/quant_gemm.cpp`, GEMMs over GGUF-quantized weights driven by
-`lookahead.kernels.quant`; and their bindings) is compiled as one extension by `lookahead.cpp_build` (a C++ compiler
+`lookahead.kernels.quant`; `csrc/decoder_layers.cpp`, the layers in one call and the SiLU; and their bindings) is compiled as one extension by `lookahead.cpp_build` (a C++ compiler
 and ninja) into `build_dir`, once per kind of CPU, compiler and version of the source; where that fails `available`
 is False (`failure` says why) and callers use `row_plans` instead.
 """
@@ -34,7 +35,7 @@ import lookahead.cpp_build as cpp_build
 COLUMNS = 64  # columns per block: four AVX-512 vectors of float32 per row
 CSRC = Path(__file__).parent / "csrc"
 # one translation unit, in this order (the later ones use the first's thread pool)
-SOURCE_FILES = ("cpu_kernels.cpp", "chain_attention.cpp", "quant_gemm.cpp")
+SOURCE_FILES = ("cpu_kernels.cpp", "chain_attention.cpp", "quant_gemm.cpp", "decoder_layers.cpp")
 # (GCC 12 warns of `__Y` "maybe uninitialized" inside its own AVX-512 intrinsics, hundreds of times: GCC bug 105593)
 WARNINGS = ("-Wall", "-Wextra", "-Wno-maybe-uninitialized")
 _built = cpp_build.Once("The batch-invariant mode runs torch's GEMMs through verified row counts instead (slower), "
@@ -108,13 +109,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _built.module.norm_rows(x, weight, eps)
 
 
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The batch-invariant mode's SiLU(gate) * up (gate, up of one shape and float dtype): `F.silu(gate) * up`'s
+    roundings (the SiLU rounded to the dtype, then the product), with the package's own exp, whose bits are the same
+    in every build and every lane (torch's vector exp need not match its scalar one); within a few ulp of torch's.
+    `decoder_layers` runs the same. Call `available` first."""
+    return _built.module.silu_mul(gate, up)
+
+
 def decoder_layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weights: list[list[torch.Tensor]],
                    k_cache: torch.Tensor, v_cache: torch.Tensor, write_slots: torch.Tensor, queries: torch.Tensor,
                    key_slots: torch.Tensor, counts: torch.Tensor, heads: int, kv_heads: int, intermediate: int,
                    eps: float) -> torch.Tensor:
     """A LLaMA model's decoder layers (no biases, no q/k norms) over one packed step of the batch-invariant mode, in
-    one call: per layer the ATen ops of `models.blocks`' forward in the same order, with `gemm` (or `quant.gemm`) and
-    `attention`, so the same bits as running them from Python, without Python between the ~80 ops of a layer.
+    one call: per layer the ops of `models.blocks`' forward as the mode runs them (`gemm` or `quant.gemm`, `rms_norm`,
+    RoPE, `attention`, `silu_mul`, each output rounded to the dtype where torch's op rounds it), so the same bits as
+    running them from Python, with no Python and no ATen op between them.
     x [1, T, H] in the model's dtype; cos, sin [1, T, 1, D] in that dtype; weights: six lists per layer (input norm
     weight, q/k/v side by side, o, post-attention norm weight, gate/up side by side, down): [the norm's weight], [a
     weight packed by `pack`] or the linears' `quant.pack` blobs, one per linear, side by side; k_cache, v_cache [layers,

@@ -36,6 +36,12 @@ def _norm(linear: Linear, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return norm(module, x) if norm is not None else module(x)
 
 
+def _silu_mul(linear: Linear, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up as the hook runs it, where it has one (the batch-invariant mode's `silu_mul`); else torch's."""
+    silu_mul = getattr(linear, "silu_mul", None)
+    return silu_mul(gate, up) if silu_mul is not None else F.silu(gate) * up
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -101,7 +107,7 @@ class MLP(MergedLinears):
 
     def forward(self, x: torch.Tensor, linear: Linear = _call) -> torch.Tensor:
         gate, up = _side_by_side(linear, (self.gate_proj, self.up_proj), x)
-        return linear(self.down_proj, F.silu(gate) * up)
+        return linear(self.down_proj, _silu_mul(linear, gate, up))
 
     def merged_forward(self, x: torch.Tensor, ops: TritonOps | TorchOps) -> torch.Tensor:
         """Gate and up from one GEMM, then SiLU(gate) * up by `ops`."""

@@ -15,6 +15,7 @@ weight changes.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lookahead.kernels import cpu_kernels, quant
@@ -26,8 +27,9 @@ from .quantized import QuantLinear
 
 
 class InvariantOps:
-    """`linear(module, x)`: the module's `F.linear`, batch-invariant, accumulated in float32; and with the CPU
-    kernels, a packed step's decoder layers all in one call (`decoder_layers`)."""
+    """`linear(module, x)`: the module's `F.linear`, batch-invariant, accumulated in float32; the norms and SiLU as the
+    mode runs them (`norm`, `silu_mul`); and with the CPU kernels, a packed step's decoder layers all in one call
+    (`decoder_layers`)."""
 
     whole_layers = True  # run a packed step's layers in one call where it applies (False: one by one, for tests)
 
@@ -69,6 +71,13 @@ class InvariantOps:
         if self.runs_cpu_kernels(x.device):
             return cpu_kernels.rms_norm(x, module.weight, module.eps)
         return module(x)
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """SiLU(gate) * up as the mode runs it: with the CPU kernels, `cpu_kernels.silu_mul` (what `decoder_layers`
+        runs); elsewhere torch's."""
+        if self.runs_cpu_kernels(gate.device):
+            return cpu_kernels.silu_mul(gate, up)
+        return F.silu(gate) * up
 
     def decoder_layers(self, layers, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        attend) -> torch.Tensor | None:

@@ -575,6 +575,29 @@ def test_the_cpu_kernels_compute_what_torch_computes(dtype):
                                out[i : i + 1]), (heads, kv_heads, dim, i)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_the_modes_silu_is_torchs_to_its_roundings(dtype):
+    """`cpu_kernels.silu_mul` (the mode's SiLU(gate) * up, with the package's own exp) against float64's
+    SiLU(gate) * up, both rounded as `F.silu(gate) * up` rounds: to a few float32 ulp, and where the exp's error could
+    flip a 16-bit rounding, to one step of the dtype; over gates where the exp over- and underflows and at +-0, rows
+    of a width no multiple of the lanes' 16, each row's bits the same alone."""
+    from lookahead.kernels import cpu_kernels
+
+    assert cpu_kernels.available()
+    torch.manual_seed(8)
+    gate = torch.cat([torch.randn(5, 37) * 4, torch.tensor([-200.0, -88.0, -87.0, -20.0, -0.0, 0.0, 1e-30, 20.0,
+                                                            88.0, 200.0] + [1.0] * 27)[None]]).to(dtype)
+    up = torch.randn(6, 37).to(dtype)
+    got = cpu_kernels.silu_mul(gate, up)
+    g = gate.double()
+    reference = ((g / (1 + torch.exp(-g))).to(dtype).double() * up.double()).to(dtype)
+    step = 1e-6 if dtype == torch.float32 else {torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}[dtype]
+    torch.testing.assert_close(got.double(), reference.double(), rtol=2 * step, atol=1e-30)
+    assert torch.equal(torch.signbit(got), torch.signbit(reference))  # -0 * up keeps its sign as torch's does
+    for r in range(6):
+        assert torch.equal(cpu_kernels.silu_mul(gate[r : r + 1], up[r : r + 1]), got[r : r + 1])
+
+
 def test_bf16_dot_products_compute_each_output_as_a_chain_over_pairs_of_k():
     """Where the CPU has bf16 dot products the build uses them (AVX512-BF16's vdpbf16ps), and a bfloat16 GEMM's output
     is exactly the chain the kernel documents: over pairs of k in order, from zero, the odd k's product added before

@@ -1,4 +1,4 @@
-// The batch-invariant CPU kernels (lookahead.kernels.cpu_kernels builds this file with quant_gemm.cpp after it).
+// The batch-invariant CPU kernels (lookahead.kernels.cpu_kernels builds this file first, the others after it).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <unistd.h>
@@ -312,19 +312,6 @@ torch::Tensor rows_gemm(torch::Tensor x, torch::Tensor packed, int64_t n) {
   return gemm_rows(x, packed, n);
 }
 
-// chain_attention.cpp, compiled after this file in the same translation unit (decoder_layers attends through it)
-static torch::Tensor attention_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                                    const torch::Tensor& slots, const torch::Tensor& counts);
-static torch::Tensor quant_linear_rows(const torch::Tensor& x, const std::vector<torch::Tensor>& segments);
-
-// A linear's GEMM as gemm() runs it, the output float32: a packed weight ([packed]) with the rows in bfloat16 for
-// pairs, else in float32; or quantized weights side by side (uint8 blobs of quant_gemm.cpp) with float32 rows.
-static torch::Tensor linear_rows(const torch::Tensor& x, const std::vector<torch::Tensor>& weight, int64_t n) {
-  if (weight[0].scalar_type() == torch::kByte) return quant_linear_rows(x, weight);
-  const torch::Tensor& packed = weight[0];
-  return gemm_rows(x.to(packed.dim() == 4 ? torch::kBFloat16 : torch::kFloat32).contiguous(), packed, n);
-}
-
 // The mode's RMSNorm (models.invariant.InvariantOps.norm runs it for the layers run from Python): per row, the
 // squares summed in float32 in 16 lanes (lane l takes k = l, l + 16, ... in order), the lanes added in order, then
 // x * (1 / sqrt(sum / H + eps)) rounded to the dtype, times the weight (a product rounded to the dtype). A row's bits
@@ -389,97 +376,4 @@ static void rope_rows(const T* x, const T* cos, const T* sin, T* out, int64_t to
         oh[d] = static_cast<T>(static_cast<float>(a) + static_cast<float>(b));
       }
     }
-}
-
-static torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
-  const auto xc = x.contiguous(), cc = cos.contiguous(), sc = sin.contiguous();
-  auto out = torch::empty_like(xc);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "rope_rows", [&] {
-    rope_rows<scalar_t>(xc.data_ptr<scalar_t>(), cc.data_ptr<scalar_t>(), sc.data_ptr<scalar_t>(),
-                        out.data_ptr<scalar_t>(), x.size(-3), x.size(-2), x.size(-1));
-  });
-  return out;
-}
-
-// One layer's attention as models.blocks' forward and the pool's key lists compute it, the copies done by loops (no
-// arithmetic in them, so the same bits as index_copy_ and index_select): each token's k and v ([1, T, Hkv, D] after
-// RoPE, and [T, Hkv * D]) written at its write slot of the layer's caches [Hkv, S, D]; the queries' rows [R] scaled
-// in float32 (q * float(scale)), attended by attention_rows, rounded to the dtype; the output [T, Hq * D] holds each
-// query's row and zeros for the padding tokens.
-static torch::Tensor attention_block(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                                     torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor& write_slots,
-                                     const torch::Tensor& queries, const torch::Tensor& key_slots,
-                                     const torch::Tensor& counts, double scale) {
-  const int64_t T = q.size(1), Hq = q.size(2), D = q.size(3), Hkv = k.size(2), S = k_cache.size(1);
-  const int64_t R = queries.size(0);
-  const int64_t* slot = write_slots.data_ptr<int64_t>();
-  const int64_t* query = queries.data_ptr<int64_t>();
-  auto scaled = torch::empty({R, Hq, D}, q.options().dtype(torch::kFloat32));
-  auto out = torch::zeros({T, Hq * D}, q.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "attention_block", [&] {
-    using T_ = scalar_t;
-    const T_* kp = k.data_ptr<T_>();
-    const T_* vp = v.data_ptr<T_>();
-    T_* kc = k_cache.data_ptr<T_>();
-    T_* vc = v_cache.data_ptr<T_>();
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t h = 0; h < Hkv; ++h) {
-        TORCH_CHECK(slot[t] >= 0 && slot[t] < S, "write slot ", slot[t], " is outside the cache's ", S);
-        std::memcpy(kc + (h * S + slot[t]) * D, kp + (t * Hkv + h) * D, sizeof(T_) * D);
-        std::memcpy(vc + (h * S + slot[t]) * D, vp + (t * Hkv + h) * D, sizeof(T_) * D);
-      }
-    const T_* qp = q.data_ptr<T_>();
-    float* sp = scaled.data_ptr<float>();
-    const float factor = static_cast<float>(scale);
-    for (int64_t r = 0; r < R; ++r)
-      for (int64_t i = 0; i < Hq * D; ++i) sp[r * Hq * D + i] = static_cast<float>(qp[query[r] * Hq * D + i]) * factor;
-    const auto got = attention_rows(scaled, k_cache, v_cache, key_slots, counts);
-    const float* gp = got.data_ptr<float>();
-    T_* op = out.data_ptr<T_>();
-    for (int64_t r = 0; r < R; ++r)
-      for (int64_t i = 0; i < Hq * D; ++i) op[query[r] * Hq * D + i] = static_cast<T_>(gp[r * Hq * D + i]);
-  });
-  return out;
-}
-
-// The decoder layers of a LLaMA model (no biases, no q/k norms) over a packed step in the batch-invariant mode, with
-// the CPU kernels: the ATen ops models.blocks' forward runs in the same order on tensors of the same shapes and
-// layouts (so the same bits: an element-wise kernel picks its vectorised or scalar loop by layout), without a return
-// to Python between them. x [1, T, H] (the model's dtype); cos, sin [1, T, 1, D] in that dtype; weights: per layer,
-// the input norm's weight, q/k/v side by side, o, the post-attention norm's weight, gate/up side by side, down (each
-// a list: [weight] for a norm, [packed] for a packed weight, one quantized blob per linear for quantized ones);
-// k_cache, v_cache [layers, Hkv, S, D]; write_slots [T] int64, where each token's key and value go; queries [R] int64,
-// the tokens that attend (the rest are padding: their attention output is zero), key_slots [R, W] and counts [R]
-// int64, each query's key slots in position order (`cpu_kernels.attention`'s). Returns x after the last layer.
-torch::Tensor decoder_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
-                             std::vector<std::vector<torch::Tensor>> weights,
-                             torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor write_slots,
-                             torch::Tensor queries, torch::Tensor key_slots, torch::Tensor counts, int64_t heads,
-                             int64_t kv_heads, int64_t intermediate, double eps) {
-  pybind11::gil_scoped_release free_python;
-  const auto dtype = x.scalar_type();
-  const int64_t T = x.size(1), H = x.size(2), D = cos.size(-1);
-  const double scale = std::pow(static_cast<double>(D), -0.5);
-  for (size_t layer = 0; layer * 6 < weights.size(); ++layer) {
-    const std::vector<torch::Tensor>* w = &weights[layer * 6];
-    // attention: q, k and v from one GEMM, each rounded to the dtype; RoPE on q and k together
-    auto qkv = linear_rows(rms_norm(x, w[0][0], eps).reshape({-1, H}), w[1], (heads + 2 * kv_heads) * D)
-                   .split({heads * D, kv_heads * D, kv_heads * D}, 1);
-    auto q = qkv[0].to(dtype).reshape({1, T, heads * D}).view({1, T, heads, D});
-    auto k = qkv[1].to(dtype).reshape({1, T, kv_heads * D}).view({1, T, kv_heads, D});
-    auto v = qkv[2].to(dtype).contiguous();  // [T, Hkv * D]
-    const auto qr = rope(q, cos, sin), kr = rope(k, cos, sin);  // [1, T, H, D]
-    auto attended = attention_block(qr, kr, v, k_cache[layer], v_cache[layer], write_slots, queries, key_slots, counts,
-                                     scale);
-    auto o = linear_rows(attended, w[2], H);
-    x = x + o.to(dtype).reshape({1, T, H});
-    // MLP: gate and up from one GEMM, each rounded to the dtype
-    auto gate_up = linear_rows(rms_norm(x, w[3][0], eps).reshape({-1, H}), w[4], 2 * intermediate)
-                       .split({intermediate, intermediate}, 1);
-    auto gate = gate_up[0].to(dtype).reshape({1, T, intermediate});
-    auto up = gate_up[1].to(dtype).reshape({1, T, intermediate});
-    auto down = linear_rows((at::silu(gate) * up).reshape({-1, intermediate}), w[5], H);
-    x = x + down.to(dtype).reshape({1, T, H});
-  }
-  return x;
 }

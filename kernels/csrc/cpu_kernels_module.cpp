@@ -1,16 +1,18 @@
 // The CPU kernels' extension (lookahead.kernels.cpu_kernels builds this file): one translation unit, since
-// chain_attention.cpp and quant_gemm.cpp use cpu_kernels.cpp's thread pool, and the functions Python calls.
+// the later files use cpu_kernels.cpp's thread pool, and the functions Python calls.
 #include <torch/extension.h>
 
 #include "cpu_kernels.cpp"
 #include "chain_attention.cpp"
 #include "quant_gemm.cpp"
+#include "decoder_layers.cpp"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rows_gemm", torch::wrap_pybind_function(rows_gemm), "rows_gemm");
   m.def("chain_attention", torch::wrap_pybind_function(chain_attention), "chain_attention");
   m.def("bf16_pairs", torch::wrap_pybind_function(bf16_pairs), "bf16_pairs");
   m.def("decoder_layers", torch::wrap_pybind_function(decoder_layers), "decoder_layers");
+  m.def("silu_mul", torch::wrap_pybind_function(silu_mul), "silu_mul");
   m.def("norm_rows", torch::wrap_pybind_function(norm_rows), "norm_rows");
   m.def("quant_gemm", torch::wrap_pybind_function(quant_gemm), "quant_gemm");
   m.def("quant_vnni", torch::wrap_pybind_function(quant_vnni), "quant_vnni");

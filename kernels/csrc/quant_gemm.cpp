@@ -344,10 +344,6 @@ static torch::Tensor rows(const torch::Tensor& x, const std::vector<torch::Tenso
 }  // namespace quant
 
 // A quantized linear's rows as decoder_layers runs them: float32 in, float32 out.
-static torch::Tensor quant_linear_rows(const torch::Tensor& x, const std::vector<torch::Tensor>& segments) {
-  return quant::rows(x.to(torch::kFloat32).contiguous(), segments, false);
-}
-
 torch::Tensor quant_gemm(torch::Tensor x, std::vector<torch::Tensor> segments, bool portable) {
   pybind11::gil_scoped_release free_python;
   return quant::rows(x, segments, portable);
