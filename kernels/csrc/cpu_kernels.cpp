@@ -291,19 +291,21 @@ static void run(const float* x, int64_t M, int64_t K, const W* w, float* out, in
   });
 }
 
-// x [M, K] float32, packed [blocks, K, NB] (float32, or bfloat16 bits as int16); or x [M, K] bfloat16 and packed
-// [blocks, ceil(K / 2), NB, 2] bfloat16 bits as int16 (the pairs of a build with bf16 dot products)
-static torch::Tensor gemm_rows(const torch::Tensor& x, const torch::Tensor& packed, int64_t n) {
-  const int64_t M = x.size(0), K = x.size(1);
-  auto out = torch::empty({M, n}, x.options().dtype(torch::kFloat32));
+// x [M, K] float32 times a weight packed [blocks, K, NB] (float32, or bfloat16 bits as int16), or x [M, K]
+// bfloat16 times one packed [blocks, ceil(K / 2), NB, 2] (bfloat16 bits as int16: the pairs of a build with bf16 dot
+// products), into out [M, n] float32
+static void gemm_into(const void* x, int64_t M, int64_t K, const torch::Tensor& packed, int64_t n, float* out) {
   if (packed.dim() == 4)
-    run_pairs(reinterpret_cast<const uint16_t*>(x.data_ptr()), M, K,
-              reinterpret_cast<const uint16_t*>(packed.data_ptr()), out.data_ptr<float>(), n);
+    run_pairs(static_cast<const uint16_t*>(x), M, K, reinterpret_cast<const uint16_t*>(packed.data_ptr()), out, n);
   else if (packed.scalar_type() == torch::kFloat32)
-    run<float>(x.data_ptr<float>(), M, K, packed.data_ptr<float>(), out.data_ptr<float>(), n);
+    run<float>(static_cast<const float*>(x), M, K, packed.data_ptr<float>(), out, n);
   else
-    run<uint16_t>(x.data_ptr<float>(), M, K, reinterpret_cast<uint16_t*>(packed.data_ptr()),
-                  out.data_ptr<float>(), n);
+    run<uint16_t>(static_cast<const float*>(x), M, K, reinterpret_cast<const uint16_t*>(packed.data_ptr()), out, n);
+}
+
+static torch::Tensor gemm_rows(const torch::Tensor& x, const torch::Tensor& packed, int64_t n) {
+  auto out = torch::empty({x.size(0), n}, x.options().dtype(torch::kFloat32));
+  gemm_into(x.data_ptr(), x.size(0), x.size(1), packed, n, out.data_ptr<float>());
   return out;
 }
 

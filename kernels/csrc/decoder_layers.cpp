@@ -69,8 +69,7 @@ static void linear_into(const T* rows, int64_t M, int64_t K, const std::vector<t
   const torch::Tensor& packed = weight[0];
   if (packed.dim() == 4 && packed.scalar_type() != torch::kByte) {
     TORCH_CHECK((std::is_same<T, c10::BFloat16>::value), "bf16 pairs take a bfloat16 model's rows");
-    run_pairs(reinterpret_cast<const uint16_t*>(rows), M, K, reinterpret_cast<const uint16_t*>(packed.data_ptr()),
-              out, N);
+    gemm_into(rows, M, K, packed, N, out);
     return;
   }
   const float* x = reinterpret_cast<const float*>(rows);
@@ -81,10 +80,8 @@ static void linear_into(const T* rows, int64_t M, int64_t K, const std::vector<t
   if (packed.scalar_type() == torch::kByte) {
     const auto got = quant::rows(torch::from_blob(const_cast<float*>(x), {M, K}, torch::kFloat32), weight, false);
     std::memcpy(out, got.data_ptr<float>(), sizeof(float) * M * N);
-  } else if (packed.scalar_type() == torch::kFloat32) {
-    run<float>(x, M, K, packed.data_ptr<float>(), out, N);
   } else {
-    run<uint16_t>(x, M, K, reinterpret_cast<const uint16_t*>(packed.data_ptr()), out, N);
+    gemm_into(x, M, K, packed, N, out);
   }
 }
 
