@@ -119,7 +119,8 @@ def quantize(bin_dir: Path, base: Path, kind: str) -> Path:
 
 
 def one_b_folder(folder: Path) -> Path:
-    """A 1B-shaped LLaMA with random weights (std 0.02) and SmolLM2's tokenizer, saved once in bfloat16."""
+    """A 1B-shaped LLaMA with random weights (std 0.02) and SmolLM2's tokenizer and chat template, saved once in
+    bfloat16."""
     if (folder / "config.json").is_file():
         return folder
     import transformers
@@ -131,7 +132,8 @@ def one_b_folder(folder: Path) -> Path:
     model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                 "chat_template.jinja"):
         if (smol / name).is_file():
             shutil.copy(smol / name, folder / name)
     return folder

@@ -64,6 +64,8 @@ RUNS: dict[str, tuple[str, str]] = {
                       "tree"),
     "sampling-s-cpu": ("python bench/sampling_s.py --per-kind 1", CHAINS),
     "peers-cpu": ("python bench/peers.py", "tree"),
+    "peers-1b-cpu": ("python bench/peers.py --one-b --name peers-1b --concurrency 1 --prompts 2 --max-tokens 32 "
+                     "--spec-types --prefill 512", "tree"),
     "stalls-cpu": ("python bench/stalls.py", "tree"),
     "quantized-cpu": ("python bench/quantized.py --build", "tree"),
     "peers-c1-cpu": ("python bench/peers.py --only ours --concurrency 1 --rounds 3 --name peers-c1", "tree"),
@@ -723,12 +725,46 @@ def section_peers() -> list[str]:
             "token (median); TTFT: to the first chunk with text (median); vs llama.cpp: tokens/s over llama.cpp's in "
             "the same dtype at the same concurrency (at its defaults; then at PASSIVE); load: the 1-minute load "
             "average when the run began.", "",
-            *table(PEERS_HEADERS, peers_rows(data)), "",
+            *table(PEERS_HEADERS, peers_rows(data)), "", *rounds_of_peers(data),
             *(["Prefill: the time to first token of one long prompt (held-out prompts joined), and prompt tokens/s "
                "over it:", "", *table(["engine", "dtype", "prompt tokens", "time to first token s", "prompt tokens/s",
                                         "vs llama.cpp"], prefill_rows(data)), ""] if prefill_rows(data) else []),
             *(["Not measured:", "", *skipped, ""] if skipped else []), *source("peers-cpu"), "",
-            *ours_against_plain()]
+            *ours_against_plain(), *peers_1b()]
+
+
+def peers_1b() -> list[str]:
+    """`bench/peers.py --model` on a 1B-shaped checkpoint: the same servers where the weights, not the loop, take a
+    step's time."""
+    if not (RESULTS / "peers-1b-cpu.json").is_file():
+        return []
+    data = load("peers-1b-cpu")
+    return ["", "### A 1B-shaped model", "",
+            "The same benchmark on a LLaMA of the 1B shape (hidden 2,048, intermediate 8,192, 16 layers, 32 heads, "
+            "8 KV heads, vocabulary 49,152; random weights, so lookahead's drafts are rarely accepted and its rows "
+            f"show its cost, not its gain), {len(data['prompts'])} prompts, up to {data['max_tokens']} new tokens: a "
+            "step reads 2 GB (bfloat16) or 4 GB (float32) of weights, so memory's speed sets both engines' pace; "
+            "with 32 tokens a request's prefill weighs on tokens/s, so its decoding rate is the per-request "
+            "column.", "",
+            *table(PEERS_HEADERS, peers_rows(data)), "",
+            *(["Prefill:", "", *table(["engine", "dtype", "prompt tokens", "time to first token s", "prompt tokens/s",
+                                       "vs llama.cpp"], prefill_rows(data)), ""] if prefill_rows(data) else []),
+            *source("peers-1b-cpu")]
+
+
+def rounds_of_peers(data: dict) -> list[str]:
+    """Each round's tokens/s at one request, per engine and dtype, where the file has more than one round: the
+    medians above hide how far a shared machine's speed moved between them."""
+    each: dict[tuple[str, str], list[float]] = {}
+    for r in sorted(data["records"], key=lambda r: r["round"]):
+        if r["concurrency"] == 1:
+            each.setdefault((r["engine"], r["dtype"]), []).append(r["tok_s"])
+    if max(map(len, each.values()), default=0) < 2:
+        return []
+    rows = [[engine, dtype, ", ".join(f"{v:.1f}" for v in values)] for (engine, dtype), values in sorted(each.items())]
+    return ["One request, each round's tokens/s (in the order the engines ran, round 2 reversed; a round of an engine "
+            "far from its other shows the machine's speed moving, not the engine's):", "",
+            *table(["engine", "dtype", "rounds"], rows), ""]
 
 
 def ours_against_plain() -> list[str]:

@@ -15,8 +15,9 @@ SiLU(gate) * up.
 
 The source (`csrc/cpu_kernels_module.cpp`: `csrc/cpu_kernels.cpp`, the GEMM, norms and RoPE;
 `csrc/chain_attention.cpp`, the attention; `csrc/quant_gemm.cpp`, GEMMs over GGUF-quantized weights driven by
-`lookahead.kernels.quant`; `csrc/decoder_layers.cpp`, the layers in one call and the SiLU; and their bindings) is compiled as one extension by `lookahead.cpp_build` (a C++ compiler
-and ninja) into `build_dir`, once per kind of CPU, compiler and version of the source; where that fails `available`
+`lookahead.kernels.quant`; `csrc/decoder_layers.cpp`, the layers in one call and the SiLU; and their bindings) is
+compiled as one extension by `lookahead.cpp_build` (a C++ compiler and ninja) into `build_dir`, once per kind of CPU,
+compiler and version of the source; where that fails `available`
 is False (`failure` says why) and callers use `row_plans` instead.
 """
 

@@ -169,8 +169,8 @@ torch::Tensor decoder_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor s
   const auto cos_rows = cos.contiguous(), sin_rows = sin.contiguous();
   for (size_t i = 0; i < weights.size(); ++i)
     for (auto& w : weights[i]) {
-      if (i % 6 == 0 || i % 6 == 3)  // a norm's weight, in the dtype as `norm_rows` takes it
-        w = w.to(x.scalar_type()).contiguous();
+      const bool norm = i % 6 == 0 || i % 6 == 3;  // a norm's weight, in the dtype as `norm_rows` takes it
+      if (norm && (w.scalar_type() != x.scalar_type() || !w.is_contiguous())) w = w.to(x.scalar_type()).contiguous();
       TORCH_CHECK(w.is_contiguous(), "a layer's weight is not contiguous");
     }
   const int64_t T = x.size(1), H = x.size(2), D = cos.size(-1);
