@@ -15,6 +15,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 DATA = ROOT / "bench" / "data" / "dev.jsonl"  # sources and licenses: bench/data/README.md
+LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"  # the source package whose vendored llama.cpp converts the weights
 
 
 def machine() -> dict:
@@ -82,6 +83,15 @@ def load_prompts(per_kind: int | None = None, kinds: tuple[str, ...] = ("chat", 
         if skip < seen[row["kind"]] and (per_kind is None or seen[row["kind"]] <= skip + per_kind):
             picked.append(row)
     return picked
+
+
+def held_out(count: int) -> list[dict]:
+    """`count` prompts after the first two of each kind (those the defaults were tuned on), the kinds in turn."""
+    by_kind: dict[str, list[dict]] = {}
+    for row in load_prompts(per_kind=-(-count // 4), skip=2):
+        by_kind.setdefault(row["kind"], []).append(row)
+    turns = [rows[i] for i in range(max(map(len, by_kind.values()))) for rows in by_kind.values() if i < len(rows)]
+    return turns[:count]
 
 
 def long_prompt(tokenizer, tokens: int, head: str) -> str:

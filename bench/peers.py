@@ -49,12 +49,11 @@ from pathlib import Path  # noqa: E402
 
 from serve import launch, stop_server  # noqa: E402
 
-from common import load_prompts, long_prompt, machine, print_table, save_json  # noqa: E402
+from common import LLAMA_CPP_PYTHON, held_out, long_prompt, machine, print_table, save_json  # noqa: E402
 from lookahead.cli.report import PEERS_FILE  # noqa: E402
 from lookahead.kernels import cpu_kernels  # noqa: E402
 from lookahead.paths import cache_root  # noqa: E402
 
-LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"  # the source package whose vendored llama.cpp converts the weights
 STARTUP_S = 900  # a server must answer /v1/models within this (vLLM's CPU build compiles at its first start)
 PEER_ENV_DROP = ("OMP_WAIT_POLICY",)  # ours: a peer runs at its own default, never at the benchmark's setting
 SLOT_CONTEXT = 8192  # llama-server's context per parallel slot (one KV pool shared by all: a long prompt fits)
@@ -269,15 +268,6 @@ def aiperf_load(aiperf: str, url: str, conversations, concurrency: int, max_toke
     return {"tok_s": metric("output_token_throughput", "avg"), "ttft_ms": metric("time_to_first_token", "p50"),
             "request_tok_s": 1e3 / metric("inter_token_latency", "p50"), "tokens": None,
             "requests": len(conversations), "answers": None, "generator": "aiperf"}
-
-
-def held_out(count: int) -> list[dict]:
-    """`count` prompts after the first two of each kind (those the defaults were tuned on), the kinds in turn."""
-    by_kind: dict[str, list[dict]] = {}
-    for row in load_prompts(per_kind=-(-count // 4), skip=2):
-        by_kind.setdefault(row["kind"], []).append(row)
-    turns = [rows[i] for i in range(max(map(len, by_kind.values()))) for rows in by_kind.values() if i < len(rows)]
-    return turns[:count]
 
 
 def main() -> None:

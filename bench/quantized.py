@@ -39,10 +39,9 @@ import urllib.request  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
-from peers import LLAMA_CPP_PYTHON, held_out  # noqa: E402
 from serve import launch, stop_server  # noqa: E402
 
-from common import RESULTS, chat_ids, machine, print_table, save_json  # noqa: E402
+from common import LLAMA_CPP_PYTHON, RESULTS, chat_ids, held_out, machine, print_table, save_json  # noqa: E402
 from lookahead import LookaheadConfig  # noqa: E402
 from lookahead.loop import RowStep  # noqa: E402
 from lookahead.models import Llama, default_model_dir  # noqa: E402

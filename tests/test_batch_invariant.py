@@ -596,6 +596,8 @@ def test_the_modes_silu_is_torchs_to_its_roundings(dtype):
     assert torch.equal(torch.signbit(got), torch.signbit(reference))  # -0 * up keeps its sign as torch's does
     for r in range(6):
         assert torch.equal(cpu_kernels.silu_mul(gate[r : r + 1], up[r : r + 1]), got[r : r + 1])
+    with pytest.raises(RuntimeError, match="gate and up differ"):
+        cpu_kernels.silu_mul(gate, up[:, :36])
 
 
 def test_bf16_dot_products_compute_each_output_as_a_chain_over_pairs_of_k():

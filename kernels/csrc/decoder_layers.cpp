@@ -67,7 +67,7 @@ template <typename T>
 static void linear_into(const T* rows, int64_t M, int64_t K, const std::vector<torch::Tensor>& weight, int64_t N,
                         float* wide, float* out) {
   const torch::Tensor& packed = weight[0];
-  if (packed.dim() == 4 && packed.scalar_type() != torch::kByte) {
+  if (packed.dim() == 4) {  // bf16 pairs (a quantized blob is one dimension)
     TORCH_CHECK((std::is_same<T, c10::BFloat16>::value), "bf16 pairs take a bfloat16 model's rows");
     gemm_into(rows, M, K, packed, N, out);
     return;
