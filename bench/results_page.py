@@ -67,6 +67,7 @@ RUNS: dict[str, tuple[str, str]] = {
     "peers-1b-cpu": ("python bench/peers.py --one-b --name peers-1b --concurrency 1 --prompts 2 --max-tokens 32 "
                      "--spec-types --prefill 512", "tree"),
     "stalls-cpu": ("python bench/stalls.py", "tree"),
+    "memory-cpu": ("python bench/memory.py", "tree"),
     "quantized-cpu": ("python bench/quantized.py --build", "tree"),
     "peers-c1-cpu": ("python bench/peers.py --only ours --concurrency 1 --rounds 3 --name peers-c1", "tree"),
     "profile-cpu": ("python bench/profile_step.py", "tree"),
@@ -703,6 +704,24 @@ def section_stalls() -> list[str]:
                     "time to first token beside s", "alone s"], rows), "", *source("stalls-cpu")]
 
 
+def section_memory() -> list[str]:
+    """Resident memory with the parameters kept and released (`bench/memory.py`)."""
+    if not (RESULTS / "memory-cpu.json").is_file():
+        return []
+    mb = 2 ** 20
+    rows = [[r["dtype"], "released (`keep_weights_once`)" if r["once"] else "kept", f"{r['weights'] / mb:.0f}",
+             f"{r['kv'] / mb:.0f}", f"{r['loaded'] / mb:.0f}", f"{r['decoded'] / mb:.0f}", x(r["ratio"])]
+            for r in load("memory-cpu")["rows"]]
+    return ["## Memory", "",
+            "`bench/memory.py`: the default model in the batch-invariant mode, each in a fresh process: resident "
+            "memory (VmRSS) over torch and the package imported, after loading and after decoding 64 tokens after a "
+            "64-token prompt plainly and with lookahead. Kept: the parameters beside the mode's packed copies (what "
+            "`from_pretrained` gives); released: the packed copies alone (`Llama.keep_weights_once`, what `lookahead "
+            "generate` and `lookahead serve` run). The goal: at most 1.2x weights + KV.", "",
+            *table(["dtype", "parameters", "weights MB", "KV MB", "loaded MB", "decoded MB",
+                    "decoded / (weights + KV)"], rows), "", *source("memory-cpu")]
+
+
 def section_peers() -> list[str]:
     if not (RESULTS / "peers-cpu.json").is_file():
         return []
@@ -930,7 +949,8 @@ def section_structured() -> list[str]:
 
 
 def render_page() -> str:
-    sections = [section_index(), section_quantized(), section_peers(), section_stalls(), section_profile(),
+    sections = [section_index(), section_quantized(), section_peers(), section_stalls(), section_memory(),
+                section_profile(),
                 section_cpu_gemm(),
                 section_e2e(), section_engine(), section_serve(), section_paging(), section_tree(),
                 section_overhead(), section_host_time(), section_sampling(), section_scaling(), section_batch(),

@@ -45,10 +45,22 @@ _built = cpp_build.Once("The batch-invariant mode runs torch's GEMMs through ver
 
 @dataclass(frozen=True)
 class Packed:
-    """A weight [N, K] as column blocks [ceil(N / 64), K, 64] (float32, or bfloat16 bits as int16)."""
+    """A weight [N, K] as column blocks [ceil(N / 64), K, 64] (float32, or bfloat16 bits as int16; bf16 pairs:
+    [ceil(N / 64), ceil(K / 2), 64, 2])."""
 
     blocks: torch.Tensor
     out_features: int
+    in_features: int
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The weight's rows `ids` (any shape of int64 indices), exactly its values: [*ids.shape, K], float32 or
+        bfloat16 as packed. What a tied embedding reads where its weight lives only here
+        (`Llama.keep_weights_once`)."""
+        block, column = ids // COLUMNS, ids % COLUMNS
+        if self.blocks.dim() == 4:  # pairs of k
+            return self.blocks[block, :, column, :].flatten(-2)[..., : self.in_features].view(torch.bfloat16)
+        rows = self.blocks[block, :, column]
+        return rows.view(torch.bfloat16) if rows.dtype == torch.int16 else rows
 
 
 def pack(weight: torch.Tensor, widen: bool = False) -> Packed:
@@ -64,9 +76,15 @@ def pack(weight: torch.Tensor, widen: bool = False) -> Packed:
     if w.dtype == torch.bfloat16 and pairs() and not widen:
         w = torch.cat([w, w.new_zeros(w.shape[0], 1)], dim=1) if k % 2 else w  # an odd K's last pair: a zero weight
         blocks = w.view(-1, COLUMNS, w.shape[1] // 2, 2).transpose(1, 2).contiguous()
-        return Packed(blocks.view(torch.int16), n)
+        return Packed(blocks.view(torch.int16), n, k)
     blocks = w.view(-1, COLUMNS, k).transpose(1, 2).contiguous()
-    return Packed(blocks.view(torch.int16) if blocks.dtype == torch.bfloat16 else blocks, n)
+    return Packed(blocks.view(torch.int16) if blocks.dtype == torch.bfloat16 else blocks, n, k)
+
+
+def give_back_freed() -> None:
+    """Return freed memory to the system (glibc keeps small freed blocks resident in its heap): after weights were
+    released (`Llama.keep_weights_once`). Call `available` first."""
+    _built.module.give_back_freed()
 
 
 def pairs() -> bool:

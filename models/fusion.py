@@ -35,8 +35,11 @@ class MergedLinears(nn.Module):
             self.merged_weight = self.merged_bias = None
             return merged
         weights = [linear.weight for linear in linears]
+        merged = getattr(self, "merged_weight", None)
+        if merged is not None and merged.is_meta and all(w.is_meta for w in weights):
+            return False  # released with its rows (`Llama.keep_weights_once`): nothing to merge
         biases = None if linears[0].bias is None else [linear.bias for linear in linears]
-        if _rows_of(getattr(self, "merged_weight", None), weights) and (
+        if _rows_of(merged, weights) and (
                 biases is None or _rows_of(getattr(self, "merged_bias", None), biases)):
             return False
         self.merged_weight = _merge(weights)

@@ -192,6 +192,9 @@ def _world_size(group) -> int:
 def fingerprint(model: Llama) -> str:
     """A cheap identity of the model for checking that every rank holds the same one: its config, dtype and a
     strided sample of its output head's bits."""
-    weight = model.lm_head.weight.detach().flatten()[::997].contiguous()
+    weight = model.lm_head.weight
+    if weight.is_meta:  # kept only packed (`Llama.keep_weights_once`): its copy's bits
+        weight = model.kept_weight(model.lm_head)
+    weight = weight.detach().flatten()[::997].contiguous()
     sample = hashlib.blake2b(weight.view(torch.uint8).cpu().numpy().tobytes(), digest_size=8).hexdigest()
     return f"{model.config!r}|{model.dtype}|{model.attn_backend}|{sample}"

@@ -23,6 +23,7 @@ from lookahead.kernels.row_plans import invariant_linear
 from lookahead.paths import cache_root
 
 from .attention import Paged
+from .fusion import MergedLinears
 from .quantized import QuantLinear
 
 
@@ -64,6 +65,62 @@ class InvariantOps:
                     for m in modules]
         return [(out if m.bias is None else out + m.bias.float()).to(x.dtype).reshape(*shape[:-1], out.shape[-1])
                 for m, out in zip(modules, outs, strict=True)]
+
+    def embed(self, module: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """The embedding's rows for `ids`: the module's own, or, for a weight tied to a head whose weight lives only
+        in its packed copy (`keep_once`), that copy's rows (the same values)."""
+        weight = module._parameters.get("weight")
+        if weight is None or not weight.is_meta:
+            return module(ids)
+        return self.kept_copy(weight).rows(ids).to(weight.dtype)
+
+    def kept_copy(self, weight: torch.Tensor) -> cpu_kernels.Packed:
+        """The packed copy of `weight` alone (a released weight's values: `keep_once`); RuntimeError where none is
+        kept (a weight packed side by side with others, or never packed)."""
+        kept = self._copies.get(((id(weight),), "packed"))
+        if kept is None:
+            raise RuntimeError("no packed copy of this weight alone is kept")
+        return kept[2]
+
+    def keep_once(self, model: nn.Module, layers, head: nn.Linear) -> int:
+        """Pack every float linear of `layers` and the head for the CPU kernel now, the groups `side_by_side` and
+        `decoder_layers` run (q/k/v, o, gate/up, down, the head), and release their parameters: each becomes a
+        parameter on the meta device of the same shape and dtype (in every module of `model` that holds it: a tied
+        embedding too, which then reads `embed`), so the packed copy is the weight's one copy in memory. Merged weights
+        (`MergedLinears`) go with them. Quantized linears, which are their blocks already, are left. Returns the bytes
+        released."""
+        holders: dict[int, list[tuple[nn.Module, str]]] = {}
+        for module in model.modules():
+            for name, param in module._parameters.items():
+                if param is not None:
+                    holders.setdefault(id(param), []).append((module, name))
+        groups = []
+        for layer in layers:
+            a, m = layer.self_attn, layer.mlp
+            groups += [(a.q_proj, a.k_proj, a.v_proj), (a.o_proj,), (m.gate_proj, m.up_proj), (m.down_proj,)]
+        released = 0
+        for group in [*groups, (head,)]:
+            if any(isinstance(m, QuantLinear) or m.weight.is_meta for m in group):
+                continue
+            packed, olds, news = self._packed(group), [m.weight for m in group], []
+            for old in olds:
+                new = nn.Parameter(torch.empty(old.shape, dtype=old.dtype, device="meta"), requires_grad=False)
+                for module, name in holders.get(id(old), ()):
+                    module._parameters[name] = new
+                news.append(new)
+                released += old.numel() * old.element_size()
+            del self._copies[(tuple(map(id, olds)), "packed")]
+            self._copies[(tuple(map(id, news)), "packed")] = (tuple(p._version for p in news),
+                                                             tuple(p.data_ptr() for p in news), packed)
+        for layer in layers:  # the merged tensors whose rows the released parameters were
+            for merged in (layer.self_attn, layer.mlp):
+                weight = getattr(merged, "merged_weight", None)
+                if isinstance(merged, MergedLinears) and weight is not None and not weight.is_meta and all(
+                        getattr(merged, name).weight.is_meta for name in merged.MERGED):
+                    merged.merged_weight = torch.empty(weight.shape, dtype=weight.dtype, device="meta")
+        self._layers.clear()
+        cpu_kernels.give_back_freed()
+        return released
 
     def norm(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """The module's RMSNorm as the mode runs it: with the CPU kernels, `cpu_kernels.rms_norm` (what

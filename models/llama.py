@@ -203,7 +203,7 @@ class Llama(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self.model.norm.weight.device  # (kept by `keep_weights_once`, which releases the linears')
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
@@ -224,9 +224,10 @@ class Llama(nn.Module):
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         attend = attention if attention is not None else invariant_causal if self._batch_invariant else causal
-        x = self.model.embed_tokens(input_ids)
-        if self._batch_invariant:
+        if self._batch_invariant:  # (a tied embedding released with the head reads its packed rows)
+            x = self._invariant_ops.embed(self.model.embed_tokens, input_ids)
             return self._invariant_forward(x, positions, attend, rows)
+        x = self.model.embed_tokens(input_ids)
         if self.fusion != "none":
             return self._merged_forward(x, positions, attend, rows)
         angles = Angles.at(self.rope_inv_freq, positions, x.dtype)
@@ -365,6 +366,28 @@ class Llama(nn.Module):
         first use. `sampling` measures the sampled steps' cost curve too; with `process_group` (lookahead
         parallelism, called on every rank) it prepares the runner only."""
         warmup(self, Expected(lookahead, max_tokens, batch, sampling, static_step), cuda_graph, process_group)
+
+    def keep_weights_once(self) -> int:
+        """Keep each linear's weight once in memory: as the batch-invariant mode's CPU kernels read it (packed now,
+        the copy the mode's steps use anyway), releasing the parameters, which the mode then never reads. Without
+        it the mode keeps both, about twice the weights' bytes. For programs that never read the model's weights
+        again: `lookahead generate` and `lookahead serve` call it. Afterwards the linears' parameters (and a tied
+        embedding's, whose rows then come from the packed head) are on the meta device, with their shapes and dtypes:
+        computing with one, turning the mode off or moving the model raises; load the model again for those. Returns
+        the bytes released. ValueError where the mode does not run on the CPU kernels (`uses_cpu_kernels`)."""
+        if not self.uses_cpu_kernels:
+            raise ValueError("keep_weights_once needs the batch-invariant mode on the package's CPU kernels "
+                             f"(batch_invariant={self._batch_invariant}, device {self.device}): without them the "
+                             "mode reads the parameters themselves")
+        with self.lock:
+            released = self._invariant_ops.keep_once(self, self.model.layers, self.lm_head)
+            self.release()  # the parameters changed: the runner starts afresh
+            return released
+
+    def kept_weight(self, linear: nn.Linear) -> torch.Tensor:
+        """What holds a linear's weight after `keep_weights_once`: its packed blocks (the values, laid out for the
+        kernel). RuntimeError for a weight not packed alone (q/k/v and gate/up are packed side by side)."""
+        return self._invariant_ops.kept_copy(linear.weight).blocks
 
     def release(self) -> None:
         """Free the KV cache, kernel plans and CUDA graphs kept between generations (`runner`); the next generation

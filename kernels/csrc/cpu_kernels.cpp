@@ -2,6 +2,9 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <unistd.h>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 #include <atomic>
 #include <cmath>
 #include <condition_variable>
@@ -312,6 +315,14 @@ static torch::Tensor gemm_rows(const torch::Tensor& x, const torch::Tensor& pack
 torch::Tensor rows_gemm(torch::Tensor x, torch::Tensor packed, int64_t n) {
   pybind11::gil_scoped_release free_python;  // a server's other threads run meanwhile (no Python object is touched)
   return gemm_rows(x, packed, n);
+}
+
+// Give the memory freed since (weights released after packing) back to the system: glibc keeps freed blocks below
+// its mmap threshold in its heap, resident
+void give_back_freed() {
+#if defined(__GLIBC__)
+  malloc_trim(0);
+#endif
 }
 
 // The mode's RMSNorm (models.invariant.InvariantOps.norm runs it for the layers run from Python): per row, the

@@ -8,6 +8,7 @@
 #include "decoder_layers.cpp"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("give_back_freed", torch::wrap_pybind_function(give_back_freed), "give_back_freed");
   m.def("rows_gemm", torch::wrap_pybind_function(rows_gemm), "rows_gemm");
   m.def("chain_attention", torch::wrap_pybind_function(chain_attention), "chain_attention");
   m.def("bf16_pairs", torch::wrap_pybind_function(bf16_pairs), "bf16_pairs");

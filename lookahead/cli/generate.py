@@ -152,6 +152,8 @@ def load(args: argparse.Namespace, parallel, say):
     folder = args.model if args.model else default_model_dir(args.cache_dir)
     model = Llama.from_pretrained(folder, dtype=args.dtype, device=device, attn_backend=backend,
                                   fusion=args.fusion, batch_invariant=args.batch_invariant)
+    if model.uses_cpu_kernels:  # the mode's packed weights become the one copy: nothing here reads the others
+        model.keep_weights_once()
     tokenizer = _tokenizer(folder)
     dtype = dtype_name(model)
     mode = ", batch-invariant" if model.batch_invariant else ""

@@ -49,6 +49,8 @@ def run(args: argparse.Namespace) -> int:
     model = Llama.from_pretrained(folder, dtype=args.dtype, device=device,
                                   attn_backend=_backend(args.attn_backend, device),
                                   fusion=args.fusion, batch_invariant=args.batch_invariant)
+    if model.uses_cpu_kernels:  # the mode's packed weights become the one copy: nothing here reads the others
+        model.keep_weights_once()
     tokenizer = _tokenizer(folder)
     lookahead = lookahead_config(args, model.device.type)
     dtype = dtype_name(model)
