@@ -77,7 +77,7 @@ class InvariantOps:
     def kept_copy(self, weight: torch.Tensor) -> cpu_kernels.Packed:
         """The packed copy of `weight` alone (a released weight's values: `keep_once`); RuntimeError where none is
         kept (a weight packed side by side with others, or never packed)."""
-        kept = self._copies.get(((id(weight),), "packed"))
+        kept = self._copies.get(_copy_key((weight,), "packed"))
         if kept is None:
             raise RuntimeError("no packed copy of this weight alone is kept")
         return kept[2]
@@ -109,9 +109,8 @@ class InvariantOps:
                     module._parameters[name] = new
                 news.append(new)
                 released += old.numel() * old.element_size()
-            del self._copies[(tuple(map(id, olds)), "packed")]
-            self._copies[(tuple(map(id, news)), "packed")] = (tuple(p._version for p in news),
-                                                             tuple(p.data_ptr() for p in news), packed)
+            del self._copies[_copy_key(olds, "packed")]
+            self._copies[_copy_key(news, "packed")] = (*_stamp(news), packed)
         for layer in layers:  # the merged tensors whose rows the released parameters were
             for merged in (layer.self_attn, layer.mlp):
                 weight = getattr(merged, "merged_weight", None)
@@ -214,12 +213,21 @@ class InvariantOps:
     def _copy(self, params: tuple[torch.Tensor, ...], kind: str, make):
         if kind == "float32" and len(params) == 1 and params[0].dtype == torch.float32:
             return params[0]
-        key = (tuple(map(id, params)), kind)
-        versions, addresses = tuple(p._version for p in params), tuple(p.data_ptr() for p in params)
+        key, (versions, addresses) = _copy_key(params, kind), _stamp(params)
         kept = self._copies.get(key)
         if kept is None or kept[0] != versions or kept[1] != addresses:
             kept = self._copies[key] = (versions, addresses, make(params))
         return kept[2]
+
+
+def _copy_key(params, kind: str) -> tuple[tuple[int, ...], str]:
+    """Where `InvariantOps._copies` keeps a copy of `params` (one weight, or a group side by side)."""
+    return tuple(map(id, params)), kind
+
+
+def _stamp(params) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(versions, addresses) of `params`: a kept copy is stale once either changes."""
+    return tuple(p._version for p in params), tuple(p.data_ptr() for p in params)
 
 
 def runs_cpu_kernels(device: torch.device) -> bool:
