@@ -102,7 +102,7 @@ def main() -> None:
             # unprofiled, both ways: the layers in one call of the CPU kernels (the default), and one by one
             unprofiled = {}
             for way, whole in (("one call", True), ("one by one", False)):
-                InvariantOps.whole_layers = whole
+                InvariantOps.whole_step = whole
                 unprofiled[way] = min(decoding_ms(model, prompt, args.tokens, lookahead) for _ in range(3))
             # the profile, of the layers one by one (run from Python, so the profiler sees each op)
             if model.runner is not None:
@@ -111,7 +111,7 @@ def main() -> None:
                 start = time.perf_counter()
                 result = model.generate(prompt, max_new_tokens=args.tokens, lookahead=lookahead, eos_token_id=[])
                 wall = time.perf_counter() - start
-            InvariantOps.whole_layers = True
+            InvariantOps.whole_step = True
             steps = result.steps - 1  # the prefill's pass is not a decoding step; its time is in the first share
             parts = breakdown(prof, wall, max(steps, 1), cfg.vocab_size, widths)
             total = sum(parts.values())

@@ -9,13 +9,13 @@ split of K, no kernel chosen by shape). A block's bytes are read once per six ro
 of the block fill an AVX-512 register file): a one-token step reads the weight once, like a GEMV, and a longer step
 reads it again from cache. `attention(...)`, in the same extension, is the batch-invariant attention on the CPU (each
 query over its own keys in position order: `block_attention`'s contract as fused multiply-add chains), and
-`decoder_layers(...)` runs a LLaMA model's layers over one packed step in one call (the ops of the Python layers as
-the mode runs them, with these kernels, so the same bits, and no ATen op between them); `silu_mul` is the mode's
-SiLU(gate) * up.
+`decoder_step(...)` runs one packed step of a LLaMA model from its token ids to its logits in one call (the ops of the
+Python layers as the mode runs them, with these kernels, so the same bits, and no ATen op between them); `silu_mul`
+is the mode's SiLU(gate) * up.
 
 The source (`csrc/cpu_kernels_module.cpp`: `csrc/cpu_kernels.cpp`, the GEMM, norms and RoPE;
 `csrc/chain_attention.cpp`, the attention; `csrc/quant_gemm.cpp`, GEMMs over GGUF-quantized weights driven by
-`lookahead.kernels.quant`; `csrc/decoder_layers.cpp`, the layers in one call and the SiLU; and their bindings) is
+`lookahead.kernels.quant`; `csrc/decoder_step.cpp`, the step in one call and the SiLU; and their bindings) is
 compiled as one extension by `lookahead.cpp_build` (a C++ compiler and ninja) into `build_dir`, once per kind of CPU,
 compiler and version of the source; where that fails `available`
 is False (`failure` says why) and callers use `row_plans` instead.
@@ -36,7 +36,7 @@ import lookahead.cpp_build as cpp_build
 COLUMNS = 64  # columns per block: four AVX-512 vectors of float32 per row
 CSRC = Path(__file__).parent / "csrc"
 # one translation unit, in this order (the later ones use the first's thread pool)
-SOURCE_FILES = ("cpu_kernels.cpp", "chain_attention.cpp", "quant_gemm.cpp", "decoder_layers.cpp")
+SOURCE_FILES = ("cpu_kernels.cpp", "chain_attention.cpp", "quant_gemm.cpp", "decoder_step.cpp")
 # (GCC 12 warns of `__Y` "maybe uninitialized" inside its own AVX-512 intrinsics, hundreds of times: GCC bug 105593)
 WARNINGS = ("-Wall", "-Wextra", "-Wno-maybe-uninitialized")
 _built = cpp_build.Once("The batch-invariant mode runs torch's GEMMs through verified row counts instead (slower), "
@@ -87,6 +87,13 @@ def give_back_freed() -> None:
     _built.module.give_back_freed()
 
 
+def stamps(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Each tensor's identity, version counter and data address, int64 [len(tensors), 3], in one call: a kept copy
+    of weights is stale once its row changes (reading them from Python costs about a microsecond a tensor). Call
+    `available` first."""
+    return _built.module.stamps(tensors)
+
+
 def pairs() -> bool:
     """Whether this machine's build multiplies bfloat16 weights with the CPU's bf16 dot products (AVX512-BF16): then
     `gemm` takes bfloat16 rows for them, and each output is a chain over pairs of k (each pair's two products added
@@ -124,7 +131,7 @@ def attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, slots: 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The batch-invariant mode's RMSNorm of x [..., H] (any float dtype; weight [H]): per row, the squares summed in
     float32 in 16 lanes, then x / rms rounded to x's dtype, times the weight; each row's bits its own, in one call
-    (`decoder_layers` runs the same). Call `available` first."""
+    (`decoder_step` runs the same). Call `available` first."""
     return _built.module.norm_rows(x, weight, eps)
 
 
@@ -132,26 +139,37 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """The batch-invariant mode's SiLU(gate) * up (gate, up of one shape and float dtype): `F.silu(gate) * up`'s
     roundings (the SiLU rounded to the dtype, then the product), with the package's own exp, whose bits are the same
     in every build and every lane (torch's vector exp need not match its scalar one); within a few ulp of torch's.
-    `decoder_layers` runs the same. Call `available` first."""
+    `decoder_step` runs the same. Call `available` first."""
     return _built.module.silu_mul(gate, up)
 
 
-def decoder_layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weights: list[list[torch.Tensor]],
-                   k_cache: torch.Tensor, v_cache: torch.Tensor, write_slots: torch.Tensor, queries: torch.Tensor,
-                   key_slots: torch.Tensor, counts: torch.Tensor, heads: int, kv_heads: int, intermediate: int,
-                   eps: float) -> torch.Tensor:
-    """A LLaMA model's decoder layers (no biases, no q/k norms) over one packed step of the batch-invariant mode, in
-    one call: per layer the ops of `models.blocks`' forward as the mode runs them (`gemm` or `quant.gemm`, `rms_norm`,
-    RoPE, `attention`, `silu_mul`, each output rounded to the dtype where torch's op rounds it), so the same bits as
-    running them from Python, with no Python and no ATen op between them.
-    x [1, T, H] in the model's dtype; cos, sin [1, T, 1, D] in that dtype; weights: six lists per layer (input norm
-    weight, q/k/v side by side, o, post-attention norm weight, gate/up side by side, down): [the norm's weight], [a
-    weight packed by `pack`] or the linears' `quant.pack` blobs, one per linear, side by side; k_cache, v_cache [layers,
-    Hkv, S, D], written at `write_slots` [T]; queries [R], the tokens that attend, each over its key slots [R, W] in
-    position order (the first counts[r]; all three int64, as `attention` takes them). Returns x after the last layer.
-    Call `available` first."""
-    return _built.module.decoder_layers(x, cos, sin, weights, k_cache, v_cache, write_slots, queries, key_slots, counts,
-                                  heads, kv_heads, intermediate, eps)
+def decoder_step(ids: torch.Tensor, embedding: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 weights: list[list[torch.Tensor]], k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 write_slots: torch.Tensor, queries: torch.Tensor, key_slots: torch.Tensor, counts: torch.Tensor,
+                 head_rows: torch.Tensor, heads: int, kv_heads: int, intermediate: int, vocab: int,
+                 eps: float) -> torch.Tensor:
+    """One packed step of a LLaMA model (no biases, no q/k norms) in the batch-invariant mode, from its token ids to
+    its logits, in one call: the embedding's rows, per layer the ops of `models.blocks`' forward as the mode runs them
+    (`gemm` or `quant.gemm`, `rms_norm`, RoPE, `attention`, `silu_mul`, each output rounded to the dtype where torch's
+    op rounds it), then the final norm and the head over the tokens whose logits are wanted: the same bits as running
+    them from Python, with no Python and no ATen op between them.
+    ids [T] int64 (each checked against `vocab`: IndexError); embedding: the table the rows come from (the embedding's
+    weight [V, H] in the model's dtype, a tied head's `Packed.blocks`, or a `quant.pack` blob); cos, sin [1, T, 1, D]
+    in the model's dtype; weights: six lists per layer (input norm weight, q/k/v side by side, o, post-attention norm
+    weight, gate/up side by side, down), then the final norm's [weight] and the head's: [the norm's weight], [a weight
+    packed by `pack`] or the linears' `quant.pack` blobs, one per linear, side by side; k_cache, v_cache [layers, Hkv,
+    S, D], written at `write_slots` [T]; queries [R], the tokens that attend, each over its key slots [R, W] in
+    position order (the first counts[r]; all three int64, as `attention` takes them); head_rows [R'] int64, the
+    tokens whose logits are wanted. Returns the logits [1, R', vocab] in the model's dtype. Call `available` first."""
+    return _built.module.decoder_step(ids, embedding, cos, sin, weights, k_cache, v_cache, write_slots, queries,
+                                      key_slots, counts, head_rows, heads, kv_heads, intermediate, vocab, eps)
+
+
+def top_ids(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Each row's argmax of logits [R, V] (torch.argmax's answer: the first largest, NaN above every number), then for
+    k > 0 each row's k largest ids, largest first, the lower id first among equals (torch.topk's order but for ties,
+    which it leaves open): int64 [R + R * k], in one pass over each row. Call `available` first."""
+    return _built.module.top_ids(logits, k)
 
 
 def cpu_tag() -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -260,6 +261,8 @@ class InvariantBackend:
         self.pool = pool  # for its scratch slot, which pads the tails
 
     def begin_step(self, step: PackedStep, device_inputs=None) -> LayerAttention:
+        if self.kernel == "cpu" and step.patterns and all(p.num_tokens == 1 for p in step.patterns):
+            return _single_lists(step)  # plain decoding: every row one token
         size, rows, singles = step.block_size, [], []
         for pattern, length, blocks, start in zip(step.patterns, step.lengths, step.tables, step.starts, strict=True):
             table = torch.tensor(blocks, dtype=torch.int64)
@@ -307,6 +310,19 @@ class InvariantBackend:
 
     def end_step(self) -> None:
         pass
+
+
+def _single_lists(step: PackedStep) -> KeyLists:
+    """The CPU kernel's key lists of a step whose rows each feed one token (plain decoding), built in numpy: row i's
+    query sees its positions 0..L through its block table, the lists `single_keys` and `query_slots` give (their
+    padding aside, which the kernel does not read), at a tenth of their torch ops' cost."""
+    size, lengths = step.block_size, np.asarray(step.lengths, dtype=np.int64)
+    slots = np.zeros((len(lengths), int(lengths.max()) + 1), dtype=np.int64)
+    for i, (length, blocks) in enumerate(zip(step.lengths, step.tables, strict=True)):
+        positions = np.arange(length + 1)
+        slots[i, : length + 1] = np.asarray(blocks, dtype=np.int64)[positions // size] * size + positions % size
+    return KeyLists("cpu", torch.tensor(step.starts, dtype=torch.int64), torch.from_numpy(slots),
+                    torch.from_numpy(lengths + 1))
 
 
 def _is_run(blocks: Sequence[int]) -> bool:

@@ -24,21 +24,23 @@ from lookahead.paths import cache_root
 
 from .attention import Paged
 from .fusion import MergedLinears
-from .quantized import QuantLinear
+from .quantized import QuantEmbedding, QuantLinear
+from .rope import Angles
 
 
 class InvariantOps:
     """`linear(module, x)`: the module's `F.linear`, batch-invariant, accumulated in float32; the norms and SiLU as the
-    mode runs them (`norm`, `silu_mul`); and with the CPU kernels, a packed step's decoder layers all in one call
-    (`decoder_layers`)."""
+    mode runs them (`norm`, `silu_mul`); and with the CPU kernels, a packed step from its ids to its logits in one call
+    (`decoder_step`)."""
 
-    whole_layers = True  # run a packed step's layers in one call where it applies (False: one by one, for tests)
+    whole_step = True  # run a packed step in one call where it applies (False: op by op, for tests)
 
     def __init__(self) -> None:
         # (ids, kind) -> (versions, addresses, copy): one copy per weight, or per group of weights run side by side
         self._copies: dict[tuple[tuple[int, ...], str], tuple[tuple, tuple, object]] = {}
         self._runs: dict[str, bool] = {}  # device type -> `runs_cpu_kernels`' answer (kept: every linear asks it)
-        self._layers: dict[tuple[int, ...], list | None] = {}  # layers' ids -> [modules, stamp, weights]
+        # (decoder's id, head's id) -> [modules, stamps, (weights, embedding table)], or None where it cannot run
+        self._steps: dict[tuple[int, int], list | None] = {}
 
     def __call__(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return self.side_by_side((module,), x)[0]
@@ -84,7 +86,7 @@ class InvariantOps:
 
     def keep_once(self, model: nn.Module, layers, head: nn.Linear) -> int:
         """Pack every float linear of `layers` and the head for the CPU kernel now, the groups `side_by_side` and
-        `decoder_layers` run (q/k/v, o, gate/up, down, the head), and release their parameters: each becomes a
+        `decoder_step` runs (q/k/v, o, gate/up, down, the head), and release their parameters: each becomes a
         parameter on the meta device of the same shape and dtype (in every module of `model` that holds it: a tied
         embedding too, which then reads `embed`), so the packed copy is the weight's one copy in memory. Merged weights
         (`MergedLinears`) go with them. Quantized linears, which are their blocks already, are left. Returns the bytes
@@ -117,81 +119,106 @@ class InvariantOps:
                 if isinstance(merged, MergedLinears) and weight is not None and not weight.is_meta and all(
                         getattr(merged, name).weight.is_meta for name in merged.MERGED):
                     merged.merged_weight = torch.empty(weight.shape, dtype=weight.dtype, device="meta")
-        self._layers.clear()
+        self._steps.clear()
         cpu_kernels.give_back_freed()
         return released
 
     def norm(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """The module's RMSNorm as the mode runs it: with the CPU kernels, `cpu_kernels.rms_norm` (what
-        `decoder_layers` runs, so the layers one by one give its bits); elsewhere the module's own."""
+        `decoder_step` runs, so the layers one by one give its bits); elsewhere the module's own."""
         if self.runs_cpu_kernels(x.device):
             return cpu_kernels.rms_norm(x, module.weight, module.eps)
         return module(x)
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """SiLU(gate) * up as the mode runs it: with the CPU kernels, `cpu_kernels.silu_mul` (what `decoder_layers`
+        """SiLU(gate) * up as the mode runs it: with the CPU kernels, `cpu_kernels.silu_mul` (what `decoder_step`
         runs); elsewhere torch's."""
         if self.runs_cpu_kernels(gate.device):
             return cpu_kernels.silu_mul(gate, up)
         return F.silu(gate) * up
 
-    def decoder_layers(self, layers, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       attend) -> torch.Tensor | None:
-        """x after every decoder layer of `layers` in one call of the CPU kernels (`cpu_kernels.decoder_layers`: the
-        ops of the layers' own forward, so the same bits, without Python between them), where it applies:
-        `whole_layers`, a packed step whose attention is the CPU kernel's (`Paged.cpu_kernel_inputs`: the runner chose
-        it where `runs_cpu_kernels` said so), LLaMA layers without biases or q/k norms. None elsewhere: the caller runs
-        the layers one by one."""
+    def decoder_step(self, decoder: nn.Module, head: nn.Linear, input_ids: torch.Tensor, positions: torch.Tensor,
+                     inv_freq: torch.Tensor, attend, rows: torch.Tensor | None) -> torch.Tensor | None:
+        """The step's logits [1, R, vocab] at `rows` in one call of the CPU kernels (`cpu_kernels.decoder_step`: the
+        embedding, every decoder layer, the final norm and the head; the ops of the model's own forward as the mode runs
+        them, so the same bits, without Python between them), where it applies: `whole_step`, a packed step whose
+        attention is the CPU kernel's (`Paged.cpu_kernel_inputs`: the runner chose it where `runs_cpu_kernels` said
+        so), a LLaMA model without biases or q/k norms. None elsewhere: the caller runs the step op by op.
+        decoder: the model's `LlamaModel` (embedding, layers, final norm); input_ids [1, T]; positions, rows: as
+        `Llama.forward` takes them (None: every token)."""
         # any `Attend` may come here (a caller's own forward passes a plain function): only a paged step's holds the
         # pool and the key lists the one call takes
         inputs = attend.cpu_kernel_inputs() if isinstance(attend, Paged) else None
-        if not self.whole_layers or inputs is None:
+        if not self.whole_step or inputs is None or input_ids.shape[0] != 1:
             return None
-        weights = self._layer_weights(layers)
-        if weights is None:
+        kept = self._step_weights(decoder, head)
+        if kept is None:
             return None
-        attention, mlp = layers[0].self_attn, layers[0].mlp
+        weights, table, dtype = kept
+        cos, sin = Angles.at(inv_freq, positions.reshape(-1), dtype)  # ([T], or [1, T]: one row)
+        ids = input_ids[0]
+        rows = torch.arange(ids.shape[0]) if rows is None else rows.reshape(-1)
+        attention, mlp = decoder.layers[0].self_attn, decoder.layers[0].mlp
         pool, write_slots, keys = inputs
-        return cpu_kernels.decoder_layers(x, cos, sin, weights, pool.k, pool.v, write_slots, keys.queries, keys.slots,
-                                       keys.counts, attention.heads, attention.kv_heads,
-                                       mlp.gate_proj.out_features, layers[0].input_layernorm.eps)
+        return cpu_kernels.decoder_step(ids, table, cos, sin, weights, pool.k, pool.v, write_slots, keys.queries,
+                                        keys.slots, keys.counts, rows, attention.heads, attention.kv_heads,
+                                        mlp.gate_proj.out_features, head.out_features, decoder.norm.eps)
 
-    def _layer_weights(self, layers) -> list[torch.Tensor] | None:
-        """Six tensors per layer for `cpu_kernels.decoder_layers` (norm weight, q/k/v packed, o packed, norm weight,
-        gate/up packed, down packed), or None for layers with biases or q/k norms. Kept between steps and checked at
-        each by the weights' identities, versions and addresses: gathering them through the modules' attributes
-        costs a step about half a millisecond."""
-        key = tuple(map(id, layers))
-        if key not in self._layers:
-            modules = []
-            for layer in layers:
+    def _step_weights(self, decoder: nn.Module, head: nn.Linear) -> tuple[list, torch.Tensor, torch.dtype] | None:
+        """What `cpu_kernels.decoder_step` takes of the model: its weights (six lists per layer: norm weight, q/k/v
+        packed, o packed, norm weight, gate/up packed, down packed; then the final norm's weight and the head), the
+        embedding's table and the activations' dtype; None for what it cannot run (layers with biases or q/k norms,
+        norms of differing eps, float and quantized linears side by side). Kept between steps and checked at each by
+        the weights' stamps (`cpu_kernels.stamps`, one call: gathering them through the modules' attributes cost a
+        step about half a millisecond)."""
+        key = (id(decoder), id(head))
+        if key not in self._steps:
+            modules, norms = [], [decoder.norm]
+            for layer in decoder.layers:
                 a, m = layer.self_attn, layer.mlp
                 linears = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
                 if a.qk_norm or any(linear.bias is not None for linear in linears):
-                    self._layers[key] = None
+                    self._steps[key] = None
                     return None
                 modules += [layer.input_layernorm, *linears[:4], layer.post_attention_layernorm, *linears[4:]]
-            self._layers[key] = [modules, None, None]
-        kept = self._layers[key]
+                norms += [layer.input_layernorm, layer.post_attention_layernorm]
+            if head.bias is not None or len({norm.eps for norm in norms}) > 1:
+                self._steps[key] = None
+                return None
+            self._steps[key] = [[*modules, decoder.norm, head, decoder.embed_tokens], None, None]
+        kept = self._steps[key]
         if kept is None:
             return None
-        modules, stamp, weights = kept
-        params = [module._parameters["weight"] for module in modules]
-        now = [(id(p), p._version, p.data_ptr()) for p in params]
-        if now != stamp:
+        modules, stamps, step = kept
+        now = cpu_kernels.stamps([module._parameters["weight"] for module in modules])
+        if stamps is None or not torch.equal(now, stamps):
             weights = []
-            for i in range(0, len(modules), 9):
+            for i in range(0, len(modules) - 3, 9):
                 norm, q, k, v, o, post_norm, gate, up, down = modules[i : i + 9]
-                groups = [self._side_by_side_weight(group) for group in ((q, k, v), (o,), (gate, up), (down,))]
-                if any(group is None for group in groups):
-                    self._layers[key] = None
-                    return None
-                weights += [[norm.weight], *groups[:2], [post_norm.weight], *groups[2:]]
-            kept[1:] = now, weights
-        return weights
+                weights += [[norm.weight], (q, k, v), (o,), [post_norm.weight], (gate, up), (down,)]
+            weights += [[decoder.norm.weight], (head,)]
+            weights = [w if isinstance(w, list) else self._side_by_side_weight(w) for w in weights]
+            table = self._embedding_table(decoder.embed_tokens)
+            if any(w is None for w in weights) or table is None:
+                self._steps[key] = None
+                return None
+            kept[1:] = now, (weights, *table)
+        return kept[2]
+
+    def _embedding_table(self, module: nn.Module) -> tuple[torch.Tensor, torch.dtype] | None:
+        """The table `cpu_kernels.decoder_step` reads the embedding's rows from, and their dtype (what `embed` gives):
+        its weight, or a tied weight's packed copy (`keep_once`), or its quantized blob; None for another module."""
+        weight = module._parameters.get("weight")
+        if isinstance(module, QuantEmbedding):
+            return weight, module.dtype_carrier.dtype
+        if type(module) is not nn.Embedding or weight is None:
+            return None
+        if weight.is_meta:
+            return self.kept_copy(weight).blocks, weight.dtype
+        return weight.detach().contiguous(), weight.dtype
 
     def _side_by_side_weight(self, modules: tuple[nn.Module, ...]) -> list[torch.Tensor] | None:
-        """What `cpu_kernels.decoder_layers` takes for linears side by side: [their packed weight], or their quantized
+        """What `cpu_kernels.decoder_step` takes for linears side by side: [their packed weight], or their quantized
         blobs; None for a mix of the two (the layers then run one by one)."""
         kinds = {isinstance(m, QuantLinear) for m in modules}
         if kinds == {True}:

@@ -224,9 +224,8 @@ class Llama(nn.Module):
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         attend = attention if attention is not None else invariant_causal if self._batch_invariant else causal
-        if self._batch_invariant:  # (a tied embedding released with the head reads its packed rows)
-            x = self._invariant_ops.embed(self.model.embed_tokens, input_ids)
-            return self._invariant_forward(x, positions, attend, rows)
+        if self._batch_invariant:
+            return self._invariant_forward(input_ids, positions, attend, rows)
         x = self.model.embed_tokens(input_ids)
         if self.fusion != "none":
             return self._merged_forward(x, positions, attend, rows)
@@ -235,18 +234,19 @@ class Llama(nn.Module):
             x = layer(x, angles, i, attend)
         return self.lm_head(self.model.norm(_take_rows(x, rows)))
 
-    def _invariant_forward(self, x: torch.Tensor, positions: torch.Tensor, attend: Attend,
+    def _invariant_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend,
                            rows: torch.Tensor | None) -> torch.Tensor:
-        """The batch-invariant mode: every linear by `InvariantOps`; norms, RoPE and SiLU are per row already."""
-        linear = self._invariant_ops
+        """The batch-invariant mode: the whole step in one call of the CPU kernels where it applies, else op by op,
+        every linear by `InvariantOps` (norms, RoPE and SiLU are per row already)."""
+        ops = self._invariant_ops
+        logits = ops.decoder_step(self.model, self.lm_head, input_ids, positions, self.rope_inv_freq, attend, rows)
+        if logits is not None:
+            return logits
+        x = ops.embed(self.model.embed_tokens, input_ids)  # (a tied embedding released with the head: its packed rows)
         angles = Angles.at(self.rope_inv_freq, positions, x.dtype)
-        whole = linear.decoder_layers(self.model.layers, x, *angles, attend)  # all in one call, where it applies
-        if whole is not None:
-            x = whole
-        else:
-            for i, layer in enumerate(self.model.layers):
-                x = layer(x, angles, i, attend, linear)
-        return linear(self.lm_head, linear.norm(self.model.norm, _take_rows(x, rows)))
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, angles, i, attend, ops)
+        return ops(self.lm_head, ops.norm(self.model.norm, _take_rows(x, rows)))
 
     def _merged_forward(self, x: torch.Tensor, positions: torch.Tensor, attend: Attend,
                         rows: torch.Tensor | None) -> torch.Tensor:

@@ -19,6 +19,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from lookahead.kernels import cpu_kernels
 from lookahead.loop import RowStep, StepOutput
 from lookahead.loop.sampling import seed_bits
 
@@ -230,6 +231,8 @@ class StepProgram:
         finally:
             runner.backend.end_step()
         k = min(self.shape.topk, logits.shape[-1])  # a vocabulary may be smaller than k
+        if getattr(runner.model, "uses_cpu_kernels", False):  # one pass (torch's argmax and topk: ~1 ms each a step)
+            return logits, cpu_kernels.top_ids(logits, k)
         if not k:
             return logits, logits.argmax(-1)
         return logits, torch.cat([logits.argmax(-1), logits.topk(k, dim=-1).indices.flatten()])

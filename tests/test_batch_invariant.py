@@ -4,6 +4,7 @@ beside random other rows, prompts prefilled in random chunks, prefixes from the 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -253,9 +254,9 @@ def test_without_the_cpu_kernel_torch_gemms_through_row_plans_are_invariant_too(
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 def test_a_steps_layers_in_one_call_give_the_bits_of_the_layers_one_by_one(models, monkeypatch, dtype):
-    """With the CPU kernels a packed step's decoder layers run in one call (`cpu_kernels.decoder_layers`): every
-    position's logits, over random schedules (chunks, trees, padding, rows beside), are bitwise what the layers give
-    run one by one from Python."""
+    """With the CPU kernels a packed step runs in one call from its ids to its logits (`cpu_kernels.decoder_step`):
+    every position's logits, over random schedules (chunks, trees, padding, rows beside), are bitwise what the ops
+    give run one by one from Python (the embedding, the layers, the final norm and the head)."""
     from lookahead.kernels import cpu_kernels
     from lookahead.models.invariant import InvariantOps
 
@@ -263,27 +264,27 @@ def test_a_steps_layers_in_one_call_give_the_bits_of_the_layers_one_by_one(model
     assert model.uses_cpu_kernels, "the CPU kernels did not build here"
     rng = random.Random(21)
     sequence = [rng.randrange(VOCAB) for _ in range(70)]
-    monkeypatch.setattr(InvariantOps, "whole_layers", False)
+    monkeypatch.setattr(InvariantOps, "whole_step", False)
     reference = plain_logits(model, sequence)
-    calls, real = [], cpu_kernels.decoder_layers
-    monkeypatch.setattr(InvariantOps, "whole_layers", True)
-    monkeypatch.setattr(cpu_kernels, "decoder_layers", lambda *args: calls.append(args[0].shape) or real(*args))
+    calls, real = [], cpu_kernels.decoder_step
+    monkeypatch.setattr(InvariantOps, "whole_step", True)
+    monkeypatch.setattr(cpu_kernels, "decoder_step", lambda *args: calls.append(args[0].shape) or real(*args))
     assert run_schedule(model, sequence, 21, others=2, reference=reference, chunk_prefix=20) >= 35
-    assert len(calls) > 20 and len({shape[1] for shape in calls}) > 5  # it ran, over many step sizes
+    assert len(calls) > 20 and len({shape[0] for shape in calls}) > 5  # it ran, over many step sizes
 
 
-def test_the_layers_in_one_call_see_weights_written_or_replaced(tiny_checkpoint, monkeypatch):
-    """The one call keeps its weights between steps: a weight written in place, or a parameter replaced, reaches its
-    next step as it reaches the layers run one by one."""
+def test_the_step_in_one_call_sees_weights_written_or_replaced(tiny_checkpoint, monkeypatch):
+    """The one call keeps its weights between steps: a weight written in place (a layer's, the final norm's, the
+    embedding's), or a parameter replaced, reaches its next step as it reaches the ops run one by one."""
     from lookahead.models.invariant import InvariantOps
 
     model = Llama.from_pretrained(tiny_checkpoint("gqa"), batch_invariant=True)
     prompt, tokens = list(range(1, 14)), []
 
     def generate_both_ways():
-        monkeypatch.setattr(InvariantOps, "whole_layers", False)
+        monkeypatch.setattr(InvariantOps, "whole_step", False)
         one_by_one = model.generate(prompt, max_new_tokens=16, eos_token_id=[]).tokens
-        monkeypatch.setattr(InvariantOps, "whole_layers", True)
+        monkeypatch.setattr(InvariantOps, "whole_step", True)
         tokens.append(model.generate(prompt, max_new_tokens=16, eos_token_id=[]).tokens)
         assert tokens[-1] == one_by_one
 
@@ -295,7 +296,13 @@ def test_the_layers_in_one_call_see_weights_written_or_replaced(tiny_checkpoint,
     for layer in model.model.layers:
         layer.self_attn.o_proj.weight = torch.nn.Parameter(layer.self_attn.o_proj.weight.detach() * 3)
     generate_both_ways()
-    assert tokens[0] != tokens[1] != tokens[2]
+    with torch.no_grad():
+        model.model.norm.weight.mul_(-1)
+    generate_both_ways()
+    with torch.no_grad():
+        model.model.embed_tokens.weight[1:14].mul_(-2)  # the prompt's rows
+    generate_both_ways()
+    assert all(a != b for a, b in itertools.pairwise(tokens)), tokens
 
 
 @pytest.mark.parametrize("built", [True, False], ids=["built", "not-built"])
@@ -310,7 +317,7 @@ def test_whether_the_cpu_kernels_run_has_one_answer(tiny_checkpoint, monkeypatch
     assert invariant.cpu_kernels_built(), f"the CPU kernels did not build here: {cpu_kernels.failure()}"
     monkeypatch.setattr(invariant, "cpu_kernels_built", lambda: built)
     calls = []
-    for name in ("gemm", "rms_norm", "attention", "decoder_layers"):
+    for name in ("gemm", "rms_norm", "attention", "decoder_step"):
         real = getattr(cpu_kernels, name)
         monkeypatch.setattr(cpu_kernels, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
     model = Llama.from_pretrained(tiny_checkpoint("gqa"), dtype=torch.float32, batch_invariant=True)
@@ -318,14 +325,14 @@ def test_whether_the_cpu_kernels_run_has_one_answer(tiny_checkpoint, monkeypatch
     tokens = model.generate(list(range(1, 30)), max_new_tokens=12, lookahead=LookaheadConfig(3, 3, 2, budget="fixed"),
                             eos_token_id=[]).tokens
     assert model.runner.backend.kernel == ("cpu" if built else "torch")
-    assert set(calls) == ({"gemm", "rms_norm", "decoder_layers"} if built else set())
+    assert set(calls) == ({"decoder_step"} if built else set())  # the whole step: its norms and GEMMs inside
     assert (tuning.cost_key(model, model.runner)["kernels"] is not None) is built
-    monkeypatch.setattr(invariant.InvariantOps, "whole_layers", False)  # the layers one by one: the kernel's attention
+    monkeypatch.setattr(invariant.InvariantOps, "whole_step", False)  # the layers one by one: the kernel's attention
     calls.clear()
     model.release()
     assert model.generate(list(range(1, 30)), max_new_tokens=12, lookahead=LookaheadConfig(3, 3, 2, budget="fixed"),
                           eos_token_id=[]).tokens == tokens
-    assert ("attention" in calls) is built and ("decoder_layers" in calls) is False
+    assert ("attention" in calls) is built and ("decoder_step" in calls) is False
     model.batch_invariant = False  # the mode off: the model does not run on them, whatever the build
     assert not model.uses_cpu_kernels
     monkeypatch.delenv("LOOKAHEAD_DTYPE")
@@ -336,7 +343,7 @@ def test_whether_the_cpu_kernels_run_has_one_answer(tiny_checkpoint, monkeypatch
 
 @pytest.mark.parametrize("family, whole", [("llama", True), ("qwen2", False), ("qwen3", False)])
 def test_layers_with_biases_or_qk_norms_run_one_by_one(tiny_checkpoint, family, whole):
-    """`decoder_layers` computes LLaMA's layers only: a model with q/k/v biases (Qwen2) or q/k norms (Qwen3) runs its
+    """`decoder_step` computes LLaMA's layers only: a model with q/k/v biases (Qwen2) or q/k norms (Qwen3) runs its
     own, one by one."""
     from lookahead.models.attention import KeyLists, Paged
     from lookahead.models.kv_cache import KVPool, KVShape
@@ -347,8 +354,9 @@ def test_layers_with_biases_or_qk_norms_run_one_by_one(tiny_checkpoint, family, 
     pool = KVPool(KVShape.of(cfg), 1, 16, model.dtype, "cpu")
     one = torch.zeros(1, dtype=torch.int64)  # one token at slot 0, seeing itself
     attend = Paged(pool, one, KeyLists("cpu", one, one[None], one + 1))
-    x, cos = torch.zeros(1, 1, cfg.hidden_size), torch.zeros(1, 1, 1, cfg.head_dim)
-    out = model._invariant_ops.decoder_layers(model.model.layers, x, cos, cos, attend)
+    ids, positions = torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    out = model._invariant_ops.decoder_step(model.model, model.lm_head, ids, positions, model.rope_inv_freq, attend,
+                                            None)
     assert (out is not None) == whole
 
 
@@ -573,6 +581,58 @@ def test_the_cpu_kernels_compute_what_torch_computes(dtype):
         for i in range(n):
             assert torch.equal(cpu_kernels.attention(q[i : i + 1], k, v, slots[i : i + 1], counts[i : i + 1]),
                                out[i : i + 1]), (heads, kv_heads, dim, i)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_a_step_without_layers_is_its_embedding_final_norm_and_head(dtype):
+    """`cpu_kernels.decoder_step` around its layers: the embedding's rows read from the weight or from a packed copy
+    of it (a tied head's, released: `Llama.keep_weights_once`), the rows asked for, normed and through the head, each
+    logit rounded to the dtype: bitwise the ops one by one (`embedding`, `rms_norm`, `gemm`). A token id outside the
+    vocabulary is an IndexError, not a read past the table."""
+    from lookahead.kernels import cpu_kernels
+
+    assert cpu_kernels.available()
+    torch.manual_seed(5)
+    vocab, hidden = 70, 24  # 70 rows: two column blocks, the second padded
+    embedding, head, norm = (torch.randn(vocab, hidden).to(dtype), torch.randn(vocab, hidden).to(dtype),
+                             torch.rand(hidden).to(dtype) + 0.5)
+    ids, rows = torch.tensor([3, 69, 0, 64, 3, 41]), torch.tensor([5, 0, 3])
+    empty = torch.zeros(0, 1, 8, 4, dtype=dtype)  # no layers: no cache
+    none = torch.zeros(0, dtype=torch.int64)
+    cos = torch.zeros(1, len(ids), 1, 4, dtype=dtype)
+    want = cpu_kernels.gemm(cpu_kernels.rms_norm(embedding[ids][rows], norm, 1e-5), cpu_kernels.pack(head)).to(dtype)
+
+    def step(table, ids=ids):
+        return cpu_kernels.decoder_step(ids, table, cos, cos, [[norm], [cpu_kernels.pack(head).blocks]], empty, empty,
+                                        ids, none, none[:, None], none, rows, 1, 1, 1, vocab, 1e-5)
+
+    for table in (embedding, cpu_kernels.pack(embedding).blocks):
+        assert torch.equal(step(table)[0], want)
+    with pytest.raises(IndexError, match="outside the vocabulary"):
+        step(embedding, torch.tensor([3, 70, 0, 1, 2, 4]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_a_steps_argmax_and_top_k_are_torchs(dtype):
+    """`cpu_kernels.top_ids` (what a step fetches: each row's argmax, then its top k) against torch's argmax and topk:
+    the same argmax (the first largest; NaN above every number), the same top-k values, and among equal values (a
+    16-bit row has many) the lower id first."""
+    from lookahead.kernels import cpu_kernels
+
+    assert cpu_kernels.available()
+    torch.manual_seed(6)
+    logits = (torch.randn(7, 300) * 3).round().to(dtype)  # rounded: many ties, the largest among them
+    logits[2, 5], logits[2, 40], logits[3] = float("nan"), float("nan"), float("-inf")
+    logits[4, 299] = 100.0  # the largest last
+    for k in (0, 1, 8, 300):
+        got = cpu_kernels.top_ids(logits, k)
+        assert torch.equal(got[:7], logits.argmax(-1))
+        top = got[7:].view(7, k)
+        torch.testing.assert_close(logits.gather(1, top), logits.topk(k, dim=-1).values, rtol=0, atol=0,
+                                   equal_nan=True)
+        for row, ids in zip(logits, top.tolist(), strict=True):
+            ranked = sorted(range(row.numel()), key=lambda i: (not row[i].isnan(), -row[i].float().nan_to_num(), i))
+            assert ids == ranked[:k]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))

@@ -216,15 +216,15 @@ def test_the_layers_in_one_call_run_quantized_weights(files, monkeypatch):
     from lookahead.models.invariant import InvariantOps
 
     model = Llama.from_pretrained(files(MIXED)[0])
-    calls, real = [], cpu_kernels.decoder_layers
-    monkeypatch.setattr(cpu_kernels, "decoder_layers", lambda *args: calls.append(1) or real(*args))
+    calls, real = [], cpu_kernels.decoder_step
+    monkeypatch.setattr(cpu_kernels, "decoder_step", lambda *args: calls.append(1) or real(*args))
     ids = list(range(10, 40))
     whole = model.generate(ids, max_new_tokens=12, eos_token_id=[], lookahead=fixed(3, 3, 3))
     assert calls
-    monkeypatch.setattr(InvariantOps, "whole_layers", False)
+    monkeypatch.setattr(InvariantOps, "whole_step", False)
     model.release()
     one_by_one = plain_logits(model, ids + whole.tokens[:4])
-    monkeypatch.setattr(InvariantOps, "whole_layers", True)
+    monkeypatch.setattr(InvariantOps, "whole_step", True)
     model.release()
     assert all(torch.equal(a, b) for a, b in zip(plain_logits(model, ids + whole.tokens[:4]), one_by_one,
                                                   strict=True))

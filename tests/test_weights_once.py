@@ -41,12 +41,12 @@ def test_weights_kept_once_give_the_bits_of_the_model_that_keeps_them(tiny_check
     assert released == linears | ({tied} if tied else set())
     assert all(not p.is_meta for name, p in once.named_parameters() if "norm" in name or name.endswith("bias"))
     ids = torch.tensor([[5, 17, 99, 3, 42, 42, 8, 61, 0, 100, 7, 29]])
-    for whole_layers in (True, False):
-        InvariantOps.whole_layers = whole_layers
+    for whole_step in (True, False):
+        InvariantOps.whole_step = whole_step
         try:
-            assert torch.equal(once(ids), keeps(ids)), whole_layers
+            assert torch.equal(once(ids), keeps(ids)), whole_step
         finally:
-            InvariantOps.whole_layers = True
+            InvariantOps.whole_step = True
     prompt = [5, 17, 99, 3, 42, 8, 61, 0, 100, 7]
     for lookahead in (None, LookaheadConfig()):
         assert (once.generate(prompt, max_new_tokens=24, eos_token_id=[], lookahead=lookahead).tokens

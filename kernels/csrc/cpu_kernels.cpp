@@ -325,6 +325,20 @@ void give_back_freed() {
 #endif
 }
 
+// Each tensor's (identity, version counter, data address) as int64 [n, 3]: what says a kept copy of weights is stale
+// (a parameter replaced, written in place, or its data swapped). One call for a model's few hundred weights, where
+// reading them from Python costs about a microsecond a tensor.
+torch::Tensor stamps(std::vector<torch::Tensor> tensors) {
+  auto out = torch::empty({int64_t(tensors.size()), 3}, torch::kInt64);
+  int64_t* o = out.data_ptr<int64_t>();
+  for (const auto& t : tensors) {
+    *o++ = reinterpret_cast<int64_t>(t.unsafeGetTensorImpl());
+    *o++ = static_cast<int64_t>(t._version());
+    *o++ = t.is_meta() ? 0 : reinterpret_cast<int64_t>(t.data_ptr());
+  }
+  return out;
+}
+
 // The mode's RMSNorm (models.invariant.InvariantOps.norm runs it for the layers run from Python): per row, the
 // squares summed in float32 in 16 lanes (lane l takes k = l, l + 16, ... in order), the lanes added in order, then
 // x * (1 / sqrt(sum / H + eps)) rounded to the dtype, times the weight (a product rounded to the dtype). A row's bits

@@ -341,26 +341,12 @@ static torch::Tensor rows(const torch::Tensor& x, const std::vector<torch::Tenso
   return out;
 }
 
-}  // namespace quant
-
-// A quantized linear's rows as decoder_layers runs them: float32 in, float32 out.
-torch::Tensor quant_gemm(torch::Tensor x, std::vector<torch::Tensor> segments, bool portable) {
-  pybind11::gil_scoped_release free_python;
-  return quant::rows(x, segments, portable);
-}
-
-bool quant_vnni() { return quant::VNNI; }
-
-// Rows `ids` of a packed weight, dequantized to float32 as ggml does ([len(ids), K]): an embedding's lookup.
-torch::Tensor quant_rows(torch::Tensor blob, torch::Tensor ids) {
-  using namespace quant;
+// Rows `ids` (count of them) of a packed weight dequantized to float32 into out [count, K]: an embedding's lookup
+// (quant_rows, and cpu_kernels.decoder_step's first op for a GGUF model's quantized embedding).
+static void rows_of(const torch::Tensor& blob, const int64_t* ids, int64_t count, float* out) {
   const Blob w = parse(blob);
-  const auto id = ids.to(torch::kInt64).contiguous();
-  auto out = torch::empty({id.numel(), w.K}, torch::kFloat32);
-  const int64_t* idp = id.data_ptr<int64_t>();
-  float* o = out.data_ptr<float>();
-  for (int64_t i = 0; i < id.numel(); ++i) {
-    const int64_t n = idp[i];
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t n = ids[i];
     TORCH_CHECK(n >= 0 && n < w.N, "row ", n, " is outside the weight's ", w.N, " rows");
     const int64_t g = n / COLS, c = n % COLS;
     for (int64_t j = 0; j < w.J; ++j) {
@@ -381,9 +367,26 @@ torch::Tensor quant_rows(torch::Tensor blob, torch::Tensor ids) {
         } else {  // Q4_1, Q5_1: d * c + m (m stored negated)
           v = d * static_cast<float>(code) - half_to_float(w.m[dj + c]);
         }
-        o[i * w.K + j * BLOCK + k] = v;
+        out[i * w.K + j * BLOCK + k] = v;
       }
     }
   }
+}
+
+}  // namespace quant
+
+// A quantized linear's rows as decoder_step runs them: float32 in, float32 out.
+torch::Tensor quant_gemm(torch::Tensor x, std::vector<torch::Tensor> segments, bool portable) {
+  pybind11::gil_scoped_release free_python;
+  return quant::rows(x, segments, portable);
+}
+
+bool quant_vnni() { return quant::VNNI; }
+
+// Rows `ids` of a packed weight, dequantized to float32 as ggml does ([len(ids), K]): an embedding's lookup.
+torch::Tensor quant_rows(torch::Tensor blob, torch::Tensor ids) {
+  const auto id = ids.to(torch::kInt64).contiguous();
+  auto out = torch::empty({id.numel(), quant::parse(blob).K}, torch::kFloat32);
+  quant::rows_of(blob, id.data_ptr<int64_t>(), id.numel(), out.data_ptr<float>());
   return out;
 }
