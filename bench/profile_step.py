@@ -7,8 +7,8 @@ and what is left: Python and the loop's own work between the ops. Milliseconds p
 without the ops it calls), from one generation of `--tokens` tokens after a warm-up. The profile runs the decoder
 layers one by one from Python (the profiler sees ops called from Python only); beside it, each step's time without
 the profiler (best of 3, from the first decoding step's tokens to the last's), the layers one by one and in one
-call of the CPU kernels (`cpu_kernels.decoder_layers`, the default). Lookahead steps draft cold (`warm=False`): a
-repeated prompt would otherwise be drafted from memory of the last run.
+call of the CPU kernels (`cpu_kernels.decoder_step`, the default: the embedding, layers, final norm and head).
+Lookahead steps draft cold (`warm=False`): a repeated prompt would otherwise be drafted from memory of the last run.
 
     python bench/profile_step.py              # bfloat16 and float32, 48 tokens
     python bench/profile_step.py --quick      # float32, 8 tokens

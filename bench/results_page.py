@@ -893,7 +893,8 @@ def unprofiled_table(records: list[dict]) -> list[str]:
              f"{r['unprofiled_ms']['one by one'] / r['unprofiled_ms']['one call']:.2f}x"] for r in timed]
     return ["The profile runs the decoder layers one by one from Python (the profiler sees only ops called from "
             "Python). The same steps without the profiler, best of 3, milliseconds per decoding step, with the layers "
-            "one by one and in one call of the CPU kernels (`cpu_kernels.decoder_layers`, the default):", "",
+            "one by one and in one call of the CPU kernels (`cpu_kernels.decoder_layers` at the file's commit: the "
+            "layers alone; since then `cpu_kernels.decoder_step`, the embedding to the logits):", "",
             *table(["dtype", "step", "layers one by one", "in one call", "speed-up"], rows), ""]
 
 
