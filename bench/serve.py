@@ -48,31 +48,88 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+LAUNCH_TRIES = 3  # fresh ports a server is started on before giving up, when another process took its port first
+
+
 def launch(command: list[str], name: str, ready: str, timeout_s: float,
            env: dict[str, str] | None = None, drop: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
     """`command` (with "{port}" where a free port of 127.0.0.1 goes) started, with this environment plus `env` less
     the variables `drop` names (ours, such as OMP_WAIT_POLICY, kept from a peer); returns (the process, its URL) once
-    GET `ready` answers 200, or raises with the tail of its output (kept in a file: a pipe nobody reads would stall a
-    talkative server)."""
-    port = free_port()
-    log = tempfile.TemporaryFile(mode="w+")
+    GET `ready` answers 200 from it, or raises with the tail of its output (kept in a file: a pipe nobody reads would
+    stall a talkative server).
+
+    The port is picked free and handed over, so another process may bind it first (a test's server beside this one):
+    what answers is then checked to be this process (`listeners`), and where it is not, the server is started again
+    on another port; measuring another process's answers would be worse than failing."""
     environment = {k: v for k, v in {**os.environ, **(env or {})}.items() if k not in drop}
-    process = subprocess.Popen([part.replace("{port}", str(port)) for part in command], stdout=log,
-                               stderr=subprocess.STDOUT, text=True, env=environment)
-    url = f"http://127.0.0.1:{port}"
+    for _ in range(LAUNCH_TRIES):
+        port = free_port()
+        log = tempfile.TemporaryFile(mode="w+")
+        process = subprocess.Popen([part.replace("{port}", str(port)) for part in command], stdout=log,
+                                   stderr=subprocess.STDOUT, text=True, env=environment)
+        url = f"http://127.0.0.1:{port}"
+        if _answers(process, log, name, f"{url}{ready}", timeout_s):
+            owners = listeners(port)
+            if owners is None or any(_descends(pid, process.pid) for pid in owners):
+                return process, url
+        process.kill()  # another process answered on its port: it lost the race to bind it
+        process.wait(30)
+    raise RuntimeError(f"{name}: another process answered on each of {LAUNCH_TRIES} free ports it was started on")
+
+
+def _answers(process: subprocess.Popen, log, name: str, url: str, timeout_s: float) -> bool:
+    """Whether GET `url` answers 200 within `timeout_s` while `process` runs; raises with its output if it exits."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
             log.seek(0)
             raise RuntimeError(f"{name} exited with {process.returncode}: {log.read()[-2000:]}")
         try:
-            with urllib.request.urlopen(f"{url}{ready}", timeout=2) as response:
+            with urllib.request.urlopen(url, timeout=2) as response:
                 if response.status == 200:
-                    return process, url
+                    return True
         except OSError:
             time.sleep(0.5)
     process.kill()
-    raise RuntimeError(f"{name} did not answer {ready} within {timeout_s:.0f} s")
+    raise RuntimeError(f"{name} did not answer {url} within {timeout_s:.0f} s")
+
+
+def listeners(port: int) -> set[int] | None:
+    """The processes holding a TCP socket that listens on `port`, from Linux's /proc (None elsewhere)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()  # sl, local address (hex ip:port), remote, state (0A: listen), ..., inode (10th)
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":
+                inodes.add(f"socket:[{fields[9]}]")
+    if not inodes and not os.path.exists("/proc/net/tcp"):
+        return None
+    owners = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") in inodes for fd in os.listdir(f"/proc/{pid}/fd")):
+                owners.add(int(pid))
+        except OSError:  # gone, or not ours to read
+            continue
+    return owners
+
+
+def _descends(pid: int, root: int) -> bool:
+    """Whether process `pid` is `root` or one of its descendants (a server's worker may hold its socket)."""
+    while pid > 1:
+        if pid == root:
+            return True
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])  # the parent's pid, after the command's name
+        except OSError:
+            return False
+    return False
 
 
 def start_server(extra: list[str], max_batch: int) -> tuple[subprocess.Popen, str]:

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import http.client
 import json
+import queue
 import re
+import subprocess
+import threading
 import time
 from dataclasses import dataclass
 
@@ -68,6 +71,41 @@ class Running:
         while not condition():
             assert time.monotonic() < deadline, f"timed out waiting for {what}"
             time.sleep(0.02)
+
+
+class ServeProcess:
+    """`lookahead serve` as a subprocess (`command`: its command line up to its options), on a port of its own choosing:
+    started with --port 0, its port is the one its "serving NAME (...) on http://127.0.0.1:PORT/v1" line names. A port
+    a test picks and frees for the server could be taken by another test's server meanwhile (tests run two at once),
+    whose answers would then be taken for this one's. `said`: its standard error so far; `name`: the model name it
+    serves under; `stop()` kills it if it still runs."""
+
+    def __init__(self, command: list[str], env: dict, timeout: float = 180) -> None:
+        self.process = subprocess.Popen([*command, "--host", "127.0.0.1", "--port", "0"], env=env,
+                                        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=lambda: [self.lines.put(line) for line in self.process.stderr], daemon=True).start()
+        self.said: list[str] = []
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                assert self.process.poll() is None and time.monotonic() < deadline, "".join(self.said)
+                try:
+                    self.said.append(self.lines.get(timeout=1))
+                except queue.Empty:
+                    continue
+                found = re.search(r"serving (\S+) .* on http://127\.0\.0\.1:(\d+)/v1", self.said[-1])
+                if found:
+                    self.name, self.port = found[1], int(found[2])
+                    return
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
 
 
 def request(port: int, method: str, path: str, body: bytes | None, headers: dict) -> tuple[int, dict, dict | str]:

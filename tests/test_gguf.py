@@ -348,14 +348,12 @@ def test_the_server_serves_a_gguf_file_as_the_model_answers_alone(smollm2_gguf):
     engine starts with would triple this test): a greedy chat answer is the in-process greedy answer of the same
     file, text for text."""
     import json
-    import socket
-    import subprocess
-    import time
     import urllib.request
 
     from test_cli import ENV, command
 
     from lookahead.models.gguf import gguf_tokenizer
+    from served import ServeProcess
 
     messages = [{"role": "user", "content": "Name three colors."}]
     tokenizer = gguf_tokenizer(smollm2_gguf)
@@ -363,22 +361,10 @@ def test_the_server_serves_a_gguf_file_as_the_model_answers_alone(smollm2_gguf):
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     want = tokenizer.decode(Llama.from_pretrained(smollm2_gguf).generate(ids, max_new_tokens=16).tokens,
                             skip_special_tokens=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen([*command(), "serve", str(smollm2_gguf), "--host", "127.0.0.1", "--port", str(port),
-                               "--max-batch", "2", "--no-lookahead", "--log-level", "warning"], env=ENV,
-                              stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True)
+    server = ServeProcess([*command(), "serve", str(smollm2_gguf), "--max-batch", "2", "--no-lookahead",
+                           "--log-level", "warning"], ENV, timeout=300)
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            assert server.poll() is None, server.stderr.read()
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                    break
-            except OSError:
-                time.sleep(0.5)
+        port = server.port
         body = json.dumps({"model": smollm2_gguf.name, "messages": messages, "max_tokens": 16,
                            "temperature": 0}).encode()
         request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body,
@@ -387,5 +373,4 @@ def test_the_server_serves_a_gguf_file_as_the_model_answers_alone(smollm2_gguf):
             answer = json.loads(response.read())
         assert answer["choices"][0]["message"]["content"] == want
     finally:
-        server.terminate()
-        server.wait(60)
+        server.stop()

@@ -4,18 +4,15 @@ real command stops on SIGTERM (or Ctrl-C's SIGINT) mid-stream: the stream ends w
 
 import json
 import os
-import queue
-import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 
 from lookahead.cli import build_parser, check_args, main
-from served import open_stream, read_event, request
+from served import ServeProcess, open_stream, read_event, request
 
 FLAGS = ("--model", "--cache-dir", "--host", "--port", "--served-model-name", "--api-key", "--allowed-origins",
          "--max-batch", "--max-queue", "--kv-cache-gb", "--max-body-bytes", "--window", "--ngram", "--guesses",
@@ -124,23 +121,11 @@ def test_the_api_key_comes_from_the_environment_unless_given():
 def test_a_signal_mid_stream_ends_the_stream_with_a_last_chunk_and_exits_0(served_dir, tmp_path, signum):
     env = {**os.environ, "HOME": str(tmp_path), "OMP_WAIT_POLICY": "PASSIVE"}  # its cost model cached there
     launch = [str(served_dir), "--max-model-len", "510"] if signum == signal.SIGTERM else ["-m", str(served_dir)]
-    command = [sys.executable, "-m", "lookahead", "serve", *launch, "--port", "0", "--max-batch", "2",
-               "--served-model-name", "tiny", "--log-level", "warning"]
-    server = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in server.stderr], daemon=True).start()
+    server = ServeProcess([sys.executable, "-m", "lookahead", "serve", *launch, "--max-batch", "2",
+                           "--served-model-name", "tiny", "--log-level", "warning"], env)
     try:
-        port, said, deadline = None, [], time.monotonic() + 180
-        while port is None:
-            assert server.poll() is None and time.monotonic() < deadline, "".join(said)
-            try:
-                said.append(lines.get(timeout=1))
-            except queue.Empty:
-                continue
-            found = re.search(r"serving (\S+) .* on http://127\.0\.0\.1:(\d+)/v1", said[-1])
-            if found:
-                assert found[1] == "tiny", said[-1]
-                port = int(found[2])
+        port, said = server.port, server.said
+        assert server.name == "tiny", said[-1]
         assert request(port, "GET", "/health", None, {})[0] == 200
         assert any(line.startswith("lookahead: KV cache: ") for line in said), "".join(said)
         length = request(port, "GET", "/v1/models", None, {})[2]["data"][0]["max_model_len"]
@@ -151,7 +136,7 @@ def test_a_signal_mid_stream_ends_the_stream_with_a_last_chunk_and_exits_0(serve
         for _ in range(3):
             assert read_event(response) not in (None, "[DONE]")
         stopped = time.monotonic()
-        server.send_signal(signum)
+        server.process.send_signal(signum)
         events = []
         while (data := read_event(response)) is not None:
             events.append(data)
@@ -159,12 +144,10 @@ def test_a_signal_mid_stream_ends_the_stream_with_a_last_chunk_and_exits_0(serve
         assert events[-1] == "[DONE]", events[-3:]
         finish = [choice["finish_reason"] for data in events[:-1] for choice in json.loads(data)["choices"]]
         assert finish[-1] == "abort" and all(f is None for f in finish[:-1])
-        assert server.wait(timeout=15) == 0
+        assert server.process.wait(timeout=15) == 0
         assert time.monotonic() - stopped < 15
     finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait(10)
+        server.stop()
 
 
 def test_what_the_server_loaded_is_kept_out_of_the_collectors_view():
