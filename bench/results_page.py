@@ -70,6 +70,8 @@ RUNS: dict[str, tuple[str, str]] = {
     "memory-cpu": ("python bench/memory.py", "tree"),
     "quantized-cpu": ("python bench/quantized.py --build", "tree"),
     "peers-c1-cpu": ("python bench/peers.py --only ours --concurrency 1 --rounds 3 --name peers-c1", "tree"),
+    "peers-bf16-c1-cpu": ("python bench/peers.py --concurrency 1 --dtypes bfloat16 --rounds 3 --prefill --spec-types "
+                          "--name peers-bf16-c1", "tree"),
     "profile-cpu": ("python bench/profile_step.py", "tree"),
     "cpu-gemm-cpu": ("python bench/cpu_gemm.py", "tree"),
     "scaling-cpu": ("python bench/scaling.py", CHAINS),
@@ -751,7 +753,19 @@ def section_peers() -> list[str]:
                "over it:", "", *table(["engine", "dtype", "prompt tokens", "time to first token s", "prompt tokens/s",
                                         "vs llama.cpp"], prefill_rows(data)), ""] if prefill_rows(data) else []),
             *(["Not measured:", "", *skipped, ""] if skipped else []), *source("peers-cpu"), "",
-            *ours_against_plain(), *peers_1b()]
+            *ours_against_plain(), *peers_again(), *peers_1b()]
+
+
+def peers_again() -> list[str]:
+    """`bench/peers.py` again at one request, bfloat16 (`peers-bf16-c1`): the goal with the least margin, measured a
+    second time on another day's machine."""
+    if not (RESULTS / "peers-bf16-c1-cpu.json").is_file():
+        return []
+    data = load("peers-bf16-c1-cpu")
+    return ["", "### One request again", "",
+            "The same benchmark at one request, three rounds, on a later commit and another moment of the machine "
+            "(ours in bfloat16; llama-server in both dtypes, at its defaults):", "",
+            *table(PEERS_HEADERS, peers_rows(data)), "", *rounds_of_peers(data), *source("peers-bf16-c1-cpu")]
 
 
 def peers_1b() -> list[str]:
