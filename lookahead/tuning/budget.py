@@ -225,8 +225,11 @@ class StepBudget:
         would beat the best rate were it only as dear as the knots run lately allow (a larger step never costs less
         than a smaller one, nor than the plain step). None where there is none: a size known to be dear, or one that
         could not win, is not worth a step."""
+        knots = self.cost.stale_knots(sizes, self.kind)
+        if knots.count(None) == len(knots):  # (most steps: every knot ran lately; a scan of the sizes costs more)
+            return None
         runs: dict[int, int] = {}  # per stale knot (smallest first): the option of its size, else the fullest
-        for k, (size, knot) in enumerate(zip(sizes, self.cost.stale_knots(sizes, self.kind), strict=True)):
+        for k, (size, knot) in enumerate(zip(sizes, knots, strict=True)):
             if knot is not None and (knot not in runs or size == knot or sizes[runs[knot]] != knot):
                 runs[knot] = k  # options come in growing size: the last kept is the fullest
         for k in runs.values():

@@ -141,6 +141,8 @@ class Curve:
         if len(knots) == 1:
             return [self.stale_knot(t) for t in tokens]
         stale = [knot if self._is_stale(k) else None for k, knot in enumerate(knots)]
+        if stale.count(None) == len(stale):
+            return [None] * len(tokens)
         if len(tokens) >= VECTOR_FROM:  # (the budget's exploration asks for every step size: numpy, as predict_many)
             at = np.asarray(tokens, dtype=np.int64)
             edges = np.asarray(knots, dtype=np.int64)
