@@ -77,8 +77,8 @@ class ServeProcess:
     """`lookahead serve` as a subprocess (`command`: its command line up to its options), on a port of its own choosing:
     started with --port 0, its port is the one its "serving NAME (...) on http://127.0.0.1:PORT/v1" line names. A port
     a test picks and frees for the server could be taken by another test's server meanwhile (tests run two at once),
-    whose answers would then be taken for this one's. `said`: its standard error up to that line; `name`: the model name it
-    serves under; `stop()` kills it if it still runs."""
+    whose answers would then be taken for this one's. `said`: its standard error up to that line; `name`: the model
+    name it serves under; `stop()` kills it if it still runs."""
 
     def __init__(self, command: list[str], env: dict, timeout: float = 180) -> None:
         self.process = subprocess.Popen([*command, "--host", "127.0.0.1", "--port", "0"], env=env,
