@@ -39,10 +39,11 @@ size, and every lookahead row carries the branch (a few more tokens cost a GPU a
 from __future__ import annotations
 
 import bisect
-import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
+
+import numpy as np
 
 import lookahead.host_loops as host_loops
 from lookahead.config import LookaheadConfig
@@ -164,27 +165,26 @@ class StepBudget:
         # option k: the step with the first k slots (k = 0, every row's base alone, only where rows carry the branch)
         first = 0 if self.branch else 1
         plain, expected, seconds, rounded, length = self._options(fixed, carries, lengths, gains, first)
-        rates = [e / s for e, s in zip(expected, seconds, strict=True)]
+        rates = expected / seconds  # (numpy, elementwise: the same divisions as a scan's; argmax keeps the first best)
         best_rate, best_count = (plain.expected / plain.seconds, plain.seconds), None
         self.since_explored += 1
         if steady is not None:
             alone, alone_expected, alone_seconds, _, _ = self._options(steady, carries, lengths, gains, first)
-            target = max(e / s for e, s in zip([alone.expected, *alone_expected], [alone.seconds, *alone_seconds],
-                                               strict=True))
-            profits = [e - target * s for e, s in zip(expected, seconds, strict=True)]
-            if profits:
-                k = profits.index(max(profits))
+            target = max([alone.expected / alone.seconds, *(alone_expected / alone_seconds).tolist()])
+            profits = expected - target * seconds
+            if len(profits):
+                k = int(profits.argmax())
                 if profits[k] > plain.expected - target * plain.seconds:
-                    best_rate, best_count = (rates[k], seconds[k]), k + first
+                    best_rate, best_count = (float(rates[k]), float(seconds[k])), k + first
         else:
-            if rates:
-                k = rates.index(max(rates))  # the first of the best, as a scan keeps it
+            if len(rates):
+                k = int(rates.argmax())  # the first of the best, as a scan keeps it
                 if rates[k] > best_rate[0]:
-                    best_rate, best_count = (rates[k], seconds[k]), k + first
+                    best_rate, best_count = (float(rates[k]), float(seconds[k])), k + first
             if self.since_explored >= EXPLORE_EVERY:
                 k = self._explore(rounded, expected, length, plain.seconds - self.host, best_rate[0])
                 if k is not None and k + first != best_count:
-                    best_rate, best_count = (rates[k], seconds[k]), k + first
+                    best_rate, best_count = (float(rates[k]), float(seconds[k])), k + first
                     self.since_explored, self.explored = 0, self.explored + 1
         if best_count is None:
             return [Choice(0, False, 0, 1, 1.0, best_rate[1]) for _ in scores]
@@ -195,20 +195,21 @@ class StepBudget:
                 for n, row, carry in zip(best_taken, scores, carries, strict=True)]
 
     def _options(self, fixed: Fixed, carries: Sequence[int], lengths: Sequence[int], gains: Sequence[float],
-                 first: int) -> tuple[Rated, list[float], list[float], list[int], int]:
+                 first: int) -> tuple[Rated, np.ndarray, np.ndarray, list[int], int]:
         """The step of `fixed` and these rows, rated: with every row plain; then the expected tokens, seconds and
         (rounded-up) tokens of option k = first .. len(gains), the step with its first k slots (all rated at once by
-        `predict_many`, the running sums in the order a slot-by-slot scan adds them); and the step's mean cache
+        `predict_many`, the running sums in the order a slot-by-slot scan adds them: numpy's cumulative sum adds in
+        order, so its float64 bits are the scan's; expected and seconds as float64 arrays); and the step's mean cache
         length, with every row at its base size (what each added slot's attention reads on average: a slot of a
         longer row reads more, a second-order effect the choice ignores)."""
         rows = len(carries)
         base_tokens, base_expected = fixed.tokens + sum(carries), fixed.expected + rows
         length = (fixed.weight + sum(n * c for n, c in zip(lengths, carries, strict=True))) // max(base_tokens, 1)
         plain_seconds = self.cost.predict(self.round_up(fixed.tokens + rows), length, self.kind) + self.host
-        expected = list(itertools.accumulate([base_expected, *gains]))[first:]
+        expected = np.cumsum([base_expected, *gains], dtype=np.float64)[first:]
         tokens = range(base_tokens + first, base_tokens + len(gains) + 1)
         rounded = self._rounded_upto(tokens.stop)[tokens.start : tokens.stop]
-        seconds = [s + self.host for s in self.cost.predict_many(rounded, length, self.kind)]
+        seconds = np.asarray(self.cost.predict_many(rounded, length, self.kind), dtype=np.float64) + self.host
         return Rated(fixed.expected + rows, plain_seconds), expected, seconds, rounded, length
 
     def _rounded_upto(self, stop: int) -> list[int]:
