@@ -348,8 +348,9 @@ def section_host_time() -> list[str]:
             "row). \"before\": the code before this work, run alternately with \"after\" in one invocation, "
             f"medians of {len(data['runs']['after'])} rounds. CPU time after / before: {ratios}. Issue 36's goal "
             "is 50 us a row at 32 rows. This file predates the benchmark's running both sides the same way (from "
-            "copies of their trees): on another machine the harness of then, given identical code, measured the "
-            "baseline 10-40% slower than the installed package, so these ratios may overstate the gain by as much; "
+            "copies of their trees): given identical code on both sides, the harness of then measured the baseline "
+            "10-40% slower than the installed package (on the 2-core Xeon, 2026-11-29), so these ratios may overstate "
+            "the gain by as much; "
             "the per-row figures of \"after\" stand.", "",
             *table(["code", "rows", "steps", "tokens / step", "host us / step", "us / row (wall)", "us / row (CPU)",
                     *(f"{p} us / row" for p in parts), "(of commit: learn)"], rows), "", *host_profile(data),
