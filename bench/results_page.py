@@ -72,6 +72,9 @@ RUNS: dict[str, tuple[str, str]] = {
     "peers-c1-cpu": ("python bench/peers.py --only ours --concurrency 1 --rounds 3 --name peers-c1", "tree"),
     "peers-bf16-c1-cpu": ("python bench/peers.py --concurrency 1 --dtypes bfloat16 --rounds 3 --prefill --spec-types "
                           "--name peers-bf16-c1", "tree"),
+    "peers-epyc-c1-cpu": ("python bench/peers.py --build --passive --concurrency 1 --prefill 2048 --spec-types "
+                          "--name peers-epyc-c1", "tree"),
+    "host-time-epyc-cpu": ("python bench/host_time.py --name host-time-epyc", "tree"),
     "profile-cpu": ("python bench/profile_step.py", "tree"),
     "cpu-gemm-cpu": ("python bench/cpu_gemm.py", "tree"),
     "scaling-cpu": ("python bench/scaling.py", CHAINS),
@@ -354,7 +357,23 @@ def section_host_time() -> list[str]:
             "the per-row figures of \"after\" stand.", "",
             *table(["code", "rows", "steps", "tokens / step", "host us / step", "us / row (wall)", "us / row (CPU)",
                     *(f"{p} us / row" for p in parts), "(of commit: learn)"], rows), "", *host_profile(data),
-            *source("host-time-cpu")]
+            *source("host-time-cpu"), *host_time_other_cpu()]
+
+
+def host_time_other_cpu() -> list[str]:
+    """`bench/host_time.py` on a second kind of CPU (`host-time-epyc`), the code of its commit alone."""
+    if not (RESULTS / "host-time-epyc-cpu.json").is_file():
+        return []
+    data = load("host-time-epyc-cpu")
+    parts = ("draft", "pack", "verify", "commit", "schedule")
+    rows = [[r["rows"], r["steps"], f"{r['tokens_per_step']:.1f}", f"{r['host_us']:.0f}",
+             f"{r['host_us_per_row']:.0f}", f"{r['host_cpu_us_per_row']:.0f}",
+             *(f"{r['phases_us'][p] / r['rows']:.0f}" for p in parts), f"{r['phases_us']['learn'] / r['rows']:.0f}"]
+            for r in data["summary"]]
+    return ["", f"The same on a 2-core {data['machine']['device']}, the code of its commit (no baseline):", "",
+            *table(["rows", "steps", "tokens / step", "host us / step", "us / row (wall)", "us / row (CPU)",
+                    *(f"{p} us / row" for p in parts), "(of commit: learn)"], rows), "", *host_profile(data),
+            *source("host-time-epyc-cpu")]
 
 
 PROFILED = 15  # functions of the host-time profile shown
@@ -757,7 +776,7 @@ def section_peers() -> list[str]:
                "over it:", "", *table(["engine", "dtype", "prompt tokens", "time to first token s", "prompt tokens/s",
                                         "vs llama.cpp"], prefill_rows(data)), ""] if prefill_rows(data) else []),
             *(["Not measured:", "", *skipped, ""] if skipped else []), *source("peers-cpu"), "",
-            *ours_against_plain(), *peers_again(), *peers_1b()]
+            *ours_against_plain(), *peers_again(), *peers_other_cpu(), *peers_1b()]
 
 
 def peers_again() -> list[str]:
@@ -770,6 +789,23 @@ def peers_again() -> list[str]:
             "The same benchmark at one request, three rounds, on a later commit and another moment of the machine "
             "(ours in bfloat16; llama-server in both dtypes, at its defaults):", "",
             *table(PEERS_HEADERS, peers_rows(data)), "", *rounds_of_peers(data), *source("peers-bf16-c1-cpu")]
+
+
+def peers_other_cpu() -> list[str]:
+    """`bench/peers.py` at one request on a second kind of CPU (`peers-epyc-c1`): whether the figures above, all from
+    one Xeon, hold where the package's kernels have AVX2 only."""
+    if not (RESULTS / "peers-epyc-c1-cpu.json").is_file():
+        return []
+    data = load("peers-epyc-c1-cpu")
+    return ["", "### Another kind of CPU", "",
+            f"The same benchmark at one request on a 2-core {data['machine']['device']} (AVX2, no AVX-512: the "
+            "package's kernels take their AVX2 paths; no bf16 dot products, so our default dtype is float32), "
+            f"{max(s['rounds'] for s in data['summary'])} rounds, ours in float32 and bfloat16, llama-server at its "
+            "defaults and at PASSIVE:",
+            "", *table(PEERS_HEADERS, peers_rows(data)), "", *rounds_of_peers(data),
+            *(["Prefill:", "", *table(["engine", "dtype", "prompt tokens", "time to first token s", "prompt tokens/s",
+                                       "vs llama.cpp"], prefill_rows(data)), ""] if prefill_rows(data) else []),
+            *source("peers-epyc-c1-cpu")]
 
 
 def peers_1b() -> list[str]:

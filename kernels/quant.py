@@ -5,7 +5,7 @@ batch-invariant contract (a row's bits depend on its own input alone), and the s
 Types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (blocks of 32), Q4_K and Q6_K (super-blocks of 256): what llama.cpp's Q8_0,
 Q4_0, Q4_1 and Q4_K_M files hold (a Q4_K_M file falls back to Q5_0 and Q8_0 where a row's length is no multiple of
 256). Each input row is quantized to 8 bits in blocks of 32 (as llama.cpp does for its dot products) and multiplied
-with integer dot products (AVX512-VNNI where the CPU has it, portable loops elsewhere: both the same arithmetic);
+with integer dot products (AVX512-VNNI where the CPU has it, else AVX2, else portable loops: the same arithmetic);
 `csrc/quant_gemm.cpp`'s header comment gives it exactly. The packed layout keeps the file's bits per weight (within a
 few percent: a Q4_K sub-block's 6-bit scale takes a byte).
 """
@@ -188,8 +188,8 @@ def header(blob: torch.Tensor) -> Header:
 
 def gemm(x: torch.Tensor, blobs: list[torch.Tensor], portable: bool = False) -> torch.Tensor:
     """x [M, K] (converted to float32) times the packed weights side by side: [M, sum of their N] float32, each
-    row's bits its own (`csrc/quant_gemm.cpp`). portable: the portable loops even where AVX512-VNNI is built (the
-    same bits: the tests compare). Call `cpu_kernels.available` first."""
+    row's bits its own (`csrc/quant_gemm.cpp`). portable: the portable loops even where a vector path is built
+    (AVX512-VNNI or AVX2: the same bits; the tests compare). Call `cpu_kernels.available` first."""
     return cpu_kernels.extension().quant_gemm(x.float().contiguous(), list(blobs), portable)
 
 
@@ -200,9 +200,10 @@ def rows(blob: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return flat.reshape(*ids.shape, flat.shape[-1])
 
 
-def vnni() -> bool:
-    """Whether this machine's build multiplies with AVX512-VNNI (else the portable loops). Call `available` first."""
-    return cpu_kernels.extension() is not None and cpu_kernels.extension().quant_vnni()
+def path() -> str | None:
+    """How this machine's build multiplies: "AVX512-VNNI", "AVX2" or "portable" (None: the kernels are not built).
+    Call `available` first."""
+    return None if cpu_kernels.extension() is None else cpu_kernels.extension().quant_path()
 
 
 def dequantize(fields: Fields, type_name: str) -> np.ndarray:

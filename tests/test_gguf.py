@@ -1,7 +1,7 @@
 """GGUF files loaded as they are, their quantized weights kept quantized (`models.gguf`, `kernels/quant.py`):
 
 - the kernel computes exactly its documented arithmetic (a numpy twin, bitwise), close to the float product, and each
-  row's bits are its own (alone, in a batch, portable loops or AVX512-VNNI);
+  row's bits are its own (alone, in a batch, on the portable loops or the build's vector path);
 - a loaded file computes what transformers computes on the file's dequantized weights (to the rounding of 8-bit
   activations), for llama (q/k rows permuted as llama.cpp's converter writes them), qwen2 and qwen3;
 - the batch-invariant promise holds on quantized weights: every position bitwise the plain steps' whatever the step,
@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -69,8 +70,22 @@ def test_the_kernel_computes_its_definition_bitwise_and_each_row_alone(type_name
     assert torch.equal(quant.gemm(torch.from_numpy(x), [blob], portable=True), got)
     for i in (0, 3, 7, 12):
         assert torch.equal(quant.gemm(torch.from_numpy(x[i:i + 1]), [blob]), got[i:i + 1])
+    for m in (2, 3, 6, 7):  # tiles of 2 and 3 rows (13 rows run 4 + 4 + 4 + 1)
+        assert torch.equal(quant.gemm(torch.from_numpy(x[:m]), [blob]), got[:m])
     exact = torch.from_numpy(x @ weight.T)
     assert (got - exact).abs().max() < 0.02 * exact.abs().max()  # 8-bit activations: about 1% of the scale
+
+
+def test_the_build_multiplies_with_the_cpus_fastest_path():
+    """A CPU with AVX512-VNNI gets the VNNI tiles, one with AVX2 (and F16C) the AVX2 ones: the portable loops are an
+    order of magnitude slower, and only a CPU with neither should run them."""
+    flags = set(open("/proc/cpuinfo").read().split()) if Path("/proc/cpuinfo").is_file() else set()
+    if {"avx512f", "avx512bw", "avx512_vnni"} <= flags:
+        assert quant.path() == "AVX512-VNNI"
+    elif {"avx2", "f16c"} <= flags:
+        assert quant.path() == "AVX2"
+    else:
+        assert quant.path() == "portable"
 
 
 def test_weights_side_by_side_give_each_ones_bits():

@@ -18,6 +18,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", torch::wrap_pybind_function(silu_mul), "silu_mul");
   m.def("norm_rows", torch::wrap_pybind_function(norm_rows), "norm_rows");
   m.def("quant_gemm", torch::wrap_pybind_function(quant_gemm), "quant_gemm");
-  m.def("quant_vnni", torch::wrap_pybind_function(quant_vnni), "quant_vnni");
+  m.def("quant_path", torch::wrap_pybind_function(quant_path), "quant_path");
   m.def("quant_rows", torch::wrap_pybind_function(quant_rows), "quant_rows");
 }

@@ -14,8 +14,9 @@
 //     zero-point: acc = acc + (d * dx) * float(sum_sub s * (sum c * q - z * sum q))
 //     min:        acc = acc + (d * dx) * float(s * sum c * q);  acc = acc - (m * dx) * float(t * sum q)
 //   (Q4_1 and Q5_1 subtract their min times -1, so their m is stored negated: m * t * -1 = +m.)
-// A row's arithmetic is the same in the AVX512-VNNI tiles (u8 x s8 dot products, 16 outputs a vector) and in the
-// portable loops: both compute exactly the definition above.
+// A row's arithmetic is the same in the AVX512-VNNI tiles (u8 x s8 dot products, 16 outputs a vector), the AVX2 ones
+// (u8 x s8 pairs, then pairs of pairs, 8 outputs a vector) and the portable loops: each computes exactly the
+// definition above.
 
 #include <torch/extension.h>
 
@@ -153,7 +154,6 @@ static void tile_scalar(const Blob& w, const Rows& x, int64_t m0, int64_t rows, 
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-constexpr bool VNNI = true;
 
 // The same arithmetic with AVX512-VNNI, for NC column groups side by side (32 outputs) and up to MAX_ROWS rows: quad
 // by quad, each group's 16 x 4 codes are unpacked once and each row's 4 inputs broadcast once, for NC vpdpbusd (u8
@@ -287,15 +287,148 @@ static void tiles_of(const Blob& w, const Rows& x, int64_t g0, int64_t groups, f
   for (; g + 2 <= g0 + groups; g += 2) rows_of<TYPE, 2>(w, x, g, out, ldo, col0 + (g - g0) * COLS);
   if (g < g0 + groups) rows_of<TYPE, 1>(w, x, g, out, ldo, col0 + (g - g0) * COLS);
 }
+constexpr const char* FAST_PATH = "AVX512-VNNI";
+#elif defined(__AVX2__) && defined(__F16C__)
+constexpr const char* FAST_PATH = "AVX2";
+
+// The same arithmetic with AVX2 (no u8 x s8 dot product into int32: vpmaddubsw's pairs into int16, then vpmaddwd's
+// into int32), one column group as two vectors of 8 outputs, up to MAX_ROWS rows. The pairs cannot saturate: codes of
+// at most 6 bits times |q| <= 127 stay below 2 * 63 * 127 < 32767; Q8_0's 8-bit codes are recentred to signed weights
+// c - 128 first (|c - 128| <= 128, and 2 * 128 * 127 < 32767), its sum of (c - 128) * q being the definition's
+// sum c * q - 128 * sum q exactly. Then each row's float steps on 8 outputs at once, as the portable loops do them.
+template <int64_t TYPE, int ROWS>
+static void tile_avx2(const Blob& w, const Rows& x, int64_t m0, int64_t g, float* out, int64_t ldo, int64_t col0) {
+  constexpr bool zero_point = TYPE == Q8_0 || TYPE == Q4_0 || TYPE == Q5_0 || TYPE == Q6_K;
+  constexpr int hb = TYPE == Q8_0 ? 8 : TYPE == Q6_K ? 2 : (TYPE == Q5_0 || TYPE == Q5_1) ? 1 : 0;
+  constexpr int32_t z = TYPE == Q8_0 ? 0 : TYPE == Q4_0 ? 8 : TYPE == Q5_0 ? 16 : TYPE == Q6_K ? 32 : 0;
+  constexpr int64_t per = (TYPE == Q4_K || TYPE == Q6_K) ? 8 : 1;
+  const __m256i low = _mm256_set1_epi8(15), high = _mm256_set1_epi8(hb < 8 ? (1 << hb) - 1 : -1);
+  const __m256i ones = _mm256_set1_epi16(1), centre = _mm256_set1_epi8(static_cast<char>(0x80));
+  __m256 acc[ROWS][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < w.J; ++j) {
+    const uint8_t* cp = w.codes + (g * w.J + j) * w.code_bytes;
+    const int8_t* xq = x.q.data() + m0 * x.K + j * BLOCK;
+    __m256i dot[ROWS][2], first[ROWS][2];  // first: Q6_K's first half, finished at the fourth quad
+#pragma GCC unroll 8
+    for (int r = 0; r < ROWS; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t) {
+      __m256i code[2], sign[2];
+      for (int h = 0; h < 2; ++h) {
+        if constexpr (hb == 8) {  // whole bytes, recentred: |c - 128| as u8, its sign given to the inputs
+          const __m256i signed_code = _mm256_xor_si256(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp + 64 * t + 32 * h)), centre);
+          code[h] = _mm256_abs_epi8(signed_code);
+          sign[h] = signed_code;
+          continue;
+        }
+        const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp + 64 * (t % 4) + 32 * h));
+        code[h] = t < 4 ? _mm256_and_si256(lo, low) : _mm256_and_si256(_mm256_srli_epi16(lo, 4), low);
+        if constexpr (hb > 0 && hb < 8) {
+          const __m256i hi =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp + 256 + 64 * ((hb * t) / 8) + 32 * h));
+          const __m256i bits = _mm256_and_si256(_mm256_srli_epi16(hi, (hb * t) % 8), high);
+          code[h] = _mm256_or_si256(code[h], _mm256_slli_epi16(bits, 4));
+        }
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < ROWS; ++r) {
+        int32_t four;
+        std::memcpy(&four, xq + r * x.K + 4 * t, sizeof four);
+        const __m256i b = _mm256_set1_epi32(four);
+        for (int h = 0; h < 2; ++h) {
+          const __m256i bh = hb == 8 ? _mm256_sign_epi8(b, sign[h]) : b;
+          dot[r][h] = _mm256_add_epi32(dot[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(code[h], bh), ones));
+        }
+      }
+      if constexpr (TYPE == Q6_K) {
+        if (t == 3) {
+#pragma GCC unroll 8
+          for (int r = 0; r < ROWS; ++r)
+            for (int h = 0; h < 2; ++h) {
+              first[r][h] = dot[r][h];
+              dot[r][h] = _mm256_setzero_si256();
+            }
+        }
+      }
+    }
+    const int64_t dj = (g * (w.J / per) + j / per) * COLS;
+    for (int h = 0; h < 2; ++h) {
+      const int64_t at = 8 * h;
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.d + dj + at)));
+      __m256 mv = _mm256_setzero_ps();
+      __m256i sc0 = _mm256_setzero_si256(), sc1 = sc0, mn = sc0;
+      if constexpr (!zero_point) mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.m + dj + at)));
+      if constexpr (TYPE == Q6_K) {
+        const auto* sc = reinterpret_cast<const int8_t*>(w.sc) + (g * w.J + j) * 2 * COLS + at;
+        sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc)));
+        sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + COLS)));
+      }
+      if constexpr (TYPE == Q4_K) {
+        sc0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.sc + (g * w.J + j) * COLS + at)));
+        mn = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.mn + (g * w.J + j) * COLS + at)));
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < ROWS; ++r) {
+        const int64_t m = m0 + r;
+        const __m256 dx = _mm256_set1_ps(x.dx[m * x.J + j]);
+        const int32_t s0 = x.sums[2 * (m * x.J + j)], s1 = x.sums[2 * (m * x.J + j) + 1];
+        __m256i i;
+        if constexpr (TYPE == Q6_K) {
+          i = _mm256_add_epi32(_mm256_mullo_epi32(sc0, _mm256_sub_epi32(first[r][h], _mm256_set1_epi32(z * s0))),
+                               _mm256_mullo_epi32(sc1, _mm256_sub_epi32(dot[r][h], _mm256_set1_epi32(z * s1))));
+        } else if constexpr (zero_point) {  // (Q8_0's z is 0 here: its dot is recentred already)
+          i = _mm256_sub_epi32(dot[r][h], _mm256_set1_epi32(z * (s0 + s1)));
+        } else if constexpr (TYPE == Q4_K) {
+          i = _mm256_mullo_epi32(sc0, dot[r][h]);
+        } else {
+          i = dot[r][h];
+        }
+        acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(i)));
+        if constexpr (!zero_point) {
+          const __m256i sums = _mm256_set1_epi32(s0 + s1);
+          const __m256i ts = TYPE == Q4_K ? _mm256_mullo_epi32(mn, sums) : sums;
+          acc[r][h] = _mm256_sub_ps(acc[r][h], _mm256_mul_ps(_mm256_mul_ps(mv, dx), _mm256_cvtepi32_ps(ts)));
+        }
+      }
+    }
+  }
+  const int64_t cols = std::min<int64_t>(COLS, w.N - g * COLS);
+  for (int r = 0; r < ROWS; ++r) {
+    float row[COLS];
+    _mm256_storeu_ps(row, acc[r][0]);
+    _mm256_storeu_ps(row + 8, acc[r][1]);
+    std::memcpy(out + (m0 + r) * ldo + col0, row, sizeof(float) * cols);
+  }
+}
+
+// Column groups [g0, g0 + groups) of every row, MAX_ROWS rows at a time.
+template <int64_t TYPE>
+static void tiles_of(const Blob& w, const Rows& x, int64_t g0, int64_t groups, float* out, int64_t ldo, int64_t col0) {
+  for (int64_t g = g0; g < g0 + groups; ++g) {
+    const int64_t at = col0 + (g - g0) * COLS;
+    for (int64_t m0 = 0; m0 < x.M; m0 += MAX_ROWS) {
+      switch (std::min<int64_t>(MAX_ROWS, x.M - m0)) {
+        case 4: tile_avx2<TYPE, 4>(w, x, m0, g, out, ldo, at); break;
+        case 3: tile_avx2<TYPE, 3>(w, x, m0, g, out, ldo, at); break;
+        case 2: tile_avx2<TYPE, 2>(w, x, m0, g, out, ldo, at); break;
+        default: tile_avx2<TYPE, 1>(w, x, m0, g, out, ldo, at); break;
+      }
+    }
+  }
+}
 #else
-constexpr bool VNNI = false;
+constexpr const char* FAST_PATH = "portable";
 #endif
 
 // Column groups [g0, g0 + groups) of every row, by the build's fastest path (or the portable one where asked: the
 // tests compare the two).
 static void groups_of(const Blob& w, const Rows& x, int64_t g0, int64_t groups, float* out, int64_t ldo, int64_t col0,
                       bool portable) {
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)) || \
+    (defined(__AVX2__) && defined(__F16C__))
   if (!portable) {
     switch (w.type) {
       case Q8_0: return tiles_of<Q8_0>(w, x, g0, groups, out, ldo, col0);
@@ -381,7 +514,7 @@ torch::Tensor quant_gemm(torch::Tensor x, std::vector<torch::Tensor> segments, b
   return quant::rows(x, segments, portable);
 }
 
-bool quant_vnni() { return quant::VNNI; }
+std::string quant_path() { return quant::FAST_PATH; }
 
 // Rows `ids` of a packed weight, dequantized to float32 as ggml does ([len(ids), K]): an embedding's lookup.
 torch::Tensor quant_rows(torch::Tensor blob, torch::Tensor ids) {
