@@ -688,6 +688,30 @@ def test_bf16_dot_products_compute_each_output_as_a_chain_over_pairs_of_k():
     torch.testing.assert_close(cpu_kernels.gemm(x, widened), x.float() @ weight.float().T, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_the_widening_gemm_computes_each_output_as_a_chain_of_fused_multiply_adds(dtype):
+    """Float32 rows times float32 weights, or bfloat16 ones widened (every CPU without bf16 dot products): each output
+    is exactly the chain the kernel documents, over k in order from zero, each step one fused multiply-add (emulated
+    in float64, where a product of two float32 is exact, then rounded to float32). For every row count a tile takes
+    (the AVX2 tiles take up to 3 rows and split more), a K past the AVX2 tiles' chunk of 64 and a partial column
+    block (100 = 64 + 36)."""
+    from lookahead.kernels import cpu_kernels
+
+    assert cpu_kernels.available()
+    torch.manual_seed(7)
+    weight, x = torch.randn(100, 70).to(dtype), torch.randn(13, 70)
+    packed = cpu_kernels.pack(weight, widen=True)
+    out = cpu_kernels.gemm(x, packed)
+    xs, ws = x.double(), weight.double()
+    chain = torch.zeros(13, 100)
+    for k in range(70):
+        chain = (xs[:, k, None] * ws[None, :, k] + chain.double()).float()
+    assert torch.equal(out, chain)
+    for rows in range(1, 13):
+        assert torch.equal(cpu_kernels.gemm(x[:rows], packed), out[:rows])
+        assert torch.equal(cpu_kernels.gemm(x[rows:], packed), out[rows:])
+
+
 def test_the_cpu_gemm_benchmark_runs_quick():
     """bench/cpu_gemm.py --quick: every implementation at every shape, the dot products' row where this CPU has them."""
     import subprocess

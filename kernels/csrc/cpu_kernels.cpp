@@ -186,6 +186,50 @@ static void tile(const float* x, int64_t K, const W* block, float* out, int64_t 
     std::memcpy(out + r * N + col0, row, cols * sizeof(float));
   }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const uint16_t* p) {  // 8 bfloat16 -> float32: shift each into a float's upper half
+  __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// AVX2 has 16 vector registers: the block's 64 columns in passes of V vectors (8 columns each) with MR * V <= 12,
+// so the accumulators, a weight vector and the broadcast inputs stay in registers: one pass for one row, two for 2
+// or 3 rows (more rows go 3 at a time: four passes of 2 vectors measured slower than two tiles of 3). The passes take
+// K in chunks of KC, whose weights the first pass brings into L1 for the other; between chunks the accumulators wait
+// in `rows` (stored and loaded exactly). The same chains as above, so the same bits.
+template <int MR, typename W>
+static void tile(const float* x, int64_t K, const W* block, float* out, int64_t N, int64_t col0) {
+  if constexpr (MR > 3) {
+    tile<3>(x, K, block, out, N, col0);
+    tile<MR - 3>(x + 3 * K, K, block, out + 3 * N, N, col0);
+    return;
+  }
+  constexpr int V = MR == 1 ? 8 : 4;
+  constexpr int64_t KC = 64;
+  const int64_t cols = std::min<int64_t>(NB, N - col0);
+  float rows[MR][NB] = {};
+  for (int64_t k0 = 0; k0 < K; k0 += KC) {
+    const int64_t k1 = std::min(K, k0 + KC);
+    for (int64_t c0 = 0; c0 < cols; c0 += 8 * V) {
+      __m256 acc[MR][V];
+      for (int r = 0; r < MR; ++r)
+        for (int v = 0; v < V; ++v) acc[r][v] = _mm256_loadu_ps(rows[r] + c0 + 8 * v);
+      for (int64_t k = k0; k < k1; ++k) {
+        const W* wk = block + k * NB + c0;
+        __m256 xv[MR];
+        for (int r = 0; r < MR; ++r) xv[r] = _mm256_set1_ps(x[r * K + k]);
+        for (int v = 0; v < V; ++v) {
+          const __m256 wv = load8(wk + 8 * v);
+          for (int r = 0; r < MR; ++r) acc[r][v] = _mm256_fmadd_ps(xv[r], wv, acc[r][v]);
+        }
+      }
+      for (int r = 0; r < MR; ++r)
+        for (int v = 0; v < V; ++v) _mm256_storeu_ps(rows[r] + c0 + 8 * v, acc[r][v]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) std::memcpy(out + r * N + col0, rows[r], cols * sizeof(float));
+}
 #else
 template <int MR, typename W>
 static void tile(const float* x, int64_t K, const W* block, float* out, int64_t N, int64_t col0) {
