@@ -313,6 +313,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repetitions", type=int, default=3, help="llama-bench's -r")
     parser.add_argument("--quick", action="store_true", help="SmolLM2 Q8_0, 2 prompts, 16 tokens; saves nothing")
+    parser.add_argument("--name", default="quantized", help="the result file's name (before its device tag)")
     parser.add_argument("--memory-only", action="store_true",
                         help="measure the saved results' files' memory again, in fresh processes, and save")
     args = parser.parse_args()
@@ -358,8 +359,8 @@ def main() -> None:
     print()
     print_table(headers, table)
     if not args.quick:
-        path = save_json("quantized", {"machine": machine(), "threads": args.threads, "tokens": args.tokens,
-                                  "prompts": args.prompts, "results": results})
+        path = save_json(args.name, {"machine": machine(), "threads": args.threads, "tokens": args.tokens,
+                                     "prompts": args.prompts, "results": results})
         print(f"saved {path}")
 
 

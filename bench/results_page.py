@@ -69,6 +69,7 @@ RUNS: dict[str, tuple[str, str]] = {
     "stalls-cpu": ("python bench/stalls.py", "tree"),
     "memory-cpu": ("python bench/memory.py", "tree"),
     "quantized-cpu": ("python bench/quantized.py --build", "tree"),
+    "quantized-epyc-cpu": ("python bench/quantized.py --build --name quantized-epyc", "tree"),
     "peers-c1-cpu": ("python bench/peers.py --only ours --concurrency 1 --rounds 3 --name peers-c1", "tree"),
     "peers-bf16-c1-cpu": ("python bench/peers.py --concurrency 1 --dtypes bfloat16 --rounds 3 --prefill --spec-types "
                           "--name peers-bf16-c1", "tree"),
@@ -870,10 +871,30 @@ QUANTIZED_LINK = "docs/results.md#gguf-files-against-llamacpp-on-the-same-file"
 
 
 def section_quantized() -> list[str]:
-    """GGUF files against llama.cpp's own binaries on the same file (`bench/quantized.py`)."""
+    """GGUF files against llama.cpp's own binaries on the same file (`bench/quantized.py`), and on a second kind of
+    CPU where measured (`quantized-epyc`)."""
     if not (RESULTS / "quantized-cpu.json").is_file():
         return []
     data = load("quantized-cpu")
+    other = []
+    if (RESULTS / "quantized-epyc-cpu.json").is_file():
+        epyc = load("quantized-epyc-cpu")
+        other = ["", "### Another kind of CPU", "",
+                 f"The same on a 2-core {epyc['machine']['device']} (AVX2, no AVX-512: the quantized GEMM's AVX2 "
+                 f"path), {epyc['prompts']} held-out prompts, {epyc['tokens']} new tokens:", "",
+                 *quantized_tables(epyc), *source("quantized-epyc-cpu")]
+    return ["## GGUF files against llama.cpp on the same file", "",
+            f"`bench/quantized.py`: llama.cpp's files (SmolLM2-135M-Instruct converted by llama.cpp's converter "
+            "and quantized by its `llama-quantize`; a 1B-shaped LLaMA with random weights made the same way) loaded "
+            "as they are, their weights kept quantized. llama.cpp: its own binaries built from source at their "
+            f"defaults (threads spin), {data['threads']} threads; ours in-process as the `lookahead` command runs "
+            "(OMP_WAIT_POLICY=PASSIVE). Decode tokens/s as llama-bench's tg counts them (no prefill: ours from the "
+            f"first token to the last), {data['prompts']} held-out prompts, {data['tokens']} new tokens, greedy; "
+            "exact: lookahead's tokens equal plain's.", "", *quantized_tables(data), *source("quantized-cpu"), *other]
+
+
+def quantized_tables(data: dict) -> list[str]:
+    """A `bench/quantized.py` file's tables: speed, step curves, memory, exactness and agreement."""
     results = data["results"]
     speed = [[r["file"], f"{r['llama_cpp_tg_tok_s']:.1f}", f"{r['ours_plain_tok_s']:.1f}",
               x(r["ours_plain_tok_s"] / r["llama_cpp_tg_tok_s"]), f"{r['ours_lookahead_tok_s']:.1f}",
@@ -895,15 +916,7 @@ def section_quantized() -> list[str]:
                            for k in ("1-4-5", "10-5-20", "default", "batch of 3")),
               f"{r['agreement']['identical']}/{r['agreement']['prompts']}",
               ", ".join(map(str, sorted(r["agreement"]["first_difference"]))) or "-"] for r in checked]
-    return ["## GGUF files against llama.cpp on the same file", "",
-            f"`bench/quantized.py`: llama.cpp's files (SmolLM2-135M-Instruct converted by llama.cpp's converter "
-            "and quantized by its `llama-quantize`; a 1B-shaped LLaMA with random weights made the same way) loaded "
-            "as they are, their weights kept quantized. llama.cpp: its own binaries built from source at their "
-            f"defaults (threads spin), {data['threads']} threads; ours in-process as the `lookahead` command runs "
-            "(OMP_WAIT_POLICY=PASSIVE). Decode tokens/s as llama-bench's tg counts them (no prefill: ours from the "
-            f"first token to the last), {data['prompts']} held-out prompts, {data['tokens']} new tokens, greedy; "
-            "exact: lookahead's tokens equal plain's.", "",
-            *table(["file", "llama.cpp tg", "ours plain", "vs llama.cpp", "ours lookahead", "vs llama.cpp",
+    return [*table(["file", "llama.cpp tg", "ours plain", "vs llama.cpp", "ours lookahead", "vs llama.cpp",
                     "exact"], speed), "",
             "A step's cost over a one-token step's, t(T) / t(1): llama.cpp's `pp T` against our prompt-chunk steps "
             "of T tokens at a context of 64 (what makes a lookahead step pay: the flatter, the more tokens a draft "
@@ -919,8 +932,7 @@ def section_quantized() -> list[str]:
                "agreement with llama.cpp's `llama-server` greedy tokens on the held-out prompts, 64 tokens (the two "
                "sum in other orders, so they need not agree; where they first differ, in tokens):", "",
                *table(["file", "1-4-5", "10-5-20", "default", "batch of 3", "same as llama.cpp", "first differs at"],
-                      exact), ""] if checked else []),
-            *source("quantized-cpu")]
+                      exact), ""] if checked else [])]
 
 
 def section_profile() -> list[str]:
