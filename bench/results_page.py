@@ -180,16 +180,27 @@ E2E_HEADERS = ["S", "tokens/s", "vs our greedy", "vs transformers greedy", "exac
 
 
 def summary_table() -> list[str]:
-    """README's one table, from one machine and commit: GGUF files against llama.cpp's own binaries at their defaults
-    on the same file, ours plain and with the default lookahead (the rest is on the results page)."""
+    """README's table, per kind of CPU measured (one machine and commit each): GGUF files against llama.cpp's own
+    binaries at their defaults on the same file, ours plain and with the default lookahead (the rest is on the
+    results page)."""
     q = load("quantized-cpu")
+    out = [f"One request, {q['prompts']} held-out prompts, {q['tokens']} new tokens, greedy, decode tokens/s (no "
+           f"prefill; [step curves, bandwidth, exactness, agreement]({QUANTIZED_LINK})), on a 2-core "
+           f"{q['machine']['device'].removeprefix('CPU: ')}:", "", *speed_table(q), "",
+           *source("quantized-cpu", link="")]
+    if (RESULTS / "quantized-epyc-cpu.json").is_file():
+        epyc = load("quantized-epyc-cpu")
+        out += ["", f"The same on a 2-core {epyc['machine']['device'].removeprefix('CPU: ')} (AVX2 only):", "",
+                *speed_table(epyc), "", *source("quantized-epyc-cpu", link="")]
+    return out
+
+
+def speed_table(data: dict) -> list[str]:
+    """A `bench/quantized.py` file's decode speeds against llama.cpp's, per file."""
     rows = [[r["file"], f"{r['llama_cpp_tg_tok_s']:.1f}", f"{r['ours_plain_tok_s']:.1f}",
              x(r["ours_plain_tok_s"] / r["llama_cpp_tg_tok_s"]), f"{r['ours_lookahead_tok_s']:.1f}",
-             x(r["ours_lookahead_tok_s"] / r["llama_cpp_tg_tok_s"])] for r in q["results"]]
-    return [f"One request, {q['prompts']} held-out prompts, {q['tokens']} new tokens, greedy, decode tokens/s (no "
-            f"prefill; [step curves, bandwidth, exactness, agreement]({QUANTIZED_LINK})):", "",
-            *table(["file", "llama.cpp", "ours plain", "vs llama.cpp", "ours lookahead", "vs llama.cpp"], rows), "",
-            *source("quantized-cpu", link="")]
+             x(r["ours_lookahead_tok_s"] / r["llama_cpp_tg_tok_s"])] for r in data["results"]]
+    return table(["file", "llama.cpp", "ours plain", "vs llama.cpp", "ours lookahead", "vs llama.cpp"], rows)
 
 
 def section_index() -> list[str]:
