@@ -69,7 +69,7 @@ RUNS: dict[str, tuple[str, str]] = {
     "stalls-cpu": ("python bench/stalls.py", "tree"),
     "memory-cpu": ("python bench/memory.py", "tree"),
     "quantized-cpu": ("python bench/quantized.py --build", "tree"),
-    "quantized-epyc-cpu": ("python bench/quantized.py --build --name quantized-epyc", "tree"),
+    "quantized-epyc-cpu": ("python bench/quantized.py --build --models smollm2 --name quantized-epyc", "tree"),
     "peers-c1-cpu": ("python bench/peers.py --only ours --concurrency 1 --rounds 3 --name peers-c1", "tree"),
     "peers-bf16-c1-cpu": ("python bench/peers.py --concurrency 1 --dtypes bfloat16 --rounds 3 --prefill --spec-types "
                           "--name peers-bf16-c1", "tree"),
