@@ -33,80 +33,6 @@ static inline __m512 load16(const c10::Half* p) {
 }
 #endif
 
-// s[g * 16 + jj] = the chain fma(q[g * D + d], keys[d * 16 + jj], ...) over d = 0 .. D - 1 from 0, for G query rows
-// and the 16 lanes jj: with AVX-512, four rows' chains at a time in four registers (independent chains hide the
-// instruction's latency; past G the last row is repeated and dropped); elsewhere the plain loops (the compiler leaves
-// them scalar). Each lane's arithmetic is the same fused multiply-adds either way.
-static inline void dots16(const float* q, int64_t G, int64_t D, const float* keys, float* s) {
-#if defined(__AVX512F__)
-  for (int64_t g0 = 0; g0 < G; g0 += 4) {
-    const float* r0 = q + g0 * D;
-    const float* r1 = q + std::min(g0 + 1, G - 1) * D;
-    const float* r2 = q + std::min(g0 + 2, G - 1) * D;
-    const float* r3 = q + std::min(g0 + 3, G - 1) * D;
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int64_t d = 0; d < D; ++d) {
-      const __m512 key = _mm512_loadu_ps(keys + d * 16);
-      a0 = _mm512_fmadd_ps(_mm512_set1_ps(r0[d]), key, a0);
-      a1 = _mm512_fmadd_ps(_mm512_set1_ps(r1[d]), key, a1);
-      a2 = _mm512_fmadd_ps(_mm512_set1_ps(r2[d]), key, a2);
-      a3 = _mm512_fmadd_ps(_mm512_set1_ps(r3[d]), key, a3);
-    }
-    const __m512 got[4] = {a0, a1, a2, a3};
-    for (int64_t i = 0; i < 4 && g0 + i < G; ++i) _mm512_storeu_ps(s + (g0 + i) * 16, got[i]);
-  }
-#else
-  for (int64_t g = 0; g < G; ++g) {
-    float* sg = s + g * 16;
-    for (int jj = 0; jj < 16; ++jj) sg[jj] = 0.f;
-    for (int64_t d = 0; d < D; ++d)
-      for (int jj = 0; jj < 16; ++jj) sg[jj] = std::fma(q[g * D + d], keys[d * 16 + jj], sg[jj]);
-  }
-#endif
-}
-
-// acc[g * D + d] = the chain fma(p[g * width + j], v_j[d], ...) over j = 0 .. n - 1 from 0 (v_j = vh + slot[j] * D),
-// for G weight rows: with AVX-512 (D a multiple of 16), sixteen elements of four rows' chains in four registers while
-// the values go by (past G the last row is repeated and dropped); elsewhere the plain loops. The same fused
-// multiply-adds either way.
-template <typename T>
-static inline void weighted_sum(const float* p, int64_t width, int64_t G, const T* vh, const int64_t* slot, int64_t n,
-                                int64_t D, float* acc, float* row) {
-#if defined(__AVX512F__)
-  if constexpr (!std::is_same<T, double>::value) if (D % 16 == 0) {
-    for (int64_t g0 = 0; g0 < G; g0 += 4) {
-      const float* p0 = p + g0 * width;
-      const float* p1 = p + std::min(g0 + 1, G - 1) * width;
-      const float* p2 = p + std::min(g0 + 2, G - 1) * width;
-      const float* p3 = p + std::min(g0 + 3, G - 1) * width;
-      for (int64_t c = 0; c < D; c += 16) {
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t j = 0; j < n; ++j) {
-          const __m512 value = load16(vh + slot[j] * D + c);
-          a0 = _mm512_fmadd_ps(_mm512_set1_ps(p0[j]), value, a0);
-          a1 = _mm512_fmadd_ps(_mm512_set1_ps(p1[j]), value, a1);
-          a2 = _mm512_fmadd_ps(_mm512_set1_ps(p2[j]), value, a2);
-          a3 = _mm512_fmadd_ps(_mm512_set1_ps(p3[j]), value, a3);
-        }
-        const __m512 got[4] = {a0, a1, a2, a3};
-        for (int64_t i = 0; i < 4 && g0 + i < G; ++i) _mm512_storeu_ps(acc + (g0 + i) * D + c, got[i]);
-      }
-    }
-    return;
-  }
-#endif
-  std::fill(acc, acc + G * D, 0.f);
-  for (int64_t j = 0; j < n; ++j) {
-    const T* vj = vh + slot[j] * D;
-    for (int64_t d = 0; d < D; ++d) row[d] = static_cast<float>(vj[d]);
-    for (int64_t g = 0; g < G; ++g) {
-      const float pj = p[g * width + j];
-      float* a = acc + g * D;
-      for (int64_t d = 0; d < D; ++d) a[d] = std::fma(pj, row[d], a[d]);
-    }
-  }
-}
-
 // A cache row's lines asked of memory ahead of their use: a long context's keys and values come from memory, in the
 // order of the key slots (which the hardware's prefetchers cannot guess), AHEAD keys before they are read.
 constexpr int64_t AHEAD = 8;
@@ -205,6 +131,17 @@ template <typename T>
 static inline Lanes lanes_widen(const T* p) {
 #if defined(__AVX512F__)
   if constexpr (!std::is_same<T, float>::value) return {load16(p)};
+#elif defined(__AVX2__) && defined(__FMA__)
+  if constexpr (std::is_same<T, c10::BFloat16>::value) {
+    const auto* bits = reinterpret_cast<const uint16_t*>(p);
+    return {load8(bits), load8(bits + 8)};
+  }
+#if defined(__F16C__)
+  if constexpr (std::is_same<T, c10::Half>::value) {
+    return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p) + 1))};
+  }
+#endif
 #endif
   if constexpr (std::is_same<T, float>::value) {
     return lanes_load(p);
@@ -212,6 +149,69 @@ static inline Lanes lanes_widen(const T* p) {
     float wide[16];
     for (int l = 0; l < 16; ++l) wide[l] = static_cast<float>(p[l]);
     return lanes_load(wide);
+  }
+}
+
+// s[g * 16 + jj] = the chain fma(q[g * D + d], keys[d * 16 + jj], ...) over d = 0 .. D - 1 from 0, for G query rows
+// and the 16 lanes jj: four rows' chains at a time (independent chains hide the instruction's latency; past G the last
+// row is repeated and dropped), in AVX-512's one register per row, AVX2's two, or the portable loops' arrays: each
+// lane's arithmetic the same fused multiply-adds.
+static inline void dots16(const float* q, int64_t G, int64_t D, const float* keys, float* s) {
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    const float* r0 = q + g0 * D;
+    const float* r1 = q + std::min(g0 + 1, G - 1) * D;
+    const float* r2 = q + std::min(g0 + 2, G - 1) * D;
+    const float* r3 = q + std::min(g0 + 3, G - 1) * D;
+    Lanes a0 = lanes_set1(0.f), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t d = 0; d < D; ++d) {
+      const Lanes key = lanes_load(keys + d * 16);
+      a0 = fma(lanes_set1(r0[d]), key, a0);
+      a1 = fma(lanes_set1(r1[d]), key, a1);
+      a2 = fma(lanes_set1(r2[d]), key, a2);
+      a3 = fma(lanes_set1(r3[d]), key, a3);
+    }
+    const Lanes got[4] = {a0, a1, a2, a3};
+    for (int64_t i = 0; i < 4 && g0 + i < G; ++i) lanes_store(s + (g0 + i) * 16, got[i]);
+  }
+}
+
+// acc[g * D + d] = the chain fma(p[g * width + j], v_j[d], ...) over j = 0 .. n - 1 from 0 (v_j = vh + slot[j] * D),
+// for G weight rows: where D is a multiple of 16, sixteen elements of four rows' chains in lanes while the values go
+// by (past G the last row is repeated and dropped); elsewhere the plain loops. The same fused multiply-adds either
+// way.
+template <typename T>
+static inline void weighted_sum(const float* p, int64_t width, int64_t G, const T* vh, const int64_t* slot, int64_t n,
+                                int64_t D, float* acc, float* row) {
+  if constexpr (!std::is_same<T, double>::value) if (D % 16 == 0) {
+    for (int64_t g0 = 0; g0 < G; g0 += 4) {
+      const float* p0 = p + g0 * width;
+      const float* p1 = p + std::min(g0 + 1, G - 1) * width;
+      const float* p2 = p + std::min(g0 + 2, G - 1) * width;
+      const float* p3 = p + std::min(g0 + 3, G - 1) * width;
+      for (int64_t c = 0; c < D; c += 16) {
+        Lanes a0 = lanes_set1(0.f), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t j = 0; j < n; ++j) {
+          const Lanes value = lanes_widen(vh + slot[j] * D + c);
+          a0 = fma(lanes_set1(p0[j]), value, a0);
+          a1 = fma(lanes_set1(p1[j]), value, a1);
+          a2 = fma(lanes_set1(p2[j]), value, a2);
+          a3 = fma(lanes_set1(p3[j]), value, a3);
+        }
+        const Lanes got[4] = {a0, a1, a2, a3};
+        for (int64_t i = 0; i < 4 && g0 + i < G; ++i) lanes_store(acc + (g0 + i) * D + c, got[i]);
+      }
+    }
+    return;
+  }
+  std::fill(acc, acc + G * D, 0.f);
+  for (int64_t j = 0; j < n; ++j) {
+    const T* vj = vh + slot[j] * D;
+    for (int64_t d = 0; d < D; ++d) row[d] = static_cast<float>(vj[d]);
+    for (int64_t g = 0; g < G; ++g) {
+      const float pj = p[g * width + j];
+      float* a = acc + g * D;
+      for (int64_t d = 0; d < D; ++d) a[d] = std::fma(pj, row[d], a[d]);
+    }
   }
 }
 
