@@ -296,9 +296,44 @@ static inline void transpose16(__m512* r) {
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// Eight of a cache's elements as floats (each conversion exact).
+template <typename T>
+static inline __m256 widen8(const T* p) {
+  if constexpr (std::is_same<T, float>::value) {
+    return _mm256_loadu_ps(p);
+  } else if constexpr (std::is_same<T, c10::BFloat16>::value) {
+    return load8(reinterpret_cast<const uint16_t*>(p));
+  } else {
+    float wide[8];
+    for (int l = 0; l < 8; ++l) wide[l] = static_cast<float>(p[l]);
+    return _mm256_loadu_ps(wide);
+  }
+}
+
+// rows[i][j] <- rows[j][i]: an 8 x 8 block of floats transposed in registers.
+static inline void transpose8(__m256* rows) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(rows[i], rows[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(rows[i], rows[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    rows[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    rows[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+#endif
+
 // keys[d * 16 + jj] = element d of key jj, for m <= 16 keys of `slot` (zeros past m): the keys transposed, a vector
-// lane per key. With AVX-512 and 16 keys, their rows 16 elements at a time, transposed in registers, the next block's
-// rows prefetched (`ahead`: the keys `slot` holds after these m).
+// lane per key. With AVX-512 and 16 keys, their rows 16 elements at a time, transposed in registers (with AVX2, 8 by
+// 8), the next block's rows prefetched (`ahead`: the keys `slot` holds after these m).
 template <typename T>
 static void gather_keys(const T* kh, const int64_t* slot, int64_t m, int64_t D, float* keys, int64_t ahead = 0) {
 #if defined(__AVX512F__)
@@ -311,6 +346,20 @@ static void gather_keys(const T* kh, const int64_t* slot, int64_t m, int64_t D, 
         transpose16(rows);
         for (int dd = 0; dd < 16; ++dd) _mm512_storeu_ps(keys + (c + dd) * 16, rows[dd]);
       }
+      return;
+    }
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  if constexpr (!std::is_same<T, double>::value) {
+    if (m == 16 && D % 8 == 0) {  // each half of the keys 8 by 8, transposed in registers
+      for (int64_t jj = 16; jj < std::min<int64_t>(32, 16 + ahead); ++jj) prefetch_row(kh + slot[jj] * D, D);
+      for (int64_t c = 0; c < D; c += 8)
+        for (int half = 0; half < 2; ++half) {
+          __m256 rows[8];
+          for (int jj = 0; jj < 8; ++jj) rows[jj] = widen8(kh + slot[8 * half + jj] * D + c);
+          transpose8(rows);
+          for (int dd = 0; dd < 8; ++dd) _mm256_storeu_ps(keys + (c + dd) * 16 + 8 * half, rows[dd]);
+        }
       return;
     }
   }
