@@ -79,7 +79,8 @@ def test_the_kernel_computes_its_definition_bitwise_and_each_row_alone(type_name
 def test_the_build_multiplies_with_the_cpus_fastest_path():
     """A CPU with AVX512-VNNI gets the VNNI tiles, one with AVX2 (and F16C) the AVX2 ones: the portable loops are an
     order of magnitude slower, and only a CPU with neither should run them."""
-    flags = set(open("/proc/cpuinfo").read().split()) if Path("/proc/cpuinfo").is_file() else set()
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = set(cpuinfo.read_text().split()) if cpuinfo.is_file() else set()
     if {"avx512f", "avx512bw", "avx512_vnni"} <= flags:
         assert quant.path() == "AVX512-VNNI"
     elif {"avx2", "f16c"} <= flags:
