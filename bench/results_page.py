@@ -342,14 +342,6 @@ def section_overhead() -> list[str]:
 
 def section_host_time() -> list[str]:
     data = load("host-time-cpu")
-    parts = ("draft", "pack", "verify", "commit", "schedule")
-    rows = []
-    for r in data["summary"]:
-        phases = r.get("phases_us", {})
-        rows.append([r["label"], r["rows"], r["steps"], f"{r['tokens_per_step']:.1f}", f"{r['host_us']:.0f}",
-                     f"{r['host_us_per_row']:.0f}", f"{r['host_cpu_us_per_row']:.0f}",
-                     *(f"{phases[p] / r['rows']:.0f}" if phases else "" for p in parts),
-                     f"{phases['learn'] / r['rows']:.0f}" if phases else ""])
     before = {r["rows"]: r for r in data["summary"] if r["label"] == "before"}
     ratios = ", ".join(f"{r['rows']} rows {r['host_cpu_us'] / before[r['rows']]['host_cpu_us']:.2f}"
                        for r in data["summary"] if r["label"] == "after" and r["rows"] in before)
@@ -367,9 +359,22 @@ def section_host_time() -> list[str]:
             "10-40% slower than the installed package (on the 2-core Xeon, 2026-11-29), so these ratios may overstate "
             "the gain by as much; "
             "the per-row figures of \"after\" stand.", "",
-            *table(["code", "rows", "steps", "tokens / step", "host us / step", "us / row (wall)", "us / row (CPU)",
-                    *(f"{p} us / row" for p in parts), "(of commit: learn)"], rows), "", *host_profile(data),
-            *source("host-time-cpu"), *host_time_other_cpu()]
+            *host_time_table(data), "", *host_profile(data), *source("host-time-cpu"), *host_time_other_cpu()]
+
+
+def host_time_table(data: dict) -> list[str]:
+    """A `bench/host_time.py` file's summary: per code ("before"/"after") and row count, the host time and its
+    phases per row."""
+    parts = ("draft", "pack", "verify", "commit", "schedule")
+    rows = []
+    for r in data["summary"]:
+        phases = r.get("phases_us", {})
+        rows.append([r["label"], r["rows"], r["steps"], f"{r['tokens_per_step']:.1f}", f"{r['host_us']:.0f}",
+                     f"{r['host_us_per_row']:.0f}", f"{r['host_cpu_us_per_row']:.0f}",
+                     *(f"{phases[p] / r['rows']:.0f}" if phases else "" for p in parts),
+                     f"{phases['learn'] / r['rows']:.0f}" if phases else ""])
+    return table(["code", "rows", "steps", "tokens / step", "host us / step", "us / row (wall)", "us / row (CPU)",
+                  *(f"{p} us / row" for p in parts), "(of commit: learn)"], rows)
 
 
 def host_time_other_cpu() -> list[str]:
@@ -377,15 +382,8 @@ def host_time_other_cpu() -> list[str]:
     if not (RESULTS / "host-time-epyc-cpu.json").is_file():
         return []
     data = load("host-time-epyc-cpu")
-    parts = ("draft", "pack", "verify", "commit", "schedule")
-    rows = [[r["rows"], r["steps"], f"{r['tokens_per_step']:.1f}", f"{r['host_us']:.0f}",
-             f"{r['host_us_per_row']:.0f}", f"{r['host_cpu_us_per_row']:.0f}",
-             *(f"{r['phases_us'][p] / r['rows']:.0f}" for p in parts), f"{r['phases_us']['learn'] / r['rows']:.0f}"]
-            for r in data["summary"]]
     return ["", f"The same on a 2-core {data['machine']['device']}, the code of its commit (no baseline):", "",
-            *table(["rows", "steps", "tokens / step", "host us / step", "us / row (wall)", "us / row (CPU)",
-                    *(f"{p} us / row" for p in parts), "(of commit: learn)"], rows), "", *host_profile(data),
-            *source("host-time-epyc-cpu")]
+            *host_time_table(data), "", *host_profile(data), *source("host-time-epyc-cpu")]
 
 
 PROFILED = 15  # functions of the host-time profile shown
